@@ -1,0 +1,40 @@
+"""Detection of optional accelerator packages.
+
+apex and flash-attn are never required. Both are checked by what they must provide, not by
+the import name alone: the PyPI package called ``apex`` is an unrelated project, and
+flash-attn builds only against CUDA and needs compute capability >= 8.0 (A100/H100).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+
+@functools.cache
+def has_nvidia_apex() -> bool:
+    """True when NVIDIA apex with its fused optimizers is importable."""
+    try:
+        importlib.import_module("apex.optimizers")
+    except Exception:  # unrelated `apex`, missing CUDA extension, or not installed
+        return False
+    return True
+
+
+@functools.cache
+def has_flash_attn() -> bool:
+    """True when the flash-attn package imports and the current GPU can run it."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        importlib.import_module("flash_attn")
+    except Exception:
+        return False
+    major, _ = torch.cuda.get_device_capability()
+    return major >= 8  # FlashAttention-2 has no kernels for V100 (sm70)
+
+
+def describe() -> dict[str, bool]:
+    """Summary logged once at start-up."""
+    return {"cuda": torch.cuda.is_available(), "nvidia_apex": has_nvidia_apex(), "flash_attn": has_flash_attn()}

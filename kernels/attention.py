@@ -1,0 +1,65 @@
+"""One attention dispatch for every attention layer in model/.
+
+All backends take and return tensors laid out as (B, H, N, d) and compute
+softmax(q @ k^T * d^-0.5) @ v. `math` is the plain PyTorch reference every other backend is
+tested against; `sdpa` (PyTorch's fused scaled_dot_product_attention, which itself picks the
+flash / memory-efficient / math kernel for the device and dtype) is the default.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.accelerators import has_flash_attn
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Reference: materialises the (B, H, N, N) attention matrix; softmax in fp32.
+
+    Twice differentiable, so it is also the path for methods that need double backward.
+    """
+    scale = q.shape[-1] ** -0.5
+    logits = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, H, N, N)
+    return (logits.softmax(dim=-1) @ v.float()).to(q.dtype)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def flash_attn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The flash-attn package (fp16/bf16 on sm80+); it wants (B, N, H, d)."""
+    from flash_attn import flash_attn_func
+
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2)
+
+
+BACKENDS: dict[str, AttentionFn] = {
+    "math": math_attention,
+    "sdpa": sdpa_attention,
+    "flash_attn": flash_attn_attention,
+}
+
+
+def resolve_backend(name: str) -> str:
+    """Validate a backend name; `auto` picks sdpa (flash-attn only when asked for by name)."""
+    if name == "auto":
+        return "sdpa"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {['auto', *BACKENDS]}")
+    if name == "flash_attn" and not has_flash_attn():
+        raise ValueError(
+            "attention backend 'flash_attn' needs the flash-attn package and a GPU with compute "
+            "capability >= 8.0; use 'sdpa' (PyTorch's own flash kernels) instead"
+        )
+    return name
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa") -> torch.Tensor:
+    """Dispatch: q, k, v (B, H, N, d) -> (B, H, N, d)."""
+    return BACKENDS[backend](q, k, v)

@@ -1,0 +1,61 @@
+"""The MAE decoder: fills removed positions with a shared mask token and predicts pixels.
+
+Parameter names follow the official MAE release (decoder_embed, mask_token,
+decoder_pos_embed, decoder_blocks, decoder_norm, decoder_pred) so its checkpoints map 1:1.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.init import mae_init_
+from model.pos_embed import sincos_2d
+from model.vit import Block, default_norm
+
+
+class MAEDecoder(nn.Module):
+    def __init__(
+        self,
+        grid_size: tuple[int, int],
+        patch_size: int,
+        in_chans: int,
+        encoder_dim: int,
+        decoder_dim: int = 512,
+        depth: int = 8,
+        num_heads: int = 16,
+        mlp_ratio: float = 4.0,
+        attn_backend: str = "sdpa",
+    ):
+        super().__init__()
+        self.num_patches = grid_size[0] * grid_size[1]
+        self.decoder_embed = nn.Linear(encoder_dim, decoder_dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, decoder_dim))
+        self.decoder_pos_embed = nn.Parameter(
+            sincos_2d(decoder_dim, grid_size, cls_token=True)[None], requires_grad=False
+        )  # (1, 1+N, Dd)
+        self.decoder_blocks = nn.ModuleList(
+            Block(decoder_dim, num_heads, mlp_ratio, qkv_bias=True, attn_backend=attn_backend) for _ in range(depth)
+        )
+        self.decoder_norm = default_norm(decoder_dim)
+        self.decoder_pred = nn.Linear(decoder_dim, patch_size**2 * in_chans)
+        mae_init_(self)
+        nn.init.normal_(self.mask_token, std=0.02)
+
+    def no_weight_decay(self) -> set[str]:
+        return {"mask_token", "decoder_pos_embed"}
+
+    def forward(self, latent: torch.Tensor, ids_restore: torch.Tensor) -> torch.Tensor:
+        """latent (B, 1+L, De) = [cls, kept tokens in shuffled order]; ids_restore (B, N).
+
+        Returns per-patch predictions (B, N, p*p*C) in the original (row-major) patch order.
+        """
+        x = self.decoder_embed(latent)  # (B, 1+L, Dd)
+        B, L1, Dd = x.shape
+        N = ids_restore.shape[1]
+        mask_tokens = self.mask_token.expand(B, N + 1 - L1, Dd)
+        shuffled = torch.cat([x[:, 1:], mask_tokens], dim=1)  # (B, N, Dd), kept first
+        unshuffled = torch.gather(shuffled, 1, ids_restore[..., None].expand(-1, -1, Dd))
+        x = torch.cat([x[:, :1], unshuffled], dim=1) + self.decoder_pos_embed  # (B, 1+N, Dd)
+        for block in self.decoder_blocks:
+            x = block(x)
+        return self.decoder_pred(self.decoder_norm(x))[:, 1:]  # drop cls -> (B, N, p*p*C)

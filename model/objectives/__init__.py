@@ -1,0 +1,22 @@
+"""Pretraining objectives. Each is an nn.Module built from (encoder, its own config) whose
+forward(batch) returns a dict with `loss` plus named 0-dim tensors to log (other entries are
+outputs for inspection and are not logged). Extra optimisable state lives in the module."""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from model.objectives.mae import MAEConfig, MAEObjective
+from model.vit import VisionTransformer
+
+# name -> (config class, objective class)
+OBJECTIVES: dict[str, tuple[type, type[nn.Module]]] = {
+    "mae": (MAEConfig, MAEObjective),
+}
+
+
+def build_objective(name: str, encoder: VisionTransformer, cfg: Any) -> nn.Module:
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; choose one of {sorted(OBJECTIVES)}")
+    return OBJECTIVES[name][1](encoder, cfg)

@@ -1,0 +1,81 @@
+"""MAE objective (He et al. 2022; METHODS.md section 0).
+
+Encoder sees only the kept ~25% of patch tokens (+cls); the decoder reconstructs every patch;
+the loss is the per-patch MSE to normalized pixels, averaged over removed patches only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model.mae_decoder import MAEDecoder
+from model.objectives.masking import Masking, gather_tokens, masking_from_mask, masking_from_noise, num_kept
+from model.objectives.patches import normalized_pixels, patchify
+from model.vit import VisionTransformer
+
+
+@dataclass
+class MAEConfig:
+    mask_ratio: float = 0.75
+    norm_pix_loss: bool = True
+    decoder_dim: int = 512
+    decoder_depth: int = 8
+    decoder_heads: int = 16
+
+    def validate(self) -> None:
+        if not 0.0 <= self.mask_ratio < 1.0:
+            raise ValueError(f"mae.mask_ratio must be in [0, 1), got {self.mask_ratio}")
+        if self.decoder_dim % self.decoder_heads:
+            raise ValueError(
+                f"mae.decoder_dim {self.decoder_dim} is not divisible by mae.decoder_heads {self.decoder_heads}"
+            )
+
+
+def masked_patch_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """pred, target (B, N, P); mask (B, N) with 1 = removed. Mean per-patch MSE over removed."""
+    per_patch = ((pred.float() - target.float()) ** 2).mean(dim=-1)  # (B, N)
+    return (per_patch * mask).sum() / mask.sum()
+
+
+class MAEObjective(nn.Module):
+    def __init__(self, encoder: VisionTransformer, cfg: MAEConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.encoder = encoder
+        pe = encoder.patch_embed
+        self.patch_size = pe.patch_size
+        self.decoder = MAEDecoder(
+            pe.grid_size, pe.patch_size, pe.proj.in_channels, encoder.embed_dim,
+            cfg.decoder_dim, cfg.decoder_depth, cfg.decoder_heads,
+            attn_backend=encoder.blocks[0].attn.backend,
+        )
+
+    def make_masking(self, batch: dict[str, torch.Tensor], batch_size: int, device: torch.device) -> Masking:
+        """Caller-supplied `mask` (1 = removed) or `mask_noise` (B, N) take precedence over fresh noise."""
+        if "mask" in batch:
+            return masking_from_mask(batch["mask"])
+        N = self.encoder.num_patches
+        noise = batch.get("mask_noise")
+        if noise is None:
+            noise = torch.rand(batch_size, N, device=device)
+        return masking_from_noise(noise, num_kept(N, self.cfg.mask_ratio))
+
+    def encode(self, images: torch.Tensor, masking: Masking) -> torch.Tensor:
+        """(B, C, H, W) -> latent (B, 1+L, D) over the kept tokens. Positions are added before masking."""
+        tokens = self.encoder.embed_patches(images)  # (B, N, D)
+        kept = gather_tokens(tokens, masking.ids_keep)  # (B, L, D)
+        return self.encoder.forward_tokens(self.encoder.add_cls_token(kept))
+
+    def target(self, images: torch.Tensor) -> torch.Tensor:
+        t = patchify(images, self.patch_size)  # (B, N, p*p*C)
+        return normalized_pixels(t) if self.cfg.norm_pix_loss else t
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        images = batch["image"]
+        masking = self.make_masking(batch, images.shape[0], images.device)
+        pred = self.decoder(self.encode(images, masking), masking.ids_restore)  # (B, N, p*p*C)
+        loss = masked_patch_loss(pred, self.target(images), masking.mask)
+        return {"loss": loss, "pred": pred, "mask": masking.mask}

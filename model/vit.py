@@ -1,0 +1,192 @@
+"""Vision Transformer encoder with timm-compatible parameter names and shapes.
+
+`VisionTransformer(...).state_dict()` loads with strict=True into
+`timm.models.vision_transformer.VisionTransformer` built from `timm_kwargs()`, and produces
+the same features. Differences from timm are in behaviour only: the position embedding is the
+fixed 2-D sin-cos table (a frozen Parameter, so it is saved under timm's name `pos_embed`),
+attention goes through `kernels.attention`, and the token pipeline is split into steps
+(`embed_patches` -> [objective edits tokens] -> `add_cls_token` -> `forward_tokens`) so
+objectives can mask or rearrange tokens without any method-specific code in here.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+from timm.layers import DropPath
+from torch import nn
+
+from kernels import attention, resolve_backend
+from model.init import mae_init_
+from model.pos_embed import sincos_2d
+
+
+class PatchEmbed(nn.Module):
+    """(B, C, H, W) -> (B, N, D) with N = (H/p)(W/p), row-major patch order."""
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int):
+        super().__init__()
+        if img_size % patch_size:
+            raise ValueError(f"img_size {img_size} is not divisible by patch_size {patch_size}")
+        self.img_size = img_size
+        self.patch_size = patch_size
+        self.grid_size = (img_size // patch_size, img_size // patch_size)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2:] != (self.img_size, self.img_size):
+            raise ValueError(f"expected {self.img_size}x{self.img_size} images, got {tuple(x.shape[-2:])}")
+        return self.proj(x).flatten(2).transpose(1, 2)  # (B, D, gh, gw) -> (B, N, D)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, backend: str = "sdpa"):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embed dim {dim} is not divisible by {num_heads} heads")
+        self.num_heads = num_heads
+        self.backend = resolve_backend(backend)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, D = x.shape
+        # (B, N, 3D) -> (3, B, H, N, d)
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
+        out = attention(qkv[0], qkv[1], qkv[2], backend=self.backend)  # (B, H, N, d)
+        return self.proj(out.transpose(1, 2).reshape(B, N, D))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+NormLayer = Callable[[int], nn.Module]
+default_norm: NormLayer = partial(nn.LayerNorm, eps=1e-6)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; attention and MLP classes are arguments (timm style)."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_path: float = 0.0,
+        attn_backend: str = "sdpa",
+        norm_layer: NormLayer = default_norm,
+        attn_layer: type[nn.Module] = Attention,
+        mlp_layer: type[nn.Module] = Mlp,
+    ):
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        self.attn = attn_layer(dim, num_heads, qkv_bias=qkv_bias, backend=attn_backend)
+        self.norm2 = norm_layer(dim)
+        self.mlp = mlp_layer(dim, int(dim * mlp_ratio))
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class VisionTransformer(nn.Module):
+    """ViT encoder: conv patch embed, cls token, fixed sin-cos positions, pre-norm blocks, norm.
+
+    global_pool: 'token' (cls feature, MAE pretraining / linear probe) or 'avg' (mean of patch
+    tokens followed by `fc_norm`, MAE fine-tuning); num_classes=0 means no head.
+    """
+
+    def __init__(
+        self,
+        img_size: int = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_path_rate: float = 0.0,
+        num_classes: int = 0,
+        global_pool: str = "token",
+        attn_backend: str = "sdpa",
+    ):
+        super().__init__()
+        if global_pool not in ("token", "avg"):
+            raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+        self.arch = dict(
+            img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
+            depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+        )
+        self.embed_dim = embed_dim
+        self.global_pool = global_pool
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        self.num_patches = self.patch_embed.num_patches
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        # Fixed table, saved under timm's name; requires_grad=False keeps it out of the optimizer.
+        self.pos_embed = nn.Parameter(
+            sincos_2d(embed_dim, self.patch_embed.grid_size, cls_token=True)[None], requires_grad=False
+        )  # (1, 1+N, D)
+        dpr = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth grows with depth
+        self.blocks = nn.ModuleList(
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_path=dpr[i], attn_backend=attn_backend)
+            for i in range(depth)
+        )
+        # timm: final norm before a cls-token head, fc_norm after average pooling instead.
+        self.norm = default_norm(embed_dim) if global_pool == "token" else nn.Identity()
+        self.fc_norm = default_norm(embed_dim) if global_pool == "avg" else nn.Identity()
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        mae_init_(self)
+        nn.init.normal_(self.cls_token, std=0.02)
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter names (relative to this module) exempt from weight decay besides 1-D ones."""
+        return {"cls_token", "pos_embed"}
+
+    def timm_kwargs(self) -> dict:
+        """Keyword arguments of timm's VisionTransformer that rebuild this encoder exactly."""
+        return dict(
+            **self.arch,
+            class_token=True,
+            global_pool=self.global_pool,
+            num_classes=self.head.out_features if isinstance(self.head, nn.Linear) else 0,
+        )
+
+    # --- token pipeline: objectives call these steps and edit the tokens in between ---
+    def embed_patches(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, N, D) patch tokens with their position embedding added."""
+        return self.patch_embed(x) + self.pos_embed[:, 1:]
+
+    def add_cls_token(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, L, D) -> (B, 1+L, D); the cls token gets the (zero) cls position."""
+        cls = (self.cls_token + self.pos_embed[:, :1]).expand(tokens.shape[0], -1, -1)
+        return torch.cat([cls, tokens], dim=1)
+
+    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D) through all blocks and the final norm."""
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, 1+N, D)."""
+        return self.forward_tokens(self.add_cls_token(self.embed_patches(x)))
+
+    def forward_head(self, feats: torch.Tensor) -> torch.Tensor:
+        pooled = feats[:, 1:].mean(dim=1) if self.global_pool == "avg" else feats[:, 0]
+        return self.head(self.fc_norm(pooled))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))

@@ -1,0 +1,136 @@
+"""Checkpoints through the DeepSpeed engine, plus what DeepSpeed does not save per rank.
+
+Layout of `<output_dir>/checkpoints/`:
+    step00000100/                 one tag per save
+        mp_rank_00_model_states.pt, *_optim_states.pt   DeepSpeed's files (module, optimizer,
+                                                        scheduler, client state)
+        rng_rank{r}.pt            RNG states of rank r (torch, CUDA, numpy, python)
+        complete.json             written last, after every rank finished: step, world size
+    latest                        name of the newest complete tag (atomic rename)
+
+A tag without complete.json is never resumed from. Client state holds the step, the config and
+every rank's data position.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from train.distributed import barrier
+
+COMPLETE = "complete.json"
+LATEST = "latest"
+TAG_RE = re.compile(r"^step(\d{8})$")
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_pos": int(np_state[2]),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save(engine, root: Path, step: int, client_state: dict, rank: int, world: int, meta: dict, keep: int = 0) -> Path:
+    """Collective: every rank calls it. `meta` (JSON) goes into complete.json; afterwards only the
+    newest `keep` complete tags remain (0 = keep all). Returns the tag directory."""
+    tag = tag_for(step)
+    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    torch.save(rng_state(), root / tag / f"rng_rank{rank}.pt")
+    barrier()  # every rank's files are on disk before the tag is declared complete
+    if rank == 0:
+        _write_atomic(root / tag / COMPLETE, json.dumps({"step": step, "world_size": world, **meta}, indent=1))
+        _write_atomic(root / LATEST, tag)
+        if keep > 0:
+            prune(root, keep)
+    barrier()
+    return root / tag
+
+
+def prune(root: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete tags (and any older incomplete ones)."""
+    tags = sorted(p for p in root.glob("step*") if TAG_RE.match(p.name))
+    complete = [p for p in tags if is_complete(p)]
+    if len(complete) <= keep:
+        return
+    oldest_kept = complete[-keep]
+    for p in tags:
+        if p < oldest_kept:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def is_complete(tag_dir: Path) -> bool:
+    return (tag_dir / COMPLETE).is_file()
+
+
+def latest_complete(root: Path) -> Path | None:
+    """The `latest` pointer if it names a complete tag, else the newest complete tag, else None."""
+    pointer = root / LATEST
+    if pointer.is_file():
+        tag_dir = root / pointer.read_text().strip()
+        if is_complete(tag_dir):
+            return tag_dir
+    tags = sorted((p for p in root.glob("step*") if TAG_RE.match(p.name) and is_complete(p)), reverse=True)
+    return tags[0] if tags else None
+
+
+def find_resume(resume: str, output_dir: Path) -> Path | None:
+    """'' -> None; 'auto' -> latest complete tag under output_dir (None on a fresh run);
+    a path -> that tag (or the latest complete tag of that run folder / checkpoints folder)."""
+    if not resume:
+        return None
+    if resume == "auto":
+        return latest_complete(output_dir / "checkpoints")
+    path = Path(resume)
+    for candidate in (path, path / "checkpoints"):
+        if is_complete(candidate):
+            return candidate
+        if candidate.is_dir() and (found := latest_complete(candidate)) is not None:
+            return found
+    raise FileNotFoundError(f"--resume {resume!r}: no complete checkpoint there (a tag folder with {COMPLETE})")
+
+
+def load(engine, tag_dir: Path, rank: int, world: int) -> dict:
+    """Restore engine state and this rank's RNG; returns the client state."""
+    meta = json.loads((tag_dir / COMPLETE).read_text())
+    if meta["world_size"] != world:
+        raise RuntimeError(
+            f"checkpoint {tag_dir} was written by {meta['world_size']} ranks, this run has {world}; "
+            f"resume with the same world size"
+        )
+    _, client = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
+                                       load_optimizer_states=True, load_lr_scheduler_states=True)
+    if client is None:
+        raise RuntimeError(f"DeepSpeed could not load {tag_dir}")
+    set_rng_state(torch.load(tag_dir / f"rng_rank{rank}.pt", weights_only=True))
+    return client

@@ -1,0 +1,225 @@
+"""Typed, strict configuration for pretraining.
+
+One source of truth per setting: batch sizes, precision, ZeRO stage and gradient clipping live
+in the DeepSpeed JSON (`--ds_config`); everything else lives here. Values come from the
+dataclass defaults, then an optional JSON preset (`--config FILE`), then `--section.key value`
+command-line overrides, in that order. Unknown keys are errors naming the closest valid key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from kernels import resolve_backend
+from model.objectives import OBJECTIVES
+from model.registry import list_models
+from model.objectives.mae import MAEConfig
+
+
+class ConfigError(ValueError):
+    """A configuration problem found before training starts."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "vit_base_patch16"  # a key of model.registry.list_models()
+    img_size: int = 0  # 0 = the registry entry's default (224 for standard sizes)
+    in_chans: int = 3
+    attn_backend: str = "auto"  # auto (= sdpa) | sdpa | math | flash_attn
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"  # smooth random images, deterministic in (seed, step, rank)
+    epoch_size: int = 1_281_167  # nominal samples per epoch (ImageNet-1k train by default)
+    num_classes: int = 1000
+
+
+@dataclass
+class OptimConfig:
+    blr: float = 1.5e-4  # lr = blr * global_batch / 256
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.95)
+    epochs: int = 800
+    warmup_epochs: float = 40.0
+    min_lr: float = 0.0
+    fused: str = "auto"  # auto (fused AdamW on CUDA, foreach on CPU) | yes | no
+
+
+@dataclass
+class RunConfig:
+    log_every: int = 20  # optimizer steps between metric lines
+    ckpt_every: int = 1000  # optimizer steps between checkpoints (one is always written at the end)
+    keep_checkpoints: int = 3  # newest complete checkpoints kept on disk (0 = all)
+    max_steps: int = 0  # stop after this many optimizer steps (0 = the full schedule); the schedule is unchanged
+    tensorboard: bool = True
+    progress: bool = True
+    export: bool = True  # write encoder.safetensors + encoder.json at the end
+
+
+@dataclass
+class PretrainConfig:
+    ds_config: str = ""  # DeepSpeed JSON: batch, precision, ZeRO, clipping
+    output_dir: str = "runs/pretrain"
+    resume: str = ""  # '' | 'auto' (latest complete checkpoint in output_dir) | path to a checkpoint
+    seed: int = 0
+    objective: str = "mae"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    mae: MAEConfig = field(default_factory=MAEConfig)
+
+    def validate(self) -> None:
+        if not self.ds_config:
+            raise ConfigError("--ds_config is required (e.g. ds_configs/cpu_debug.json)")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"objective {self.objective!r} is unknown; choose one of {sorted(OBJECTIVES)}")
+        if self.optim.fused not in ("auto", "yes", "no"):
+            raise ConfigError(f"optim.fused must be auto, yes or no, got {self.optim.fused!r}")
+        if self.optim.warmup_epochs > self.optim.epochs:
+            raise ConfigError(f"optim.warmup_epochs ({self.optim.warmup_epochs}) exceeds optim.epochs ({self.optim.epochs})")
+        if self.run.keep_checkpoints < 0:
+            raise ConfigError("run.keep_checkpoints must be >= 0 (0 keeps all)")
+        for name in ("log_every", "ckpt_every"):
+            if getattr(self.run, name) < 1:
+                raise ConfigError(f"run.{name} must be >= 1")
+        if self.data.source != "synthetic":
+            raise ConfigError(f"data.source {self.data.source!r} is unknown; choose 'synthetic'")
+        if self.model.name not in list_models():
+            close = difflib.get_close_matches(self.model.name, list_models(), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"model.name {self.model.name!r} is not registered{hint} Choose one of {list_models()}")
+        try:
+            resolve_backend(self.model.attn_backend)
+            getattr(self, self.objective).validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+# --- parsing ---------------------------------------------------------------------------------
+
+def _leaves(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> type annotation for every leaf field of a config dataclass."""
+    out: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(_leaves(tp, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = tp
+    return out
+
+
+VALID_KEYS = _leaves(PretrainConfig)
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, VALID_KEYS, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else "; run with --help to list the options"
+    return ConfigError(f"unknown option {key!r}{hint}")
+
+
+def _convert(key: str, tp: Any, value: Any) -> Any:
+    """Coerce a CLI string or JSON value to the declared type, with an error naming the key."""
+    origin = typing.get_origin(tp)
+    try:
+        if origin in (Union, types.UnionType):
+            inner = [a for a in typing.get_args(tp) if a is not type(None)]
+            if value is None or (isinstance(value, str) and value.lower() == "none"):
+                return None
+            return _convert(key, inner[0], value)
+        if origin is tuple:
+            items = value.split(",") if isinstance(value, str) else list(value)
+            args = typing.get_args(tp)
+            if len(items) != len(args):
+                raise ValueError(f"expected {len(args)} comma-separated values")
+            return tuple(_convert(key, a, v) for a, v in zip(args, items))
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true or false")
+        if tp is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError("expected an integer")
+        if tp is int and isinstance(value, str):
+            return int(float(value)) if float(value).is_integer() else int(value)  # accepts 1e3
+        return tp(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"option {key!r}: cannot read {value!r} as {getattr(tp, '__name__', tp)} ({e})") from None
+
+
+def _set(cfg: PretrainConfig, key: str, value: Any) -> None:
+    if key not in VALID_KEYS:
+        raise _unknown(key)
+    *path, leaf = key.split(".")
+    target = cfg
+    for part in path:
+        target = getattr(target, part)
+    setattr(target, leaf, _convert(key, VALID_KEYS[key], value))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and f"{prefix}{k}" not in VALID_KEYS:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def help_text() -> str:
+    default = to_dict(PretrainConfig())
+    lines = ["options (--key value; --config FILE.json loads a preset first):"]
+    for key in VALID_KEYS:
+        value: Any = default
+        for part in key.split("."):
+            value = value[part]
+        lines.append(f"  --{key} (default: {value})")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> PretrainConfig:
+    """Parse `--key value` / `--key=value` pairs; `--local_rank` (added by the deepspeed launcher) is ignored."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options are written --key value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"option {arg!r} needs a value")
+            key, value = arg[2:], argv[i + 1]
+            i += 2
+        if key != "local_rank":
+            pairs.append((key, value))
+    cfg = PretrainConfig()
+    for key, value in pairs:
+        if key == "config":
+            preset = json.loads(Path(value).read_text())
+            for k, v in _flatten(preset).items():
+                _set(cfg, k, v)
+    for key, value in pairs:
+        if key != "config":
+            _set(cfg, key, value)
+    cfg.validate()
+    return cfg
+
+
+def to_dict(cfg: PretrainConfig) -> dict:
+    return dataclasses.asdict(cfg)

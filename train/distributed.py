@@ -1,0 +1,53 @@
+"""Process-group set-up shared by the deepspeed launcher and plain single-process runs."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+if not torch.cuda.is_available():
+    # DeepSpeed otherwise probes for accelerators and warns; say CPU outright.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def world_size_from_env() -> int:
+    """Known before the process group exists (launchers export WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init() -> tuple[int, int, torch.device]:
+    """Start the process group; a plain `python` run becomes rank 0 of a world of 1.
+
+    Returns (rank, world_size, device).
+    """
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def all_gather_object(obj):
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,108 @@
+"""Load, check and complete a DeepSpeed JSON before any process group starts.
+
+The JSON owns batch sizes, precision, ZeRO stage and gradient clipping. Optimizer and
+scheduler come from the run options (one source of truth), so those DeepSpeed sections are
+rejected rather than silently overridden.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from train.config import ConfigError, PretrainConfig
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    micro: int  # samples per rank per forward
+    accum: int  # micro-batches per optimizer step
+    world: int  # data-parallel ranks
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accum * self.world
+
+
+def load(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"ds_config {path!r} does not exist; pass a file from ds_configs/")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"ds_config {path!r} is not valid JSON: {e}") from None
+
+
+def resolve_batch(ds: dict, world: int) -> BatchPlan:
+    """DeepSpeed's rule train_batch = micro * accum * world, with any two of three given."""
+    tb = ds.get("train_batch_size")
+    mb = ds.get("train_micro_batch_size_per_gpu")
+    ga = ds.get("gradient_accumulation_steps")
+    if mb is not None and ga is not None:
+        if tb is not None and tb != mb * ga * world:
+            raise ConfigError(
+                f"ds_config batch sizes contradict the world size: train_batch_size {tb} != micro {mb} x "
+                f"accumulation {ga} x {world} ranks = {mb * ga * world}. Remove train_batch_size to let it "
+                f"follow the world size, or change gradient_accumulation_steps"
+            )
+        return BatchPlan(mb, ga, world)
+    if tb is not None and mb is not None:
+        if tb % (mb * world):
+            raise ConfigError(
+                f"ds_config train_batch_size {tb} is not divisible by micro batch {mb} x {world} ranks; "
+                f"choose a train_batch_size that is a multiple of {mb * world}"
+            )
+        return BatchPlan(mb, tb // (mb * world), world)
+    if tb is not None and ga is not None:
+        if tb % (ga * world):
+            raise ConfigError(f"ds_config train_batch_size {tb} is not divisible by accumulation {ga} x {world} ranks")
+        return BatchPlan(tb // (ga * world), ga, world)
+    raise ConfigError(
+        "ds_config must give two of train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps"
+    )
+
+
+def precision(ds: dict) -> str:
+    fp16 = ds.get("fp16", {}).get("enabled", False)
+    bf16 = ds.get("bf16", {}).get("enabled", False)
+    if fp16 and bf16:
+        raise ConfigError("ds_config enables both fp16 and bf16; enable at most one")
+    return "fp16" if fp16 else "bf16" if bf16 else "fp32"
+
+
+def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None, bf16_ok: bool | None = None) -> tuple[dict, BatchPlan]:
+    """Return the final ds_config (batch triple filled in) and the batch plan, or raise ConfigError."""
+    ds = load(cfg.ds_config)
+    for section, owner in (("optimizer", "--optim.*"), ("scheduler", "--optim.* (warmup + cosine)")):
+        if section in ds:
+            raise ConfigError(f"ds_config has an '{section}' section; it is set by {owner}. Remove it from the JSON")
+    if "gradient_clipping" not in ds:
+        raise ConfigError(
+            "ds_config must state gradient_clipping explicitly (0.0 for the MAE recipe): DeepSpeed >= 0.19.3 "
+            "clips at 1.0 when the key is missing"
+        )
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_optimization.stage must be 0-3, got {stage}")
+    prec = precision(ds)
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if prec == "fp16" and not cuda:
+        raise ConfigError("ds_config enables fp16, which needs CUDA GPUs; use ds_configs/cpu_debug.json (fp32) on CPU")
+    if prec == "bf16" and cuda:
+        bf16_ok = torch.cuda.is_bf16_supported() if bf16_ok is None else bf16_ok
+        if not bf16_ok:
+            raise ConfigError("ds_config enables bf16, which this GPU lacks (V100 has none); use an fp16 config")
+    if cfg.model.attn_backend == "flash_attn" and prec == "fp32":
+        raise ConfigError("model.attn_backend flash_attn runs only in fp16/bf16, but the ds_config trains in fp32")
+    plan = resolve_batch(ds, world)
+    final = dict(ds)
+    final.update(
+        train_batch_size=plan.global_batch,
+        train_micro_batch_size_per_gpu=plan.micro,
+        gradient_accumulation_steps=plan.accum,
+    )
+    final.setdefault("steps_per_print", 10**9)  # our own logger reports progress
+    return final, plan

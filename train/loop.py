@@ -1,0 +1,88 @@
+"""The one training loop: every objective, every precision and ZeRO stage go through here.
+
+Per optimizer step: `accum` micro-batches of objective(batch) -> engine.backward -> engine.step.
+Scalars stay on the device between log steps; the only host syncs are at log steps.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class LoopState:
+    step: int  # optimizer steps completed
+    stop_step: int  # exclusive end of this invocation
+    log_every: int
+    ckpt_every: int
+    global_batch: int
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    out["image"] = out["image"].to(dtype)  # the model's compute dtype (fp32 / bf16 / fp16)
+    return out
+
+
+def _fp32_grad_norm(module: torch.nn.Module) -> torch.Tensor:
+    norms = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
+    return torch.stack(norms).norm() if norms else torch.zeros(())
+
+
+def run(
+    engine,
+    data: Iterator[dict[str, torch.Tensor]],
+    state: LoopState,
+    device: torch.device,
+    dtype: torch.dtype,
+    on_log: Callable[[int, dict[str, float]], None],
+    on_checkpoint: Callable[[int], None],
+) -> None:
+    accum = engine.gradient_accumulation_steps()
+    # ZeRO stages 1-3 and the mixed-precision optimizers report the norm they computed; a plain
+    # fp32 stage-0 engine without clipping does not, so we measure it on log steps.
+    manual_norm = engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled())
+    sums: dict[str, torch.Tensor] = {}
+    t_last, steps_since_log = time.perf_counter(), 0
+    while state.step < state.stop_step:
+        log_now = (state.step + 1) % state.log_every == 0 or state.step + 1 == state.stop_step
+        grad_norm, lr = None, 0.0
+        for micro in range(accum):
+            out = engine(_to_device(next(data), device, dtype))
+            engine.backward(out["loss"])
+            if log_now and micro == accum - 1:  # the boundary: this engine.step() updates weights
+                lr = engine.get_lr()[0]
+                if manual_norm:
+                    grad_norm = _fp32_grad_norm(engine.module)
+            engine.step()
+            for k, v in out.items():
+                if v.ndim == 0:
+                    sums[k] = sums.get(k, 0) + v.detach().float() / accum
+        state.step += 1
+        steps_since_log += 1
+        if log_now:
+            names = sorted(sums)
+            stacked = torch.stack([sums[k] for k in names]) / steps_since_log
+            if dist.is_initialized():
+                dist.all_reduce(stacked)
+                stacked /= dist.get_world_size()
+            metrics = dict(zip(names, stacked.tolist()))
+            norm = grad_norm if manual_norm else engine.get_global_grad_norm()
+            if norm is not None:
+                metrics["grad_norm"] = float(norm)
+            elapsed = time.perf_counter() - t_last  # after .tolist(): the device work is done
+            metrics["lr"] = lr
+            metrics["step_time"] = elapsed / steps_since_log
+            metrics["images_per_s"] = state.global_batch * steps_since_log / elapsed
+            if engine.fp16_enabled():
+                scale = getattr(engine.optimizer, "cur_scale", None) or getattr(engine.optimizer, "loss_scale", 0.0)
+                metrics["loss_scale"] = float(scale)
+            on_log(state.step, metrics)
+            sums, t_last, steps_since_log = {}, time.perf_counter(), 0
+        if state.step % state.ckpt_every == 0 or state.step == state.stop_step:
+            on_checkpoint(state.step)
+            t_last = time.perf_counter()  # checkpoint time is not training throughput

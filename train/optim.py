@@ -1,0 +1,87 @@
+"""Parameter groups, AdamW and the per-step warmup + half-cycle cosine schedule."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def no_weight_decay_names(module: nn.Module) -> set[str]:
+    """Full names listed by any submodule's `no_weight_decay()` (tokens, position tables)."""
+    names: set[str] = set()
+    for prefix, sub in module.named_modules():
+        if hasattr(sub, "no_weight_decay"):
+            names |= {f"{prefix}.{n}" if prefix else n for n in sub.no_weight_decay()}
+    return names
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> tuple[list[dict], dict[str, int]]:
+    """Two groups: decayed weight matrices; undecayed biases, norms, tokens, position tables.
+
+    Frozen parameters (fixed sin-cos tables) are left out. Returns the groups and a summary of
+    how many parameters each holds, for the log.
+    """
+    skip = no_weight_decay_names(module)
+    decay, no_decay = [], []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim <= 1 or name in skip else decay).append(p)
+    summary = {
+        "decay_tensors": len(decay), "decay_params": sum(p.numel() for p in decay),
+        "no_decay_tensors": len(no_decay), "no_decay_params": sum(p.numel() for p in no_decay),
+    }
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]], summary
+
+
+def build_adamw(groups: list[dict], betas: tuple[float, float], fused: str, on_cuda: bool) -> torch.optim.AdamW:
+    """PyTorch's fused AdamW on CUDA (the default fast path); foreach elsewhere."""
+    use_fused = on_cuda if fused == "auto" else fused == "yes"
+    return torch.optim.AdamW(groups, lr=0.0, betas=betas, fused=use_fused or None, foreach=None if use_fused else True)
+
+
+def warmup_cosine(step: int, peak_lr: float, min_lr: float, warmup_steps: float, total_steps: int) -> float:
+    """MAE's schedule in optimizer steps: linear from 0, then half-cycle cosine to min_lr."""
+    if step < warmup_steps:
+        return peak_lr * step / warmup_steps
+    progress = (step - warmup_steps) / max(1.0, total_steps - warmup_steps)
+    return min_lr + (peak_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+class WarmupCosineSchedule:
+    """Sets every group's lr before each optimizer step (groups may carry an `lr_scale`).
+
+    DeepSpeed calls `step()` after each successful optimizer step and saves `state_dict()` in
+    its checkpoints; the lr for step s depends only on s, so resume is exact.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, peak_lr: float, min_lr: float, warmup_steps: float, total_steps: int):
+        self.optimizer = optimizer
+        self.peak_lr, self.min_lr = peak_lr, min_lr
+        self.warmup_steps, self.total_steps = warmup_steps, total_steps
+        self.last_step = 0
+        self._apply()
+
+    def lr_at(self, step: int) -> float:
+        return warmup_cosine(step, self.peak_lr, self.min_lr, self.warmup_steps, self.total_steps)
+
+    def _apply(self) -> None:
+        lr = self.lr_at(self.last_step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+
+    def step(self) -> None:
+        self.last_step += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"last_step": self.last_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_step = int(state["last_step"])
+        self._apply()

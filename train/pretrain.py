@@ -1,0 +1,151 @@
+"""Pretraining entry point.
+
+    deepspeed train/pretrain.py --ds_config ds_configs/<file>.json [--key value ...]
+    python    train/pretrain.py --ds_config ds_configs/cpu_debug.json [--key value ...]
+
+Options: `python train/pretrain.py --help`. Everything is checked before the process group
+starts; then: build encoder + objective, DeepSpeed engine, resume, loop, final checkpoint, export.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from data.synthetic import SyntheticImages
+from kernels.accelerators import describe as describe_accelerators
+from model.objectives import build_objective
+from model.registry import create_model
+from train import checkpoint, distributed
+from train.config import ConfigError, PretrainConfig, help_text, parse_args, to_dict
+from train.ds_config import BatchPlan, resolve
+from train.loop import LoopState, run
+from train.optim import WarmupCosineSchedule, build_adamw, param_groups
+from train.run_dir import MetricsWriter, write_run_files
+
+log = logging.getLogger("pretrain")
+
+
+def build_encoder(cfg: PretrainConfig):
+    overrides = {"in_chans": cfg.model.in_chans, "attn_backend": cfg.model.attn_backend}
+    if cfg.model.img_size:
+        overrides["img_size"] = cfg.model.img_size
+    return create_model(cfg.model.name, **overrides)
+
+
+def schedule_steps(cfg: PretrainConfig, plan: BatchPlan) -> tuple[int, int, float]:
+    """(steps per epoch, total schedule steps, warmup steps), all in optimizer steps."""
+    per_epoch = cfg.data.epoch_size // plan.global_batch
+    if per_epoch < 1:
+        raise ConfigError(
+            f"data.epoch_size {cfg.data.epoch_size} is smaller than the global batch {plan.global_batch}"
+        )
+    return per_epoch, per_epoch * cfg.optim.epochs, per_epoch * cfg.optim.warmup_epochs
+
+
+def check_resume_compatible(saved: dict, cfg: PretrainConfig) -> None:
+    now = to_dict(cfg)
+    for key in ("objective", "model", cfg.objective):
+        if saved.get(key) != now[key]:
+            raise ConfigError(f"--resume: the checkpoint was trained with {key}={saved.get(key)}, this run has {now[key]}")
+
+
+def main(argv: list[str] | None = None) -> Path:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(__doc__ + "\n" + help_text())
+        raise SystemExit(0)
+    cfg = parse_args(argv)
+    ds_config, plan = resolve(cfg, distributed.world_size_from_env())  # rejects before any process group
+    per_epoch, total_steps, warmup_steps = schedule_steps(cfg, plan)
+
+    rank, world, device = distributed.init()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="[%(name)s] %(message)s")
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    objective = build_objective(cfg.objective, build_encoder(cfg), getattr(cfg, cfg.objective))
+    groups, split = param_groups(objective, cfg.optim.weight_decay)
+    optimizer = build_adamw(groups, cfg.optim.betas, cfg.optim.fused, device.type == "cuda")
+    peak_lr = cfg.optim.blr * plan.global_batch / 256
+    scheduler = WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, warmup_steps, total_steps)
+
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
+    torch.manual_seed(cfg.seed + rank)  # masking noise differs across ranks
+
+    run_dir = Path(cfg.output_dir)
+    ckpt_root = run_dir / "checkpoints"
+    encoder = objective.encoder
+    if rank == 0:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        write_run_files(run_dir, to_dict(cfg), ds_config, {
+            "world_size": world, "device": str(device), "precision": str(dtype).removeprefix("torch."),
+            "batch": asdict(plan) | {"global": plan.global_batch}, "peak_lr": peak_lr,
+            "steps_per_epoch": per_epoch, "total_steps": total_steps, "accelerators": describe_accelerators(),
+            "attention_backend": encoder.blocks[0].attn.backend, "param_split": split,
+        })
+        log.info("world %d on %s, %s, global batch %d = %d x %d x %d, peak lr %.3g, %d steps (%d/epoch)",
+                 world, device, dtype, plan.global_batch, plan.micro, plan.accum, world, peak_lr, total_steps, per_epoch)
+        log.info("weight decay on %d tensors (%d params), none on %d tensors (%d params); attention: %s",
+                 split["decay_tensors"], split["decay_params"], split["no_decay_tensors"], split["no_decay_params"],
+                 encoder.blocks[0].attn.backend)
+
+    data = SyntheticImages(plan.micro, encoder.patch_embed.img_size, cfg.model.in_chans, cfg.data.num_classes, cfg.seed, rank)
+    start_step = 0
+    resume_from = checkpoint.find_resume(cfg.resume, run_dir)
+    if resume_from is not None:
+        client = checkpoint.load(engine, resume_from, rank, world)
+        check_resume_compatible(client["config"], cfg)
+        start_step = client["step"]
+        data.load_state_dict(client["data"][rank])
+        log.info("resumed from %s at step %d", resume_from, start_step)
+
+    stop_step = min(total_steps, cfg.run.max_steps) if cfg.run.max_steps else total_steps
+    writer = MetricsWriter(run_dir, cfg.run.tensorboard) if rank == 0 else None
+    progress = None
+    if rank == 0 and cfg.run.progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=stop_step, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def on_log(step: int, metrics: dict[str, float]) -> None:
+        if writer is not None:
+            writer.write(step, metrics)
+        if progress is not None:
+            progress.update(step - progress.n)
+            progress.set_postfix(loss=f"{metrics['loss']:.4f}", img_s=f"{metrics['images_per_s']:.0f}")
+
+    last_saved: list[Path] = []
+
+    def on_checkpoint(step: int) -> None:
+        client = {"step": step, "config": to_dict(cfg), "data": distributed.all_gather_object(data.state_dict())}
+        meta = {"zero_stage": engine.zero_optimization_stage(), "objective": cfg.objective,
+                "encoder_timm_kwargs": encoder.timm_kwargs(), "model_name": cfg.model.name}
+        last_saved[:] = [checkpoint.save(engine, ckpt_root, step, client, rank, world, meta, cfg.run.keep_checkpoints)]
+
+    state = LoopState(start_step, stop_step, cfg.run.log_every, cfg.run.ckpt_every, plan.global_batch)
+    run(engine, data, state, device, dtype, on_log, on_checkpoint)
+    if progress is not None:
+        progress.close()
+    if writer is not None:
+        writer.close()
+    if rank == 0 and cfg.run.export and last_saved:
+        from train.export import export_checkpoint
+
+        out = export_checkpoint(last_saved[0], run_dir / "encoder.safetensors")
+        log.info("exported encoder to %s", out)
+    distributed.barrier()
+    return run_dir
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2)

@@ -1,0 +1,58 @@
+"""The run folder: merged config, final ds_config, provenance, metrics.jsonl, TensorBoard events.
+
+Only rank 0 writes. metrics.jsonl has one JSON object per logged step.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def git_commit() -> dict:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return {"commit": "unknown", "dirty": None}
+
+
+def write_run_files(run_dir: Path, config: dict, ds_config: dict, extra: dict) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+    meta = {"git": git_commit(), "argv": sys.argv, "torch": torch.__version__, **extra}
+    (run_dir / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, tensorboard: bool):
+        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(f"train/{k}", v, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
