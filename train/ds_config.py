@@ -45,8 +45,9 @@ def resolve_batch(ds: dict, world: int) -> BatchPlan:
         if tb is not None and tb != mb * ga * world:
             raise ConfigError(
                 f"ds_config batch sizes contradict the world size: train_batch_size {tb} != micro {mb} x "
-                f"accumulation {ga} x {world} ranks = {mb * ga * world}. Remove train_batch_size to let it "
-                f"follow the world size, or change gradient_accumulation_steps"
+                f"accumulation {ga} x {world} ranks = {mb * ga * world}. Keep the global batch by removing "
+                f"gradient_accumulation_steps (it is then derived), or let the batch follow the world size by "
+                f"removing train_batch_size"
             )
         return BatchPlan(mb, ga, world)
     if tb is not None and mb is not None:
