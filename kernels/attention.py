@@ -18,13 +18,14 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Reference: materialises the (B, H, N, N) attention matrix; softmax in fp32.
+    """Reference: materialises the (B, H, N, N) attention matrix; at least fp32 inside.
 
     Twice differentiable, so it is also the path for methods that need double backward.
     """
+    compute = torch.promote_types(q.dtype, torch.float32)  # fp16/bf16 -> fp32, fp64 stays
     scale = q.shape[-1] ** -0.5
-    logits = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, H, N, N)
-    return (logits.softmax(dim=-1) @ v.float()).to(q.dtype)
+    logits = (q.to(compute) @ k.to(compute).transpose(-2, -1)) * scale  # (B, H, N, N)
+    return (logits.softmax(dim=-1) @ v.to(compute)).to(q.dtype)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

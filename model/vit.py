@@ -139,7 +139,7 @@ class VisionTransformer(nn.Module):
         self.pos_embed = nn.Parameter(
             sincos_2d(embed_dim, self.patch_embed.grid_size, cls_token=True)[None], requires_grad=False
         )  # (1, 1+N, D)
-        dpr = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth grows with depth
+        dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # stochastic depth grows with depth
         self.blocks = nn.ModuleList(
             Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_path=dpr[i], attn_backend=attn_backend)
             for i in range(depth)

@@ -1,0 +1,45 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DEBUG_PRESET = REPO / "train" / "configs" / "debug_mae.json"
+CPU_DS = REPO / "ds_configs" / "cpu_debug.json"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def run_pretrain(out_dir: Path, *args: str, ranks: int = 1, ds_config: Path = CPU_DS, check: bool = True):
+    """Run train/pretrain.py as a real process (1 rank: python; >1: the deepspeed launcher)."""
+    opts = ["--ds_config", str(ds_config), "--config", str(DEBUG_PRESET), "--output_dir", str(out_dir),
+            "--run.progress", "false", *args]
+    script = str(REPO / "train" / "pretrain.py")
+    if ranks == 1:
+        cmd = [sys.executable, script, *opts]
+    else:
+        launcher = str(Path(sys.executable).parent / "deepspeed")
+        cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(_free_port()), script, *opts]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"pretrain failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

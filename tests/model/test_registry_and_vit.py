@@ -1,0 +1,82 @@
+import pytest
+import torch
+from torch import nn
+
+from model import create_model, list_models
+from model.init import mae_init_
+
+TINY = ["vit_debug_patch4", "vit_mini_patch4"]
+
+
+def test_list_models_has_every_size():
+    names = list_models()
+    for n in ["vit_tiny_patch16", "vit_small_patch16", "vit_base_patch16", "vit_large_patch16", "vit_huge_patch14", *TINY]:
+        assert n in names
+    assert list_models("vit_*_patch4") == sorted(TINY)
+
+
+def test_unknown_model_names_closest():
+    with pytest.raises(ValueError, match="did you mean 'vit_base_patch16'"):
+        create_model("vit_bsae_patch16")
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_sweep_forward_backward(name):
+    # Standard sizes run at a small image size (2x2 patches) to keep CPU time low.
+    patch = int(name.rsplit("patch", 1)[1])
+    m = create_model(name) if name in TINY else create_model(name, img_size=2 * patch)
+    size = m.patch_embed.img_size
+    x = torch.randn(2, 3, size, size)
+    feats = m.forward_features(x)
+    assert feats.shape == (2, 1 + m.num_patches, m.embed_dim)
+    feats.float().pow(2).mean().backward()
+    assert torch.isfinite(feats).all()
+    assert m.patch_embed.proj.weight.grad is not None and m.patch_embed.proj.weight.grad.abs().sum() > 0
+    assert m.pos_embed.grad is None  # the sin-cos table is fixed
+
+
+@pytest.mark.parametrize("name,dim,depth,heads,patch", [
+    ("vit_tiny_patch16", 192, 12, 3, 16), ("vit_small_patch16", 384, 12, 6, 16),
+    ("vit_base_patch16", 768, 12, 12, 16), ("vit_large_patch16", 1024, 24, 16, 16),
+    ("vit_huge_patch14", 1280, 32, 16, 14),
+])
+def test_standard_sizes(name, dim, depth, heads, patch):
+    with torch.device("meta"):
+        m = create_model(name)
+    assert (m.embed_dim, len(m.blocks), m.blocks[0].attn.num_heads, m.patch_embed.patch_size) == (dim, depth, heads, patch)
+    assert m.blocks[0].mlp.fc1.out_features == 4 * dim
+    assert m.norm.eps == 1e-6 and m.blocks[0].norm1.eps == 1e-6
+
+
+def test_mae_init():
+    torch.manual_seed(0)
+    m = create_model("vit_debug_patch4")
+    for mod in m.modules():
+        if isinstance(mod, nn.Linear):
+            bound = (6 / (mod.in_features + mod.out_features)) ** 0.5
+            assert mod.weight.abs().max() <= bound and mod.weight.abs().max() > 0.9 * bound
+            assert torch.all(mod.bias == 0)
+        if isinstance(mod, nn.LayerNorm):
+            assert torch.all(mod.weight == 1) and torch.all(mod.bias == 0)
+    w = m.patch_embed.proj.weight  # (D, C, p, p) viewed as (D, C*p*p)
+    bound = (6 / (w.shape[0] + w[0].numel())) ** 0.5
+    assert w.abs().max() <= bound and w.abs().max() > 0.9 * bound
+    big = create_model("vit_small_patch16", img_size=32)
+    assert abs(big.cls_token.std().item() - 0.02) < 0.004
+
+
+def test_mae_init_is_deterministic_and_reapplicable():
+    torch.manual_seed(1)
+    a = create_model("vit_debug_patch4")
+    torch.manual_seed(1)
+    b = create_model("vit_debug_patch4")
+    for (n, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(pa, pb), n
+    mae_init_(a)
+    assert torch.all(a.blocks[0].attn.qkv.bias == 0)
+
+
+def test_bad_image_size_is_clear():
+    m = create_model("vit_debug_patch4")
+    with pytest.raises(ValueError, match="expected 28x28"):
+        m(torch.randn(1, 3, 32, 32))
