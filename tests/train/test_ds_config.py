@@ -1,0 +1,74 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from train.config import ConfigError, PretrainConfig
+from train.ds_config import resolve, resolve_batch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(tmp_path, ds: dict, **model) -> PretrainConfig:
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps(ds))
+    c = PretrainConfig(ds_config=str(p))
+    for k, v in model.items():
+        setattr(c.model, k, v)
+    return c
+
+
+BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "ds_configs").glob("*.json")))
+def test_shipped_configs_state_clipping_and_resolve(name):
+    path = REPO / "ds_configs" / name
+    ds = json.loads(path.read_text())
+    assert ds["gradient_clipping"] == 0.0  # the MAE recipe; DeepSpeed would clip at 1.0 otherwise
+    gpu = "8x" in name
+    final, plan = resolve(PretrainConfig(ds_config=str(path)), world=8 if gpu else 1, cuda=gpu, bf16_ok=True)
+    if gpu:
+        assert plan.global_batch == 4096 == final["train_batch_size"]
+        assert final["zero_optimization"]["stage"] == 1
+        assert ("v100" in name) == final["fp16"]["enabled"] and ("a100" in name) == final["bf16"]["enabled"]
+
+
+def test_v100_configs_have_no_bf16_and_reject_a100_config_on_v100():
+    a100 = REPO / "ds_configs" / "vit_b_8xa100_bf16_zero1.json"
+    with pytest.raises(ConfigError, match="V100 has none"):
+        resolve(PretrainConfig(ds_config=str(a100)), world=8, cuda=True, bf16_ok=False)
+
+
+def test_batch_derivation_and_contradiction():
+    assert resolve_batch({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, 2).accum == 8
+    assert resolve_batch({"train_batch_size": 64, "gradient_accumulation_steps": 4}, 2).micro == 8
+    with pytest.raises(ConfigError, match="contradict the world size"):
+        resolve_batch({"train_batch_size": 4096, "train_micro_batch_size_per_gpu": 64, "gradient_accumulation_steps": 8}, 16)
+    with pytest.raises(ConfigError, match="not divisible"):
+        resolve_batch({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, 2)
+    with pytest.raises(ConfigError, match="two of"):
+        resolve_batch({"train_batch_size": 30}, 2)
+
+
+@pytest.mark.parametrize("ds,model,cuda,message", [
+    ({**BASE, "optimizer": {"type": "AdamW"}}, {}, False, "'optimizer' section"),
+    ({**BASE, "scheduler": {"type": "WarmupLR"}}, {}, False, "'scheduler' section"),
+    ({k: v for k, v in BASE.items() if k != "gradient_clipping"}, {}, False, "gradient_clipping explicitly"),
+    ({**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, {}, True, "both fp16 and bf16"),
+    ({**BASE, "fp16": {"enabled": True}}, {}, False, "needs CUDA"),
+    ({**BASE, "zero_optimization": {"stage": 4}}, {}, False, "stage must be 0-3"),
+    (BASE, {"attn_backend": "flash_attn"}, True, "fp16/bf16"),
+])
+def test_contradictions_rejected(tmp_path, ds, model, cuda, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve(_cfg(tmp_path, ds, **model), world=1, cuda=cuda, bf16_ok=True)
+
+
+def test_missing_and_malformed_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve(PretrainConfig(ds_config=str(tmp_path / "nope.json")), world=1)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        resolve(PretrainConfig(ds_config=str(bad)), world=1)

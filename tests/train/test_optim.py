@@ -1,0 +1,48 @@
+import math
+
+import pytest
+import torch
+
+from model import create_model
+from model.objectives import build_objective
+from model.objectives.mae import MAEConfig
+from train.optim import WarmupCosineSchedule, param_groups, warmup_cosine
+
+
+def test_param_groups_split():
+    obj = build_objective("mae", create_model("vit_debug_patch4"), MAEConfig(decoder_dim=32, decoder_depth=1, decoder_heads=2))
+    groups, summary = param_groups(obj, 0.05)
+    by_id = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+    named = dict(obj.named_parameters())
+    for name in ["encoder.cls_token", "decoder.mask_token", "encoder.blocks.0.norm1.weight",
+                 "encoder.blocks.0.attn.qkv.bias", "encoder.patch_embed.proj.bias", "decoder.decoder_pred.bias"]:
+        assert by_id[id(named[name])] == 0.0, name
+    for name in ["encoder.blocks.0.attn.qkv.weight", "encoder.patch_embed.proj.weight", "decoder.decoder_embed.weight"]:
+        assert by_id[id(named[name])] == 0.05, name
+    # fixed sin-cos tables are not optimised at all
+    assert id(named["encoder.pos_embed"]) not in by_id and id(named["decoder.decoder_pos_embed"]) not in by_id
+    trainable = sum(p.numel() for p in obj.parameters() if p.requires_grad)
+    assert summary["decay_params"] + summary["no_decay_params"] == trainable
+
+
+def test_warmup_cosine_values():
+    peak, total, warm = 1.0, 100, 10
+    assert warmup_cosine(0, peak, 0.0, warm, total) == 0.0
+    assert warmup_cosine(5, peak, 0.0, warm, total) == pytest.approx(0.5)
+    assert warmup_cosine(10, peak, 0.0, warm, total) == pytest.approx(1.0)
+    assert warmup_cosine(55, peak, 0.0, warm, total) == pytest.approx(0.5)  # half-way through the cosine
+    assert warmup_cosine(100, peak, 0.1, warm, total) == pytest.approx(0.1)
+    assert warmup_cosine(40, peak, 0.1, warm, total) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 3)))
+
+
+def test_schedule_sets_every_group_and_resumes():
+    p1, p2 = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([{"params": [p1]}, {"params": [p2], "lr_scale": 0.5}], lr=0.0)
+    s = WarmupCosineSchedule(opt, 2.0, 0.0, 4, 20)
+    for _ in range(3):
+        s.step()
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([1.5, 0.75])
+    opt2 = torch.optim.AdamW([{"params": [p1]}, {"params": [p2], "lr_scale": 0.5}], lr=0.0)
+    s2 = WarmupCosineSchedule(opt2, 2.0, 0.0, 4, 20)
+    s2.load_state_dict(s.state_dict())
+    assert [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in opt.param_groups]
