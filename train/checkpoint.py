@@ -9,7 +9,8 @@ Layout of `<output_dir>/checkpoints/`:
     latest                        name of the newest complete tag (atomic rename)
 
 A tag without complete.json is never resumed from. Client state holds the step, the config and
-every rank's data position.
+every rank's data position; complete.json also holds the run's config (readable without
+unpickling, checked before a resume starts any process group).
 """
 from __future__ import annotations
 
@@ -120,9 +121,14 @@ def find_resume(resume: str, output_dir: Path) -> Path | None:
     raise FileNotFoundError(f"--resume {resume!r}: no complete checkpoint there (a tag folder with {COMPLETE})")
 
 
+def read_meta(tag_dir: Path) -> dict:
+    """complete.json: step, world size, ZeRO stage, the run's config, the encoder's timm kwargs."""
+    return json.loads((tag_dir / COMPLETE).read_text())
+
+
 def load(engine, tag_dir: Path, rank: int, world: int) -> dict:
     """Restore engine state and this rank's RNG; returns the client state."""
-    meta = json.loads((tag_dir / COMPLETE).read_text())
+    meta = read_meta(tag_dir)
     if meta["world_size"] != world:
         raise RuntimeError(
             f"checkpoint {tag_dir} was written by {meta['world_size']} ranks, this run has {world}; "

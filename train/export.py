@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from train.checkpoint import COMPLETE, find_resume
+from train.checkpoint import find_resume, read_meta
 
 ENCODER_PREFIX = "encoder."
 # Our registry name at 224 px -> timm's model name, for users who prefer timm.create_model.
@@ -42,7 +42,7 @@ def _module_state(tag_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:
 
 
 def export_checkpoint(tag_dir: Path, out: Path) -> Path:
-    meta = json.loads((tag_dir / COMPLETE).read_text())
+    meta = read_meta(tag_dir)
     state = _module_state(tag_dir, meta["zero_stage"])
     encoder = {k[len(ENCODER_PREFIX):]: v.float().contiguous() for k, v in state.items() if k.startswith(ENCODER_PREFIX)}
     if not encoder:

@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> Path:
     cfg = parse_args(argv)
     ds_config, plan = resolve(cfg, distributed.world_size_from_env())  # rejects before any process group
     per_epoch, total_steps, warmup_steps = schedule_steps(cfg, plan)
+    run_dir = Path(cfg.output_dir)
+    resume_from = checkpoint.find_resume(cfg.resume, run_dir)
+    if resume_from is not None:
+        check_resume_compatible(checkpoint.read_meta(resume_from)["config"], cfg)
 
     rank, world, device = distributed.init()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="[%(name)s] %(message)s")
@@ -78,7 +82,6 @@ def main(argv: list[str] | None = None) -> Path:
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
     torch.manual_seed(cfg.seed + rank)  # masking noise differs across ranks
 
-    run_dir = Path(cfg.output_dir)
     ckpt_root = run_dir / "checkpoints"
     encoder = objective.encoder
     if rank == 0:
@@ -97,10 +100,8 @@ def main(argv: list[str] | None = None) -> Path:
 
     data = SyntheticImages(plan.micro, encoder.patch_embed.img_size, cfg.model.in_chans, cfg.data.num_classes, cfg.seed, rank)
     start_step = 0
-    resume_from = checkpoint.find_resume(cfg.resume, run_dir)
     if resume_from is not None:
         client = checkpoint.load(engine, resume_from, rank, world)
-        check_resume_compatible(client["config"], cfg)
         start_step = client["step"]
         data.load_state_dict(client["data"][rank])
         log.info("resumed from %s at step %d", resume_from, start_step)
@@ -123,8 +124,8 @@ def main(argv: list[str] | None = None) -> Path:
     last_saved: list[Path] = []
 
     def on_checkpoint(step: int) -> None:
-        client = {"step": step, "config": to_dict(cfg), "data": distributed.all_gather_object(data.state_dict())}
-        meta = {"zero_stage": engine.zero_optimization_stage(), "objective": cfg.objective,
+        client = {"step": step, "data": distributed.all_gather_object(data.state_dict())}
+        meta = {"zero_stage": engine.zero_optimization_stage(), "objective": cfg.objective, "config": to_dict(cfg),
                 "encoder_timm_kwargs": encoder.timm_kwargs(), "model_name": cfg.model.name}
         last_saved[:] = [checkpoint.save(engine, ckpt_root, step, client, rank, world, meta, cfg.run.keep_checkpoints)]
 
@@ -146,6 +147,6 @@ def main(argv: list[str] | None = None) -> Path:
 if __name__ == "__main__":
     try:
         main()
-    except ConfigError as e:
+    except (ConfigError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2)

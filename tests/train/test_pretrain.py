@@ -1,0 +1,97 @@
+"""train/pretrain.py end to end as a single process: run folder, resume exactness, rejection."""
+import json
+
+import pytest
+import torch
+
+from conftest import run_pretrain
+from train.optim import warmup_cosine
+from train.run_dir import read_metrics
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    run_pretrain(out, "--run.max_steps", str(STEPS), "--run.ckpt_every", "3")
+    return out
+
+
+def test_run_folder_contents(straight):
+    for name in ["config.json", "ds_config.json", "meta.json", "metrics.jsonl", "encoder.safetensors", "encoder.json"]:
+        assert (straight / name).is_file(), name
+    assert list((straight / "tb").glob("events.out.tfevents.*"))
+    config = json.loads((straight / "config.json").read_text())
+    assert config["model"]["name"] == "vit_debug_patch4" and config["run"]["max_steps"] == STEPS
+    ds = json.loads((straight / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == 8 and ds["gradient_clipping"] == 0.0
+    meta = json.loads((straight / "meta.json").read_text())
+    assert len(meta["git"]["commit"]) == 40 or meta["git"]["commit"] == "unknown"
+    assert meta["peak_lr"] == pytest.approx(1.5e-3 * 8 / 256)  # lr = blr x global batch / 256
+    assert meta["attention_backend"] == "sdpa"
+
+
+def test_metrics_lines(straight):
+    rows = read_metrics(straight)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    meta = json.loads((straight / "meta.json").read_text())
+    for r in rows:
+        assert {"loss", "lr", "grad_norm", "images_per_s", "step_time"} <= set(r)
+        assert r["grad_norm"] > 0 and r["images_per_s"] > 0
+        # the lr logged for step s is the one the optimizer used: schedule at s-1
+        assert r["lr"] == pytest.approx(warmup_cosine(r["step"] - 1, meta["peak_lr"], 0.0,
+                                                      meta["steps_per_epoch"] * 1, meta["total_steps"]))
+
+
+def test_checkpoints_are_complete_and_pointed_to(straight):
+    root = straight / "checkpoints"
+    assert (root / "latest").read_text() == "step00000006"
+    for tag in ("step00000003", "step00000006"):
+        meta = json.loads((root / tag / "complete.json").read_text())
+        assert meta["step"] == int(tag[4:]) and meta["world_size"] == 1
+        assert (root / tag / "rng_rank0.pt").is_file()
+    client = torch.load(root / "step00000003" / "mp_rank_00_model_states.pt", weights_only=True)
+    assert client["step"] == 3 and client["data"] == [{"position": 3, "rank": 0, "seed": 0}]
+    assert client["lr_scheduler"] == {"last_step": 3}
+
+
+def test_resume_auto_continues_exactly(straight, tmp_path):
+    run_pretrain(tmp_path, "--run.max_steps", "3", "--run.ckpt_every", "3")
+    proc = run_pretrain(tmp_path, "--run.max_steps", str(STEPS), "--run.ckpt_every", "3", "--resume", "auto")
+    assert "resumed from" in proc.stderr + proc.stdout
+    resumed = read_metrics(tmp_path)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    want = {r["step"]: r for r in read_metrics(straight)}
+    for r in resumed[3:]:
+        assert r["loss"] == want[r["step"]]["loss"], r["step"]
+        assert r["grad_norm"] == pytest.approx(want[r["step"]]["grad_norm"], rel=1e-6)
+        assert r["lr"] == want[r["step"]]["lr"]
+
+
+def test_resume_rejects_a_different_model(straight, tmp_path):
+    proc = run_pretrain(tmp_path, "--resume", str(straight), "--model.name", "vit_mini_patch4", check=False)
+    assert proc.returncode == 2 and "the checkpoint was trained with model=" in proc.stderr
+    assert not tmp_path.joinpath("config.json").exists()  # rejected before anything started
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--optim.bl", "1"], "did you mean 'optim.blr'"),
+    (["--data.epoch_size", "4"], "smaller than the global batch"),
+])
+def test_bad_config_rejected_before_training(tmp_path, args, message):
+    out = tmp_path / "run"
+    proc = run_pretrain(out, *args, check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert not out.exists()  # nothing started, nothing written
+
+
+def test_bad_ds_config_rejected_before_training(tmp_path):
+    ds = tmp_path / "fp16.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                              "gradient_clipping": 0.0, "fp16": {"enabled": True}}))
+    proc = run_pretrain(tmp_path / "run", ds_config=ds, check=False)
+    if torch.cuda.is_available():
+        pytest.skip("fp16 is valid with CUDA")
+    assert proc.returncode == 2 and "needs CUDA" in proc.stderr and not (tmp_path / "run").exists()
