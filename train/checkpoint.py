@@ -126,14 +126,9 @@ def read_meta(tag_dir: Path) -> dict:
     return json.loads((tag_dir / COMPLETE).read_text())
 
 
-def load(engine, tag_dir: Path, rank: int, world: int) -> dict:
-    """Restore engine state and this rank's RNG; returns the client state."""
-    meta = read_meta(tag_dir)
-    if meta["world_size"] != world:
-        raise RuntimeError(
-            f"checkpoint {tag_dir} was written by {meta['world_size']} ranks, this run has {world}; "
-            f"resume with the same world size"
-        )
+def load(engine, tag_dir: Path, rank: int) -> dict:
+    """Restore engine state and this rank's RNG; returns the client state. The caller has checked
+    (before starting the process group) that the world size matches the checkpoint's."""
     _, client = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
                                        load_optimizer_states=True, load_lr_scheduler_states=True)
     if client is None:

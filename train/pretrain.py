@@ -47,8 +47,14 @@ def schedule_steps(cfg: PretrainConfig, plan: BatchPlan) -> tuple[int, int, floa
     return per_epoch, per_epoch * cfg.optim.epochs, per_epoch * cfg.optim.warmup_epochs
 
 
-def check_resume_compatible(saved: dict, cfg: PretrainConfig) -> None:
-    now = to_dict(cfg)
+def check_resume_compatible(meta: dict, cfg: PretrainConfig, world: int) -> None:
+    """The checkpoint (its complete.json) must come from the same model, objective and world size."""
+    if meta["world_size"] != world:
+        raise ConfigError(
+            f"--resume: the checkpoint was written by {meta['world_size']} ranks, this run has {world}; "
+            f"resume with the same world size"
+        )
+    saved, now = meta["config"], to_dict(cfg)
     for key in ("objective", "model", cfg.objective):
         if saved.get(key) != now[key]:
             raise ConfigError(f"--resume: the checkpoint was trained with {key}={saved.get(key)}, this run has {now[key]}")
@@ -60,12 +66,13 @@ def main(argv: list[str] | None = None) -> Path:
         print(__doc__ + "\n" + help_text())
         raise SystemExit(0)
     cfg = parse_args(argv)
-    ds_config, plan = resolve(cfg, distributed.world_size_from_env())  # rejects before any process group
+    # Everything below up to distributed.init() rejects bad input before any process group starts.
+    ds_config, plan = resolve(cfg, distributed.world_size_from_env())
     per_epoch, total_steps, warmup_steps = schedule_steps(cfg, plan)
     run_dir = Path(cfg.output_dir)
     resume_from = checkpoint.find_resume(cfg.resume, run_dir)
     if resume_from is not None:
-        check_resume_compatible(checkpoint.read_meta(resume_from)["config"], cfg)
+        check_resume_compatible(checkpoint.read_meta(resume_from), cfg, plan.world)
 
     rank, world, device = distributed.init()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="[%(name)s] %(message)s")
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> Path:
     data = SyntheticImages(plan.micro, encoder.patch_embed.img_size, cfg.model.in_chans, cfg.data.num_classes, cfg.seed, rank)
     start_step = 0
     if resume_from is not None:
-        client = checkpoint.load(engine, resume_from, rank, world)
+        client = checkpoint.load(engine, resume_from, rank)
         start_step = client["step"]
         data.load_state_dict(client["data"][rank])
         log.info("resumed from %s at step %d", resume_from, start_step)
