@@ -70,7 +70,7 @@ class MAEObjective(nn.Module):
         return self.encoder.forward_tokens(self.encoder.add_cls_token(kept))
 
     def target(self, images: torch.Tensor) -> torch.Tensor:
-        t = patchify(images, self.patch_size)  # (B, N, p*p*C)
+        t = patchify(images.float(), self.patch_size)  # (B, N, p*p*C); fp32 even in bf16/fp16 runs
         return normalized_pixels(t) if self.cfg.norm_pix_loss else t
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
