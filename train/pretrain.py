@@ -8,7 +8,6 @@ starts; then: build encoder + objective, DeepSpeed engine, resume, loop, final c
 """
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from dataclasses import asdict
@@ -25,7 +24,7 @@ from train.config import ConfigError, PretrainConfig, help_text, parse_args, to_
 from train.ds_config import BatchPlan, resolve
 from train.loop import LoopState, run
 from train.optim import WarmupCosineSchedule, build_adamw, param_groups
-from train.run_dir import MetricsWriter, write_run_files
+from train.run_dir import Reporter, write_run_files
 
 log = logging.getLogger("pretrain")
 
@@ -45,6 +44,20 @@ def schedule_steps(cfg: PretrainConfig, plan: BatchPlan) -> tuple[int, int, floa
             f"data.epoch_size {cfg.data.epoch_size} is smaller than the global batch {plan.global_batch}"
         )
     return per_epoch, per_epoch * cfg.optim.epochs, per_epoch * cfg.optim.warmup_epochs
+
+
+def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, peak_lr: float,
+                 warmup_steps: float, total_steps: int):
+    """Encoder + objective (identical initial weights on every rank), AdamW, schedule, engine."""
+    import deepspeed
+
+    torch.manual_seed(cfg.seed)
+    objective = build_objective(cfg.objective, build_encoder(cfg), getattr(cfg, cfg.objective))
+    groups, split = param_groups(objective, cfg.optim.weight_decay)
+    optimizer = build_adamw(groups, cfg.optim.betas, cfg.optim.fused, device.type == "cuda")
+    scheduler = WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, warmup_steps, total_steps)
+    engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    return engine, objective, split
 
 
 def check_resume_compatible(meta: dict, cfg: PretrainConfig, world: int) -> None:
@@ -76,23 +89,12 @@ def main(argv: list[str] | None = None) -> Path:
 
     rank, world, device = distributed.init()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="[%(name)s] %(message)s")
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    objective = build_objective(cfg.objective, build_encoder(cfg), getattr(cfg, cfg.objective))
-    groups, split = param_groups(objective, cfg.optim.weight_decay)
-    optimizer = build_adamw(groups, cfg.optim.betas, cfg.optim.fused, device.type == "cuda")
     peak_lr = cfg.optim.blr * plan.global_batch / 256
-    scheduler = WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, warmup_steps, total_steps)
-
-    import deepspeed
-
-    engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    engine, objective, split = build_engine(cfg, ds_config, device, peak_lr, warmup_steps, total_steps)
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
     torch.manual_seed(cfg.seed + rank)  # masking noise differs across ranks
-
-    ckpt_root = run_dir / "checkpoints"
     encoder = objective.encoder
     if rank == 0:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
         write_run_files(run_dir, to_dict(cfg), ds_config, {
             "world_size": world, "device": str(device), "precision": str(dtype).removeprefix("torch."),
             "batch": asdict(plan) | {"global": plan.global_batch}, "peak_lr": peak_lr,
@@ -112,36 +114,22 @@ def main(argv: list[str] | None = None) -> Path:
         start_step = client["step"]
         data.load_state_dict(client["data"][rank])
         log.info("resumed from %s at step %d", resume_from, start_step)
-
     stop_step = min(total_steps, cfg.run.max_steps) if cfg.run.max_steps else total_steps
-    writer = MetricsWriter(run_dir, cfg.run.tensorboard) if rank == 0 else None
-    progress = None
-    if rank == 0 and cfg.run.progress:
-        from tqdm import tqdm
 
-        progress = tqdm(total=stop_step, initial=start_step, unit="step", dynamic_ncols=True)
-
-    def on_log(step: int, metrics: dict[str, float]) -> None:
-        if writer is not None:
-            writer.write(step, metrics)
-        if progress is not None:
-            progress.update(step - progress.n)
-            progress.set_postfix(loss=f"{metrics['loss']:.4f}", img_s=f"{metrics['images_per_s']:.0f}")
-
+    ckpt_root = run_dir / "checkpoints"
+    ckpt_meta = {"zero_stage": engine.zero_optimization_stage(), "objective": cfg.objective, "config": to_dict(cfg),
+                 "encoder_timm_kwargs": encoder.timm_kwargs(), "model_name": cfg.model.name}
     last_saved: list[Path] = []
 
     def on_checkpoint(step: int) -> None:
         client = {"step": step, "data": distributed.all_gather_object(data.state_dict())}
-        meta = {"zero_stage": engine.zero_optimization_stage(), "objective": cfg.objective, "config": to_dict(cfg),
-                "encoder_timm_kwargs": encoder.timm_kwargs(), "model_name": cfg.model.name}
-        last_saved[:] = [checkpoint.save(engine, ckpt_root, step, client, rank, world, meta, cfg.run.keep_checkpoints)]
+        last_saved[:] = [checkpoint.save(engine, ckpt_root, step, client, rank, world, ckpt_meta, cfg.run.keep_checkpoints)]
 
+    reporter = Reporter(run_dir, start_step, stop_step, cfg.run.tensorboard, cfg.run.progress) if rank == 0 else None
     state = LoopState(start_step, stop_step, cfg.run.log_every, cfg.run.ckpt_every, plan.global_batch)
-    run(engine, data, state, device, dtype, on_log, on_checkpoint)
-    if progress is not None:
-        progress.close()
-    if writer is not None:
-        writer.close()
+    run(engine, data, state, device, dtype, reporter.log if reporter else lambda step, metrics: None, on_checkpoint)
+    if reporter is not None:
+        reporter.close()
     if rank == 0 and cfg.run.export and last_saved:
         from train.export import export_checkpoint
 

@@ -25,32 +25,52 @@ def git_commit() -> dict:
 
 
 def write_run_files(run_dir: Path, config: dict, ds_config: dict, extra: dict) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
     meta = {"git": git_commit(), "argv": sys.argv, "torch": torch.__version__, **extra}
     (run_dir / "meta.json").write_text(json.dumps(meta, indent=2))
 
 
-class MetricsWriter:
-    def __init__(self, run_dir: Path, tensorboard: bool):
-        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+class Reporter:
+    """Rank 0's outputs per logged step: metrics.jsonl, TensorBoard, progress bar (images/s, ETA).
+
+    On resume from step `start_step`, lines and events logged after it by the interrupted run
+    are dropped first, so every step appears once.
+    """
+
+    def __init__(self, run_dir: Path, start_step: int, stop_step: int, tensorboard: bool, progress: bool):
+        path = run_dir / "metrics.jsonl"
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= start_step]
+            path.write_text("".join(f"{line}\n" for line in kept))
+        self.file = open(path, "a", buffering=1)
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tb"))
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
+            self.bar = tqdm(total=stop_step, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.tb is not None:
             for k, v in metrics.items():
                 self.tb.add_scalar(f"train/{k}", v, step)
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", img_s=f"{metrics['images_per_s']:.0f}")
 
     def close(self) -> None:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -57,9 +57,13 @@ def test_checkpoints_are_complete_and_pointed_to(straight):
 
 
 def test_resume_auto_continues_exactly(straight, tmp_path):
-    run_pretrain(tmp_path, "--run.max_steps", "3", "--run.ckpt_every", "3")
+    # Steps 1-5 run, but the save at step 5 "crashed": its tag lacks complete.json while
+    # `latest` names it. Resume must take step 3 and log steps 4-6 once each.
+    run_pretrain(tmp_path, "--run.max_steps", "5", "--run.ckpt_every", "3")
+    (tmp_path / "checkpoints" / "step00000005" / "complete.json").unlink()
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step00000005"
     proc = run_pretrain(tmp_path, "--run.max_steps", str(STEPS), "--run.ckpt_every", "3", "--resume", "auto")
-    assert "resumed from" in proc.stderr + proc.stdout
+    assert "step00000003 at step 3" in proc.stderr + proc.stdout
     resumed = read_metrics(tmp_path)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     want = {r["step"]: r for r in read_metrics(straight)}
