@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> Path:
                  split["decay_tensors"], split["decay_params"], split["no_decay_tensors"], split["no_decay_params"],
                  encoder.blocks[0].attn.backend)
 
-    data = SyntheticImages(plan.micro, encoder.patch_embed.img_size, cfg.model.in_chans, cfg.data.num_classes, cfg.seed, rank)
+    data = SyntheticImages(plan.micro, encoder.patch_embed.img_size, cfg.model.in_chans, cfg.data.num_classes, cfg.seed, rank, device)
     start_step = 0
     if resume_from is not None:
         client = checkpoint.load(engine, resume_from, rank)
