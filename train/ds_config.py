@@ -74,7 +74,8 @@ def precision(ds: dict) -> str:
     return "fp16" if fp16 else "bf16" if bf16 else "fp32"
 
 
-def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None, bf16_ok: bool | None = None) -> tuple[dict, BatchPlan]:
+def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
+            bf16_ok: bool | None = None) -> tuple[dict, BatchPlan]:
     """Return the final ds_config (batch triple filled in) and the batch plan, or raise ConfigError."""
     ds = load(cfg.ds_config)
     for section, owner in (("optimizer", "--optim.*"), ("scheduler", "--optim.* (warmup + cosine)")):

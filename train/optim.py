@@ -57,7 +57,8 @@ class WarmupCosineSchedule:
     its checkpoints; the lr for step s depends only on s, so resume is exact.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, peak_lr: float, min_lr: float, warmup_steps: float, total_steps: int):
+    def __init__(self, optimizer: torch.optim.Optimizer, peak_lr: float, min_lr: float, warmup_steps: float,
+                 total_steps: int):
         self.optimizer = optimizer
         self.peak_lr, self.min_lr = peak_lr, min_lr
         self.warmup_steps, self.total_steps = warmup_steps, total_steps

@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> Path:
                  split["decay_tensors"], split["decay_params"], split["no_decay_tensors"], split["no_decay_params"],
                  encoder.blocks[0].attn.backend)
 
-    data = SyntheticImages(plan.micro, encoder.patch_embed.img_size, cfg.model.in_chans, cfg.data.num_classes, cfg.seed, rank, device)
+    data = SyntheticImages(plan.micro, encoder.patch_embed.img_size, cfg.model.in_chans, cfg.data.num_classes,
+                           cfg.seed, rank, device)
     start_step = 0
     if resume_from is not None:
         client = checkpoint.load(engine, resume_from, rank)
@@ -144,4 +145,4 @@ if __name__ == "__main__":
         main()
     except (ConfigError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
