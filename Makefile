@@ -18,10 +18,20 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
-# Short CPU pretraining of the mini ViT with MAE on the synthetic source, then export.
-demo: $(STAMP)
-	$(PY) train/pretrain.py --ds_config ds_configs/cpu_debug.json --config train/configs/demo_mae.json \
-		--output_dir runs/demo_mae --resume auto
+FASHION_MNIST := /usr/share/datasets/fashion-mnist
+
+# Fashion-MNIST shards -> MAE pretraining of the mini ViT on CPU -> kNN / linear probe vs random
+# init (train/demo.py). Installs the Debian data package when it is missing and we are root.
+demo: $(STAMP) $(FASHION_MNIST)
+	$(PY) train/demo.py
+
+$(FASHION_MNIST):
+	@if [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; \
+	else \
+		echo "Fashion-MNIST is missing: run 'sudo apt-get install dataset-fashion-mnist', then 'make demo' again"; \
+		exit 1; \
+	fi
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

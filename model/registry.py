@@ -1,7 +1,7 @@
 """Registry of encoder factories: `create_model(name, **overrides)`, `list_models()`.
 
 Standard sizes follow the ViT / MAE papers; the `debug` and `mini` entries are tiny models for
-tests and the Fashion-MNIST demo (28x28 images, patch 4 -> a 7x7 grid).
+tests and the Fashion-MNIST demo (patch 4).
 """
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ register_model("vit_small_patch16", patch_size=16, embed_dim=384, depth=12, num_
 register_model("vit_base_patch16", patch_size=16, embed_dim=768, depth=12, num_heads=12)
 register_model("vit_large_patch16", patch_size=16, embed_dim=1024, depth=24, num_heads=16)
 register_model("vit_huge_patch14", patch_size=14, embed_dim=1280, depth=32, num_heads=16)
-# Tiny sizes: tests and CPU demos.
+# Tiny sizes: tests (28x28, a 7x7 grid) and the CPU demo on Fashion-MNIST (32x32, an 8x8 grid).
 register_model("vit_debug_patch4", img_size=28, patch_size=4, embed_dim=32, depth=2, num_heads=2)
-register_model("vit_mini_patch4", img_size=28, patch_size=4, embed_dim=128, depth=6, num_heads=4)
+register_model("vit_mini_patch4", img_size=32, patch_size=4, embed_dim=128, depth=4, num_heads=4)
 
 
 def list_models(pattern: str = "*") -> list[str]:

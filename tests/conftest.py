@@ -1,10 +1,13 @@
+import io
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 REPO = Path(__file__).resolve().parent.parent
 DEBUG_PRESET = REPO / "train" / "configs" / "debug_mae.json"
@@ -43,3 +46,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def png_bytes(value: int, size=(12, 10), mode="L") -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full(size[::-1], value, dtype=np.uint8), mode="L").convert(mode).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    """3 classes x 8 images; pixel value encodes (class, index) so samples can be identified."""
+    root = tmp_path / "folder"
+    for c, name in enumerate(["cat", "dog", "eel"]):
+        (root / name).mkdir(parents=True)
+        for i in range(8):
+            value = c * 50 + i * 5
+            if i % 2:
+                (root / name / f"{i}.png").write_bytes(png_bytes(value))
+            else:
+                Image.fromarray(np.full((10, 12, 3), value, dtype=np.uint8)).save(root / name / f"{i}.jpg", quality=100)
+    return root

@@ -36,9 +36,13 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"  # smooth random images, deterministic in (seed, step, rank)
-    epoch_size: int = 1_281_167  # nominal samples per epoch (ImageNet-1k train by default)
-    num_classes: int = 1000
+    source: str = "shards"  # shards (webdataset, data/write_shards.py) | synthetic (benchmarks)
+    train_index: str = ""  # the <name>.json index of the training shards
+    epoch_size: int = 0  # nominal samples per epoch; 0 = the shard index's count (synthetic: 1,281,167)
+    num_workers: int = 4  # DataLoader workers per rank
+    shuffle_buffer: int = 1000  # samples held by each worker's shuffle buffer
+    crop_scale_min: float = 0.2  # RandomResizedCrop scale range (crop_scale_min, 1)
+    num_classes: int = 1000  # synthetic source only
 
 
 @dataclass
@@ -90,8 +94,13 @@ class PretrainConfig:
         for name in ("log_every", "ckpt_every"):
             if getattr(self.run, name) < 1:
                 raise ConfigError(f"run.{name} must be >= 1")
-        if self.data.source != "synthetic":
-            raise ConfigError(f"data.source {self.data.source!r} is unknown; choose 'synthetic'")
+        if self.data.source not in ("shards", "synthetic"):
+            raise ConfigError(f"data.source {self.data.source!r} is unknown; choose 'shards' or 'synthetic'")
+        if self.data.source == "shards" and not self.data.train_index:
+            raise ConfigError("data.train_index is required with data.source shards (the JSON written by "
+                              "data/write_shards.py), or set --data.source synthetic")
+        if not 0.0 < self.data.crop_scale_min <= 1.0:
+            raise ConfigError(f"data.crop_scale_min must be in (0, 1], got {self.data.crop_scale_min}")
         if self.model.name not in list_models():
             close = difflib.get_close_matches(self.model.name, list_models(), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -41,12 +41,18 @@ def _module_state(tag_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:
     return states
 
 
-def export_checkpoint(tag_dir: Path, out: Path) -> Path:
+def encoder_state(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The encoder's fp32 weights (timm names) from a checkpoint tag, and its complete.json."""
     meta = read_meta(tag_dir)
     state = _module_state(tag_dir, meta["zero_stage"])
     encoder = {k[len(ENCODER_PREFIX):]: v.float().contiguous() for k, v in state.items() if k.startswith(ENCODER_PREFIX)}
     if not encoder:
         raise ValueError(f"{tag_dir} holds no '{ENCODER_PREFIX}*' weights")
+    return encoder, meta
+
+
+def export_checkpoint(tag_dir: Path, out: Path) -> Path:
+    encoder, meta = encoder_state(tag_dir)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(encoder, str(out), metadata={"format": "pt"})

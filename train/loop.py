@@ -78,6 +78,12 @@ def run(
             metrics["lr"] = lr
             metrics["step_time"] = elapsed / steps_since_log
             metrics["images_per_s"] = state.global_batch * steps_since_log / elapsed
+            if hasattr(data, "counters"):  # samples the data source skipped, summed over ranks
+                counters = data.counters()
+                totals = torch.tensor(list(counters.values()), dtype=torch.float64, device=device)
+                if dist.is_initialized():
+                    dist.all_reduce(totals)
+                metrics.update(zip(counters, map(int, totals.tolist()), strict=True))
             if engine.fp16_enabled():
                 scale = getattr(engine.optimizer, "cur_scale", None) or getattr(engine.optimizer, "loss_scale", 0.0)
                 metrics["loss_scale"] = float(scale)

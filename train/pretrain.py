@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from data.synthetic import SyntheticImages
+from data.source import build_source, check_source, nominal_epoch_size
 from kernels.accelerators import describe as describe_accelerators
 from model.objectives import build_objective
 from model.registry import create_model
@@ -38,11 +38,10 @@ def build_encoder(cfg: PretrainConfig):
 
 def schedule_steps(cfg: PretrainConfig, plan: BatchPlan) -> tuple[int, int, float]:
     """(steps per epoch, total schedule steps, warmup steps), all in optimizer steps."""
-    per_epoch = cfg.data.epoch_size // plan.global_batch
+    epoch_size = nominal_epoch_size(cfg.data)
+    per_epoch = epoch_size // plan.global_batch
     if per_epoch < 1:
-        raise ConfigError(
-            f"data.epoch_size {cfg.data.epoch_size} is smaller than the global batch {plan.global_batch}"
-        )
+        raise ConfigError(f"the epoch ({epoch_size} samples) is smaller than the global batch {plan.global_batch}")
     return per_epoch, per_epoch * cfg.optim.epochs, per_epoch * cfg.optim.warmup_epochs
 
 
@@ -81,6 +80,10 @@ def main(argv: list[str] | None = None) -> Path:
     cfg = parse_args(argv)
     # Everything below up to distributed.init() rejects bad input before any process group starts.
     ds_config, plan = resolve(cfg, distributed.world_size_from_env())
+    try:
+        check_source(cfg.data, plan.world)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     per_epoch, total_steps, warmup_steps = schedule_steps(cfg, plan)
     run_dir = Path(cfg.output_dir)
     resume_from = checkpoint.find_resume(cfg.resume, run_dir)
@@ -107,8 +110,8 @@ def main(argv: list[str] | None = None) -> Path:
                  split["decay_tensors"], split["decay_params"], split["no_decay_tensors"], split["no_decay_params"],
                  encoder.blocks[0].attn.backend)
 
-    data = SyntheticImages(plan.micro, encoder.patch_embed.img_size, cfg.model.in_chans, cfg.data.num_classes,
-                           cfg.seed, rank, device)
+    data = build_source(cfg.data, encoder.patch_embed.img_size, cfg.model.in_chans, plan.micro, cfg.seed, rank,
+                        world, device)
     start_step = 0
     if resume_from is not None:
         client = checkpoint.load(engine, resume_from, rank)

@@ -4,7 +4,7 @@ import pytest
 
 from train.config import ConfigError, PretrainConfig, parse_args
 
-DS = ["--ds_config", "ds_configs/cpu_debug.json"]
+DS = ["--ds_config", "ds_configs/cpu_debug.json", "--data.source", "synthetic"]
 
 
 def test_defaults_are_the_mae_recipe():

@@ -51,3 +51,13 @@ def test_bf16_run_exports_fp32_master_weights(tmp_path):
     assert not torch.equal(w, w.bfloat16().float())  # real fp32 masters, not the rounded bf16 copy
     assert torch.equal(w.bfloat16(), module["encoder.blocks.0.attn.qkv.weight"])
     load_timm_encoder(tmp_path / "run" / "encoder.safetensors")
+
+
+def test_evaluation_loads_the_exported_encoder_and_the_checkpoint_alike(fp32_run):
+    from train.evaluate import load_encoder
+
+    from_export = load_encoder(encoder=str(fp32_run / "encoder.safetensors")).eval()
+    from_ckpt = load_encoder(checkpoint=str(fp32_run)).eval()
+    x = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        assert torch.equal(from_export.forward_features(x), from_ckpt.forward_features(x))

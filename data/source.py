@@ -1,0 +1,36 @@
+"""Build the training batch source named by the config (shards or synthetic)."""
+from __future__ import annotations
+
+import torch
+
+from data.loader import ShardLoader
+from data.shards import ShardSet, check_split
+from data.synthetic import SyntheticImages
+
+SYNTHETIC_EPOCH = 1_281_167  # ImageNet-1k train, the nominal epoch of the synthetic source
+
+
+def nominal_epoch_size(data_cfg) -> int:
+    """Samples per nominal epoch, known before any process starts."""
+    if data_cfg.epoch_size:
+        return data_cfg.epoch_size
+    if data_cfg.source == "synthetic":
+        return SYNTHETIC_EPOCH
+    return ShardSet.from_index(data_cfg.train_index).num_samples
+
+
+def check_source(data_cfg, world: int) -> None:
+    """Fail before training when the shards cannot feed every rank and worker."""
+    if data_cfg.source == "shards":
+        check_split(ShardSet.from_index(data_cfg.train_index), world, data_cfg.num_workers)
+
+
+def build_source(data_cfg, img_size: int, in_chans: int, batch_size: int, seed: int, rank: int, world: int,
+                 device: torch.device):
+    if data_cfg.source == "synthetic":
+        return SyntheticImages(batch_size, img_size, in_chans, data_cfg.num_classes, seed, rank, device)
+    if in_chans != 3:
+        raise ValueError("shards decode to 3-channel RGB (grayscale is replicated); set model.in_chans 3")
+    return ShardLoader(ShardSet.from_index(data_cfg.train_index), img_size, batch_size, seed, rank, world,
+                       data_cfg.num_workers, data_cfg.shuffle_buffer, data_cfg.crop_scale_min,
+                       pin_memory=device.type == "cuda")

@@ -1,0 +1,49 @@
+"""Image transforms with explicit per-sample seeds (no hidden global RNG state).
+
+Pretraining: RandomResizedCrop(size, scale (0.2, 1), bicubic) + horizontal flip (MAE).
+Evaluation: resize the shorter side to size / crop_pct, then center-crop `size`.
+Both convert to 3-channel RGB (grayscale is replicated) and normalise with the ImageNet
+mean/std. torchvision draws crop parameters from the global torch RNG, so the draw happens
+inside `fork_rng` with a seed derived from (seed, epoch, rank, worker, sample index): the same
+sample position always gets the same crop, in any process, and the caller's RNG is untouched.
+"""
+from __future__ import annotations
+
+import torch
+import torchvision.transforms.functional as TF
+from PIL import Image
+from torchvision.transforms import InterpolationMode, RandomResizedCrop
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def to_normalized_tensor(img: Image.Image) -> torch.Tensor:
+    """PIL (any mode) -> (3, H, W) float, ImageNet-normalised."""
+    x = TF.pil_to_tensor(img.convert("RGB")).float() / 255.0
+    return TF.normalize(x, IMAGENET_MEAN, IMAGENET_STD)
+
+
+class PretrainTransform:
+    def __init__(self, size: int, scale: tuple[float, float] = (0.2, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3)):
+        self.size, self.scale, self.ratio = size, list(scale), list(ratio)
+
+    def __call__(self, img: Image.Image, seed: int) -> torch.Tensor:
+        img = img.convert("RGB")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            i, j, h, w = RandomResizedCrop.get_params(img, self.scale, self.ratio)
+            flip = bool(torch.rand(()) < 0.5)
+        img = TF.resized_crop(img, i, j, h, w, [self.size, self.size], InterpolationMode.BICUBIC, antialias=True)
+        if flip:
+            img = TF.hflip(img)
+        return to_normalized_tensor(img)
+
+
+class EvalTransform:
+    def __init__(self, size: int, crop_pct: float = 0.875):
+        self.size, self.resize = size, int(round(size / crop_pct))
+
+    def __call__(self, img: Image.Image, seed: int = 0) -> torch.Tensor:
+        img = TF.resize(img.convert("RGB"), self.resize, InterpolationMode.BICUBIC, antialias=True)
+        return to_normalized_tensor(TF.center_crop(img, [self.size, self.size]))

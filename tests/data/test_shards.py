@@ -1,0 +1,121 @@
+"""Reading shards: exact coverage across ranks x workers, corrupt samples, resumable stream."""
+import io
+import tarfile
+from collections import Counter
+
+import pytest
+import torch
+
+from data.loader import ShardLoader
+from data.shards import ShardSet, ShardStream, check_split, shards_for
+from data.transforms import EvalTransform, PretrainTransform
+from data.write_shards import main as write_shards
+
+
+@pytest.fixture
+def shard_set(image_folder, tmp_path):
+    write_shards(["imagefolder", str(image_folder), str(tmp_path / "s"), "--samples_per_shard", "3"])  # 8 shards
+    return ShardSet.from_index(tmp_path / "s" / "train.json")
+
+
+def _keys_of_epoch(stream: ShardStream, worker: int, epoch: int) -> list[str]:
+    keys, errors = [], Counter()
+    for e, _, raw in stream.worker_samples(worker, errors):
+        if e > epoch:
+            break
+        if e == epoch:
+            keys.append(raw["__key__"])
+    return keys
+
+
+def test_every_sample_once_per_epoch_across_2_ranks_x_2_workers(shard_set):
+    all_keys = set()
+    for epoch in (0, 1):
+        seen = []
+        for rank in range(2):
+            stream = ShardStream(shard_set, PretrainTransform(16), seed=3, rank=rank, world=2, num_workers=2,
+                                 shuffle_buffer=4)
+            for worker in range(2):
+                seen += _keys_of_epoch(stream, worker, epoch)
+        assert len(seen) == 24 and len(set(seen)) == 24  # each sample exactly once
+        all_keys |= set(seen)
+    assert len(all_keys) == 24
+    # epochs use different shard orders
+    assert shards_for(8, 0, 3, 0, 4) != shards_for(8, 1, 3, 0, 4)
+
+
+def test_too_few_shards_for_readers_is_an_error(shard_set):
+    with pytest.raises(ValueError, match="8 shards cannot feed 2 ranks x 8 workers = 16 readers"):
+        check_split(shard_set, world=2, num_workers=8)
+
+
+def _batches(loader, n):
+    return [next(loader) for _ in range(n)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_continues_the_same_stream(shard_set, workers):
+    make = lambda: ShardLoader(shard_set, 16, batch_size=4, seed=0, rank=0, world=1, num_workers=workers,  # noqa: E731
+                               shuffle_buffer=5)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    straight = _batches(make(), 9)
+    assert torch.equal(torch.get_rng_state(), before)  # the loader leaves the training RNG alone
+    first = make()
+    _batches(first, 5)
+    state = first.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    for a, b in zip(_batches(resumed, 4), straight[5:], strict=True):
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
+    assert straight[0]["image"].shape == (4, 3, 16, 16)
+
+
+def test_resume_refuses_other_worker_count(shard_set):
+    a = ShardLoader(shard_set, 16, 4, 0, 0, 1, 0, 5)
+    b = ShardLoader(shard_set, 16, 4, 0, 0, 1, 2, 5)
+    with pytest.raises(ValueError, match="num_workers=0"):
+        b.load_state_dict(a.state_dict())
+
+
+def _add_member(tar, name, data: bytes):
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def test_corrupt_samples_are_skipped_and_counted(shard_set, tmp_path):
+    bad = tmp_path / "s" / "train-000000.tar"
+    with tarfile.open(bad, "a") as tar:
+        _add_member(tar, "x1.png", b"\x89PNG garbage")  # undecodable
+        _add_member(tar, "x1.cls", b"1")
+        _add_member(tar, "x2.png", b"")  # zero-byte image
+        _add_member(tar, "x2.cls", b"1")
+        _add_member(tar, "x3.cls", b"2")  # no image
+    truncated = tmp_path / "s" / "train-000002.tar"
+    truncated.write_bytes(truncated.read_bytes()[:1500])  # cut inside the second member
+    loader = ShardLoader(shard_set, 16, batch_size=2, seed=0, rank=0, world=1, num_workers=0, shuffle_buffer=3)
+    labels = torch.cat([next(loader)["label"] for _ in range(11)])  # 22 samples: past one epoch, not two
+    assert len(labels) == 22  # training goes on
+    counts = loader.counters()
+    # each fault is met once per epoch; the first epoch is complete, the second is not
+    assert 2 <= counts["data_skipped_undecodable_image"] <= 4
+    assert 1 <= counts["data_skipped_missing_image"] <= 2
+    assert 1 <= counts["data_skipped_truncated_shard"] <= 2
+
+
+def test_transforms_are_seeded_and_shaped():
+    import numpy as np
+    from PIL import Image
+
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (20, 30), dtype=np.uint8), mode="L")
+    t = PretrainTransform(16)
+    a, b, c = t(img, 1), t(img, 1), t(img, 2)
+    assert a.shape == (3, 16, 16) and torch.equal(a, b) and not torch.equal(a, c)
+    e = EvalTransform(16, crop_pct=1.0)(img)
+    assert e.shape == (3, 16, 16)
+    # grayscale replicated to 3 channels: channels differ only by the per-channel normalisation
+    from data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+    raw = [e[i] * IMAGENET_STD[i] + IMAGENET_MEAN[i] for i in range(3)]
+    assert torch.allclose(raw[0], raw[1], atol=1e-5) and torch.allclose(raw[1], raw[2], atol=1e-5)

@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from data.shards import ShardSet
+from data.write_shards import main as write_shards
+from model import create_model
+from train.evaluate import extract_features, knn_top1, linear_probe_top1, load_encoder
+
+
+def test_knn_hand_computed():
+    train_f = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]])
+    train_y = torch.tensor([0, 0, 1])
+    test_f = torch.tensor([[0.2, 1.0], [1.0, 0.05]])
+    # k=1: nearest by cosine -> classes 1 and 0
+    assert knn_top1(train_f, train_y, test_f, torch.tensor([1, 0]), 2, k=1) == 100.0
+    # k=3 with a tiny temperature: the single most similar neighbour dominates the weighted vote
+    assert knn_top1(train_f, train_y, test_f, torch.tensor([1, 0]), 2, k=3, temperature=0.01) == 100.0
+    # k=3 with a huge temperature: plain majority (two of class 0) wins for both
+    assert knn_top1(train_f, train_y, test_f, torch.tensor([0, 0]), 2, k=3, temperature=1e6) == 100.0
+
+
+def test_linear_probe_separates_separable_data_and_not_noise():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 8, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 3] > 0).long()
+    assert linear_probe_top1(x[:300], y[:300], x[300:], y[300:], 2) > 90.0
+    noise_y = torch.randint(0, 2, (400,), generator=g)
+    assert linear_probe_top1(x[:300], noise_y[:300], x[300:], noise_y[300:], 2) < 70.0
+
+
+@pytest.fixture
+def shards(image_folder, tmp_path):
+    write_shards(["imagefolder", str(image_folder), str(tmp_path / "s"), "--samples_per_shard", "5"])
+    return ShardSet.from_index(tmp_path / "s" / "train.json")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_features_cover_every_sample_once(shards, workers):
+    model = create_model("vit_debug_patch4")
+    f, y = extract_features(model, shards, batch_size=7, num_workers=workers)
+    assert f.shape == (24, 32) and sorted(y.tolist()) == sorted([0] * 8 + [1] * 8 + [2] * 8)
+    f2, y2 = extract_features(model, shards, batch_size=7, num_workers=workers, pool="avg")
+    assert f2.shape == (24, 32) and not torch.allclose(f, f2)
+
+
+def test_random_init_control_is_reproducible_and_sources_exclusive():
+    a, b = load_encoder(random_init="vit_debug_patch4", seed=3), load_encoder(random_init="vit_debug_patch4", seed=3)
+    assert torch.equal(a.blocks[0].attn.qkv.weight, b.blocks[0].attn.qkv.weight)
+    with pytest.raises(ValueError, match="exactly one"):
+        load_encoder(encoder="x.safetensors", random_init="vit_debug_patch4")

@@ -1,0 +1,163 @@
+"""Evaluation on frozen features: weighted kNN and a linear probe, on any labeled shard set.
+
+    python train/evaluate.py --train_index shards/train.json --test_index shards/test.json \
+        (--encoder runs/x/encoder.safetensors | --checkpoint runs/x | --random_init vit_mini_patch4 [--img_size 32]) \
+        [--pool cls|avg] [--out eval.json]
+
+kNN: cosine similarity, k = 20 nearest training features, votes weighted by exp(sim / 0.07)
+(DINO's protocol). Linear probe: features standardised with the training mean/std, one linear
+layer trained full-batch with L-BFGS on cross-entropy plus a small L2 penalty. This is the quick
+probe for small data sets; the MAE LARS protocol is train/linprobe.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from data.shards import ShardSet, decode, raw_samples
+from data.transforms import EvalTransform
+from model.vit import VisionTransformer
+
+OUR_ARCH_KEYS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias")
+
+
+def encoder_from_timm_kwargs(kwargs: dict) -> VisionTransformer:
+    return VisionTransformer(**{k: kwargs[k] for k in OUR_ARCH_KEYS}, global_pool="token", num_classes=0)
+
+
+def load_encoder(encoder: str | None = None, checkpoint: str | None = None, random_init: str | None = None,
+                 img_size: int = 0, seed: int = 0) -> VisionTransformer:
+    """Exactly one source: an exported .safetensors (+ .json), a run/checkpoint folder, or a registry name."""
+    if sum(x is not None for x in (encoder, checkpoint, random_init)) != 1:
+        raise ValueError("give exactly one of --encoder, --checkpoint, --random_init")
+    if random_init is not None:
+        from model.registry import create_model
+
+        torch.manual_seed(seed)
+        return create_model(random_init, **({"img_size": img_size} if img_size else {}))
+    if encoder is not None:
+        path = Path(encoder)
+        kwargs = json.loads(path.with_suffix(".json").read_text())["timm_kwargs"]
+        model = encoder_from_timm_kwargs(kwargs)
+        model.load_state_dict(load_file(str(path)), strict=True)
+        return model
+    from train.checkpoint import find_resume
+    from train.export import encoder_state
+
+    state, meta = encoder_state(find_resume(checkpoint, Path(checkpoint)))
+    model = encoder_from_timm_kwargs(meta["encoder_timm_kwargs"])
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+class EvalStream(torch.utils.data.IterableDataset):
+    """Every sample of a shard set once, in shard order, split by worker; corrupt ones skipped."""
+
+    def __init__(self, shards: ShardSet, transform: EvalTransform):
+        super().__init__()
+        self.shards, self.transform = shards, transform
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        errors: dict = {}
+        for raw in raw_samples(list(self.shards.files[worker::workers]), errors):
+            try:
+                img, label = decode(raw)
+            except (KeyError, OSError, ValueError, SyntaxError):
+                continue
+            yield self.transform(img), label
+
+
+@torch.no_grad()
+def extract_features(model: VisionTransformer, shards: ShardSet, batch_size: int = 256, num_workers: int = 1,
+                     pool: str = "cls") -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_samples, D) features after the final norm: cls token or mean of patch tokens."""
+    model.eval()
+    loader = torch.utils.data.DataLoader(EvalStream(shards, EvalTransform(model.patch_embed.img_size, crop_pct=1.0)),
+                                         batch_size=batch_size, num_workers=num_workers)
+    feats, labels = [], []
+    for images, y in loader:
+        tokens = model.forward_features(images)  # (B, 1+N, D)
+        feats.append(tokens[:, 0] if pool == "cls" else tokens[:, 1:].mean(1))
+        labels.append(y)
+    return torch.cat(feats), torch.cat(labels)
+
+
+def knn_top1(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torch.Tensor, test_y: torch.Tensor,
+             num_classes: int, k: int = 20, temperature: float = 0.07, chunk: int = 1024) -> float:
+    """Weighted kNN accuracy (%): cosine similarity, votes exp(sim / T) over the k nearest."""
+    train_f, test_f = F.normalize(train_f.float(), dim=1), F.normalize(test_f.float(), dim=1)
+    correct = 0
+    for i in range(0, len(test_f), chunk):
+        sim = test_f[i : i + chunk] @ train_f.T  # (b, n_train)
+        top_sim, top_idx = sim.topk(k, dim=1)  # (b, k)
+        votes = torch.zeros(len(top_sim), num_classes)
+        votes.scatter_add_(1, train_y[top_idx], (top_sim / temperature).exp())
+        correct += (votes.argmax(1) == test_y[i : i + chunk]).sum().item()
+    return 100.0 * correct / len(test_f)
+
+
+def linear_probe_top1(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torch.Tensor, test_y: torch.Tensor,
+                      num_classes: int, weight_decay: float = 1e-4, max_iter: int = 200) -> float:
+    """Accuracy (%) of a linear classifier on standardised features, fitted full-batch by L-BFGS."""
+    mean, std = train_f.mean(0), train_f.std(0) + 1e-6
+    xtr, xte = (train_f - mean) / std, (test_f - mean) / std
+    head = torch.nn.Linear(xtr.shape[1], num_classes)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    opt = torch.optim.LBFGS(head.parameters(), lr=1.0, max_iter=max_iter, history_size=20,
+                            line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(head(xtr), train_y) + weight_decay * head.weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    with torch.no_grad():
+        return 100.0 * (head(xte).argmax(1) == test_y).float().mean().item()
+
+
+def evaluate(model: VisionTransformer, train: ShardSet, test: ShardSet, pool: str = "cls",
+             num_workers: int = 1) -> dict[str, float]:
+    train_f, train_y = extract_features(model, train, pool=pool, num_workers=num_workers)
+    test_f, test_y = extract_features(model, test, pool=pool, num_workers=num_workers)
+    num_classes = len(train.classes)
+    return {
+        "knn_top1": knn_top1(train_f, train_y, test_f, test_y, num_classes),
+        "linear_probe_top1": linear_probe_top1(train_f, train_y, test_f, test_y, num_classes),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--train_index", required=True)
+    p.add_argument("--test_index", required=True)
+    p.add_argument("--encoder")
+    p.add_argument("--checkpoint")
+    p.add_argument("--random_init", help="registry name: the same architecture at random init (control)")
+    p.add_argument("--img_size", type=int, default=0, help="with --random_init")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pool", choices=["cls", "avg"], default="cls")
+    p.add_argument("--num_workers", type=int, default=1)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    model = load_encoder(a.encoder, a.checkpoint, a.random_init, a.img_size, a.seed)
+    result = evaluate(model, ShardSet.from_index(a.train_index), ShardSet.from_index(a.test_index), a.pool,
+                      a.num_workers)
+    print(json.dumps(result))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
