@@ -126,9 +126,32 @@ def read_meta(tag_dir: Path) -> dict:
     return json.loads((tag_dir / COMPLETE).read_text())
 
 
+# Plain data classes DeepSpeed pickles into its optimizer files; nothing else may appear.
+DEEPSPEED_DATA_GLOBALS = {
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+}
+
+
+def verify_safe(tag_dir: Path) -> None:
+    """Refuse a checkpoint whose pickles name any global beyond tensors, plain containers and the
+    DeepSpeed data classes above. DeepSpeed's loader unpickles without restriction, so this scan
+    (which reads the pickle opcodes without executing them) runs first."""
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+
+    for f in sorted(tag_dir.glob("*.pt")):
+        unexpected = set(get_unsafe_globals_in_checkpoint(f)) - DEEPSPEED_DATA_GLOBALS
+        if unexpected:
+            raise ValueError(f"{f} would unpickle {sorted(unexpected)}; refusing to load it (not a checkpoint "
+                             f"written by this code, or tampered with)")
+
+
 def load(engine, tag_dir: Path, rank: int) -> dict:
     """Restore engine state and this rank's RNG; returns the client state. The caller has checked
     (before starting the process group) that the world size matches the checkpoint's."""
+    verify_safe(tag_dir)
     _, client = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
                                        load_optimizer_states=True, load_lr_scheduler_states=True)
     if client is None:

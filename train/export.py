@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from train.checkpoint import find_resume, read_meta
+from train.checkpoint import find_resume, read_meta, verify_safe
 
 ENCODER_PREFIX = "encoder."
 # Our registry name at 224 px -> timm's model name, for users who prefer timm.create_model.
@@ -36,6 +36,8 @@ def _module_state(tag_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:
     half = any(v.dtype in (torch.float16, torch.bfloat16) for v in states.values())
     if zero_stage >= 1 and (half or zero_stage == 3):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        verify_safe(tag_dir)  # DeepSpeed's reader unpickles without restriction
 
         return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     return states

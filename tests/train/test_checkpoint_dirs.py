@@ -44,3 +44,21 @@ def test_prune_keeps_newest_complete(tmp_path):
     _tag(root, 5)
     prune(root, keep=2)
     assert sorted(p.name for p in root.iterdir()) == [tag_for(3), tag_for(4), tag_for(5)]
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("executed",))
+
+
+def test_verify_safe_refuses_foreign_objects(tmp_path):
+    import torch
+
+    from train.checkpoint import verify_safe
+
+    tag = _tag(tmp_path, 1)
+    torch.save({"module": {"w": torch.zeros(2)}, "step": 1}, tag / "mp_rank_00_model_states.pt")
+    verify_safe(tag)  # tensors and plain containers pass
+    torch.save({"module": {"w": torch.zeros(2)}, "x": Payload()}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(ValueError, match="builtins.print"):
+        verify_safe(tag)

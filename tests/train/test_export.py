@@ -51,6 +51,9 @@ def test_bf16_run_exports_fp32_master_weights(tmp_path):
     assert not torch.equal(w, w.bfloat16().float())  # real fp32 masters, not the rounded bf16 copy
     assert torch.equal(w.bfloat16(), module["encoder.blocks.0.attn.qkv.weight"])
     load_timm_encoder(tmp_path / "run" / "encoder.safetensors")
+    from train.checkpoint import verify_safe
+
+    verify_safe(tmp_path / "run" / "checkpoints" / "step00000002")  # bf16 optimizer files pass the scan
 
 
 def test_evaluation_loads_the_exported_encoder_and_the_checkpoint_alike(fp32_run):

@@ -1,0 +1,94 @@
+"""Import weights from other formats into our modules (plain PyTorch, safe loading only).
+
+- Official MAE checkpoints (facebookresearch/mae release): `{"model": state_dict}` with timm-style
+  encoder names at the top level (cls_token, pos_embed, patch_embed.*, blocks.*, norm.*) and, in
+  pretraining checkpoints, the decoder (mask_token, decoder_embed.*, decoder_pos_embed,
+  decoder_blocks.*, decoder_norm.*, decoder_pred.*). Fine-tuned ones carry fc_norm/head instead
+  of norm; the encoder part is what we import from them.
+- timm VisionTransformer state_dicts: our encoder uses timm's names, so they load as they are.
+
+Files are read with `torch.load(weights_only=True)` (or safetensors): nothing but tensors and
+plain containers is ever unpickled.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from model.objectives.mae import MAEConfig, MAEObjective
+from model.vit import VisionTransformer
+
+DECODER_PREFIXES = ("mask_token", "decoder_")
+HEADS_BY_WIDTH = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}  # ViT-Ti/S/B/L/H; heads are not in the weights
+
+
+def safe_load(path: str | Path) -> dict[str, torch.Tensor]:
+    """A .safetensors file or a torch file holding tensors in plain containers; never arbitrary objects."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError (or RuntimeError) for anything beyond tensors
+        raise ValueError(
+            f"{path} holds objects other than tensors and plain containers, which are not unpickled for "
+            f"safety ({type(e).__name__}); re-save it as a state_dict or .safetensors"
+        ) from None
+
+
+def split_official_mae(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """-> (encoder state, decoder state) with our names (decoder keys as MAEDecoder's)."""
+    state = state.get("model", state)
+    encoder = {k: v for k, v in state.items() if not k.startswith(DECODER_PREFIXES)}
+    decoder = {k: v for k, v in state.items() if k.startswith(DECODER_PREFIXES)}
+    return encoder, decoder
+
+
+def _depth(state: dict, prefix: str) -> int:
+    ids = {int(m.group(1)) for k in state if (m := re.match(rf"{prefix}\.(\d+)\.", k))}
+    return max(ids) + 1 if ids else 0
+
+
+def infer_encoder_arch(encoder: dict[str, torch.Tensor], num_heads: int | None = None) -> dict:
+    """Architecture kwargs of VisionTransformer read off an encoder state_dict."""
+    w = encoder["patch_embed.proj.weight"]  # (D, C, p, p)
+    dim, chans, patch = w.shape[0], w.shape[1], w.shape[2]
+    grid = round((encoder["pos_embed"].shape[1] - 1) ** 0.5)
+    heads = num_heads or HEADS_BY_WIDTH.get(dim)
+    if heads is None:
+        raise ValueError(f"cannot infer the number of heads of a {dim}-wide ViT; pass num_heads")
+    mlp_ratio = encoder["blocks.0.mlp.fc1.weight"].shape[0] / dim
+    return dict(img_size=grid * patch, patch_size=patch, in_chans=chans, embed_dim=dim,
+                depth=_depth(encoder, "blocks"), num_heads=heads, mlp_ratio=mlp_ratio)
+
+
+def encoder_from_state(encoder: dict[str, torch.Tensor], num_heads: int | None = None,
+                       **overrides) -> VisionTransformer:
+    """Our ViT with the weights of a timm / MAE encoder state_dict; a classifier head is dropped.
+
+    A fine-tuned MAE / timm model with average pooling (fc_norm, no final norm) becomes a
+    global_pool='avg' encoder, so its features are exactly those it was fine-tuned with.
+    """
+    pool = "avg" if "fc_norm.weight" in encoder and "norm.weight" not in encoder else "token"
+    model = VisionTransformer(**infer_encoder_arch(encoder, num_heads), global_pool=pool, **overrides)
+    model.load_state_dict({k: v for k, v in encoder.items() if not k.startswith("head.")}, strict=True)
+    return model
+
+
+def mae_from_official(path: str | Path, num_heads: int | None = None, decoder_heads: int = 16,
+                      **mae_overrides) -> MAEObjective:
+    """Our MAE objective (encoder + decoder) from an official MAE pretraining checkpoint."""
+    encoder_state, decoder_state = split_official_mae(safe_load(path))
+    if not decoder_state:
+        raise ValueError(f"{path} has no decoder weights (an encoder-only or fine-tuned checkpoint); "
+                         f"use encoder_from_state for those")
+    cfg = MAEConfig(decoder_dim=decoder_state["decoder_embed.weight"].shape[0],
+                    decoder_depth=_depth(decoder_state, "decoder_blocks"), decoder_heads=decoder_heads,
+                    **mae_overrides)
+    objective = MAEObjective(encoder_from_state(encoder_state, num_heads), cfg)
+    objective.decoder.load_state_dict(decoder_state, strict=True)
+    return objective

@@ -1,0 +1,85 @@
+"""Official-MAE and timm checkpoints come in with identical features; unsafe pickles are refused."""
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+
+from model import create_model
+from model.interop import encoder_from_state, mae_from_official, safe_load
+from model.objectives import build_objective
+from model.objectives.mae import MAEConfig
+
+
+def _official_format(objective) -> dict:
+    """Our MAE objective's weights laid out as the official release: {"model": flat timm-style names}."""
+    flat = {}
+    for k, v in objective.state_dict().items():
+        flat[k.removeprefix("encoder.").removeprefix("decoder.")] = v.clone()
+    return {"model": flat}
+
+
+@pytest.fixture
+def mae():
+    torch.manual_seed(0)
+    enc = create_model("vit_small_patch16", img_size=32, depth=2)
+    obj = build_objective("mae", enc, MAEConfig(decoder_dim=64, decoder_depth=2, decoder_heads=4))
+    # perturb every weight so a wrong mapping cannot hide behind identical initialisations
+    with torch.no_grad():
+        for p in obj.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return obj.eval()
+
+
+def test_official_mae_round_trip_same_loss(mae, tmp_path):
+    path = tmp_path / "mae_pretrain.pth"
+    torch.save(_official_format(mae), path)
+    imported = mae_from_official(path, decoder_heads=4).eval()
+    assert imported.cfg.decoder_dim == 64 and imported.cfg.decoder_depth == 2
+    assert imported.encoder.arch == mae.encoder.arch
+    batch = {"image": torch.randn(2, 3, 32, 32), "mask_noise": torch.rand(2, 4)}
+    with torch.no_grad():
+        assert torch.equal(imported(batch)["loss"], mae(batch)["loss"])
+
+
+def test_encoder_only_and_finetuned_layouts(mae, tmp_path):
+    x = torch.randn(2, 3, 32, 32)
+    encoder_only = {k: v for k, v in _official_format(mae)["model"].items() if not k.startswith(("decoder", "mask_token"))}
+    enc = encoder_from_state(encoder_only).eval()
+    with torch.no_grad():
+        assert torch.equal(enc.forward_features(x), mae.encoder.forward_features(x))
+    with pytest.raises(ValueError, match="no decoder weights"):
+        torch.save({"model": encoder_only}, tmp_path / "enc.pth")
+        mae_from_official(tmp_path / "enc.pth")
+    # a fine-tuned checkpoint: fc_norm + head, no final norm -> average-pooled encoder
+    finetuned = {k: v for k, v in encoder_only.items() if not k.startswith("norm.")}
+    finetuned |= {"fc_norm.weight": torch.rand(384), "fc_norm.bias": torch.rand(384),
+                  "head.weight": torch.rand(10, 384), "head.bias": torch.rand(10)}
+    ft = encoder_from_state(finetuned)
+    assert ft.global_pool == "avg" and torch.equal(ft.fc_norm.weight, finetuned["fc_norm.weight"])
+
+
+def test_timm_state_dict_loads_back_with_same_features(tmp_path):
+    torch.manual_seed(0)
+    theirs = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=0, img_size=32, depth=2).eval()
+    save_file(theirs.state_dict(), str(tmp_path / "timm.safetensors"))
+    ours = encoder_from_state(safe_load(tmp_path / "timm.safetensors")).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(ours.forward_features(x), theirs.forward_features(x), atol=1e-5)
+
+
+class NotATensor:
+    pass
+
+
+def test_unsafe_pickles_are_refused(tmp_path):
+    torch.save({"model": {"w": torch.zeros(1)}, "args": NotATensor()}, tmp_path / "evil.pth")
+    with pytest.raises(ValueError, match="not unpickled for safety"):
+        safe_load(tmp_path / "evil.pth")
+
+
+def test_heads_must_be_given_for_unknown_widths():
+    enc = create_model("vit_debug_patch4")  # 32 wide: no standard head count
+    with pytest.raises(ValueError, match="pass num_heads"):
+        encoder_from_state(enc.state_dict())
+    assert encoder_from_state(enc.state_dict(), num_heads=2).arch == enc.arch
