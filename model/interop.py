@@ -92,3 +92,24 @@ def mae_from_official(path: str | Path, num_heads: int | None = None, decoder_he
     objective = MAEObjective(encoder_from_state(encoder_state, num_heads), cfg)
     objective.decoder.load_state_dict(decoder_state, strict=True)
     return objective
+
+
+def load_into_objective(objective: torch.nn.Module, path: str | Path) -> str:
+    """Initialise an objective from an official MAE checkpoint, a timm/exported encoder state_dict
+    or .safetensors: the encoder always (strict), the MAE decoder too when the file has one and the
+    objective owns an MAE decoder. Returns a one-line summary for the log."""
+    encoder_state, decoder_state = split_official_mae(safe_load(path))
+    encoder_state = {k: v for k, v in encoder_state.items() if not k.startswith("head.")}
+    try:
+        objective.encoder.load_state_dict(encoder_state, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{path} does not fit the configured encoder: {e}") from None
+    loaded = "encoder"
+    decoder = getattr(objective, "decoder", None)
+    if decoder_state and decoder is not None:
+        try:
+            decoder.load_state_dict(decoder_state, strict=True)
+        except RuntimeError as e:
+            raise ValueError(f"{path} has a decoder that does not fit the configured one: {e}") from None
+        loaded += " + decoder"
+    return f"initialised {loaded} from {path}"

@@ -32,6 +32,7 @@ class ModelConfig:
     img_size: int = 0  # 0 = the registry entry's default (224 for standard sizes)
     in_chans: int = 3
     attn_backend: str = "auto"  # auto (= sdpa) | sdpa | math | flash_attn
+    init_from: str = ""  # weights to start from: official MAE .pth, timm/exported encoder (.pth/.safetensors)
 
 
 @dataclass
@@ -101,6 +102,8 @@ class PretrainConfig:
                               "data/write_shards.py), or set --data.source synthetic")
         if not 0.0 < self.data.crop_scale_min <= 1.0:
             raise ConfigError(f"data.crop_scale_min must be in (0, 1], got {self.data.crop_scale_min}")
+        if self.model.init_from and not Path(self.model.init_from).is_file():
+            raise ConfigError(f"model.init_from {self.model.init_from!r} does not exist")
         if self.model.name not in list_models():
             close = difflib.get_close_matches(self.model.name, list_models(), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -1,7 +1,8 @@
 """Evaluation on frozen features: weighted kNN and a linear probe, on any labeled shard set.
 
     python train/evaluate.py --train_index shards/train.json --test_index shards/test.json \
-        (--encoder runs/x/encoder.safetensors | --checkpoint runs/x | --random_init vit_mini_patch4 [--img_size 32]) \
+        (--encoder runs/x/encoder.safetensors | --encoder mae_pretrain_vit_base.pth | --checkpoint runs/x
+         | --random_init vit_mini_patch4 [--img_size 32]) \
         [--pool cls|avg] [--out eval.json]
 
 kNN: cosine similarity, k = 20 nearest training features, votes weighted by exp(sim / 0.07)
@@ -42,6 +43,10 @@ def load_encoder(encoder: str | None = None, checkpoint: str | None = None, rand
         return create_model(random_init, **({"img_size": img_size} if img_size else {}))
     if encoder is not None:
         path = Path(encoder)
+        if not path.with_suffix(".json").is_file():  # an official MAE / timm checkpoint
+            from model.interop import encoder_from_state, safe_load, split_official_mae
+
+            return encoder_from_state(split_official_mae(safe_load(path))[0])
         kwargs = json.loads(path.with_suffix(".json").read_text())["timm_kwargs"]
         model = encoder_from_timm_kwargs(kwargs)
         model.load_state_dict(load_file(str(path)), strict=True)

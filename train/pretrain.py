@@ -17,6 +17,7 @@ import torch
 
 from data.source import build_source, check_source, nominal_epoch_size
 from kernels.accelerators import describe as describe_accelerators
+from model.interop import load_into_objective
 from model.objectives import build_objective
 from model.registry import create_model
 from train import checkpoint, distributed
@@ -52,6 +53,11 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
 
     torch.manual_seed(cfg.seed)
     objective = build_objective(cfg.objective, build_encoder(cfg), getattr(cfg, cfg.objective))
+    if cfg.model.init_from:
+        try:
+            log.info(load_into_objective(objective, cfg.model.init_from))
+        except ValueError as e:
+            raise ConfigError(f"model.init_from: {e}") from None
     groups, split = param_groups(objective, cfg.optim.weight_decay)
     optimizer = build_adamw(groups, cfg.optim.betas, cfg.optim.fused, device.type == "cuda")
     scheduler = WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, warmup_steps, total_steps)

@@ -99,3 +99,22 @@ def test_bad_ds_config_rejected_before_training(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("fp16 is valid with CUDA")
     assert proc.returncode == 2 and "needs CUDA" in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_continued_pretraining_from_an_official_mae_checkpoint(straight, tmp_path):
+    """Official layout {"model": flat names incl. decoder} -> --model.init_from: step 1 starts from it."""
+    module = torch.load(straight / "checkpoints" / "step00000006" / "mp_rank_00_model_states.pt",
+                        weights_only=True)["module"]
+    official = {"model": {k.removeprefix("encoder.").removeprefix("decoder."): v for k, v in module.items()}}
+    torch.save(official, tmp_path / "mae_pretrain.pth")
+    run_pretrain(tmp_path / "run", "--model.init_from", str(tmp_path / "mae_pretrain.pth"), "--run.max_steps", "1")
+    # the first step has lr 0 (warmup from 0), so the step-1 weights are exactly the imported ones
+    after = torch.load(tmp_path / "run" / "checkpoints" / "step00000001" / "mp_rank_00_model_states.pt",
+                       weights_only=True)["module"]
+    for k, v in module.items():
+        assert torch.equal(after[k], v), k
+    assert read_metrics(tmp_path / "run")[0]["loss"] != read_metrics(straight)[0]["loss"]
+    bad = {"model": {k: v for k, v in official["model"].items() if k != "norm.weight"}}
+    torch.save(bad, tmp_path / "broken.pth")
+    proc = run_pretrain(tmp_path / "run2", "--model.init_from", str(tmp_path / "broken.pth"), check=False)
+    assert proc.returncode == 2 and "does not fit the configured encoder" in proc.stderr
