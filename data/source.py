@@ -34,3 +34,24 @@ def build_source(data_cfg, img_size: int, in_chans: int, batch_size: int, seed: 
     return ShardLoader(ShardSet.from_index(data_cfg.train_index), img_size, batch_size, seed, rank, world,
                        data_cfg.num_workers, data_cfg.shuffle_buffer, data_cfg.crop_scale_min,
                        pin_memory=device.type == "cuda")
+
+
+def fixed_images(data_cfg, img_size: int, in_chans: int, n: int = 8) -> torch.Tensor:
+    """The same n images at every call (for figures): the first samples of the first shard with
+    the evaluation transform, or a synthetic batch from a seed of its own. Reads nothing from the
+    training stream, so taking them changes no batch of training."""
+    if data_cfg.source == "synthetic":
+        return next(SyntheticImages(n, img_size, in_chans, data_cfg.num_classes, seed=2**31 - 1, rank=0))["image"]
+    from data.shards import decode, raw_samples
+    from data.transforms import EvalTransform
+
+    shards, transform = ShardSet.from_index(data_cfg.train_index), EvalTransform(img_size, crop_pct=1.0)
+    images = []
+    for raw in raw_samples(list(shards.files), {}):
+        try:
+            images.append(transform(decode(raw)[0]))
+        except (KeyError, OSError, ValueError, SyntaxError):
+            continue
+        if len(images) == n:
+            break
+    return torch.stack(images)

@@ -66,6 +66,7 @@ class RunConfig:
     tensorboard: bool = True
     progress: bool = True
     export: bool = True  # write encoder.safetensors + encoder.json at the end
+    vis_every: int = 0  # optimizer steps between PNG figures in <output_dir>/vis (0 = none)
 
 
 @dataclass

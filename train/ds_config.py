@@ -97,6 +97,9 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
         bf16_ok = torch.cuda.is_bf16_supported() if bf16_ok is None else bf16_ok
         if not bf16_ok:
             raise ConfigError("ds_config enables bf16, which this GPU lacks (V100 has none); use an fp16 config")
+    if stage == 3 and cfg.run.vis_every:
+        raise ConfigError("run.vis_every needs the full weights on rank 0, which ZeRO-3 partitions; "
+                          "set run.vis_every 0 or use ZeRO stage <= 2")
     if cfg.model.attn_backend == "flash_attn" and prec == "fp32":
         raise ConfigError("model.attn_backend flash_attn runs only in fp16/bf16, but the ds_config trains in fp32")
     plan = resolve_batch(ds, world)

@@ -20,6 +20,7 @@ class LoopState:
     log_every: int
     ckpt_every: int
     global_batch: int
+    vis_every: int = 0  # 0 = no figures
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -41,6 +42,7 @@ def run(
     dtype: torch.dtype,
     on_log: Callable[[int, dict[str, float]], None],
     on_checkpoint: Callable[[int], None],
+    on_visualize: Callable[[int], None] = lambda step: None,
 ) -> None:
     accum = engine.gradient_accumulation_steps()
     # ZeRO stages 1-3 and the mixed-precision optimizers report the norm they computed; a plain
@@ -89,6 +91,8 @@ def run(
                 metrics["loss_scale"] = float(scale)
             on_log(state.step, metrics)
             sums, t_last, steps_since_log = {}, time.perf_counter(), 0
+        if state.vis_every and (state.step % state.vis_every == 0 or state.step == state.stop_step):
+            on_visualize(state.step)
         if state.step % state.ckpt_every == 0 or state.step == state.stop_step:
             on_checkpoint(state.step)
             t_last = time.perf_counter()  # checkpoint time is not training throughput

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from data.source import build_source, check_source, nominal_epoch_size
+from data.source import build_source, check_source, fixed_images, nominal_epoch_size
 from kernels.accelerators import describe as describe_accelerators
 from model.interop import load_into_objective
 from model.objectives import build_objective
@@ -26,6 +26,7 @@ from train.ds_config import BatchPlan, resolve
 from train.loop import LoopState, run
 from train.optim import WarmupCosineSchedule, build_adamw, param_groups
 from train.run_dir import Reporter, write_run_files
+from train.visualize import write_figures
 
 log = logging.getLogger("pretrain")
 
@@ -135,9 +136,26 @@ def main(argv: list[str] | None = None) -> Path:
         client = {"step": step, "data": distributed.all_gather_object(data.state_dict())}
         last_saved[:] = [checkpoint.save(engine, ckpt_root, step, client, rank, world, ckpt_meta, cfg.run.keep_checkpoints)]
 
+    def on_visualize(step: int) -> None:  # rank 0 only; no collectives, no global RNG draws
+        if rank != 0:
+            return
+        module = engine.module
+        module.eval()
+        with torch.no_grad():
+            write_figures(module, vis_images, vis_noise, run_dir / "vis", step)
+        module.train()
+
+    if rank == 0 and cfg.run.vis_every:
+        img_size = encoder.patch_embed.img_size
+        vis_images = fixed_images(cfg.data, img_size, cfg.model.in_chans).to(device, dtype)
+        vis_noise = torch.rand(len(vis_images), encoder.num_patches, generator=torch.Generator().manual_seed(0))
+        vis_noise = vis_noise.to(device)
+
     reporter = Reporter(run_dir, start_step, stop_step, cfg.run.tensorboard, cfg.run.progress) if rank == 0 else None
-    state = LoopState(start_step, stop_step, cfg.run.log_every, cfg.run.ckpt_every, plan.global_batch)
-    run(engine, data, state, device, dtype, reporter.log if reporter else lambda step, metrics: None, on_checkpoint)
+    state = LoopState(start_step, stop_step, cfg.run.log_every, cfg.run.ckpt_every, plan.global_batch,
+                      cfg.run.vis_every)
+    run(engine, data, state, device, dtype, reporter.log if reporter else lambda step, metrics: None, on_checkpoint,
+        on_visualize)
     if reporter is not None:
         reporter.close()
     if rank == 0 and cfg.run.export and last_saved:

@@ -12,7 +12,7 @@ from torch import nn
 
 from model.mae_decoder import MAEDecoder
 from model.objectives.masking import Masking, gather_tokens, masking_from_mask, masking_from_noise, num_kept
-from model.objectives.patches import normalized_pixels, patchify
+from model.objectives.patches import normalized_pixels, patchify, unpatchify
 from model.vit import VisionTransformer
 
 
@@ -79,3 +79,23 @@ class MAEObjective(nn.Module):
         pred = self.decoder(self.encode(images, masking), masking.ids_restore)  # (B, N, p*p*C)
         loss = masked_patch_loss(pred, self.target(images), masking.mask)
         return {"loss": loss, "pred": pred, "mask": masking.mask}
+
+    @torch.no_grad()
+    def visualizations(self, images: torch.Tensor, noise: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """Rows of (B, C, H, W) images in the input's normalised space: original, masked input
+        (removed patches zeroed), reconstruction, reconstruction with the visible patches pasted.
+        Normalised-pixel predictions are mapped back with each patch's true mean/std (as MAE's demo)."""
+        masking = masking_from_noise(noise, num_kept(self.encoder.num_patches, self.cfg.mask_ratio))
+        pred = self.decoder(self.encode(images, masking), masking.ids_restore).float()  # (B, N, p*p*C)
+        target = patchify(images.float(), self.patch_size)
+        if self.cfg.norm_pix_loss:
+            mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True, unbiased=True)
+            pred = pred * (var + 1e-6) ** 0.5 + mean
+        removed = masking.mask[..., None]  # (B, N, 1)
+        shape = (self.patch_size, self.encoder.patch_embed.grid_size, images.shape[1])
+        return {"mae_reconstruction": [
+            images.float(),
+            unpatchify(target * (1 - removed), *shape),
+            unpatchify(pred, *shape),
+            unpatchify(target * (1 - removed) + pred * removed, *shape),
+        ]}

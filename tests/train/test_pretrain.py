@@ -14,7 +14,9 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
-    run_pretrain(out, "--run.max_steps", str(STEPS), "--run.ckpt_every", "3")
+    # with figures every 3 steps: the resume test below compares against this run, which also
+    # shows that drawing figures leaves the training stream untouched
+    run_pretrain(out, "--run.max_steps", str(STEPS), "--run.ckpt_every", "3", "--run.vis_every", "3")
     return out
 
 
@@ -30,6 +32,15 @@ def test_run_folder_contents(straight):
     assert len(meta["git"]["commit"]) == 40 or meta["git"]["commit"] == "unknown"
     assert meta["peak_lr"] == pytest.approx(1.5e-3 * 8 / 256)  # lr = blr x global batch / 256
     assert meta["attention_backend"] == "sdpa"
+
+
+def test_figures_written_every_vis_every_steps(straight):
+    from PIL import Image
+
+    names = sorted(p.name for p in (straight / "vis").iterdir())
+    assert names == [f"{kind}_step{s:08d}.png" for kind in ("cls_attention", "mae_reconstruction") for s in (3, 6)]
+    width, height = Image.open(straight / "vis" / "mae_reconstruction_step00000006.png").size
+    assert width > height > 0  # 8 images across, 4 rows
 
 
 def test_metrics_lines(straight):
