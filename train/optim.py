@@ -86,3 +86,69 @@ class WarmupCosineSchedule:
     def load_state_dict(self, state: dict) -> None:
         self.last_step = int(state["last_step"])
         self._apply()
+
+
+def layer_id(name: str, depth: int) -> int:
+    """MAE's layer ids for layer-wise lr decay: patch embed, cls, pos -> 0; block i -> i + 1;
+    everything after the blocks (final norm, fc_norm, head) -> depth + 1. Names are encoder-relative."""
+    if name.startswith(("cls_token", "pos_embed", "patch_embed")):
+        return 0
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) + 1
+    return depth + 1
+
+
+def layer_decay_groups(encoder: nn.Module, weight_decay: float, layer_decay: float,
+                       prefix: str = "") -> list[dict]:
+    """Groups keyed by (layer id, decay or not), each with lr_scale = layer_decay^(depth + 1 - id);
+    the schedule multiplies its lr by lr_scale. `prefix` strips a wrapper's name (e.g. 'encoder.')."""
+    depth = len(encoder.blocks)
+    skip = no_weight_decay_names(encoder)
+    groups: dict[tuple[int, bool], dict] = {}
+    for name, p in encoder.named_parameters():
+        if not p.requires_grad:
+            continue
+        decayed = not (p.ndim <= 1 or name in skip)
+        lid = layer_id(name, depth)
+        group = groups.setdefault((lid, decayed), {
+            "params": [], "weight_decay": weight_decay if decayed else 0.0,
+            "lr_scale": layer_decay ** (depth + 1 - lid), "names": [],
+        })
+        group["params"].append(p)
+        group["names"].append(prefix + name)
+    return [groups[k] for k in sorted(groups)]
+
+
+class LARS(torch.optim.Optimizer):
+    """LARS as used for MAE's linear probe (momentum SGD with a layer-wise trust ratio).
+
+    For parameters with more than one dimension: g <- g + wd * w, then g <- g * trust * ||w|| / ||g||
+    when both norms are positive; biases and norm parameters (1-D) take the plain momentum step.
+    Then mu <- momentum * mu + g; w <- w - lr * mu.
+    """
+
+    def __init__(self, params, lr: float = 0.0, weight_decay: float = 0.0, momentum: float = 0.9,
+                 trust_coefficient: float = 0.001):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                      trust_coefficient=trust_coefficient))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                if p.ndim > 1:
+                    g = g.add(p, alpha=group["weight_decay"])
+                    w_norm, g_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(g)
+                    ratio = torch.where((w_norm > 0) & (g_norm > 0),
+                                        group["trust_coefficient"] * w_norm / g_norm, torch.ones_like(w_norm))
+                    g = g.mul(ratio)
+                state = self.state[p]
+                if "mu" not in state:
+                    state["mu"] = torch.zeros_like(p)
+                mu = state["mu"].mul_(group["momentum"]).add_(g)
+                p.add_(mu, alpha=-group["lr"])
+        return loss

@@ -46,3 +46,43 @@ def test_schedule_sets_every_group_and_resumes():
     s2 = WarmupCosineSchedule(opt2, 2.0, 0.0, 4, 20)
     s2.load_state_dict(s.state_dict())
     assert [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in opt.param_groups]
+
+
+def test_layer_ids_and_decay_groups():
+    from train.optim import layer_decay_groups, layer_id
+
+    assert [layer_id(n, 12) for n in ("cls_token", "pos_embed", "patch_embed.proj.weight", "blocks.0.attn.qkv.weight",
+                                      "blocks.11.mlp.fc2.bias", "norm.weight", "fc_norm.bias", "head.weight")] == \
+        [0, 0, 0, 1, 12, 13, 13, 13]
+    enc = create_model("vit_debug_patch4", global_pool="avg", num_classes=10)  # depth 2
+    groups = layer_decay_groups(enc, weight_decay=0.05, layer_decay=0.5, prefix="encoder.")
+    by_name = {n: g for g in groups for n in g["names"]}
+    assert by_name["encoder.patch_embed.proj.weight"]["lr_scale"] == 0.5 ** 3  # decay^(depth + 1 - 0)
+    assert by_name["encoder.blocks.0.attn.qkv.weight"]["lr_scale"] == 0.5 ** 2
+    assert by_name["encoder.blocks.1.attn.qkv.weight"]["lr_scale"] == 0.5
+    assert by_name["encoder.head.weight"]["lr_scale"] == 1.0 and by_name["encoder.head.weight"]["weight_decay"] == 0.05
+    assert by_name["encoder.head.bias"]["weight_decay"] == 0.0 and by_name["encoder.cls_token"]["weight_decay"] == 0.0
+    assert "encoder.pos_embed" not in by_name  # frozen sin-cos table
+    trainable = sum(p.numel() for p in enc.parameters() if p.requires_grad)
+    assert sum(p.numel() for g in groups for p in g["params"]) == trainable
+    # the schedule applies lr_scale
+    opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "names"} for g in groups])
+    WarmupCosineSchedule(opt, 1.0, 0.0, 0, 10)
+    assert sorted({g["lr"] for g in opt.param_groups}) == [0.125, 0.25, 0.5, 1.0]
+
+
+def test_lars_step_hand_computed():
+    from train.optim import LARS
+
+    w = torch.nn.Parameter(torch.tensor([[3.0, 4.0]]))  # ||w|| = 5
+    b = torch.nn.Parameter(torch.tensor([1.0]))
+    opt = LARS([w, b], lr=0.1, weight_decay=0.5, momentum=0.9, trust_coefficient=0.001)
+    w.grad, b.grad = torch.tensor([[1.0, 2.0]]), torch.tensor([2.0])
+    opt.step()
+    g = torch.tensor([[1.0, 2.0]]) + 0.5 * torch.tensor([[3.0, 4.0]])  # [[2.5, 4]]
+    g = g * 0.001 * 5.0 / g.norm()
+    assert torch.allclose(w, torch.tensor([[3.0, 4.0]]) - 0.1 * g)
+    assert torch.allclose(b, torch.tensor([1.0 - 0.1 * 2.0]))  # 1-D: no decay, no trust ratio
+    w.grad, b.grad = torch.zeros(1, 2), torch.tensor([2.0])
+    opt.step()  # momentum carries: mu = 0.9 * 2 + 2 = 3.8
+    assert torch.allclose(b, torch.tensor([0.8 - 0.1 * 3.8]))
