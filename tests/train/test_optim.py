@@ -10,7 +10,8 @@ from train.optim import WarmupCosineSchedule, param_groups, warmup_cosine
 
 
 def test_param_groups_split():
-    obj = build_objective("mae", create_model("vit_debug_patch4"), MAEConfig(decoder_dim=32, decoder_depth=1, decoder_heads=2))
+    cfg = MAEConfig(decoder_dim=32, decoder_depth=1, decoder_heads=2)
+    obj = build_objective("mae", create_model("vit_debug_patch4"), cfg)
     groups, summary = param_groups(obj, 0.05)
     by_id = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
     named = dict(obj.named_parameters())
