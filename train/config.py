@@ -19,6 +19,7 @@ from typing import Any, Union
 from kernels import resolve_backend
 from model.objectives import OBJECTIVES
 from model.registry import list_models
+from model.objectives.linear_probe import LinearProbeConfig
 from model.objectives.mae import MAEConfig
 
 
@@ -39,6 +40,8 @@ class ModelConfig:
 class DataConfig:
     source: str = "shards"  # shards (webdataset, data/write_shards.py) | synthetic (benchmarks)
     train_index: str = ""  # the <name>.json index of the training shards
+    eval_index: str = ""  # labeled shards for top-1/top-5 of classification objectives ('' = none)
+    eval_crop_pct: float = 0.875  # evaluation resize = img_size / eval_crop_pct, then center crop
     epoch_size: int = 0  # nominal samples per epoch; 0 = the shard index's count (synthetic: 1,281,167)
     num_workers: int = 4  # DataLoader workers per rank
     shuffle_buffer: int = 1000  # samples held by each worker's shuffle buffer
@@ -55,6 +58,7 @@ class OptimConfig:
     warmup_epochs: float = 40.0
     min_lr: float = 0.0
     fused: str = "auto"  # auto (fused AdamW on CUDA, foreach on CPU) | yes | no
+    name: str = "adamw"  # adamw | lars (momentum 0.9, trust 0.001; needs ZeRO stage 0)
 
 
 @dataclass
@@ -67,6 +71,7 @@ class RunConfig:
     progress: bool = True
     export: bool = True  # write encoder.safetensors + encoder.json at the end
     vis_every: int = 0  # optimizer steps between PNG figures in <output_dir>/vis (0 = none)
+    eval_every: int = 0  # optimizer steps between evaluations on data.eval_index (0 = only at the end)
 
 
 @dataclass
@@ -81,12 +86,18 @@ class PretrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     mae: MAEConfig = field(default_factory=MAEConfig)
+    linprobe: LinearProbeConfig = field(default_factory=LinearProbeConfig)
 
     def validate(self) -> None:
         if not self.ds_config:
             raise ConfigError("--ds_config is required (e.g. ds_configs/cpu_debug.json)")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"objective {self.objective!r} is unknown; choose one of {sorted(OBJECTIVES)}")
+        if self.optim.name not in ("adamw", "lars"):
+            raise ConfigError(f"optim.name must be adamw or lars, got {self.optim.name!r}")
+        if self.data.eval_index and self.objective != "linprobe":
+            raise ConfigError(f"data.eval_index is for classification objectives; objective {self.objective!r} "
+                              f"has no classifier (evaluate its encoder with train/evaluate.py)")
         if self.optim.fused not in ("auto", "yes", "no"):
             raise ConfigError(f"optim.fused must be auto, yes or no, got {self.optim.fused!r}")
         if self.optim.warmup_epochs > self.optim.epochs:

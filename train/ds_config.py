@@ -97,6 +97,10 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
         bf16_ok = torch.cuda.is_bf16_supported() if bf16_ok is None else bf16_ok
         if not bf16_ok:
             raise ConfigError("ds_config enables bf16, which this GPU lacks (V100 has none); use an fp16 config")
+    if cfg.optim.name == "lars" and (stage != 0 or prec == "bf16"):
+        raise ConfigError("optim.name lars needs whole per-layer tensors for its trust ratio, but ZeRO stages "
+                          ">= 1 and DeepSpeed's bf16 optimizer hand it flat partitions; use a ds_config with ZeRO "
+                          "stage 0 in fp32 or fp16")
     if stage == 3 and cfg.run.vis_every:
         raise ConfigError("run.vis_every needs the full weights on rank 0, which ZeRO-3 partitions; "
                           "set run.vis_every 0 or use ZeRO stage <= 2")

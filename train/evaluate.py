@@ -85,13 +85,38 @@ def extract_features(model: VisionTransformer, shards: ShardSet, batch_size: int
     """(num_samples, D) features after the final norm: cls token or mean of patch tokens."""
     model.eval()
     loader = torch.utils.data.DataLoader(EvalStream(shards, EvalTransform(model.patch_embed.img_size, crop_pct=1.0)),
-                                         batch_size=batch_size, num_workers=num_workers)
+                                         batch_size=batch_size, num_workers=num_workers,
+                                         generator=torch.Generator().manual_seed(0))  # leave the global RNG alone
     feats, labels = [], []
     for images, y in loader:
         tokens = model.forward_features(images)  # (B, 1+N, D)
         feats.append(tokens[:, 0] if pool == "cls" else tokens[:, 1:].mean(1))
         labels.append(y)
     return torch.cat(feats), torch.cat(labels)
+
+
+@torch.no_grad()
+def classification_accuracy(predict, shards: ShardSet, img_size: int, crop_pct: float, rank: int, world: int,
+                            device: torch.device, dtype: torch.dtype, batch_size: int = 256,
+                            num_workers: int = 1) -> dict[str, float]:
+    """Top-1 / top-5 (%) of `predict(images) -> logits` over a labeled shard set; rank r reads
+    shards r, r + world, ...; counts are summed over ranks. Uses no global RNG."""
+    mine = ShardSet(shards.files[rank::world], shards.counts[rank::world], shards.classes)
+    loader = torch.utils.data.DataLoader(EvalStream(mine, EvalTransform(img_size, crop_pct)), batch_size=batch_size,
+                                         num_workers=num_workers if mine.files else 0,
+                                         generator=torch.Generator().manual_seed(0))
+    counts = torch.zeros(3, dtype=torch.float64, device=device)  # correct@1, correct@5, seen
+    for images, labels in loader:
+        logits = predict(images.to(device, dtype))
+        labels = labels.to(device)
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices  # (B, 5)
+        counts += torch.stack([(top[:, 0] == labels).sum(), (top == labels[:, None]).any(1).sum(),
+                               torch.tensor(len(labels), device=device)]).double()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts)
+    correct1, correct5, seen = counts.tolist()
+    return {"eval_top1": 100 * correct1 / max(seen, 1), "eval_top5": 100 * correct5 / max(seen, 1),
+            "eval_samples": int(seen)}
 
 
 def knn_top1(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torch.Tensor, test_y: torch.Tensor,

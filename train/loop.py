@@ -21,6 +21,7 @@ class LoopState:
     ckpt_every: int
     global_batch: int
     vis_every: int = 0  # 0 = no figures
+    eval_every: int = 0  # 0 = evaluate only at the end (when an evaluation is given)
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -43,6 +44,7 @@ def run(
     on_log: Callable[[int, dict[str, float]], None],
     on_checkpoint: Callable[[int], None],
     on_visualize: Callable[[int], None] = lambda step: None,
+    on_evaluate: Callable[[int], None] | None = None,
 ) -> None:
     accum = engine.gradient_accumulation_steps()
     # ZeRO stages 1-3 and the mixed-precision optimizers report the norm they computed; a plain
@@ -91,7 +93,10 @@ def run(
                 metrics["loss_scale"] = float(scale)
             on_log(state.step, metrics)
             sums, t_last, steps_since_log = {}, time.perf_counter(), 0
-        if state.vis_every and (state.step % state.vis_every == 0 or state.step == state.stop_step):
+        last = state.step == state.stop_step
+        if on_evaluate is not None and (last or (state.eval_every and state.step % state.eval_every == 0)):
+            on_evaluate(state.step)
+        if state.vis_every and (state.step % state.vis_every == 0 or last):
             on_visualize(state.step)
         if state.step % state.ckpt_every == 0 or state.step == state.stop_step:
             on_checkpoint(state.step)

@@ -36,6 +36,12 @@ def param_groups(module: nn.Module, weight_decay: float) -> tuple[list[dict], di
     return [g for g in groups if g["params"]], summary
 
 
+def build_optimizer(groups: list[dict], optim_cfg, on_cuda: bool) -> torch.optim.Optimizer:
+    if optim_cfg.name == "lars":
+        return LARS(groups, lr=0.0)
+    return build_adamw(groups, optim_cfg.betas, optim_cfg.fused, on_cuda)
+
+
 def build_adamw(groups: list[dict], betas: tuple[float, float], fused: str, on_cuda: bool) -> torch.optim.AdamW:
     """PyTorch's fused AdamW on CUDA (the default fast path); foreach elsewhere."""
     use_fused = on_cuda if fused == "auto" else fused == "yes"

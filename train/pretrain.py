@@ -8,6 +8,7 @@ starts; then: build encoder + objective, DeepSpeed engine, resume, loop, final c
 """
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from dataclasses import asdict
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from data.shards import ShardSet
 from data.source import build_source, check_source, fixed_images, nominal_epoch_size
 from kernels.accelerators import describe as describe_accelerators
 from model.interop import load_into_objective
@@ -24,7 +26,8 @@ from train import checkpoint, distributed
 from train.config import ConfigError, PretrainConfig, help_text, parse_args, to_dict
 from train.ds_config import BatchPlan, resolve
 from train.loop import LoopState, run
-from train.optim import WarmupCosineSchedule, build_adamw, param_groups
+from train.optim import WarmupCosineSchedule, build_optimizer, param_groups
+from train.evaluate import classification_accuracy
 from train.run_dir import Reporter, write_run_files
 from train.visualize import write_figures
 
@@ -60,7 +63,7 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
         except ValueError as e:
             raise ConfigError(f"model.init_from: {e}") from None
     groups, split = param_groups(objective, cfg.optim.weight_decay)
-    optimizer = build_adamw(groups, cfg.optim.betas, cfg.optim.fused, device.type == "cuda")
+    optimizer = build_optimizer(groups, cfg.optim, device.type == "cuda")
     scheduler = WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, warmup_steps, total_steps)
     engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     return engine, objective, split
@@ -152,10 +155,25 @@ def main(argv: list[str] | None = None) -> Path:
         vis_noise = vis_noise.to(device)
 
     reporter = Reporter(run_dir, start_step, stop_step, cfg.run.tensorboard, cfg.run.progress) if rank == 0 else None
+    on_evaluate = None
+    if cfg.data.eval_index:  # classification objectives: top-1/top-5 on every rank's share of the shards
+        eval_shards = ShardSet.from_index(cfg.data.eval_index)
+
+        def on_evaluate(step: int) -> None:
+            module = engine.module
+            module.eval()
+            result = classification_accuracy(module.predict, eval_shards, encoder.patch_embed.img_size,
+                                             cfg.data.eval_crop_pct, rank, world, device, dtype,
+                                             num_workers=cfg.data.num_workers)
+            module.train()
+            if reporter is not None:
+                reporter.log_eval(step, result)
+                (run_dir / "eval.json").write_text(json.dumps({"step": step, **result}, indent=2))
+
     state = LoopState(start_step, stop_step, cfg.run.log_every, cfg.run.ckpt_every, plan.global_batch,
-                      cfg.run.vis_every)
+                      cfg.run.vis_every, cfg.run.eval_every)
     run(engine, data, state, device, dtype, reporter.log if reporter else lambda step, metrics: None, on_checkpoint,
-        on_visualize)
+        on_visualize, on_evaluate)
     if reporter is not None:
         reporter.close()
     if rank == 0 and cfg.run.export and last_saved:

@@ -65,6 +65,15 @@ class Reporter:
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", img_s=f"{metrics['images_per_s']:.0f}")
 
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation result: its own line in metrics.jsonl, `eval/` in TensorBoard."""
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(f"eval/{k}", v, step)
+        if self.bar is not None:
+            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.2f}" for k, v in metrics.items()))
+
     def close(self) -> None:
         self.file.close()
         if self.tb is not None:

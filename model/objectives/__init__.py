@@ -7,12 +7,14 @@ from typing import Any
 
 from torch import nn
 
+from model.objectives.linear_probe import LinearProbeConfig, LinearProbeObjective
 from model.objectives.mae import MAEConfig, MAEObjective
 from model.vit import VisionTransformer
 
 # name -> (config class, objective class)
 OBJECTIVES: dict[str, tuple[type, type[nn.Module]]] = {
     "mae": (MAEConfig, MAEObjective),
+    "linprobe": (LinearProbeConfig, LinearProbeObjective),
 }
 
 

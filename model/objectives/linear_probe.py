@@ -1,0 +1,56 @@
+"""Linear probe (MAE protocol, METHODS.md section 0): frozen encoder, cls feature,
+BatchNorm1d without affine (eps 1e-6) then a Linear head (trunc-normal std 0.01, zero bias),
+cross-entropy. Only the head trains; the encoder runs without autograd."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.vit import VisionTransformer
+
+
+@dataclass
+class LinearProbeConfig:
+    num_classes: int = 1000
+    pool: str = "cls"  # cls | avg (mean of patch tokens)
+
+    def validate(self) -> None:
+        if self.num_classes < 2:
+            raise ValueError(f"linprobe.num_classes must be >= 2, got {self.num_classes}")
+        if self.pool not in ("cls", "avg"):
+            raise ValueError(f"linprobe.pool must be cls or avg, got {self.pool!r}")
+
+
+class LinearProbeObjective(nn.Module):
+    def __init__(self, encoder: VisionTransformer, cfg: LinearProbeConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.encoder = encoder.requires_grad_(False)
+        self.head = nn.Sequential(nn.BatchNorm1d(encoder.embed_dim, affine=False, eps=1e-6),
+                                  nn.Linear(encoder.embed_dim, cfg.num_classes))
+        nn.init.trunc_normal_(self.head[1].weight, std=0.01)
+        nn.init.zeros_(self.head[1].bias)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.encoder.eval()  # frozen features: no dropout / drop path in the encoder
+        return self
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            tokens = self.encoder.forward_features(images)  # (B, 1+N, D)
+        return (tokens[:, 0] if self.cfg.pool == "cls" else tokens[:, 1:].mean(1)).float()
+
+    def predict(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> logits (B, num_classes)."""
+        return self.head(self.features(images))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        logits = self.predict(batch["image"])
+        loss = F.cross_entropy(logits, batch["label"])
+        acc = (logits.argmax(1) == batch["label"]).float().mean() * 100
+        return {"loss": loss, "train_top1": acc.detach()}

@@ -1,0 +1,40 @@
+import torch
+import torch.nn.functional as F
+
+from model import create_model
+from model.objectives import build_objective
+from model.objectives.linear_probe import LinearProbeConfig
+
+
+def _probe(**kw):
+    torch.manual_seed(0)
+    return build_objective("linprobe", create_model("vit_debug_patch4"), LinearProbeConfig(num_classes=5, **kw))
+
+
+def test_only_the_head_trains_and_bn_has_no_affine():
+    probe = _probe()
+    trainable = {n for n, p in probe.named_parameters() if p.requires_grad}
+    assert trainable == {"head.1.weight", "head.1.bias"}
+    assert abs(probe.head[1].weight.std().item() - 0.01) < 0.003 and torch.all(probe.head[1].bias == 0)
+    probe.train()
+    assert probe.training and not probe.encoder.training  # frozen features, no drop path
+
+
+def test_loss_is_cross_entropy_of_bn_linear_on_cls_features():
+    probe = _probe().train()
+    images, labels = torch.randn(6, 3, 28, 28), torch.tensor([0, 1, 2, 3, 4, 0])
+    out = probe({"image": images, "label": labels})
+    feats = probe.encoder.forward_features(images)[:, 0]
+    normed = (feats - feats.mean(0)) / torch.sqrt(feats.var(0, unbiased=False) + 1e-6)  # batch statistics
+    want = F.cross_entropy(normed @ probe.head[1].weight.T + probe.head[1].bias, labels)
+    assert torch.allclose(out["loss"], want, atol=1e-5)
+    out["loss"].backward()
+    assert probe.head[1].weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in probe.encoder.parameters())
+
+
+def test_avg_pool_option_uses_patch_tokens():
+    a, b = _probe(), _probe(pool="avg")
+    x = torch.randn(2, 3, 28, 28)
+    assert torch.equal(a.features(x), a.encoder.forward_features(x)[:, 0])
+    assert torch.allclose(b.features(x), b.encoder.forward_features(x)[:, 1:].mean(1))

@@ -1,0 +1,35 @@
+"""Linear probe with the MAE protocol: the pretraining entry point with the linprobe objective and
+the recipe's defaults (METHODS.md section 0). Any option can still be overridden.
+
+    python train/linprobe.py --ds_config ds_configs/<stage-0 file>.json \\
+        --model.name vit_base_patch16 --model.init_from runs/mae_vitb/encoder.safetensors \\
+        --data.train_index shards/in1k/train.json --data.eval_index shards/in1k/val.json \\
+        --linprobe.num_classes 1000 --output_dir runs/linprobe_vitb
+
+Without --model.init_from the same architecture is probed at random init (the control).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from train import pretrain
+
+# cls feature + BN(no affine) + Linear, LARS (momentum 0.9, trust 0.001), no weight decay,
+# blr 0.1 (lr = blr x batch / 256; the recipe's batch is 16384), 90 epochs with 10 warmup,
+# RandomResizedCrop(scale 0.08-1) + flip; the encoder is unchanged, so nothing is exported.
+RECIPE = ["--objective", "linprobe", "--optim.name", "lars", "--optim.blr", "0.1", "--optim.weight_decay", "0",
+          "--optim.epochs", "90", "--optim.warmup_epochs", "10", "--data.crop_scale_min", "0.08",
+          "--run.export", "false"]
+
+
+def main(argv: list[str] | None = None) -> Path:
+    return pretrain.main(RECIPE + (sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (pretrain.ConfigError, FileNotFoundError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
