@@ -19,11 +19,12 @@ class ShardLoader:
     """
 
     def __init__(self, shards: ShardSet, img_size: int, batch_size: int, seed: int, rank: int, world: int,
-                 num_workers: int, shuffle_buffer: int, crop_scale_min: float = 0.2, pin_memory: bool = False):
+                 num_workers: int, shuffle_buffer: int, crop_scale_min: float = 0.2, pin_memory: bool = False,
+                 transform=None):
         check_split(shards, world, num_workers)
         self.shards, self.batch_size, self.seed, self.rank, self.world = shards, batch_size, seed, rank, world
         self.num_workers, self.shuffle_buffer, self.pin_memory = num_workers, shuffle_buffer, pin_memory
-        self.transform = PretrainTransform(img_size, scale=(crop_scale_min, 1.0))
+        self.transform = transform or PretrainTransform(img_size, scale=(crop_scale_min, 1.0))
         self.batches = 0
         self.errors = torch.zeros(max(1, num_workers), len(ERROR_KINDS), dtype=torch.long)  # latest per worker
         self._it = None

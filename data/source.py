@@ -31,9 +31,14 @@ def build_source(data_cfg, img_size: int, in_chans: int, batch_size: int, seed: 
         return SyntheticImages(batch_size, img_size, in_chans, data_cfg.num_classes, seed, rank, device)
     if in_chans != 3:
         raise ValueError("shards decode to 3-channel RGB (grayscale is replicated); set model.in_chans 3")
+    transform = None
+    if data_cfg.train_transform == "randaug":
+        from data.transforms import RandAugTransform
+
+        transform = RandAugTransform(img_size, (data_cfg.crop_scale_min, 1.0), data_cfg.randaug, data_cfg.reprob)
     return ShardLoader(ShardSet.from_index(data_cfg.train_index), img_size, batch_size, seed, rank, world,
                        data_cfg.num_workers, data_cfg.shuffle_buffer, data_cfg.crop_scale_min,
-                       pin_memory=device.type == "cuda")
+                       pin_memory=device.type == "cuda", transform=transform)
 
 
 def fixed_images(data_cfg, img_size: int, in_chans: int, n: int = 8) -> torch.Tensor:

@@ -9,6 +9,9 @@ sample position always gets the same crop, in any process, and the caller's RNG 
 """
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 import torchvision.transforms.functional as TF
 from PIL import Image
@@ -47,3 +50,29 @@ class EvalTransform:
     def __call__(self, img: Image.Image, seed: int = 0) -> torch.Tensor:
         img = TF.resize(img.convert("RGB"), self.resize, InterpolationMode.BICUBIC, antialias=True)
         return to_normalized_tensor(TF.center_crop(img, [self.size, self.size]))
+
+
+class RandAugTransform:
+    """MAE fine-tuning augmentation through timm: RandomResizedCrop (bicubic) + flip, RandAugment,
+    normalisation, random erasing. timm draws from python's, numpy's and torch's global RNGs, so
+    all three are seeded per sample and restored afterwards."""
+
+    def __init__(self, size: int, scale: tuple[float, float] = (0.08, 1.0), policy: str = "rand-m9-mstd0.5-inc1",
+                 reprob: float = 0.25):
+        from timm.data import create_transform
+
+        self.transform = create_transform(size, is_training=True, scale=scale, auto_augment=policy,
+                                          interpolation="bicubic", re_prob=reprob, re_mode="pixel", re_count=1,
+                                          mean=IMAGENET_MEAN, std=IMAGENET_STD)
+
+    def __call__(self, img: Image.Image, seed: int) -> torch.Tensor:
+        py_state, np_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                random.seed(seed)
+                np.random.seed(seed % 2**32)
+                torch.manual_seed(seed)
+                return self.transform(img.convert("RGB"))
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)

@@ -99,12 +99,20 @@ def load_into_objective(objective: torch.nn.Module, path: str | Path) -> str:
     or .safetensors: the encoder always (strict), the MAE decoder too when the file has one and the
     objective owns an MAE decoder. Returns a one-line summary for the log."""
     encoder_state, decoder_state = split_official_mae(safe_load(path))
+    encoder = objective.encoder
     encoder_state = {k: v for k, v in encoder_state.items() if not k.startswith("head.")}
+    fresh = {"head.weight", "head.bias"}  # a classifier is always trained anew
+    if encoder.global_pool == "avg":  # MAE fine-tuning: fc_norm is new, the pretraining norm unused
+        encoder_state = {k: v for k, v in encoder_state.items() if not k.startswith("norm.")}
+        fresh |= {"fc_norm.weight", "fc_norm.bias"}
     try:
-        objective.encoder.load_state_dict(encoder_state, strict=True)
-    except RuntimeError as e:
+        missing, unexpected = encoder.load_state_dict(encoder_state, strict=False)
+    except RuntimeError as e:  # shape mismatches
         raise ValueError(f"{path} does not fit the configured encoder: {e}") from None
-    loaded = "encoder"
+    if unexpected or set(missing) - fresh:
+        raise ValueError(f"{path} does not fit the configured encoder: missing {sorted(set(missing) - fresh)}, "
+                         f"unexpected {sorted(unexpected)}")
+    loaded = "encoder" + (f" (new: {', '.join(sorted(missing))})" if missing else "")
     decoder = getattr(objective, "decoder", None)
     if decoder_state and decoder is not None:
         try:

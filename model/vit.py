@@ -151,6 +151,10 @@ class VisionTransformer(nn.Module):
         mae_init_(self)
         nn.init.normal_(self.cls_token, std=0.02)
 
+    def reset_head(self, num_classes: int) -> None:
+        """A fresh Linear classifier (timm's name `head`) on the pooled feature."""
+        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+
     def no_weight_decay(self) -> set[str]:
         """Parameter names (relative to this module) exempt from weight decay besides 1-D ones."""
         return {"cls_token", "pos_embed"}

@@ -41,6 +41,7 @@ def rng_state() -> dict:
         "torch": torch.get_rng_state(),
         "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
         "numpy_pos": int(np_state[2]),
+        "numpy_gauss": (int(np_state[3]), float(np_state[4])),
         "python": random.getstate(),
     }
     if torch.cuda.is_available():
@@ -50,7 +51,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"],
+                         *state["numpy_gauss"]))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

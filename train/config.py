@@ -19,6 +19,7 @@ from typing import Any, Union
 from kernels import resolve_backend
 from model.objectives import OBJECTIVES
 from model.registry import list_models
+from model.objectives.finetune import FinetuneConfig
 from model.objectives.linear_probe import LinearProbeConfig
 from model.objectives.mae import MAEConfig
 
@@ -33,6 +34,8 @@ class ModelConfig:
     img_size: int = 0  # 0 = the registry entry's default (224 for standard sizes)
     in_chans: int = 3
     attn_backend: str = "auto"  # auto (= sdpa) | sdpa | math | flash_attn
+    global_pool: str = "token"  # token (cls) | avg (patch mean + fc_norm, MAE fine-tuning)
+    drop_path_rate: float = 0.0  # stochastic depth, grows linearly to this value over the blocks
     init_from: str = ""  # weights to start from: official MAE .pth, timm/exported encoder (.pth/.safetensors)
 
 
@@ -46,6 +49,9 @@ class DataConfig:
     num_workers: int = 4  # DataLoader workers per rank
     shuffle_buffer: int = 1000  # samples held by each worker's shuffle buffer
     crop_scale_min: float = 0.2  # RandomResizedCrop scale range (crop_scale_min, 1)
+    train_transform: str = "crop_flip"  # crop_flip (MAE pretraining / linprobe) | randaug (fine-tuning)
+    randaug: str = "rand-m9-mstd0.5-inc1"  # timm RandAugment policy (train_transform randaug)
+    reprob: float = 0.25  # random erasing probability (train_transform randaug)
     num_classes: int = 1000  # synthetic source only
 
 
@@ -59,6 +65,7 @@ class OptimConfig:
     min_lr: float = 0.0
     fused: str = "auto"  # auto (fused AdamW on CUDA, foreach on CPU) | yes | no
     name: str = "adamw"  # adamw | lars (momentum 0.9, trust 0.001; needs ZeRO stage 0)
+    layer_decay: float = 1.0  # layer-wise lr decay of the encoder (1.0 = none; MAE fine-tuning 0.65 B / 0.75 L)
 
 
 @dataclass
@@ -87,6 +94,7 @@ class PretrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     mae: MAEConfig = field(default_factory=MAEConfig)
     linprobe: LinearProbeConfig = field(default_factory=LinearProbeConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def validate(self) -> None:
         if not self.ds_config:
@@ -95,7 +103,13 @@ class PretrainConfig:
             raise ConfigError(f"objective {self.objective!r} is unknown; choose one of {sorted(OBJECTIVES)}")
         if self.optim.name not in ("adamw", "lars"):
             raise ConfigError(f"optim.name must be adamw or lars, got {self.optim.name!r}")
-        if self.data.eval_index and self.objective != "linprobe":
+        if self.data.train_transform not in ("crop_flip", "randaug"):
+            raise ConfigError(f"data.train_transform must be crop_flip or randaug, got {self.data.train_transform!r}")
+        if not 0.0 < self.optim.layer_decay <= 1.0:
+            raise ConfigError(f"optim.layer_decay must be in (0, 1], got {self.optim.layer_decay}")
+        if self.model.global_pool not in ("token", "avg"):
+            raise ConfigError(f"model.global_pool must be token or avg, got {self.model.global_pool!r}")
+        if self.data.eval_index and self.objective not in ("linprobe", "finetune"):
             raise ConfigError(f"data.eval_index is for classification objectives; objective {self.objective!r} "
                               f"has no classifier (evaluate its encoder with train/evaluate.py)")
         if self.optim.fused not in ("auto", "yes", "no"):

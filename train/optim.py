@@ -125,6 +125,24 @@ def layer_decay_groups(encoder: nn.Module, weight_decay: float, layer_decay: flo
     return [groups[k] for k in sorted(groups)]
 
 
+def build_param_groups(objective: nn.Module, weight_decay: float, layer_decay: float) -> tuple[list[dict], dict]:
+    """The optimizer's groups for any objective: with layer_decay < 1 the encoder's parameters are
+    grouped by layer (lr_scale = decay^(depth + 1 - id)) and the rest of the objective keeps scale 1."""
+    if layer_decay >= 1.0:
+        return param_groups(objective, weight_decay)
+    encoder_groups = layer_decay_groups(objective.encoder, weight_decay, layer_decay, prefix="encoder.")
+    in_encoder = {id(p) for p in objective.encoder.parameters()}
+    rest, _ = param_groups(objective, weight_decay)
+    rest = [{**g, "params": [p for p in g["params"] if id(p) not in in_encoder]} for g in rest]
+    groups = [{k: v for k, v in g.items() if k != "names"} for g in encoder_groups] + [g for g in rest if g["params"]]
+    decayed = [p for g in groups if g["weight_decay"] > 0 for p in g["params"]]
+    undecayed = [p for g in groups if g["weight_decay"] == 0 for p in g["params"]]
+    summary = {"decay_tensors": len(decayed), "decay_params": sum(p.numel() for p in decayed),
+               "no_decay_tensors": len(undecayed), "no_decay_params": sum(p.numel() for p in undecayed),
+               "layer_groups": len(encoder_groups)}
+    return groups, summary
+
+
 class LARS(torch.optim.Optimizer):
     """LARS as used for MAE's linear probe (momentum SGD with a layer-wise trust ratio).
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from data.shards import ShardSet
@@ -26,7 +28,7 @@ from train import checkpoint, distributed
 from train.config import ConfigError, PretrainConfig, help_text, parse_args, to_dict
 from train.ds_config import BatchPlan, resolve
 from train.loop import LoopState, run
-from train.optim import WarmupCosineSchedule, build_optimizer, param_groups
+from train.optim import WarmupCosineSchedule, build_optimizer, build_param_groups
 from train.evaluate import classification_accuracy
 from train.run_dir import Reporter, write_run_files
 from train.visualize import write_figures
@@ -35,7 +37,8 @@ log = logging.getLogger("pretrain")
 
 
 def build_encoder(cfg: PretrainConfig):
-    overrides = {"in_chans": cfg.model.in_chans, "attn_backend": cfg.model.attn_backend}
+    overrides = {"in_chans": cfg.model.in_chans, "attn_backend": cfg.model.attn_backend,
+                 "global_pool": cfg.model.global_pool, "drop_path_rate": cfg.model.drop_path_rate}
     if cfg.model.img_size:
         overrides["img_size"] = cfg.model.img_size
     return create_model(cfg.model.name, **overrides)
@@ -62,7 +65,7 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
             log.info(load_into_objective(objective, cfg.model.init_from))
         except ValueError as e:
             raise ConfigError(f"model.init_from: {e}") from None
-    groups, split = param_groups(objective, cfg.optim.weight_decay)
+    groups, split = build_param_groups(objective, cfg.optim.weight_decay, cfg.optim.layer_decay)
     optimizer = build_optimizer(groups, cfg.optim, device.type == "cuda")
     scheduler = WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, warmup_steps, total_steps)
     engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
@@ -105,7 +108,11 @@ def main(argv: list[str] | None = None) -> Path:
     peak_lr = cfg.optim.blr * plan.global_batch / 256
     engine, objective, split = build_engine(cfg, ds_config, device, peak_lr, warmup_steps, total_steps)
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
-    torch.manual_seed(cfg.seed + rank)  # masking noise differs across ranks
+    # Every global RNG the objectives draw from (masking noise, drop path: torch; timm's mixup:
+    # numpy) starts from the run's seed and differs across ranks; all are checkpointed.
+    torch.manual_seed(cfg.seed + rank)
+    np.random.seed(cfg.seed + rank)
+    random.seed(cfg.seed + rank)
     encoder = objective.encoder
     if rank == 0:
         write_run_files(run_dir, to_dict(cfg), ds_config, {

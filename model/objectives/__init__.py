@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from model.objectives.finetune import FinetuneConfig, FinetuneObjective
 from model.objectives.linear_probe import LinearProbeConfig, LinearProbeObjective
 from model.objectives.mae import MAEConfig, MAEObjective
 from model.vit import VisionTransformer
@@ -15,6 +16,7 @@ from model.vit import VisionTransformer
 OBJECTIVES: dict[str, tuple[type, type[nn.Module]]] = {
     "mae": (MAEConfig, MAEObjective),
     "linprobe": (LinearProbeConfig, LinearProbeObjective),
+    "finetune": (FinetuneConfig, FinetuneObjective),
 }
 
 

@@ -119,3 +119,20 @@ def test_transforms_are_seeded_and_shaped():
 
     raw = [e[i] * IMAGENET_STD[i] + IMAGENET_MEAN[i] for i in range(3)]
     assert torch.allclose(raw[0], raw[1], atol=1e-5) and torch.allclose(raw[1], raw[2], atol=1e-5)
+
+
+def test_randaug_transform_is_seeded_and_leaves_global_rngs_alone():
+    import random
+
+    import numpy as np
+    from PIL import Image
+
+    from data.transforms import RandAugTransform
+
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (20, 20), dtype=np.uint8), mode="L")
+    t = RandAugTransform(16)
+    states = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    a, b, c = t(img, 11), t(img, 11), t(img, 12)
+    assert a.shape == (3, 16, 16) and torch.equal(a, b) and not torch.equal(a, c)
+    assert random.getstate() == states[0] and np.array_equal(np.random.get_state()[1], states[1])
+    assert torch.equal(torch.get_rng_state(), states[2])

@@ -1,0 +1,58 @@
+"""Supervised fine-tuning (MAE protocol, METHODS.md section 0): the whole encoder trains with a
+fresh Linear head on the pooled feature (configure model.global_pool avg for MAE's patch mean +
+fc_norm); mixup / cutmix with label smoothing through timm's Mixup and SoftTargetCrossEntropy,
+plain label-smoothed cross-entropy when both are off."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from timm.data import Mixup
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from torch import nn
+
+from model.vit import VisionTransformer
+
+
+@dataclass
+class FinetuneConfig:
+    num_classes: int = 1000
+    mixup: float = 0.8  # mixup alpha (0 = off)
+    cutmix: float = 1.0  # cutmix alpha (0 = off)
+    smoothing: float = 0.1  # label smoothing
+
+    def validate(self) -> None:
+        if self.num_classes < 2:
+            raise ValueError(f"finetune.num_classes must be >= 2, got {self.num_classes}")
+        if min(self.mixup, self.cutmix, self.smoothing) < 0:
+            raise ValueError("finetune.mixup, finetune.cutmix and finetune.smoothing must be >= 0")
+
+
+class FinetuneObjective(nn.Module):
+    def __init__(self, encoder: VisionTransformer, cfg: FinetuneConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.encoder = encoder
+        encoder.reset_head(cfg.num_classes)
+        nn.init.trunc_normal_(encoder.head.weight, std=2e-5)  # MAE's head init for fine-tuning
+        nn.init.zeros_(encoder.head.bias)
+        self.mixup = None
+        if cfg.mixup > 0 or cfg.cutmix > 0:  # timm draws lam / boxes from numpy's global RNG (checkpointed)
+            self.mixup = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, label_smoothing=cfg.smoothing,
+                               num_classes=cfg.num_classes)
+        self.soft_ce = SoftTargetCrossEntropy()
+        self.smooth_ce = LabelSmoothingCrossEntropy(cfg.smoothing) if cfg.smoothing > 0 else nn.CrossEntropyLoss()
+
+    def predict(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> logits (B, num_classes)."""
+        return self.encoder(images)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        images, labels = batch["image"], batch["label"]
+        if self.training and self.mixup is not None:
+            if len(images) % 2:
+                raise ValueError(f"mixup / cutmix need an even micro-batch, got {len(images)}")
+            images, soft = self.mixup(images, labels)  # soft (B, num_classes), smoothing included
+            return {"loss": self.soft_ce(self.predict(images).float(), soft)}
+        return {"loss": self.smooth_ce(self.predict(images).float(), labels)}

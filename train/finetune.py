@@ -1,0 +1,39 @@
+"""Fine-tuning with the MAE protocol: the pretraining entry point with the finetune objective and
+the recipe's defaults for ViT-B (METHODS.md section 0); any option overrides them (ViT-L: blr 1e-3,
+layer_decay 0.75, 50 epochs, drop path 0.2).
+
+    deepspeed --num_gpus 8 train/finetune.py --ds_config ds_configs/<file>.json \\
+        --model.name vit_base_patch16 --model.init_from runs/mae_vitb/encoder.safetensors \\
+        --finetune.num_classes 1000 --data.train_index shards/in1k/train.json \\
+        --data.eval_index shards/in1k/val.json --output_dir runs/ft_vitb
+
+--model.init_from takes an exported encoder, an official MAE or a timm checkpoint; without it the
+same architecture trains from scratch (the control). The fine-tuned model (with its head) is
+exported to timm at the end.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from train import pretrain
+
+# AdamW (0.9, 0.999), blr 5e-4, wd 0.05, layer decay 0.65, 100 epochs with 5 warmup, drop path
+# 0.1, global average pool + fc_norm, RandAug(9, 0.5) + random erasing 0.25, mixup 0.8,
+# cutmix 1.0, label smoothing 0.1, RandomResizedCrop(scale 0.08-1) + flip.
+RECIPE = ["--objective", "finetune", "--optim.blr", "5e-4", "--optim.betas", "0.9,0.999",
+          "--optim.weight_decay", "0.05", "--optim.layer_decay", "0.65", "--optim.epochs", "100",
+          "--optim.warmup_epochs", "5", "--model.drop_path_rate", "0.1", "--model.global_pool", "avg",
+          "--data.train_transform", "randaug", "--data.crop_scale_min", "0.08"]
+
+
+def main(argv: list[str] | None = None) -> Path:
+    return pretrain.main(RECIPE + (sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (pretrain.ConfigError, FileNotFoundError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
