@@ -94,11 +94,14 @@ def mae_from_official(path: str | Path, num_heads: int | None = None, decoder_he
     return objective
 
 
-def load_into_objective(objective: torch.nn.Module, path: str | Path) -> str:
+def load_into_objective(objective: torch.nn.Module, path: str | Path,
+                        state: dict[str, torch.Tensor] | None = None) -> str:
     """Initialise an objective from an official MAE checkpoint, a timm/exported encoder state_dict
-    or .safetensors: the encoder always (strict), the MAE decoder too when the file has one and the
-    objective owns an MAE decoder. Returns a one-line summary for the log."""
-    encoder_state, decoder_state = split_official_mae(safe_load(path))
+    or .safetensors (or an already loaded `state` with those names, read from `path`): the encoder
+    always, the MAE decoder too when there is one and the objective owns an MAE decoder. A new
+    classifier head (and fc_norm for average pooling) is allowed to stay fresh. Returns a
+    one-line summary for the log."""
+    encoder_state, decoder_state = split_official_mae(safe_load(path) if state is None else state)
     encoder = objective.encoder
     encoder_state = {k: v for k, v in encoder_state.items() if not k.startswith("head.")}
     fresh = {"head.weight", "head.bias"}  # a classifier is always trained anew

@@ -36,7 +36,7 @@ class ModelConfig:
     attn_backend: str = "auto"  # auto (= sdpa) | sdpa | math | flash_attn
     global_pool: str = "token"  # token (cls) | avg (patch mean + fc_norm, MAE fine-tuning)
     drop_path_rate: float = 0.0  # stochastic depth, grows linearly to this value over the blocks
-    init_from: str = ""  # weights to start from: official MAE .pth, timm/exported encoder (.pth/.safetensors)
+    init_from: str = ""  # weights to start from: our run folder / checkpoint, official MAE .pth, timm or exported encoder
 
 
 @dataclass
@@ -128,7 +128,7 @@ class PretrainConfig:
                               "data/write_shards.py), or set --data.source synthetic")
         if not 0.0 < self.data.crop_scale_min <= 1.0:
             raise ConfigError(f"data.crop_scale_min must be in (0, 1], got {self.data.crop_scale_min}")
-        if self.model.init_from and not Path(self.model.init_from).is_file():
+        if self.model.init_from and not Path(self.model.init_from).exists():
             raise ConfigError(f"model.init_from {self.model.init_from!r} does not exist")
         if self.model.name not in list_models():
             close = difflib.get_close_matches(self.model.name, list_models(), n=1)

@@ -62,7 +62,12 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
     objective = build_objective(cfg.objective, build_encoder(cfg), getattr(cfg, cfg.objective))
     if cfg.model.init_from:
         try:
-            log.info(load_into_objective(objective, cfg.model.init_from))
+            state = None
+            if Path(cfg.model.init_from).is_dir():  # a run folder / checkpoint tag of ours: its encoder
+                from train.export import encoder_state
+
+                state = encoder_state(checkpoint.find_resume(cfg.model.init_from, Path(cfg.model.init_from)))[0]
+            log.info(load_into_objective(objective, cfg.model.init_from, state))
         except ValueError as e:
             raise ConfigError(f"model.init_from: {e}") from None
     groups, split = build_param_groups(objective, cfg.optim.weight_decay, cfg.optim.layer_decay)

@@ -80,3 +80,17 @@ def test_export_is_a_timm_classifier_with_the_same_logits(setup):
     x = torch.randn(2, 3, 28, 28)
     with torch.no_grad():
         assert torch.allclose(timm_model(x), ours.eval().predict(x), atol=1e-5)
+
+
+def test_a_pretraining_run_folder_initialises_finetuning(setup, tmp_path):
+    args, _ = setup
+    mae_dir = args[args.index("--model.init_from") + 1].removesuffix("/encoder.safetensors")
+    args = [a if a != args[args.index("--model.init_from") + 1] else mae_dir for a in args]
+    proc = _finetune(tmp_path, *args, "--run.max_steps", "1")
+    assert "initialised encoder (new: fc_norm.bias, fc_norm.weight, head.bias, head.weight)" in proc.stderr
+    from safetensors.torch import load_file
+
+    module = torch.load(tmp_path / "checkpoints" / "step00000001" / "mp_rank_00_model_states.pt",
+                        weights_only=True)["module"]
+    exported = load_file(mae_dir + "/encoder.safetensors")
+    assert torch.equal(module["encoder.blocks.0.attn.qkv.weight"], exported["blocks.0.attn.qkv.weight"])  # lr 0 at step 1
