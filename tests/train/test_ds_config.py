@@ -27,11 +27,16 @@ def test_shipped_configs_state_clipping_and_resolve(name):
     ds = json.loads(path.read_text())
     assert ds["gradient_clipping"] == 0.0  # the MAE recipe; DeepSpeed would clip at 1.0 otherwise
     gpu = "8x" in name
-    final, plan = resolve(PretrainConfig(ds_config=str(path)), world=8 if gpu else 1, cuda=gpu, bf16_ok=True)
+    cfg = PretrainConfig(ds_config=str(path))
+    if name.startswith("linprobe"):
+        cfg.optim.name = "lars"  # the probe's optimizer: must be accepted by its config
+    final, plan = resolve(cfg, world=8 if gpu else 1, cuda=gpu, bf16_ok=True)
     if gpu:
-        assert plan.global_batch == 4096 == final["train_batch_size"]
-        assert final["zero_optimization"]["stage"] == 1
-        assert ("v100" in name) == final["fp16"]["enabled"] and ("a100" in name) == final["bf16"]["enabled"]
+        # the recipes' global batches: pretraining 4096, fine-tuning 1024, linear probe 16384
+        want = 1024 if name.startswith("finetune") else 16384 if name.startswith("linprobe") else 4096
+        assert plan.global_batch == want == final["train_batch_size"]
+        assert final["zero_optimization"]["stage"] == (0 if name.startswith("linprobe") else 1)
+        assert ("v100" in name) == final["fp16"]["enabled"] and ("a100" in name and "bf16" in name) == final["bf16"]["enabled"]
 
 
 def test_v100_configs_have_no_bf16_and_reject_a100_config_on_v100():
