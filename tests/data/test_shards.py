@@ -136,3 +136,11 @@ def test_randaug_transform_is_seeded_and_leaves_global_rngs_alone():
     assert a.shape == (3, 16, 16) and torch.equal(a, b) and not torch.equal(a, c)
     assert random.getstate() == states[0] and np.array_equal(np.random.get_state()[1], states[1])
     assert torch.equal(torch.get_rng_state(), states[2])
+
+
+def test_randaug_top_magnitude_posterize_works_with_the_installed_pillow():
+    # 'rand-m9-mstd0.5-inc1' clips sampled magnitudes at 10, where posterize keeps 0 bits.
+    from PIL import Image
+    from timm.data.auto_augment import posterize
+
+    assert posterize(Image.new("RGB", (4, 4), (200, 100, 50)), 0).getpixel((0, 0)) == (0, 0, 0)
