@@ -32,8 +32,4 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (pretrain.ConfigError, FileNotFoundError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    pretrain.cli(main)

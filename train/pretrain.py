@@ -197,9 +197,14 @@ def main(argv: list[str] | None = None) -> Path:
     return run_dir
 
 
-if __name__ == "__main__":
+def cli(main_fn) -> None:
+    """Run an entry point; a configuration problem exits with status 2 and a one-line message."""
     try:
-        main()
+        main_fn()
     except (ConfigError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    cli(main)
