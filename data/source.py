@@ -1,6 +1,8 @@
 """Build the training batch source named by the config (shards or synthetic)."""
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from data.loader import ShardLoader
@@ -52,7 +54,7 @@ def fixed_images(data_cfg, img_size: int, in_chans: int, n: int = 8) -> torch.Te
 
     shards, transform = ShardSet.from_index(data_cfg.train_index), EvalTransform(img_size, crop_pct=1.0)
     images = []
-    for raw in raw_samples(list(shards.files), {}):
+    for raw in raw_samples(list(shards.files), Counter()):
         try:
             images.append(transform(decode(raw)[0]))
         except (KeyError, OSError, ValueError, SyntaxError):

@@ -12,8 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+from data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 
 class SyntheticImages:

@@ -56,21 +56,21 @@ class Reporter:
 
             self.bar = tqdm(total=stop_step, initial=start_step, unit="step", dynamic_ncols=True)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def _write(self, step: int, metrics: dict[str, float], tb_section: str) -> None:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.tb is not None:
             for k, v in metrics.items():
-                self.tb.add_scalar(f"train/{k}", v, step)
+                self.tb.add_scalar(f"{tb_section}/{k}", v, step)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._write(step, metrics, "train")
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", img_s=f"{metrics['images_per_s']:.0f}")
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """An evaluation result: its own line in metrics.jsonl, `eval/` in TensorBoard."""
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-        if self.tb is not None:
-            for k, v in metrics.items():
-                self.tb.add_scalar(f"eval/{k}", v, step)
+        self._write(step, metrics, "eval")
         if self.bar is not None:
             self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.2f}" for k, v in metrics.items()))
 

@@ -1,3 +1,4 @@
+from collections import Counter
 import gzip
 import struct
 
@@ -10,8 +11,7 @@ from data.write_shards import main as write_shards, read_idx
 
 def _read_back(index_path):
     shards = ShardSet.from_index(index_path)
-    errors = {}
-    return [decode(s) for s in raw_samples(list(shards.files), errors)], shards
+    return [decode(s) for s in raw_samples(list(shards.files), Counter())], shards
 
 
 def test_imagefolder_round_trip(image_folder, tmp_path):

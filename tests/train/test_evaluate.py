@@ -48,3 +48,10 @@ def test_random_init_control_is_reproducible_and_sources_exclusive():
     assert torch.equal(a.blocks[0].attn.qkv.weight, b.blocks[0].attn.qkv.weight)
     with pytest.raises(ValueError, match="exactly one"):
         load_encoder(encoder="x.safetensors", random_init="vit_debug_patch4")
+
+
+def test_features_skip_a_truncated_shard(shards):
+    first = shards.files[0]
+    first.write_bytes(first.read_bytes()[:700])  # cut inside the first sample
+    f, y = extract_features(create_model("vit_debug_patch4"), shards, batch_size=7, num_workers=0)
+    assert 19 <= len(f) < 24 and len(f) == len(y)  # the other shards are read in full
