@@ -1,3 +1,11 @@
-from kernels.attention import BACKENDS, attention, math_attention, resolve_backend
+from kernels.attention import (
+           BACKENDS,
+           AttentionMask,
+           attention,
+           math_attention,
+           resolve_backend,
+)
+from kernels.masked import GLOBAL, SegmentMask, TopKMask
 
-__all__ = ["BACKENDS", "attention", "math_attention", "resolve_backend"]
+__all__ = ["BACKENDS", "GLOBAL", "AttentionMask", "SegmentMask", "TopKMask", "attention", "math_attention",
+           "resolve_backend"]

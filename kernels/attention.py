@@ -4,6 +4,9 @@ All backends take and return tensors laid out as (B, H, N, d) and compute
 softmax(q @ k^T * d^-0.5) @ v. `math` is the plain PyTorch reference every other backend is
 tested against; `sdpa` (PyTorch's fused scaled_dot_product_attention, which itself picks the
 flash / memory-efficient / math kernel for the device and dtype) is the default.
+
+A per-call `mask` (kernels.masked: SegmentMask, TopKMask) restricts which keys each query sees;
+the backend then names the family of implementation (math = the plain reference).
 """
 from __future__ import annotations
 
@@ -13,6 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels.accelerators import has_flash_attn
+from kernels.masked import (
+    SegmentMask,
+    TopKMask,
+    segment_attention_reference,
+    segment_attention_sdpa,
+    topk_attention_reference,
+)
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -61,6 +71,18 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa") -> torch.Tensor:
+AttentionMask = SegmentMask | TopKMask
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa",
+              mask: AttentionMask | None = None) -> torch.Tensor:
     """Dispatch: q, k, v (B, H, N, d) -> (B, H, N, d)."""
-    return BACKENDS[backend](q, k, v)
+    if mask is None:
+        return BACKENDS[backend](q, k, v)
+    if isinstance(mask, SegmentMask):
+        # flash kernels take no mask: sdpa and flash_attn both go to SDPA's masked (memory-efficient) path
+        fn = segment_attention_reference if backend == "math" else segment_attention_sdpa
+        return fn(q, k, v, mask.segments)
+    if isinstance(mask, TopKMask):
+        return topk_attention_reference(q, k, v, mask)
+    raise TypeError(f"unknown attention mask {type(mask).__name__}; expected SegmentMask or TopKMask")

@@ -55,7 +55,27 @@ class MAEDecoder(nn.Module):
         mask_tokens = self.mask_token.expand(B, N + 1 - L1, Dd)
         shuffled = torch.cat([x[:, 1:], mask_tokens], dim=1)  # (B, N, Dd), kept first
         unshuffled = torch.gather(shuffled, 1, ids_restore[..., None].expand(-1, -1, Dd))
-        x = torch.cat([x[:, :1], unshuffled], dim=1) + self.decoder_pos_embed  # (B, 1+N, Dd)
+        return self.decode(torch.cat([x[:, :1], unshuffled], dim=1))
+
+    def forward_keep(self, latent: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Several decodings per encoded sequence, each keeping a different subset of its tokens.
+
+        latent (B, 1+N, De) covers every patch position; keep (B, P, N) bool. Decoding (b, j) sees
+        latent[b]'s cls and its tokens where keep[b, j], the mask token elsewhere (MixedAE's
+        unmixing: one decoding per source image of a mixed image). Returns (B, P, N, p*p*C).
+        The per-position embedding happens once per latent, before the P-fold expansion.
+        """
+        x = self.decoder_embed(latent)  # (B, 1+N, Dd)
+        B, P, N = keep.shape
+        Dd = x.shape[-1]
+        patches = torch.where(keep[..., None], x[:, None, 1:], self.mask_token)  # (B, P, N, Dd)
+        cls = x[:, None, :1].expand(B, P, 1, Dd)
+        out = self.decode(torch.cat([cls, patches], dim=2).reshape(B * P, 1 + N, Dd))
+        return out.reshape(B, P, N, -1)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 1+N, Dd) decoder tokens in patch order -> (B, N, p*p*C) predictions (cls dropped)."""
+        x = x + self.decoder_pos_embed
         for block in self.decoder_blocks:
             x = block(x)
-        return self.decoder_pred(self.decoder_norm(x))[:, 1:]  # drop cls -> (B, N, p*p*C)
+        return self.decoder_pred(self.decoder_norm(x))[:, 1:]

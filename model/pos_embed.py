@@ -30,3 +30,8 @@ def sincos_2d(dim: int, grid_size: tuple[int, int], cls_token: bool = False) -> 
     if cls_token:
         emb = torch.cat([torch.zeros(1, dim, dtype=emb.dtype), emb], dim=0)
     return emb.float()
+
+
+def sincos_segments(dim: int, num_segments: int) -> torch.Tensor:
+    """(num_segments, dim) 1-D sin-cos encodings of the source index 0..num_segments-1 (MixedAE)."""
+    return sincos_1d(dim, torch.arange(num_segments)).float()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import inspect
 from typing import Callable
 
 from model.vit import VisionTransformer
@@ -43,3 +44,12 @@ def create_model(name: str, **overrides) -> VisionTransformer:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown model {name!r}{hint} Registered: {', '.join(list_models())}")
     return _REGISTRY[name](**overrides)
+
+
+def model_arch(name: str, **overrides) -> dict:
+    """Constructor arguments of a registered model (defaults filled in) without building it."""
+    if name not in _REGISTRY:
+        create_model(name)
+    defaults = {k: p.default for k, p in inspect.signature(VisionTransformer.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return {**defaults, **_REGISTRY[name].arch, **overrides}  # type: ignore[attr-defined]

@@ -11,13 +11,13 @@ objectives can mask or rearrange tokens without any method-specific code in here
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from timm.layers import DropPath
 from torch import nn
 
-from kernels import attention, resolve_backend
+from kernels import AttentionMask, attention, resolve_backend
 from model.init import mae_init_
 from model.pos_embed import sincos_2d
 
@@ -51,11 +51,11 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: AttentionMask | None = None) -> torch.Tensor:
         B, N, D = x.shape
         # (B, N, 3D) -> (3, B, H, N, d)
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
-        out = attention(qkv[0], qkv[1], qkv[2], backend=self.backend)  # (B, H, N, d)
+        out = attention(qkv[0], qkv[1], qkv[2], backend=self.backend, mask=mask)  # (B, H, N, d)
         return self.proj(out.transpose(1, 2).reshape(B, N, D))
 
 
@@ -96,8 +96,8 @@ class Block(nn.Module):
         self.mlp = mlp_layer(dim, int(dim * mlp_ratio))
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, attn_mask: AttentionMask | None = None) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x), attn_mask))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
@@ -178,10 +178,24 @@ class VisionTransformer(nn.Module):
         cls = (self.cls_token + self.pos_embed[:, :1]).expand(tokens.shape[0], -1, -1)
         return torch.cat([cls, tokens], dim=1)
 
-    def forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, D) -> (B, T, D) through all blocks and the final norm."""
-        for block in self.blocks:
-            x = block(x)
+    def forward_tokens(
+        self,
+        x: torch.Tensor,
+        block_input: torch.Tensor | None = None,
+        attn_masks: Sequence[AttentionMask | None] | None = None,
+    ) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D) through all blocks and the final norm.
+
+        Hooks for objectives (none by default): `block_input` (B, T, D) is added to the input of
+        every block (e.g. MixedAE's segment embeddings); `attn_masks` gives each block's
+        attention a per-call restriction (kernels.SegmentMask / TopKMask, or None = dense).
+        """
+        if attn_masks is not None and len(attn_masks) != len(self.blocks):
+            raise ValueError(f"attn_masks has {len(attn_masks)} entries for {len(self.blocks)} blocks")
+        for i, block in enumerate(self.blocks):
+            if block_input is not None:
+                x = x + block_input
+            x = block(x, attn_masks[i] if attn_masks is not None else None)
         return self.norm(x)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,11 @@ from typing import Any, Union
 
 from kernels import resolve_backend
 from model.objectives import OBJECTIVES
-from model.registry import list_models
 from model.objectives.finetune import FinetuneConfig
 from model.objectives.linear_probe import LinearProbeConfig
 from model.objectives.mae import MAEConfig
+from model.objectives.mixedae import MixedAEConfig
+from model.registry import list_models, model_arch
 
 
 class ConfigError(ValueError):
@@ -93,6 +94,7 @@ class PretrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     mae: MAEConfig = field(default_factory=MAEConfig)
+    mixedae: MixedAEConfig = field(default_factory=MixedAEConfig)
     linprobe: LinearProbeConfig = field(default_factory=LinearProbeConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
@@ -139,6 +141,18 @@ class PretrainConfig:
             getattr(self, self.objective).validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def check_objective_fits(cfg: PretrainConfig, micro_batch: int) -> None:
+    """Objective-vs-model/batch checks (e.g. MixedAE's group size and mixing cells), before any process starts."""
+    section = getattr(cfg, cfg.objective)
+    if not hasattr(section, "check_fits"):
+        return
+    arch = model_arch(cfg.model.name, **({"img_size": cfg.model.img_size} if cfg.model.img_size else {}))
+    try:
+        section.check_fits(arch["img_size"], arch["patch_size"], arch["depth"], micro_batch)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 # --- parsing ---------------------------------------------------------------------------------

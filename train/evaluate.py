@@ -12,10 +12,9 @@ probe for small data sets; the MAE LARS protocol is train/linprobe.py.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 
 import torch

@@ -35,7 +35,9 @@ def _module_state(tag_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:
     states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
     half = any(v.dtype in (torch.float16, torch.bfloat16) for v in states.values())
     if zero_stage >= 1 and (half or zero_stage == 3):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.utils.zero_to_fp32 import (
+            get_fp32_state_dict_from_zero_checkpoint,
+        )
 
         verify_safe(tag_dir)  # DeepSpeed's reader unpickles without restriction
 

@@ -25,11 +25,18 @@ from model.interop import load_into_objective
 from model.objectives import build_objective
 from model.registry import create_model
 from train import checkpoint, distributed
-from train.config import ConfigError, PretrainConfig, help_text, parse_args, to_dict
+from train.config import (
+    ConfigError,
+    PretrainConfig,
+    check_objective_fits,
+    help_text,
+    parse_args,
+    to_dict,
+)
 from train.ds_config import BatchPlan, resolve
+from train.evaluate import classification_accuracy
 from train.loop import LoopState, run
 from train.optim import WarmupCosineSchedule, build_optimizer, build_param_groups
-from train.evaluate import classification_accuracy
 from train.run_dir import Reporter, write_run_files
 from train.visualize import write_figures
 
@@ -98,6 +105,7 @@ def main(argv: list[str] | None = None) -> Path:
     cfg = parse_args(argv)
     # Everything below up to distributed.init() rejects bad input before any process group starts.
     ds_config, plan = resolve(cfg, distributed.world_size_from_env())
+    check_objective_fits(cfg, plan.micro)
     try:
         check_source(cfg.data, plan.world)
     except ValueError as e:

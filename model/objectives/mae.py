@@ -11,7 +11,13 @@ import torch
 from torch import nn
 
 from model.mae_decoder import MAEDecoder
-from model.objectives.masking import Masking, gather_tokens, masking_from_mask, masking_from_noise, num_kept
+from model.objectives.masking import (
+    Masking,
+    gather_tokens,
+    masking_from_mask,
+    masking_from_noise,
+    num_kept,
+)
 from model.objectives.patches import normalized_pixels, patchify, unpatchify
 from model.vit import VisionTransformer
 
@@ -35,7 +41,8 @@ class MAEConfig:
 
 def masked_patch_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """pred, target (B, N, P); mask (B, N) with 1 = removed. Mean per-patch MSE over removed."""
-    per_patch = ((pred.float() - target.float()) ** 2).mean(dim=-1)  # (B, N)
+    compute = torch.promote_types(pred.dtype, torch.float32)  # fp16/bf16 -> fp32, fp64 stays
+    per_patch = ((pred.to(compute) - target.to(compute)) ** 2).mean(dim=-1)  # (B, N)
     return (per_patch * mask).sum() / mask.sum()
 
 
@@ -70,7 +77,7 @@ class MAEObjective(nn.Module):
         return self.encoder.forward_tokens(self.encoder.add_cls_token(kept))
 
     def target(self, images: torch.Tensor) -> torch.Tensor:
-        t = patchify(images.float(), self.patch_size)  # (B, N, p*p*C); fp32 even in bf16/fp16 runs
+        t = patchify(images.to(torch.promote_types(images.dtype, torch.float32)), self.patch_size)  # (B, N, p*p*C), fp32 in bf16/fp16 runs
         return normalized_pixels(t) if self.cfg.norm_pix_loss else t
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,12 +1,13 @@
-from collections import Counter
 import gzip
 import struct
+from collections import Counter
 
 import numpy as np
 import pytest
 
 from data.shards import ShardSet, decode, raw_samples
-from data.write_shards import main as write_shards, read_idx
+from data.write_shards import main as write_shards
+from data.write_shards import read_idx
 
 
 def _read_back(index_path):

@@ -2,8 +2,8 @@
 import json
 
 import pytest
-
 from conftest import run_pretrain
+
 from train.run_dir import read_metrics
 
 pytestmark = pytest.mark.distributed

@@ -2,7 +2,14 @@ import json
 
 import pytest
 
-from train.checkpoint import COMPLETE, LATEST, find_resume, latest_complete, prune, tag_for
+from train.checkpoint import (
+    COMPLETE,
+    LATEST,
+    find_resume,
+    latest_complete,
+    prune,
+    tag_for,
+)
 
 
 def _tag(root, step, complete=True):

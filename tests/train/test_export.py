@@ -3,11 +3,12 @@ import json
 
 import pytest
 import torch
+from conftest import run_pretrain
 from safetensors.torch import load_file
 
-from conftest import run_pretrain
 from model import create_model
-from train.export import load_timm_encoder, main as export_main
+from train.export import load_timm_encoder
+from train.export import main as export_main
 
 
 def _our_encoder_from_checkpoint(tag_dir):

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, run_pretrain
+
 from data.write_shards import main as write_shards
 from model.objectives import build_objective
 from model.objectives.finetune import FinetuneConfig

@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 import torch
-
 from conftest import REPO, run_pretrain
+
 from data.shards import ShardSet
 from data.write_shards import main as write_shards
 from model.objectives import build_objective

@@ -3,8 +3,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import run_pretrain
+
 from train.optim import warmup_cosine
 from train.run_dir import read_metrics
 

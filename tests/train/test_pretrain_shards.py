@@ -1,7 +1,7 @@
 """Pretraining reads webdataset shards through train/pretrain.py, and resumes mid-stream."""
 import pytest
-
 from conftest import run_pretrain
+
 from data.write_shards import main as write_shards
 from train.run_dir import read_metrics
 

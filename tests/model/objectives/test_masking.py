@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from model.objectives.masking import gather_tokens, masking_from_mask, masking_from_noise, num_kept, random_masking
+from model.objectives.masking import (
+    gather_tokens,
+    masking_from_mask,
+    masking_from_noise,
+    num_kept,
+    random_masking,
+)
 
 
 def test_keep_count_is_floor():

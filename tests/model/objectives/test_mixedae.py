@@ -1,0 +1,161 @@
+import math
+
+import pytest
+import torch
+
+from model import create_model
+from model.objectives import build_objective
+from model.objectives.homocon import homologous_contrastive_loss
+from model.objectives.mae import masked_patch_loss
+from model.objectives.masking import masking_from_mask
+from model.objectives.mixedae import MixedAEConfig
+from model.objectives.mixing import mix_images
+from model.objectives.patches import normalized_pixels, patchify
+from model.pos_embed import sincos_1d
+
+
+def _objective(seed=0, **kw):
+    torch.manual_seed(seed)
+    enc = create_model("vit_debug_patch4", in_chans=1, img_size=32)  # 8x8 patches, 2 blocks
+    cfg = MixedAEConfig(**{"cell_size": 8, "decoder_dim": 32, "decoder_depth": 1, "decoder_heads": 2,
+                           "proj_dim": 16, **kw})
+    return build_objective("mixedae", enc, cfg).double()
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_homocon_matches_hand_computation():
+    # 4 unit vectors, labels a a b b, tau 0.5. Anchor 0's only positive is 1.
+    z = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.0, 1.0], [-1.0, 0.0]], dtype=torch.float64)
+    labels = torch.tensor([0, 0, 1, 1])
+    tau = 0.5
+    total = 0.0
+    for i in range(4):
+        sims = {a: float(z[i] @ z[a]) / tau for a in range(4) if a != i}
+        log_den = math.log(sum(math.exp(s) for s in sims.values()))
+        pos = [p for p in sims if labels[p] == labels[i]]
+        total += -sum(sims[p] - log_den for p in pos) / len(pos)
+    got = homologous_contrastive_loss(z, labels, tau)
+    assert got.item() == pytest.approx(total / 4, rel=1e-12)
+    # Anchor 0 by hand: sims 0.6/.5=1.2, 0, -2 -> -(1.2 - log(e^1.2 + 1 + e^-2))
+    a0 = -(1.2 - math.log(math.exp(1.2) + 1 + math.exp(-2)))
+    assert a0 == pytest.approx(-(float(z[0] @ z[1]) / tau - math.log(sum(math.exp(float(z[0] @ z[a]) / tau) for a in (1, 2, 3)))))
+
+
+def test_masked_self_attention_never_lets_information_cross_images():
+    obj = _objective(attention="masked").eval()
+    images = torch.randn(4, 1, 32, 32, dtype=torch.float64, generator=_gen(1))
+    mixing = obj.draw_mixing(4, torch.device("cpu"), _gen(2))
+    a = mixing.segment[0] == 0  # positions of image 0 in the mixed image
+    latent, _ = obj.encode_mixed(mix_images(images, mixing, 4), mixing.segment)
+    perturbed = images.clone()
+    perturbed[1:] += torch.randn(3, 1, 32, 32, dtype=torch.float64, generator=_gen(3))  # images B, C, D
+    latent2, _ = obj.encode_mixed(mix_images(perturbed, mixing, 4), mixing.segment)
+    assert torch.allclose(latent2[0, 1:][a], latent[0, 1:][a], atol=1e-12)
+    assert not torch.allclose(latent2[0, 1:][~a], latent[0, 1:][~a])
+    # Global attention (the naive baseline) does leak: the same perturbation moves image 0's tokens.
+    leaky = _objective(attention="global").eval()
+    l1, _ = leaky.encode_mixed(mix_images(images, mixing, 4), mixing.segment)
+    l2, _ = leaky.encode_mixed(mix_images(perturbed, mixing, 4), mixing.segment)
+    assert not torch.allclose(l2[0, 1:][a], l1[0, 1:][a])
+
+
+def test_segment_embeddings_are_added_to_every_block_input():
+    obj = _objective(attention="global")
+    for block in obj.encoder.blocks:  # identity blocks: residual branches output zero
+        for lin in (block.attn.proj, block.mlp.fc2):
+            torch.nn.init.zeros_(lin.weight)
+            torch.nn.init.zeros_(lin.bias)
+    seen = []
+    for block in obj.encoder.blocks:
+        block.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
+    images = torch.randn(4, 1, 32, 32, dtype=torch.float64, generator=_gen(1))
+    mixing = obj.draw_mixing(4, torch.device("cpu"), _gen(2))
+    mixed = mix_images(images, mixing, 4)
+    obj.encode_mixed(mixed, mixing.segment)
+    x0 = obj.encoder.add_cls_token(obj.encoder.embed_patches(mixed)).detach()
+    se = sincos_1d(32, torch.arange(4))[mixing.segment]  # (1, N, D): sin-cos of the source index
+    for i, block_input in enumerate(seen):
+        assert torch.allclose(block_input[:, 0], x0[:, 0])  # cls gets no segment embedding
+        assert torch.allclose(block_input[:, 1:], x0[:, 1:] + (i + 1) * se, atol=1e-6)  # fp32 table
+
+
+def test_unmixing_loss_equals_a_per_source_mae_decoder_loop():
+    obj = _objective()
+    images = torch.randn(8, 1, 32, 32, dtype=torch.float64, generator=_gen(1))
+    mixing = obj.draw_mixing(8, torch.device("cpu"), _gen(2))
+    out = obj.forward_mixed(images, mixing)
+    latent, _ = obj.encode_mixed(mix_images(images, mixing, 4), mixing.segment)
+    sq_sum, count = 0.0, 0.0
+    for m in range(2):
+        for s in range(4):
+            src = m * 4 + s
+            others = (mixing.segment[m] != s).double()[None]  # 1 = the decoder must fill these in
+            masking = masking_from_mask(others)
+            kept = latent[m : m + 1, 1:][:, masking.ids_keep[0]]
+            pred = obj.decoder(torch.cat([latent[m : m + 1, :1], kept], 1), masking.ids_restore)  # MAE's path
+            target = normalized_pixels(patchify(images[src : src + 1], 4))
+            sq_sum += masked_patch_loss(pred, target, others).item() * float(others.sum())
+            count += float(others.sum())
+    assert out["loss_recon"].item() == pytest.approx(sq_sum / count, rel=1e-10)
+    assert out["loss"].item() == pytest.approx(out["loss_recon"].item() + out["loss_homocon"].item(), rel=1e-12)
+
+
+def test_topk_accuracy_is_logged_for_the_chosen_blocks_and_is_perfect_when_images_are_separable():
+    obj = _objective(homologous_blocks="1")
+    out = obj(dict(image=torch.randn(8, 1, 32, 32, dtype=torch.float64)))
+    assert {k for k in out if k.startswith("topk_acc")} == {"topk_acc", "topk_acc_block1"}
+    # Queries and keys of image i point along axis i (q = k per segment, margin large): the top
+    # r*N = 16 keys of every patch query are exactly its own image's 16 patches.
+    from kernels import GLOBAL, TopKMask, attention
+
+    seg = obj.draw_mixing(4, torch.device("cpu"), _gen(0)).segment
+    segments = torch.cat([torch.full((1, 1), GLOBAL), seg], 1)
+    qk = torch.nn.functional.one_hot(segments.clamp_min(0), 4).double()[:, None] * 10  # (1, 1, 65, 4)
+    qk[:, :, 0] = 0  # cls: logit 0 with every patch
+    mask = TopKMask(obj.topk, segments=segments)
+    attention(qk, qk, torch.randn_like(qk), mask=mask)
+    assert obj.topk == 16 and mask.same_source_share.item() == 1.0
+
+
+def test_topk_per_source_gives_each_query_its_own_image_patch_count():
+    obj = _objective(topk_per_source=True, exact_counts=False, cell_size=4)  # 64 cells over 4 images
+    seg = obj.draw_mixing(4, torch.device("cpu"), _gen(0)).segment
+    segments = torch.cat([torch.full((1, 1), -1), seg], 1)
+    k = obj.attention_masks(segments)[0].k
+    counts = torch.bincount(seg[0], minlength=4)
+    assert torch.equal(k[0, 1:], counts[seg[0]])
+
+
+def test_every_ablation_runs_forward_and_backward():
+    for kw in [dict(), dict(mixing="full"), dict(attention="masked", segment_embed=False, homocon_weight=0.0),
+               dict(attention="global", segment_embed=False, homocon_weight=0.0), dict(recon_weight=0.0),
+               dict(homocon_weight=0.0), dict(mixing="none", attention="global"), dict(segment_embed=False)]:
+        obj = _objective(**kw)
+        out = obj(dict(image=torch.randn(8, 1, 32, 32, dtype=torch.float64)))
+        out["loss"].backward()
+        grads = [p.grad for p in obj.parameters() if p.requires_grad]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads), kw  # no unused parameters
+        assert ("loss_recon" in out) == (obj.cfg.recon_weight > 0) and ("loss_homocon" in out) == (obj.cfg.homocon_weight > 0)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(mix_ratio=0.3), "1/g"),
+    (dict(mixing="none", attention="topk"), "attention global"),
+    (dict(recon_weight=0.0, homocon_weight=0.0), "not both 0"),
+    (dict(homologous_blocks="0,x"), "comma-separated"),
+    (dict(homologous_blocks="5"), r"0\.\.1"),
+    (dict(cell_size=6), "multiple of the patch size"),
+    (dict(cell_size=4, exact_counts=True, mix_ratio=0.2), "exact_counts false"),
+])
+def test_bad_configs_are_rejected_with_the_fix(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _objective(**kw)
+
+
+def test_micro_batch_must_be_a_multiple_of_the_group_size():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        MixedAEConfig().check_fits(224, 16, 12, micro_batch=6)
+    MixedAEConfig().check_fits(224, 16, 12, micro_batch=8)  # ViT-B: 49 cells of 32 px -> not exact
