@@ -35,6 +35,21 @@ def has_flash_attn() -> bool:
     return major >= 8  # FlashAttention-2 has no kernels for V100 (sm70)
 
 
+@functools.cache
+def has_triton_gpu() -> bool:
+    """True when Triton imports and the current GPU is sm80+ (our fused kernels' target; V100
+    falls back to the PyTorch paths)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        importlib.import_module("triton")
+    except Exception:
+        return False
+    major, _ = torch.cuda.get_device_capability()
+    return major >= 8
+
+
 def describe() -> dict[str, bool]:
     """Summary logged once at start-up."""
-    return {"cuda": torch.cuda.is_available(), "nvidia_apex": has_nvidia_apex(), "flash_attn": has_flash_attn()}
+    return {"cuda": torch.cuda.is_available(), "nvidia_apex": has_nvidia_apex(), "flash_attn": has_flash_attn(),
+            "triton_gpu": has_triton_gpu()}

@@ -5,8 +5,11 @@ softmax(q @ k^T * d^-0.5) @ v. `math` is the plain PyTorch reference every other
 tested against; `sdpa` (PyTorch's fused scaled_dot_product_attention, which itself picks the
 flash / memory-efficient / math kernel for the device and dtype) is the default.
 
-A per-call `mask` (kernels.masked: SegmentMask, TopKMask) restricts which keys each query sees;
-the backend then names the family of implementation (math = the plain reference).
+A per-call `mask` (kernels.masked: SegmentMask, TopKMask) restricts which keys each query sees.
+Restricted attention runs the fused Triton kernels (kernels/restricted_triton.py) on sm80+ GPUs
+and the PyTorch paths elsewhere (CPU, V100, sequences over 1024 tokens); backend `math` always
+takes the plain references, which are the twice-differentiable path. `describe_paths` says
+which implementation each kind of call gets; the entry points log it once at start.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.accelerators import has_flash_attn
+from kernels.accelerators import has_flash_attn, has_triton_gpu
 from kernels.masked import (
     SegmentMask,
     TopKMask,
@@ -79,10 +82,47 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = 
     """Dispatch: q, k, v (B, H, N, d) -> (B, H, N, d)."""
     if mask is None:
         return BACKENDS[backend](q, k, v)
+    if not isinstance(mask, (SegmentMask, TopKMask)):
+        raise TypeError(f"unknown attention mask {type(mask).__name__}; expected SegmentMask or TopKMask")
+    fused = backend != "math" and _fused_reason(q) is None
     if isinstance(mask, SegmentMask):
-        # flash kernels take no mask: sdpa and flash_attn both go to SDPA's masked (memory-efficient) path
+        if fused:
+            from kernels.restricted_triton import segment_attention
+
+            return segment_attention(q, k, v, mask.segments)
+        # flash kernels take no mask: SDPA's masked (memory-efficient) path, or the reference for math
         fn = segment_attention_reference if backend == "math" else segment_attention_sdpa
         return fn(q, k, v, mask.segments)
-    if isinstance(mask, TopKMask):
-        return topk_attention_reference(q, k, v, mask)
-    raise TypeError(f"unknown attention mask {type(mask).__name__}; expected SegmentMask or TopKMask")
+    if fused:
+        from kernels.restricted_triton import topk_attention
+
+        B, _, T, _ = q.shape
+        k_rows = torch.full((B, T), mask.k, device=q.device) if isinstance(mask.k, int) else mask.k
+        out, share = topk_attention(q, k, v, k_rows.clamp(1, T), mask.num_global, mask.segments)
+        if share is not None:
+            mask.same_source_share = share
+        return out
+    return topk_attention_reference(q, k, v, mask)
+
+
+def _fused_reason(q: torch.Tensor) -> str | None:
+    """None when the fused restricted-attention kernels run these inputs, else why not."""
+    if not q.is_cuda:
+        return "not on a GPU"
+    if not has_triton_gpu():
+        return "needs Triton on an sm80+ GPU"
+    from kernels.restricted_triton import supports
+
+    return supports(q)
+
+
+def describe_paths(backend: str, device: torch.device, dtype: torch.dtype, tokens: int, head_dim: int) -> dict[str, str]:
+    """Which implementation dense, segment-masked and TopK attention calls get on this setup."""
+    dense = {"sdpa": "torch SDPA (flash / memory-efficient / math, chosen by PyTorch)", "math": "math reference",
+             "flash_attn": "flash-attn package"}[backend]
+    probe = torch.empty(1, 1, tokens, head_dim, dtype=dtype, device=device)
+    reason = "backend math" if backend == "math" else _fused_reason(probe)
+    if reason is None:
+        return {"dense": dense, "segment": "triton fused kernel", "topk": "triton fused kernel"}
+    segment = "math reference" if backend == "math" else "torch SDPA with a boolean mask"
+    return {"dense": dense, "segment": f"{segment} ({reason})", "topk": f"PyTorch reference composition ({reason})"}

@@ -1,14 +1,20 @@
-"""The Fashion-MNIST demo (`make demo`): shards -> MAE pretraining -> frozen-feature evaluation.
+"""The Fashion-MNIST demo (`make demo`): shards -> pretraining -> frozen-feature evaluation.
 
 1. Writes train/test shards from the idx files of the Debian package dataset-fashion-mnist.
-2. Pretrains MAE on the mini ViT (32x32 input, patch 4) with train/pretrain.py, the same entry
-   point as every run, in a single process on the CPU (resumes if interrupted).
+2. Pretrains on the mini ViT (32x32 input, patch 4) with train/pretrain.py, the same entry
+   point as every run, in a single process on the CPU (resumes if interrupted). The method is
+   MAE by default; `--method mixedae [--ablation NAME]` runs MixedAE or a Table A4 ablation with
+   the same budget (train/configs/demo_<method>.json [+ mixedae_ablations/NAME.json]).
 3. Evaluates the pretrained encoder and the same architecture at random init on the test split:
    weighted kNN and a linear probe on frozen cls features (train/evaluate.py).
-4. Prints a table and writes runs/demo/eval.json next to runs/demo/encoder.safetensors/.json.
+4. Prints a table and writes <run>/eval.json next to <run>/encoder.safetensors/.json
+   (run folder: runs/demo for MAE, runs/demo_<method>[_<ablation>] otherwise).
+
+    python train/demo.py [--method mae|mixedae] [--ablation NAME] [--epochs N]
 """
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -21,15 +27,34 @@ from data.shards import ShardSet
 from data.write_shards import FASHION_MNIST_DIR
 from data.write_shards import main as write_shards
 from train.evaluate import evaluate, load_encoder
+from train.run_dir import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
-RUN = REPO / "runs" / "demo"
 SHARDS = REPO / "runs" / "shards" / "fashion_mnist"
 MODEL = "vit_mini_patch4"
 RAW_PIXEL_BASELINES = {"logistic_regression": 84.5, "knn_5": 85.5}  # test split, raw pixels (see README)
 
 
-def main() -> dict:
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", choices=["mae", "mixedae"], default="mae")
+    p.add_argument("--ablation", default="", help="a train/configs/mixedae_ablations/ preset name (MixedAE only)")
+    p.add_argument("--epochs", type=int, default=0, help="pretraining epochs (0 = the preset's 3)")
+    p.add_argument("--skip_control", action="store_true", help="do not evaluate the random-init control")
+    a = p.parse_args(argv)
+    configs = REPO / "train" / "configs"
+    presets = [configs / f"demo_{a.method}.json"]
+    if a.ablation:
+        if a.method != "mixedae":
+            p.error("--ablation is for --method mixedae")
+        presets.append(configs / "mixedae_ablations" / f"{a.ablation}.json")
+        if not presets[-1].is_file():
+            p.error(f"no ablation preset {presets[-1]}; choose one of "
+                    f"{sorted(f.stem for f in presets[-1].parent.glob('*.json'))}")
+    name = "demo" if a.method == "mae" and not a.epochs else "_".join(
+        ["demo", a.method] + ([a.ablation] if a.ablation else []) + ([f"{a.epochs}ep"] if a.epochs else []))
+    run = REPO / "runs" / name
+
     if not (SHARDS / "train.json").is_file() or not (SHARDS / "test.json").is_file():
         if not FASHION_MNIST_DIR.is_dir():
             sys.exit(f"Fashion-MNIST not found in {FASHION_MNIST_DIR}: run `apt-get install dataset-fashion-mnist`")
@@ -38,19 +63,24 @@ def main() -> dict:
 
     t0 = time.perf_counter()
     cmd = [sys.executable, str(REPO / "train" / "pretrain.py"), "--ds_config", str(REPO / "ds_configs" / "cpu_demo.json"),
-           "--config", str(REPO / "train" / "configs" / "demo_mae.json"), "--data.train_index",
-           str(SHARDS / "train.json"), "--output_dir", str(RUN), "--resume", "auto"]
+           *[arg for preset in presets for arg in ("--config", str(preset))], "--data.train_index",
+           str(SHARDS / "train.json"), "--output_dir", str(run), "--resume", "auto"]
+    if a.epochs:
+        cmd += ["--optim.epochs", str(a.epochs), "--optim.warmup_epochs", str(a.epochs / 3)]  # the preset: 1 of 3
     subprocess.run(cmd, check=True, cwd=REPO)
     pretrain_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    pretrained = evaluate(load_encoder(encoder=str(RUN / "encoder.safetensors")), train, test)
-    control = evaluate(load_encoder(random_init=MODEL, seed=0), train, test)
+    pretrained = evaluate(load_encoder(encoder=str(run / "encoder.safetensors")), train, test)
+    control = None if a.skip_control else evaluate(load_encoder(random_init=MODEL, seed=0), train, test)
     eval_s = time.perf_counter() - t0
 
     result = {
         **pretrained,
+        "method": a.method,
+        "ablation": a.ablation or None,
         "random_init": control,
+        "final_train_metrics": {k: v for k, v in read_metrics(run)[-1].items() if k.startswith(("loss", "topk_acc"))},
         "raw_pixel_baselines": RAW_PIXEL_BASELINES,
         "model": MODEL,
         "pretrain_seconds": round(pretrain_s, 1),
@@ -58,14 +88,15 @@ def main() -> dict:
         "device": "cpu",
         "torch_threads": torch.get_num_threads(),
     }
-    (RUN / "eval.json").write_text(json.dumps(result, indent=2))
+    (run / "eval.json").write_text(json.dumps(result, indent=2))
     print(f"\nFashion-MNIST test top-1 (%), {MODEL}, frozen cls features")
     print(f"{'':24}{'linear probe':>14}{'kNN (k=20)':>12}")
-    print(f"{'MAE pretrained':24}{pretrained['linear_probe_top1']:>14.2f}{pretrained['knn_top1']:>12.2f}")
-    print(f"{'random init':24}{control['linear_probe_top1']:>14.2f}{control['knn_top1']:>12.2f}")
+    print(f"{(a.method.upper() + ' ' + a.ablation).strip() + ' pretrained':24}{pretrained['linear_probe_top1']:>14.2f}{pretrained['knn_top1']:>12.2f}")
+    if control is not None:
+        print(f"{'random init':24}{control['linear_probe_top1']:>14.2f}{control['knn_top1']:>12.2f}")
     print(f"{'raw pixels':24}{RAW_PIXEL_BASELINES['logistic_regression']:>14.2f}{RAW_PIXEL_BASELINES['knn_5']:>12.2f}"
           "   (logistic regression / 5-NN)")
-    print(f"pretraining {pretrain_s / 60:.1f} min, evaluation {eval_s / 60:.1f} min; wrote {RUN / 'eval.json'}")
+    print(f"pretraining {pretrain_s / 60:.1f} min, evaluation {eval_s / 60:.1f} min; wrote {run / 'eval.json'}")
     return result
 
 

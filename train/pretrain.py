@@ -21,6 +21,7 @@ import torch
 from data.shards import ShardSet
 from data.source import build_source, check_source, fixed_images, nominal_epoch_size
 from kernels.accelerators import describe as describe_accelerators
+from kernels.attention import describe_paths
 from model.interop import load_into_objective
 from model.objectives import build_objective
 from model.registry import create_model
@@ -127,18 +128,21 @@ def main(argv: list[str] | None = None) -> Path:
     np.random.seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
     encoder = objective.encoder
+    attention_paths = describe_paths(encoder.blocks[0].attn.backend, device, dtype, encoder.num_patches + 1,
+                                     encoder.embed_dim // encoder.blocks[0].attn.num_heads)
     if rank == 0:
         write_run_files(run_dir, to_dict(cfg), ds_config, {
             "world_size": world, "device": str(device), "precision": str(dtype).removeprefix("torch."),
             "batch": asdict(plan) | {"global": plan.global_batch}, "peak_lr": peak_lr,
             "steps_per_epoch": per_epoch, "total_steps": total_steps, "accelerators": describe_accelerators(),
-            "attention_backend": encoder.blocks[0].attn.backend, "param_split": split,
+            "attention_backend": encoder.blocks[0].attn.backend, "attention_paths": attention_paths,
+            "param_split": split,
         })
         log.info("world %d on %s, %s, global batch %d = %d x %d x %d, peak lr %.3g, %d steps (%d/epoch)",
                  world, device, dtype, plan.global_batch, plan.micro, plan.accum, world, peak_lr, total_steps, per_epoch)
-        log.info("weight decay on %d tensors (%d params), none on %d tensors (%d params); attention: %s",
-                 split["decay_tensors"], split["decay_params"], split["no_decay_tensors"], split["no_decay_params"],
-                 encoder.blocks[0].attn.backend)
+        log.info("attention: %s", "; ".join(f"{kind}: {path}" for kind, path in attention_paths.items()))
+        log.info("weight decay on %d tensors (%d params), none on %d tensors (%d params)",
+                 split["decay_tensors"], split["decay_params"], split["no_decay_tensors"], split["no_decay_params"])
 
     data = build_source(cfg.data, encoder.patch_embed.img_size, cfg.model.in_chans, plan.micro, cfg.seed, rank,
                         world, device)

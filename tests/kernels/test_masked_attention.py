@@ -112,3 +112,12 @@ def test_unknown_mask_type_is_rejected():
     q, k, v = _qkv()
     with pytest.raises(TypeError, match="unknown attention mask"):
         attention(q, k, v, mask="topk")
+
+
+def test_dispatch_reports_the_path_each_kind_of_call_takes():
+    from kernels.attention import describe_paths
+
+    cpu = describe_paths("sdpa", torch.device("cpu"), torch.float32, 197, 64)
+    assert cpu["topk"] == "PyTorch reference composition (not on a GPU)"
+    assert cpu["segment"].startswith("torch SDPA with a boolean mask")
+    assert describe_paths("math", torch.device("cpu"), torch.float32, 197, 64)["segment"] == "math reference (backend math)"

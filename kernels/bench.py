@@ -1,0 +1,222 @@
+"""Attention benchmark: forward+backward time and peak memory of restricted attention against
+named baselines measured in the same run, written as JSON to benchmarks/results/.
+
+    python kernels/bench.py                      # GPU: ViT-B and ViT-L shapes, bf16
+    python kernels/bench.py --dtype fp16 --e2e   # + MixedAE vs MAE ViT-B training step time
+    python kernels/bench.py --device cpu --shapes 2,2,17,16 --iters 3   # CPU (PyTorch paths only)
+
+Variants (each on the same q, k, v):
+  dense_sdpa      F.scaled_dot_product_attention, no mask (flash on sm80+): the floor
+  topk_torch      the best plain PyTorch composition: QK^T, topk threshold, masked softmax, PV
+  topk_fused      the Triton kernel (GPU only)
+  segment_sdpa    SDPA with a boolean same-source mask (memory-efficient kernel)
+  segment_flex    FlexAttention with a same-source block mask, compiled (GPU only, when available)
+  segment_fused   the Triton kernel (GPU only)
+Ratios: time(baseline) / time(variant) as "<variant>_speedup_vs_<baseline>" and
+time(variant) / time(dense_sdpa) as "<variant>_over_dense".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.masked import (
+    GLOBAL,
+    TopKMask,
+    segment_attention_sdpa,
+    topk_attention_reference,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+SHAPES = {"vit_b": (128, 12, 197, 64), "vit_l": (128, 16, 197, 64)}  # (B, H, T, d): 196 patches + cls
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(fn: Callable[[], torch.Tensor], inputs: list[torch.Tensor], iters: int, warmup: int,
+            device: torch.device) -> dict[str, float]:
+    """Mean forward+backward milliseconds and peak extra memory (MiB, GPU only)."""
+    grad_out = None
+
+    def step():
+        nonlocal grad_out
+        out = fn()
+        grad_out = torch.ones_like(out) if grad_out is None else grad_out
+        torch.autograd.grad(out, inputs, grad_out)
+
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    result: dict[str, float] = {}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        result["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    _sync(device)
+    result["ms"] = (time.perf_counter() - start) * 1000 / iters
+    return result
+
+
+def variants(q, k, v, segments, topk: int, device: torch.device) -> dict[str, Callable[[], torch.Tensor]]:
+    out: dict[str, Callable[[], torch.Tensor]] = {
+        "dense_sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
+        "topk_torch": lambda: topk_attention_reference(q, k, v, TopKMask(topk)),
+        "segment_sdpa": lambda: segment_attention_sdpa(q, k, v, segments),
+    }
+    from kernels.accelerators import has_triton_gpu
+
+    if device.type == "cuda" and has_triton_gpu():
+        from kernels.restricted_triton import segment_attention, topk_attention
+
+        B, _, T, _ = q.shape
+        k_rows = torch.full((B, T), topk, device=device)
+        out["topk_fused"] = lambda: topk_attention(q, k, v, k_rows, 1)[0]
+        out["segment_fused"] = lambda: segment_attention(q, k, v, segments)
+        try:
+            from torch.nn.attention.flex_attention import (
+                create_block_mask,
+                flex_attention,
+            )
+
+            def same_source(b, h, qi, ki):
+                return (segments[b, qi] == segments[b, ki]) | (segments[b, qi] == GLOBAL)
+
+            block_mask = create_block_mask(same_source, B, None, T, T, device=device)
+            flex = torch.compile(flex_attention)
+            out["segment_flex"] = lambda: flex(q, k, v, block_mask=block_mask)
+        except Exception as e:  # noqa: BLE001 - FlexAttention is optional here; record why it is missing
+            print(f"segment_flex skipped: {type(e).__name__}: {e}")
+    return out
+
+
+def bench_shape(name: str, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device, ratio: float,
+                iters: int, warmup: int) -> dict:
+    B, H, T, d = shape
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, d, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
+    groups = round(1 / ratio)
+    segments = torch.randint(0, groups, (B, T), generator=g).to(device)
+    segments[:, 0] = GLOBAL
+    topk = int(ratio * (T - 1) + 0.5)
+    results = {}
+    for label, fn in variants(q, k, v, segments, topk, device).items():
+        results[label] = measure(fn, [q, k, v], iters, warmup, device)
+        print(f"{name} {label:14} {results[label]}")
+    ms = {label: r["ms"] for label, r in results.items()}
+    ratios = {f"{label}_over_dense": ms[label] / ms["dense_sdpa"] for label in ms if label != "dense_sdpa"}
+    if "topk_fused" in ms:
+        ratios["topk_fused_speedup_vs_topk_torch"] = ms["topk_torch"] / ms["topk_fused"]
+    for label in ("segment_fused", "segment_flex"):
+        if label in ms:
+            ratios[f"{label}_speedup_vs_segment_sdpa"] = ms["segment_sdpa"] / ms[label]
+    return {"shape": {"B": B, "H": H, "T": T, "d": d}, "topk": topk, "groups": groups, "results": results,
+            "ratios": ratios}
+
+
+def bench_e2e(dtype: torch.dtype, device: torch.device, batch: int, iters: int, warmup: int) -> dict:
+    """ViT-B/16 training step (forward, backward, AdamW) of MAE vs MixedAE at the same batch."""
+    from model.objectives import build_objective
+    from model.objectives.mae import MAEConfig
+    from model.objectives.mixedae import MixedAEConfig
+    from model.registry import create_model
+
+    out = {}
+    images = torch.randn(batch, 3, 224, 224, device=device)
+    for name, cfg in (("mae", MAEConfig()), ("mixedae", MixedAEConfig())):
+        torch.manual_seed(0)
+        objective = build_objective(name, create_model("vit_base_patch16"), cfg).to(device)
+        opt = torch.optim.AdamW(objective.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+        def step():
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss = objective({"image": images})["loss"]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(warmup):
+            step()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            step()
+        _sync(device)
+        out[name] = {"ms": (time.perf_counter() - start) * 1000 / iters}
+        print(f"e2e {name} {out[name]}")
+        del objective, opt
+    out["mixedae_over_mae"] = out["mixedae"]["ms"] / out["mae"]["ms"]
+    return {"model": "vit_base_patch16", "batch": batch, "results": out}
+
+
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--shapes", nargs="*", default=list(SHAPES),
+                   help="vit_b, vit_l, or B,H,T,d (T counts the cls token)")
+    p.add_argument("--mix_ratio", type=float, default=0.25, help="K = round(r * patches), r = 1/groups")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--e2e", action="store_true", help="also time MixedAE vs MAE ViT-B training steps")
+    p.add_argument("--e2e_batch", type=int, default=128)
+    p.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results"))
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device; pass --device cpu for the PyTorch paths on small shapes")
+    dtype = DTYPES[a.dtype]
+    record = {
+        "commit": _commit(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "dtype": a.dtype, "torch": torch.__version__, "iters": a.iters, "warmup": a.warmup,
+        "shapes": {},
+    }
+    try:
+        import triton
+
+        record["triton"] = triton.__version__
+    except ImportError:
+        record["triton"] = None
+    for spec in a.shapes:
+        shape = SHAPES[spec] if spec in SHAPES else tuple(int(x) for x in spec.split(","))
+        record["shapes"][spec] = bench_shape(spec, shape, dtype, device, a.mix_ratio, a.iters, a.warmup)
+    if a.e2e:
+        record["e2e"] = bench_e2e(dtype, device, a.e2e_batch, max(3, a.iters // 2), a.warmup)
+    out_dir = Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    path = out_dir / f"attention_{device.type}_{a.dtype}_{stamp}.json"
+    path.write_text(json.dumps(record, indent=2))
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()

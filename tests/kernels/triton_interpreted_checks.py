@@ -1,0 +1,98 @@
+"""Checks of the fused Triton kernels against the PyTorch references in Triton's interpreter, on CPU.
+
+Not collected directly (Triton reads TRITON_INTERPRET when it is first imported): 
+test_restricted_triton.py runs this file with pytest in a fresh process that sets the flag."""
+import os
+
+import pytest
+import torch
+
+from kernels.masked import (
+    GLOBAL,
+    TopKMask,
+    segment_attention_reference,
+    topk_attention_reference,
+)
+
+triton = pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("run through test_restricted_triton.py (needs TRITON_INTERPRET=1 before triton is imported)")
+    import kernels.restricted_triton as module
+
+    return module
+
+
+def _inputs(B=2, H=2, T=21, d=8, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = [torch.randn(B, H, T, d, generator=g).to(device, dtype).requires_grad_() for _ in range(3)]
+    segments = torch.randint(0, 3, (B, T), generator=g)
+    segments[:, 0] = GLOBAL
+    return qkv, segments.to(device)
+
+
+def _grads(out, inputs, seed=1):
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device, out.dtype)
+    return torch.autograd.grad((out.float() * weight.float()).sum(), inputs)
+
+
+def _close(a, b, atol):
+    assert torch.allclose(a.float(), b.float(), atol=atol, rtol=0), (a.float() - b.float()).abs().max()
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_interpreted_topk_matches_reference(interpreted, per_row):
+    (q, k, v), segments = _inputs()
+    B, _, T, _ = q.shape
+    ks = torch.randint(1, T + 1, (B, T), generator=torch.Generator().manual_seed(2)) if per_row else torch.full((B, T), 5)
+    out, share = interpreted.topk_attention(q, k, v, ks, 1, segments)
+    mask = TopKMask(ks, num_global=1, segments=segments)
+    ref = topk_attention_reference(q, k, v, mask)
+    _close(out, ref, 1e-5)
+    assert share.item() == pytest.approx(mask.same_source_share.item())
+    for a, b in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
+        _close(a, b, 1e-5)
+
+
+def test_interpreted_segment_attention_matches_reference(interpreted):
+    (q, k, v), segments = _inputs(T=37, d=16)  # more than one query block, padded key row
+    out = interpreted.segment_attention(q, k, v, segments)
+    ref = segment_attention_reference(q, k, v, segments)
+    _close(out, ref, 1e-5)
+    for a, b in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
+        _close(a, b, 1e-5)
+
+
+def test_interpreted_topk_ties_keep_the_whole_tie_deterministically(interpreted):
+    # Logits on a coarse grid (integers / sqrt(d) after scaling) are full of exact ties.
+    B, H, T, d = 1, 2, 19, 16
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-2, 3, (B, H, T, d), generator=g).float().requires_grad_()
+    k = torch.randint(-2, 3, (B, H, T, d), generator=g).float().requires_grad_()
+    v = torch.randn(B, H, T, d, generator=g).requires_grad_()
+    out1, _ = interpreted.topk_attention(q, k, v, torch.full((B, T), 4), 1)
+    out2, _ = interpreted.topk_attention(q, k, v, torch.full((B, T), 4), 1)
+    ref = topk_attention_reference(q, k, v, TopKMask(4))
+    assert torch.equal(out1, out2)
+    _close(out1, ref, 1e-5)
+    for a, b in zip(_grads(out1, (q, k, v)), _grads(ref, (q, k, v))):
+        _close(a, b, 1e-4)
+
+
+def test_interpreted_kernel_refuses_double_backward(interpreted):
+    (q, k, v), _ = _inputs(T=8)
+    out, _ = interpreted.topk_attention(q, k, v, torch.full((2, 8), 3), 1)
+    with pytest.raises(RuntimeError, match="not twice differentiable; use model.attn_backend math"):
+        torch.autograd.grad(out.sum(), (q,), create_graph=True)
+    (gq,) = torch.autograd.grad(out.sum(), (q,))  # a plain backward works
+    assert torch.isfinite(gq).all()
+
+
+def test_supports_names_the_limit(interpreted):
+    supports = interpreted.supports
+    assert supports(torch.empty(1, 1, 197, 64)) is None
+    assert "1024" in supports(torch.empty(1, 1, 1025, 64))
+    assert "head dim" in supports(torch.empty(1, 1, 197, 512))
