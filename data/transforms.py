@@ -43,6 +43,21 @@ class PretrainTransform:
         return to_normalized_tensor(img)
 
 
+class MultiCropTransform:
+    """MAE+ multi-crop tokenization (METHODS.md section 2): `num_crops` independent
+    RandomResizedCrop(size, scale (0.08, 1), bicubic) + flip views of one image -> (k, 3, size, size).
+    Crop c of a sample uses its own seed derived from (sample seed, c)."""
+
+    def __init__(self, size: int, num_crops: int = 4, scale: tuple[float, float] = (0.08, 1.0)):
+        if num_crops < 1:
+            raise ValueError(f"num_crops must be >= 1, got {num_crops}")
+        self.num_crops = num_crops
+        self.crop = PretrainTransform(size, scale)
+
+    def __call__(self, img: Image.Image, seed: int) -> torch.Tensor:
+        return torch.stack([self.crop(img, (seed * 1_000_003 + c) % 2**63) for c in range(self.num_crops)])
+
+
 class EvalTransform:
     def __init__(self, size: int, crop_pct: float = 0.875):
         self.size, self.resize = size, int(round(size / crop_pct))

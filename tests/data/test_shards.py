@@ -3,6 +3,8 @@ import io
 import tarfile
 from collections import Counter
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -144,3 +146,17 @@ def test_randaug_top_magnitude_posterize_works_with_the_installed_pillow():
     from timm.data.auto_augment import posterize
 
     assert posterize(Image.new("RGB", (4, 4), (200, 100, 50)), 0).getpixel((0, 0)) == (0, 0, 0)
+
+
+def test_multicrop_gives_k_distinct_seeded_crops():
+    from PIL import Image
+
+    from data.transforms import MultiCropTransform, PretrainTransform
+
+    img = Image.fromarray(np.arange(64 * 48, dtype=np.uint8).reshape(48, 64) * 3 % 251)
+    views = MultiCropTransform(16, num_crops=4)(img, seed=7)
+    assert views.shape == (4, 3, 16, 16)
+    assert torch.equal(views, MultiCropTransform(16, num_crops=4)(img, seed=7))  # seeded
+    assert len({tuple(v.flatten()[:40].tolist()) for v in views}) == 4  # independent crops
+    # crop c is the plain pretraining crop drawn with its derived seed, at scale (0.08, 1)
+    assert torch.equal(views[2], PretrainTransform(16, (0.08, 1.0))(img, 7 * 1_000_003 + 2))
