@@ -1,0 +1,90 @@
+"""iRPE relative-position index functions (Wu et al. 2021; METHODS.md section 2, AdPE section 4.2).
+
+Relative offsets x = x_i - x_j (per axis, in patches) map to table indices by the piecewise
+function g: exact (rounded) near the query, log-compressed further away, clipped at beta:
+
+    g(x)  = round(x)                                                         |x| <= alpha
+          = sign(x) * trunc(min(beta, round(alpha + ln(|x|/alpha) / ln(gamma/alpha) * (beta - alpha))))  otherwise
+
+(the clip happens after rounding and the result is truncated to an integer, as in iRPE's code,
+so with beta = 3.8 the indices are -3..3). The relaxed g~ (AdPE eq. for coordinate adversaries)
+drops the rounding: g~(x) = x for |x| <= alpha, else sign(x) * min(beta, alpha + ...), a
+continuous index used with bilinear interpolation of the table.
+
+A 2-D offset (dx, dy) gets bucket (g(dy) + R) * S + (g(dx) + R), with R = floor(beta) and
+S = 2R + 1 per axis: S*S = 49 buckets for the defaults, plus one extra bucket (index S*S) for
+every pair that involves the cls token.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+ALPHA, BETA, GAMMA = 1.9, 3.8, 15.2
+
+
+def _far(ax: torch.Tensor, alpha: float, beta: float, gamma: float) -> torch.Tensor:
+    """alpha + ln(|x|/alpha) / ln(gamma/alpha) * (beta - alpha), for |x| > alpha."""
+    return alpha + torch.log(ax.clamp_min(alpha) / alpha) / math.log(gamma / alpha) * (beta - alpha)
+
+
+def piecewise_index(x: torch.Tensor, alpha: float = ALPHA, beta: float = BETA, gamma: float = GAMMA) -> torch.Tensor:
+    """g: offsets (any shape, float) -> integer indices in [-floor(beta), floor(beta)] (long)."""
+    ax = x.abs()
+    far = torch.sign(x) * _far(ax, alpha, beta, gamma).round().clamp(max=beta)
+    return torch.where(ax <= alpha, x.round(), far).trunc().long()
+
+
+def relaxed_index(x: torch.Tensor, alpha: float = ALPHA, beta: float = BETA, gamma: float = GAMMA) -> torch.Tensor:
+    """g~: the continuous version (no rounding), differentiable in x."""
+    ax = x.abs()
+    far = torch.sign(x) * _far(ax, alpha, beta, gamma).clamp(max=beta)
+    return torch.where(ax <= alpha, x, far)
+
+
+def axis_size(beta: float = BETA) -> int:
+    """Indices per axis: 2 * floor(beta) + 1."""
+    return 2 * math.floor(beta) + 1
+
+
+def num_buckets(beta: float = BETA) -> int:
+    """Table rows: S * S offset buckets plus one for pairs with the cls token."""
+    return axis_size(beta) ** 2 + 1
+
+
+def grid_coords(grid_size: tuple[int, int], device: torch.device | None = None) -> torch.Tensor:
+    """(N, 2) float (row, col) of each patch, row-major."""
+    rows, cols = torch.meshgrid(torch.arange(grid_size[0], device=device), torch.arange(grid_size[1], device=device),
+                                indexing="ij")
+    return torch.stack([rows.flatten(), cols.flatten()], dim=1).float()
+
+
+def bucket_ids(coords: torch.Tensor, num_cls: int = 1, beta: float = BETA, alpha: float = ALPHA,
+               gamma: float = GAMMA) -> torch.Tensor:
+    """coords (N, 2) (row, col) of the patch tokens -> (T, T) long bucket of each (query, key) pair,
+    T = num_cls + N; every pair with a cls token gets the extra bucket."""
+    rel = coords[:, None, :] - coords[None, :, :]  # (N, N, 2): query minus key
+    R, S = math.floor(beta), axis_size(beta)
+    idx = piecewise_index(rel, alpha, beta, gamma) + R  # (N, N, 2) in [0, S)
+    patch = idx[..., 0] * S + idx[..., 1]
+    T = num_cls + coords.shape[0]
+    out = torch.full((T, T), S * S, dtype=torch.long, device=coords.device)
+    out[num_cls:, num_cls:] = patch
+    return out
+
+
+def bilinear_corners(rel: torch.Tensor, beta: float = BETA, alpha: float = ALPHA,
+                     gamma: float = GAMMA) -> tuple[torch.Tensor, torch.Tensor]:
+    """Continuous offsets rel (..., 2) (row, col) -> 4 corner buckets (..., 4) long and their
+    bilinear weights (..., 4), through g~. The continuous index is clamped to the table's integer
+    range [-floor(beta), floor(beta)] (g~ reaches beta itself, e.g. 3.8, beyond the last row)."""
+    R, S = math.floor(beta), axis_size(beta)
+    u = relaxed_index(rel, alpha, beta, gamma).clamp(-R, R) + R  # (..., 2) in [0, S-1]
+    lo = u.detach().floor().clamp(max=S - 2)  # top-left corner; the last cell uses its left neighbour
+    w = u - lo  # (..., 2) in [0, 1], carries the gradient
+    k, l = lo[..., 0].long(), lo[..., 1].long()
+    wy, wx = w[..., 0], w[..., 1]
+    corners = torch.stack([k * S + l, k * S + l + 1, (k + 1) * S + l, (k + 1) * S + l + 1], dim=-1)
+    weights = torch.stack([(1 - wy) * (1 - wx), (1 - wy) * wx, wy * (1 - wx), wy * wx], dim=-1)
+    return corners, weights
