@@ -77,9 +77,26 @@ def resolve_backend(name: str) -> str:
 AttentionMask = SegmentMask | TopKMask
 
 
+def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                     backend: str = "sdpa") -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + bias) v with an additive score bias broadcastable to (B, H, N, N)
+    (e.g. relative positions). math: the reference; otherwise SDPA with a float mask (flash
+    kernels take no bias, so the flash_attn backend also lands here)."""
+    if backend == "math":
+        compute = torch.promote_types(q.dtype, torch.float32)
+        logits = (q.to(compute) @ k.to(compute).transpose(-2, -1)) * q.shape[-1] ** -0.5 + bias.to(compute)
+        return (logits.softmax(dim=-1) @ v.to(compute)).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa",
-              mask: AttentionMask | None = None) -> torch.Tensor:
-    """Dispatch: q, k, v (B, H, N, d) -> (B, H, N, d)."""
+              mask: AttentionMask | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatch: q, k, v (B, H, N, d) -> (B, H, N, d); optional restriction `mask` or additive `bias`."""
+    if bias is not None:
+        if mask is not None:
+            raise ValueError("an additive score bias (relative positions) cannot be combined with a restricted "
+                             "attention mask (TopK / segment); use one or the other")
+        return biased_attention(q, k, v, bias, backend)
     if mask is None:
         return BACKENDS[backend](q, k, v)
     if not isinstance(mask, (SegmentMask, TopKMask)):

@@ -88,3 +88,61 @@ def bilinear_corners(rel: torch.Tensor, beta: float = BETA, alpha: float = ALPHA
     corners = torch.stack([k * S + l, k * S + l + 1, (k + 1) * S + l, (k + 1) * S + l + 1], dim=-1)
     weights = torch.stack([(1 - wy) * (1 - wx), (1 - wy) * wx, wy * (1 - wx), wy * wx], dim=-1)
     return corners, weights
+
+
+class RPEAdversary:
+    """Per-call perturbation of one block's relative positions, for masked query rows only.
+
+    masked (B, N) bool marks the patch tokens whose query rows are perturbed (every key, cls too);
+    delta (2,) is added to their (row, col) offsets (coordinate mode, through g~ and bilinear
+    lookup); embed (H, d) is added to their table rows r_ij (embedding mode)."""
+
+    def __init__(self, masked: torch.Tensor, delta: torch.Tensor | None = None, embed: torch.Tensor | None = None):
+        self.masked, self.delta, self.embed = masked, delta, embed
+
+
+class ContextualRPE(torch.nn.Module):
+    """iRPE, contextual mode on keys, product method: logit_ij += q_i . r_ij / sqrt(d), r_ij from a
+    learnable table (buckets, H, d) initialised to 0, over a fixed grid of 1 cls + gh*gw tokens.
+
+    The product is taken once per bucket, (B, H, T, buckets), then gathered per pair (iRPE's
+    lookup-after-product), so no (T, T, d) tensor is formed."""
+
+    def __init__(self, num_heads: int, head_dim: int, grid_size: tuple[int, int], num_cls: int = 1,
+                 alpha: float = ALPHA, beta: float = BETA, gamma: float = GAMMA):
+        super().__init__()
+        self.num_cls, self.index_args = num_cls, dict(alpha=alpha, beta=beta, gamma=gamma)
+        self.table = torch.nn.Parameter(torch.zeros(num_buckets(beta), num_heads, head_dim))
+        coords = grid_coords(grid_size)
+        self.register_buffer("buckets", bucket_ids(coords, num_cls, beta, alpha, gamma), persistent=False)  # (T, T)
+        self.register_buffer("rel", coords[:, None, :] - coords[None, :, :], persistent=False)  # (N, N, 2)
+
+    def no_weight_decay(self) -> set[str]:
+        return {"table"}
+
+    def forward(self, q: torch.Tensor, adversary: RPEAdversary | None = None) -> torch.Tensor:
+        """q (B, H, T, d) -> additive score bias (B, H, T, T)."""
+        B, H, T, d = q.shape
+        if T != self.buckets.shape[0]:
+            raise ValueError(f"relative positions are set up for {self.buckets.shape[0]} tokens, got {T}")
+        scale = d**-0.5
+        table = self.table.to(q.dtype)
+        qr = torch.einsum("bhtd,nhd->bhtn", q, table) * scale  # (B, H, T, buckets)
+        bias = qr.gather(-1, self.buckets.expand(B, H, T, T))
+        if adversary is None:
+            return bias
+        c = self.num_cls
+        rows = adversary.masked[:, None, :, None]  # (B, 1, N, 1): perturbed query rows
+        if adversary.delta is not None:
+            N = T - c
+            corners, weights = bilinear_corners(self.rel + adversary.delta.to(self.rel.dtype), **self.index_args)
+            patch_qr = qr[:, :, c:]  # (B, H, N, buckets)
+            picked = patch_qr.gather(-1, corners.reshape(1, 1, N, N * 4).expand(B, H, N, N * 4))
+            continuous = (picked.reshape(B, H, N, N, 4) * weights.to(q.dtype)).sum(-1)  # (B, H, N, N)
+            patch = torch.where(rows, continuous, bias[:, :, c:, c:])
+            bias = torch.cat([bias[:, :, :c], torch.cat([bias[:, :, c:, :c], patch], dim=3)], dim=2)
+        if adversary.embed is not None:
+            extra = torch.einsum("bhtd,hd->bht", q[:, :, c:], adversary.embed.to(q.dtype)) * scale  # (B, H, N)
+            shift = torch.where(rows[..., 0], extra, torch.zeros_like(extra))
+            bias = bias + torch.cat([torch.zeros_like(bias[:, :, :c, 0]), shift], dim=2)[..., None]
+        return bias

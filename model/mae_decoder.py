@@ -25,6 +25,7 @@ class MAEDecoder(nn.Module):
         num_heads: int = 16,
         mlp_ratio: float = 4.0,
         attn_backend: str = "sdpa",
+        rpe: bool = False,
     ):
         super().__init__()
         self.num_patches = grid_size[0] * grid_size[1]
@@ -34,7 +35,9 @@ class MAEDecoder(nn.Module):
             sincos_2d(decoder_dim, grid_size, cls_token=True)[None], requires_grad=False
         )  # (1, 1+N, Dd)
         self.decoder_blocks = nn.ModuleList(
-            Block(decoder_dim, num_heads, mlp_ratio, qkv_bias=True, attn_backend=attn_backend) for _ in range(depth)
+            Block(decoder_dim, num_heads, mlp_ratio, qkv_bias=True, attn_backend=attn_backend,
+                  rpe_grid=grid_size if rpe else None)
+            for _ in range(depth)
         )
         self.decoder_norm = default_norm(decoder_dim)
         self.decoder_pred = nn.Linear(decoder_dim, patch_size**2 * in_chans)
@@ -73,9 +76,10 @@ class MAEDecoder(nn.Module):
         out = self.decode(torch.cat([cls, patches], dim=2).reshape(B * P, 1 + N, Dd))
         return out.reshape(B, P, N, -1)
 
-    def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, 1+N, Dd) decoder tokens in patch order -> (B, N, p*p*C) predictions (cls dropped)."""
+    def decode(self, x: torch.Tensor, rpe_adversaries=None) -> torch.Tensor:
+        """(B, 1+N, Dd) decoder tokens in patch order -> (B, N, p*p*C) predictions (cls dropped).
+        `rpe_adversaries`: one RPEAdversary (or None) per block when built with rpe=True."""
         x = x + self.decoder_pos_embed
-        for block in self.decoder_blocks:
-            x = block(x)
+        for i, block in enumerate(self.decoder_blocks):
+            x = block(x, None, rpe_adversaries[i] if rpe_adversaries is not None else None)
         return self.decoder_pred(self.decoder_norm(x))[:, 1:]

@@ -19,6 +19,7 @@ from torch import nn
 
 from kernels import AttentionMask, attention, resolve_backend
 from model.init import mae_init_
+from model.irpe import ContextualRPE, RPEAdversary
 from model.pos_embed import sincos_2d
 
 
@@ -42,7 +43,11 @@ class PatchEmbed(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, backend: str = "sdpa"):
+    """Multi-head self-attention; `rpe_grid` adds iRPE relative positions (contextual, on keys)
+    for a fixed sequence of 1 cls + gh*gw tokens."""
+
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, backend: str = "sdpa",
+                 rpe_grid: tuple[int, int] | None = None):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"embed dim {dim} is not divisible by {num_heads} heads")
@@ -50,12 +55,15 @@ class Attention(nn.Module):
         self.backend = resolve_backend(backend)
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
+        self.rpe = ContextualRPE(num_heads, dim // num_heads, rpe_grid) if rpe_grid is not None else None
 
-    def forward(self, x: torch.Tensor, mask: AttentionMask | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: AttentionMask | None = None,
+                rpe_adversary: RPEAdversary | None = None) -> torch.Tensor:
         B, N, D = x.shape
         # (B, N, 3D) -> (3, B, H, N, d)
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
-        out = attention(qkv[0], qkv[1], qkv[2], backend=self.backend, mask=mask)  # (B, H, N, d)
+        bias = self.rpe(qkv[0], rpe_adversary) if self.rpe is not None else None  # (B, H, N, N)
+        out = attention(qkv[0], qkv[1], qkv[2], backend=self.backend, mask=mask, bias=bias)  # (B, H, N, d)
         return self.proj(out.transpose(1, 2).reshape(B, N, D))
 
 
@@ -88,16 +96,20 @@ class Block(nn.Module):
         norm_layer: NormLayer = default_norm,
         attn_layer: type[nn.Module] = Attention,
         mlp_layer: type[nn.Module] = Mlp,
+        rpe_grid: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.norm1 = norm_layer(dim)
-        self.attn = attn_layer(dim, num_heads, qkv_bias=qkv_bias, backend=attn_backend)
+        extra = {"rpe_grid": rpe_grid} if rpe_grid is not None else {}
+        self.attn = attn_layer(dim, num_heads, qkv_bias=qkv_bias, backend=attn_backend, **extra)
         self.norm2 = norm_layer(dim)
         self.mlp = mlp_layer(dim, int(dim * mlp_ratio))
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, attn_mask: AttentionMask | None = None) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x), attn_mask))
+    def forward(self, x: torch.Tensor, attn_mask: AttentionMask | None = None,
+                rpe_adversary: RPEAdversary | None = None) -> torch.Tensor:
+        extra = {"rpe_adversary": rpe_adversary} if rpe_adversary is not None else {}
+        x = x + self.drop_path(self.attn(self.norm1(x), attn_mask, **extra))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
@@ -122,6 +134,7 @@ class VisionTransformer(nn.Module):
         num_classes: int = 0,
         global_pool: str = "token",
         attn_backend: str = "sdpa",
+        rpe: bool = False,
     ):
         super().__init__()
         if global_pool not in ("token", "avg"):
@@ -130,6 +143,7 @@ class VisionTransformer(nn.Module):
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
             depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
         )
+        self.rpe = rpe  # iRPE in every block: extra `blocks.i.attn.rpe.table` parameters timm does not have
         self.embed_dim = embed_dim
         self.global_pool = global_pool
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
@@ -140,8 +154,10 @@ class VisionTransformer(nn.Module):
             sincos_2d(embed_dim, self.patch_embed.grid_size, cls_token=True)[None], requires_grad=False
         )  # (1, 1+N, D)
         dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # stochastic depth grows with depth
+        rpe_grid = self.patch_embed.grid_size if rpe else None
         self.blocks = nn.ModuleList(
-            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_path=dpr[i], attn_backend=attn_backend)
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_path=dpr[i], attn_backend=attn_backend,
+                  rpe_grid=rpe_grid)
             for i in range(depth)
         )
         # timm: final norm before a cls-token head, fc_norm after average pooling instead.
@@ -183,19 +199,23 @@ class VisionTransformer(nn.Module):
         x: torch.Tensor,
         block_input: torch.Tensor | None = None,
         attn_masks: Sequence[AttentionMask | None] | None = None,
+        rpe_adversaries: Sequence[RPEAdversary | None] | None = None,
     ) -> torch.Tensor:
         """(B, T, D) -> (B, T, D) through all blocks and the final norm.
 
         Hooks for objectives (none by default): `block_input` (B, T, D) is added to the input of
         every block (e.g. MixedAE's segment embeddings); `attn_masks` gives each block's
-        attention a per-call restriction (kernels.SegmentMask / TopKMask, or None = dense).
+        attention a per-call restriction (kernels.SegmentMask / TopKMask, or None = dense);
+        `rpe_adversaries` perturbs each block's relative positions (AdPE; needs rpe=True).
         """
-        if attn_masks is not None and len(attn_masks) != len(self.blocks):
-            raise ValueError(f"attn_masks has {len(attn_masks)} entries for {len(self.blocks)} blocks")
+        for name, per_block in (("attn_masks", attn_masks), ("rpe_adversaries", rpe_adversaries)):
+            if per_block is not None and len(per_block) != len(self.blocks):
+                raise ValueError(f"{name} has {len(per_block)} entries for {len(self.blocks)} blocks")
         for i, block in enumerate(self.blocks):
             if block_input is not None:
                 x = x + block_input
-            x = block(x, attn_masks[i] if attn_masks is not None else None)
+            x = block(x, attn_masks[i] if attn_masks is not None else None,
+                      rpe_adversaries[i] if rpe_adversaries is not None else None)
         return self.norm(x)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:

@@ -56,3 +56,21 @@ def test_gpu_backends_match_reference(backend, dtype):
     q, k, v = _qkv(dtype=dtype, B=2, H=4, N=197, d=64, device="cuda")
     ref = math_attention(q, k, v).float()
     assert torch.allclose(attention(q, k, v, backend=backend).float(), ref, atol=2e-2)
+
+
+def test_score_bias_sdpa_matches_reference_and_reaches_the_bias_gradient():
+    q, k, v = _qkv()
+    bias = torch.randn(2, 3, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).requires_grad_()
+    ref = attention(q, k, v, backend="math", bias=bias)
+    logits = q @ k.transpose(-2, -1) / 8**0.5 + bias
+    assert torch.allclose(ref, logits.softmax(-1) @ v, atol=1e-12)
+    out = attention(q, k, v, backend="sdpa", bias=bias)
+    assert torch.allclose(out, ref, atol=1e-10)
+    ga = torch.autograd.grad(out.sum(), (q, bias))
+    gb = torch.autograd.grad(ref.sum(), (q, bias))
+    for a, b in zip(ga, gb):
+        assert torch.allclose(a, b, atol=1e-10)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        from kernels import TopKMask
+
+        attention(q, k, v, mask=TopKMask(2), bias=bias)
