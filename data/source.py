@@ -38,6 +38,10 @@ def build_source(data_cfg, img_size: int, in_chans: int, batch_size: int, seed: 
         from data.transforms import RandAugTransform
 
         transform = RandAugTransform(img_size, (data_cfg.crop_scale_min, 1.0), data_cfg.randaug, data_cfg.reprob)
+    elif data_cfg.train_transform == "multicrop":  # MAE+: (k, 3, s, s) per image
+        from data.transforms import MultiCropTransform
+
+        transform = MultiCropTransform(img_size, data_cfg.num_crops, (data_cfg.crop_scale_min, 1.0))
     return ShardLoader(ShardSet.from_index(data_cfg.train_index), img_size, batch_size, seed, rank, world,
                        data_cfg.num_workers, data_cfg.shuffle_buffer, data_cfg.crop_scale_min,
                        pin_memory=device.type == "cuda", transform=transform)

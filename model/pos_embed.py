@@ -20,6 +20,18 @@ def sincos_1d(dim: int, pos: torch.Tensor) -> torch.Tensor:
     return torch.cat([angles.sin(), angles.cos()], dim=1)
 
 
+def sincos_2d_at(dim: int, coords: torch.Tensor) -> torch.Tensor:
+    """(..., 2) float (row, col), possibly fractional -> (..., dim) in the layout of `sincos_2d`
+    (first half: column, second half: row); differentiable in coords (AdPE's coordinate mode)."""
+    if dim % 4:
+        raise ValueError(f"2-D sin-cos embedding needs a dimension divisible by 4, got {dim}")
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=coords.dtype, device=coords.device) / (dim / 4.0))
+    def half(pos: torch.Tensor) -> torch.Tensor:
+        angles = pos[..., None] * omega  # (..., dim/4)
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)
+    return torch.cat([half(coords[..., 1]), half(coords[..., 0])], dim=-1)
+
+
 def sincos_2d(dim: int, grid_size: tuple[int, int], cls_token: bool = False) -> torch.Tensor:
     """(gh*gw [+1], dim) table for a gh x gw patch grid, row-major over patches."""
     if dim % 4:

@@ -177,8 +177,10 @@ class VisionTransformer(nn.Module):
 
     def timm_kwargs(self) -> dict:
         """Keyword arguments of timm's VisionTransformer that rebuild this encoder exactly."""
+        extra = {"rpe": True} if self.rpe else {}  # not a timm argument: such encoders load only into ours
         return dict(
             **self.arch,
+            **extra,
             class_token=True,
             global_pool=self.global_pool,
             num_classes=self.head.out_features if isinstance(self.head, nn.Linear) else 0,

@@ -21,6 +21,7 @@ from model.objectives import OBJECTIVES
 from model.objectives.finetune import FinetuneConfig
 from model.objectives.linear_probe import LinearProbeConfig
 from model.objectives.mae import MAEConfig
+from model.objectives.maeplus import MAEPlusConfig
 from model.objectives.mixedae import MixedAEConfig
 from model.registry import list_models, model_arch
 
@@ -50,7 +51,8 @@ class DataConfig:
     num_workers: int = 4  # DataLoader workers per rank
     shuffle_buffer: int = 1000  # samples held by each worker's shuffle buffer
     crop_scale_min: float = 0.2  # RandomResizedCrop scale range (crop_scale_min, 1)
-    train_transform: str = "crop_flip"  # crop_flip (MAE pretraining / linprobe) | randaug (fine-tuning)
+    train_transform: str = "crop_flip"  # crop_flip (MAE pretraining / linprobe) | randaug (fine-tuning) | multicrop (MAE+)
+    num_crops: int = 4  # crops per image with train_transform multicrop (each img_size, scale (crop_scale_min, 1))
     randaug: str = "rand-m9-mstd0.5-inc1"  # timm RandAugment policy (train_transform randaug)
     reprob: float = 0.25  # random erasing probability (train_transform randaug)
     num_classes: int = 1000  # synthetic source only
@@ -95,6 +97,7 @@ class PretrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     mae: MAEConfig = field(default_factory=MAEConfig)
     mixedae: MixedAEConfig = field(default_factory=MixedAEConfig)
+    maeplus: MAEPlusConfig = field(default_factory=MAEPlusConfig)
     linprobe: LinearProbeConfig = field(default_factory=LinearProbeConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
@@ -105,8 +108,11 @@ class PretrainConfig:
             raise ConfigError(f"objective {self.objective!r} is unknown; choose one of {sorted(OBJECTIVES)}")
         if self.optim.name not in ("adamw", "lars"):
             raise ConfigError(f"optim.name must be adamw or lars, got {self.optim.name!r}")
-        if self.data.train_transform not in ("crop_flip", "randaug"):
-            raise ConfigError(f"data.train_transform must be crop_flip or randaug, got {self.data.train_transform!r}")
+        if self.data.train_transform not in ("crop_flip", "randaug", "multicrop"):
+            raise ConfigError(f"data.train_transform must be crop_flip, randaug or multicrop, got "
+                              f"{self.data.train_transform!r}")
+        if self.data.train_transform == "multicrop" and self.data.num_crops < 1:
+            raise ConfigError(f"data.num_crops must be >= 1, got {self.data.num_crops}")
         if not 0.0 < self.optim.layer_decay <= 1.0:
             raise ConfigError(f"optim.layer_decay must be in (0, 1], got {self.optim.layer_decay}")
         if self.model.global_pool not in ("token", "avg"):

@@ -29,7 +29,8 @@ OUR_ARCH_KEYS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "nu
 
 
 def encoder_from_timm_kwargs(kwargs: dict) -> VisionTransformer:
-    return VisionTransformer(**{k: kwargs[k] for k in OUR_ARCH_KEYS}, global_pool="token", num_classes=0)
+    return VisionTransformer(**{k: kwargs[k] for k in OUR_ARCH_KEYS}, rpe=kwargs.get("rpe", False), global_pool="token",
+                             num_classes=0)
 
 
 def load_encoder(encoder: str | None = None, checkpoint: str | None = None, random_init: str | None = None,

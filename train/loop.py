@@ -50,6 +50,9 @@ def run(
     # ZeRO stages 1-3 and the mixed-precision optimizers report the norm they computed; a plain
     # fp32 stage-0 engine without clipping does not, so we measure it on log steps.
     manual_norm = engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled())
+    # An objective may own state the optimizer does not update (AdPE's adversaries): it gets the
+    # step's lr after every optimizer step.
+    after_step = getattr(engine.module, "after_optimizer_step", None)
     sums: dict[str, torch.Tensor] = {}
     t_last, steps_since_log = time.perf_counter(), 0
     while state.step < state.stop_step:
@@ -62,7 +65,10 @@ def run(
                 lr = engine.get_lr()[0]
                 if manual_norm:
                     grad_norm = _fp32_grad_norm(engine.module)
+            step_lr = engine.get_lr()[0]
             engine.step()
+            if micro == accum - 1 and after_step is not None:  # objective state outside the optimizer
+                after_step(step_lr)
             for k, v in out.items():
                 if v.ndim == 0:
                     sums[k] = sums.get(k, 0) + v.detach().float() / accum

@@ -49,6 +49,9 @@ def build_encoder(cfg: PretrainConfig):
                  "global_pool": cfg.model.global_pool, "drop_path_rate": cfg.model.drop_path_rate}
     if cfg.model.img_size:
         overrides["img_size"] = cfg.model.img_size
+    section = getattr(cfg, cfg.objective)
+    if hasattr(section, "encoder_overrides"):  # e.g. MAE+/AdPE: iRPE in every block
+        overrides.update(section.encoder_overrides())
     return create_model(cfg.model.name, **overrides)
 
 

@@ -10,12 +10,14 @@ from torch import nn
 from model.objectives.finetune import FinetuneConfig, FinetuneObjective
 from model.objectives.linear_probe import LinearProbeConfig, LinearProbeObjective
 from model.objectives.mae import MAEConfig, MAEObjective
+from model.objectives.maeplus import MAEPlusConfig, MAEPlusObjective
 from model.objectives.mixedae import MixedAEConfig, MixedAEObjective
 from model.vit import VisionTransformer
 
 # name -> (config class, objective class)
 OBJECTIVES: dict[str, tuple[type, type[nn.Module]]] = {
     "mae": (MAEConfig, MAEObjective),
+    "maeplus": (MAEPlusConfig, MAEPlusObjective),
     "mixedae": (MixedAEConfig, MixedAEObjective),
     "linprobe": (LinearProbeConfig, LinearProbeObjective),
     "finetune": (FinetuneConfig, FinetuneObjective),

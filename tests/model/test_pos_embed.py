@@ -28,3 +28,14 @@ def test_2d_layout_column_then_row_and_cls_zero():
 def test_rejects_bad_dims():
     with pytest.raises(ValueError, match="divisible by 4"):
         sincos_2d(6, (2, 2))
+
+
+def test_continuous_sincos_at_integer_coordinates_is_the_fixed_table():
+    from model.irpe import grid_coords
+    from model.pos_embed import sincos_2d, sincos_2d_at
+
+    coords = grid_coords((7, 5)).double()
+    assert torch.allclose(sincos_2d_at(64, coords + 0.0).float(), sincos_2d(64, (7, 5)), atol=1e-6)
+    delta = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(sincos_2d_at(64, coords + delta).sum(), delta)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0

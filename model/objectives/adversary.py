@@ -1,0 +1,90 @@
+"""Adversarial position perturbations of AdPE (METHODS.md section 2): shared by all masked tokens,
+updated by projected gradient ascent from the model's own backward (parallel mode, no second pass).
+
+The perturbations are plain fp32 leaf tensors held outside the module's parameters and buffers,
+so DeepSpeed neither casts them to fp16/bf16, nor partitions them, nor keeps a master copy
+that would undo the projection; they reach checkpoints through `get_extra_state`. After each
+optimizer step the objective's `after_optimizer_step(lr)` hook (called by the loop for any
+objective that defines it) averages their gradients over ranks and takes one PGD step:
+
+    l_inf:  a <- clip(a + lr_t * scale * sign(g), -eps, eps)
+    l_2:    a <- Pi_eps(a + lr_t * scale * g / ||g||),  Pi_eps(v) = v * min(1, eps / ||v||)
+
+i.e. steepest ascent for the norm of the constraint with a step that follows the main lr
+schedule (lr_t) times `scale` [project default 1]. The steps are invariant to fp16 loss scaling.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+NORMS = ("linf", "l2")
+
+
+def project_(a: torch.Tensor, norm: str, eps: float) -> torch.Tensor:
+    """In place: onto the l_inf box or the l_2 ball of radius eps."""
+    if norm == "linf":
+        return a.clamp_(-eps, eps)
+    length = a.norm()
+    if length > eps:
+        a.mul_(eps / length)
+    return a
+
+
+def ascent_step_(a: torch.Tensor, grad: torch.Tensor, norm: str, step: float) -> torch.Tensor:
+    """In place: one steepest-ascent step of size `step` for the given norm."""
+    if norm == "linf":
+        return a.add_(step * grad.sign())
+    length = grad.norm()
+    if length > 0:
+        a.add_(grad, alpha=step / float(length))
+    return a
+
+
+class Adversaries:
+    """Named fp32 perturbation tensors with PGD updates; owned by an objective (not an nn.Module)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], norm: str, eps: float, scale: float):
+        if norm not in NORMS:
+            raise ValueError(f"adversary norm must be one of {NORMS}, got {norm!r}")
+        self.norm, self.eps, self.scale = norm, eps, scale
+        self.tensors = {name: torch.zeros(shape, requires_grad=True) for name, shape in shapes.items()}
+
+    def get(self, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The perturbation for a forward pass (gradients flow back to the fp32 leaf)."""
+        leaf = self.tensors[name]
+        if leaf.device != device:  # follows the model to its device once
+            moved = leaf.detach().to(device).requires_grad_()
+            self.tensors[name] = leaf = moved
+        return leaf.to(dtype)
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in self.tensors.values()]
+        if dist.is_available() and dist.is_initialized():  # same update on every rank
+            flat = torch.cat([g.flatten() for g in grads])
+            dist.all_reduce(flat)
+            grads = list(flat.split([g.numel() for g in grads]))
+        for t, g in zip(self.tensors.values(), grads):
+            g = g.view_as(t)
+            if torch.isfinite(g).all():  # an fp16 overflow step is skipped by the optimizer too
+                project_(ascent_step_(t, g, self.norm, lr * self.scale), self.norm, self.eps)
+            t.grad = None
+
+    def norms(self) -> dict[str, torch.Tensor]:
+        """0-dim tensors to log: each perturbation's norm in the constraint's norm."""
+        out = {}
+        for name, t in self.tensors.items():
+            d = t.detach()
+            out[f"adv_{name}"] = d.abs().max() if self.norm == "linf" else d.norm()
+        return out
+
+    def state_dict(self) -> dict:
+        return {name: t.detach().cpu().clone() for name, t in self.tensors.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, value in state.items():
+            if name not in self.tensors or self.tensors[name].shape != value.shape:
+                raise ValueError(f"adversary {name!r} of shape {tuple(value.shape)} does not match this objective")
+            device = self.tensors[name].device
+            self.tensors[name] = value.to(device, torch.float32).clone().requires_grad_()

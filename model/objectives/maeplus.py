@@ -1,0 +1,183 @@
+"""MAE+ and AdPE (adpe_maeplus.txt; METHODS.md section 2).
+
+MAE+: each image arrives as k crops (data.train_transform multicrop: (B, k, C, s, s), s = the
+encoder's img_size, 112 -> 7x7 patches at p=16). Per crop, a share `mask_ratio` of the tokens is
+masked; the encoder sees all tokens, the masked ones replaced by a learnable mask token, with the
+position embedding on every token; the decoder (MAE's, with all N tokens and no mask tokens of
+its own) predicts normalized pixels; the loss averages over masked tokens. The global batch counts
+images, not crops, so lr = blr x images / 256 treats the k crops of an image as one image.
+The encoder's position table is the fixed sin-cos of its grid, so the same weights fine-tune at
+224 with the 14x14 table (export drops nothing; `pos_embed` is rebuilt for the new grid).
+
+AdPE (`adversary`): a perturbation shared by every masked token, maximising the loss:
+  ape_embed  a in R^D added to the masked tokens' absolute position embedding
+  ape_coord  (d_row, d_col) added to their coordinates before the sin-cos encoding
+  rpe_embed  per block, a in R^(H x d) added to the iRPE table rows of masked query rows
+  rpe_coord  per block, (d_row, d_col) added to the relative offsets of masked query rows
+             (relaxed index g~ + bilinear table lookup)
+  fgsm       pixel-space baseline: x + eps * sign(grad_x L) on the input (one extra backward to x)
+The RPE variants need `rpe true` (iRPE in every encoder and decoder block).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from data.transforms import IMAGENET_STD
+from model.irpe import RPEAdversary, grid_coords
+from model.mae_decoder import MAEDecoder
+from model.objectives.adversary import NORMS, Adversaries
+from model.objectives.mae import masked_patch_loss
+from model.objectives.masking import random_masking
+from model.objectives.patches import normalized_pixels, patchify
+from model.pos_embed import sincos_2d_at
+from model.vit import VisionTransformer
+
+ADVERSARIES = ("none", "ape_embed", "ape_coord", "rpe_embed", "rpe_coord", "fgsm")
+
+
+@dataclass
+class MAEPlusConfig:
+    mask_ratio: float = 0.75  # per crop
+    norm_pix_loss: bool = True
+    decoder_dim: int = 512
+    decoder_depth: int = 8
+    decoder_heads: int = 16
+    rpe: bool = False  # iRPE (contextual, product, on keys) in every encoder and decoder block
+    adversary: str = "none"  # none (MAE+) | ape_embed | ape_coord | rpe_embed | rpe_coord | fgsm
+    adv_norm: str = "linf"  # linf | l2: the constraint set of the PGD projection
+    adv_eps: float = 20.0  # radius (position units: patches for coordinates, embedding units otherwise)
+    adv_lr_scale: float = 1.0  # PGD step = lr_t x this [project default]
+    fgsm_eps: float = 0.01  # pixel-space l_inf radius on [0, 1] pixels (Table A.1: 0.001 / 0.01 / 0.1)
+
+    def validate(self) -> None:
+        if not 0.0 < self.mask_ratio < 1.0:
+            raise ValueError(f"maeplus.mask_ratio must be in (0, 1), got {self.mask_ratio}")
+        if self.adversary not in ADVERSARIES:
+            raise ValueError(f"maeplus.adversary must be one of {ADVERSARIES}, got {self.adversary!r}")
+        if self.adversary.startswith("rpe") and not self.rpe:
+            raise ValueError(f"maeplus.adversary {self.adversary} perturbs relative positions: set maeplus.rpe true")
+        if self.adv_norm not in NORMS:
+            raise ValueError(f"maeplus.adv_norm must be one of {NORMS}, got {self.adv_norm!r}")
+        if self.adv_eps <= 0 or self.fgsm_eps <= 0 or self.adv_lr_scale < 0:
+            raise ValueError("maeplus.adv_eps and maeplus.fgsm_eps must be > 0, maeplus.adv_lr_scale >= 0")
+        if self.decoder_dim % self.decoder_heads:
+            raise ValueError(f"maeplus.decoder_dim {self.decoder_dim} is not divisible by maeplus.decoder_heads "
+                             f"{self.decoder_heads}")
+
+    def encoder_overrides(self) -> dict:
+        """Encoder constructor arguments this objective needs (pretrain.py applies them)."""
+        return {"rpe": self.rpe}
+
+
+class MAEPlusObjective(nn.Module):
+    def __init__(self, encoder: VisionTransformer, cfg: MAEPlusConfig):
+        super().__init__()
+        cfg.validate()
+        if cfg.rpe != encoder.rpe:
+            raise ValueError(f"maeplus.rpe {cfg.rpe} but the encoder was built with rpe={encoder.rpe}: "
+                             f"build it with the same setting (pretrain.py does)")
+        self.cfg = cfg
+        self.encoder = encoder
+        pe = encoder.patch_embed
+        self.patch_size = pe.patch_size
+        D = encoder.embed_dim
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, D))
+        nn.init.normal_(self.mask_token, std=0.02)
+        self.decoder = MAEDecoder(pe.grid_size, pe.patch_size, pe.proj.in_channels, D, cfg.decoder_dim,
+                                  cfg.decoder_depth, cfg.decoder_heads, attn_backend=encoder.blocks[0].attn.backend,
+                                  rpe=cfg.rpe)
+        self.register_buffer("coords", grid_coords(pe.grid_size), persistent=False)  # (N, 2) (row, col)
+        self.adversaries = Adversaries(self._adversary_shapes(), cfg.adv_norm, cfg.adv_eps, cfg.adv_lr_scale)
+
+    def no_weight_decay(self) -> set[str]:
+        return {"mask_token"}
+
+    def _adversary_shapes(self) -> dict[str, tuple[int, ...]]:
+        kind = self.cfg.adversary
+        if kind == "ape_embed":
+            return {"ape": (self.encoder.embed_dim,)}
+        if kind == "ape_coord":
+            return {"ape": (2,)}
+        if kind in ("rpe_embed", "rpe_coord"):
+            shapes = {}
+            for prefix, blocks in (("enc", self.encoder.blocks), ("dec", self.decoder.decoder_blocks)):
+                for i, block in enumerate(blocks):
+                    table = block.attn.rpe.table  # (buckets, H, d)
+                    shapes[f"rpe_{prefix}{i}"] = tuple(table.shape[1:]) if kind == "rpe_embed" else (2,)
+            return shapes
+        return {}
+
+    # --- the generic hooks the loop and checkpoints use --------------------------------------
+    def after_optimizer_step(self, lr: float) -> None:
+        self.adversaries.step(lr)
+
+    def get_extra_state(self) -> dict:
+        return {"adversaries": self.adversaries.state_dict()}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.adversaries.load_state_dict(state["adversaries"])
+
+    # --- forward ----------------------------------------------------------------------------------
+    def target(self, crops: torch.Tensor) -> torch.Tensor:
+        t = patchify(crops.to(torch.promote_types(crops.dtype, torch.float32)), self.patch_size)
+        return normalized_pixels(t) if self.cfg.norm_pix_loss else t
+
+    def positions(self, masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """masked (B, N) bool -> (B, N, D) absolute position embedding, perturbed on masked tokens."""
+        fixed = self.encoder.pos_embed[:, 1:].to(dtype)  # (1, N, D)
+        kind = self.cfg.adversary
+        if kind == "ape_embed":
+            perturbed = fixed + self.adversaries.get("ape", masked.device, dtype)
+        elif kind == "ape_coord":
+            delta = self.adversaries.get("ape", masked.device, torch.float32)
+            perturbed = sincos_2d_at(self.encoder.embed_dim, self.coords + delta)[None].to(dtype)
+        else:
+            return fixed.expand(masked.shape[0], -1, -1)
+        return torch.where(masked[..., None], perturbed, fixed)
+
+    def rpe_adversaries(self, masked: torch.Tensor, dtype: torch.dtype, prefix: str, depth: int):
+        kind = self.cfg.adversary
+        if kind not in ("rpe_embed", "rpe_coord"):
+            return None
+        advs = []
+        for i in range(depth):
+            value = self.adversaries.get(f"rpe_{prefix}{i}", masked.device, torch.float32 if kind == "rpe_coord" else dtype)
+            advs.append(RPEAdversary(masked, delta=value) if kind == "rpe_coord" else RPEAdversary(masked, embed=value))
+        return advs
+
+    def reconstruct(self, crops: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """crops (M, C, s, s), masked (M, N) bool -> predictions (M, N, p*p*C)."""
+        tokens = self.encoder.patch_embed(crops)  # (M, N, D)
+        tokens = torch.where(masked[..., None], self.mask_token.to(tokens.dtype), tokens)
+        x = self.encoder.add_cls_token(tokens + self.positions(masked, tokens.dtype))
+        latent = self.encoder.forward_tokens(
+            x, rpe_adversaries=self.rpe_adversaries(masked, x.dtype, "enc", len(self.encoder.blocks)))
+        return self.decoder.decode(self.decoder.decoder_embed(latent),
+                                   self.rpe_adversaries(masked, x.dtype, "dec", len(self.decoder.decoder_blocks)))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        images = batch["image"]
+        crops = images.flatten(0, 1) if images.ndim == 5 else images  # (B*k, C, s, s): crops as samples
+        N = self.encoder.num_patches
+        masking = random_masking(crops.shape[0], N, self.cfg.mask_ratio, crops.device)
+        masked = masking.mask.bool()  # (M, N), 1 = masked
+        target = self.target(crops)
+        if self.cfg.adversary == "fgsm":
+            crops = self.fgsm(crops, masked, target)
+        loss = masked_patch_loss(self.reconstruct(crops, masked), target, masking.mask)
+        return {"loss": loss, **self.adversaries.norms()}
+
+    def fgsm(self, crops: torch.Tensor, masked: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Pixel-space FGSM (Table A.1): crops + eps * sign(grad of the MIM loss w.r.t. the input),
+        eps on [0, 1] pixels, i.e. eps / std per channel in the normalised input. Only the input's
+        gradient is taken (no parameter gradients accumulate); the target stays the clean crop."""
+        with torch.enable_grad():
+            probe = crops.detach().requires_grad_()
+            loss = masked_patch_loss(self.reconstruct(probe, masked), target, masked.float())
+            (grad,) = torch.autograd.grad(loss, probe)
+        C = crops.shape[1]
+        std = torch.tensor(IMAGENET_STD if C == 3 else [1.0] * C, device=crops.device, dtype=crops.dtype)
+        return (crops + self.cfg.fgsm_eps * grad.sign() / std[:, None, None]).detach()
