@@ -95,7 +95,9 @@ class RPEAdversary:
 
     masked (B, N) bool marks the patch tokens whose query rows are perturbed (every key, cls too);
     delta (2,) is added to their (row, col) offsets (coordinate mode, through g~ and bilinear
-    lookup); embed (H, d) is added to their table rows r_ij (embedding mode)."""
+    lookup); embed (buckets, H, d), the shape of the table, is added to the table rows r_ij they
+    use (embedding mode; one shared vector for all rows would shift each query's logits by a
+    constant, which the softmax ignores)."""
 
     def __init__(self, masked: torch.Tensor, delta: torch.Tensor | None = None, embed: torch.Tensor | None = None):
         self.masked, self.delta, self.embed = masked, delta, embed
@@ -142,7 +144,8 @@ class ContextualRPE(torch.nn.Module):
             patch = torch.where(rows, continuous, bias[:, :, c:, c:])
             bias = torch.cat([bias[:, :, :c], torch.cat([bias[:, :, c:, :c], patch], dim=3)], dim=2)
         if adversary.embed is not None:
-            extra = torch.einsum("bhtd,hd->bht", q[:, :, c:], adversary.embed.to(q.dtype)) * scale  # (B, H, N)
-            shift = torch.where(rows[..., 0], extra, torch.zeros_like(extra))
-            bias = bias + torch.cat([torch.zeros_like(bias[:, :, :c, 0]), shift], dim=2)[..., None]
+            qa = torch.einsum("bhtd,nhd->bhtn", q[:, :, c:], adversary.embed.to(q.dtype)) * scale  # (B, H, N, buckets)
+            extra = qa.gather(-1, self.buckets[c:].expand(B, H, T - c, T))  # (B, H, N, T)
+            shift = torch.where(rows, extra, torch.zeros_like(extra))
+            bias = bias + torch.cat([torch.zeros_like(bias[:, :, :c]), shift], dim=2)
         return bias

@@ -12,7 +12,7 @@ The encoder's position table is the fixed sin-cos of its grid, so the same weigh
 AdPE (`adversary`): a perturbation shared by every masked token, maximising the loss:
   ape_embed  a in R^D added to the masked tokens' absolute position embedding
   ape_coord  (d_row, d_col) added to their coordinates before the sin-cos encoding
-  rpe_embed  per block, a in R^(H x d) added to the iRPE table rows of masked query rows
+  rpe_embed  per block, a perturbation of the iRPE table (buckets x H x d) for masked query rows
   rpe_coord  per block, (d_row, d_col) added to the relative offsets of masked query rows
              (relaxed index g~ + bilinear table lookup)
   fgsm       pixel-space baseline: x + eps * sign(grad_x L) on the input (one extra backward to x)
@@ -106,7 +106,7 @@ class MAEPlusObjective(nn.Module):
             for prefix, blocks in (("enc", self.encoder.blocks), ("dec", self.decoder.decoder_blocks)):
                 for i, block in enumerate(blocks):
                     table = block.attn.rpe.table  # (buckets, H, d)
-                    shapes[f"rpe_{prefix}{i}"] = tuple(table.shape[1:]) if kind == "rpe_embed" else (2,)
+                    shapes[f"rpe_{prefix}{i}"] = tuple(table.shape) if kind == "rpe_embed" else (2,)
             return shapes
         return {}
 

@@ -1,0 +1,132 @@
+import pytest
+import torch
+
+from model import create_model
+from model.irpe import RPEAdversary
+from model.objectives import build_objective
+from model.objectives.adversary import Adversaries
+from model.objectives.maeplus import MAEPlusConfig
+
+
+def _objective(seed=0, rpe=False, table_std=0.0, **kw):
+    torch.manual_seed(seed)
+    enc = create_model("vit_debug_patch4", rpe=rpe)  # 28 px, patch 4: a 7x7 grid like MAE+'s 112 px crops
+    obj = build_objective("maeplus", enc, MAEPlusConfig(decoder_dim=32, decoder_depth=1, decoder_heads=2, rpe=rpe, **kw))
+    if table_std:  # iRPE tables start at 0; give them values so relative positions matter
+        for module in obj.modules():
+            if hasattr(module, "table"):
+                torch.nn.init.normal_(module.table, std=table_std)
+    return obj.double()
+
+
+def _loss(obj, images, seed=5):
+    torch.manual_seed(seed)  # the same masking every call
+    return obj({"image": images})["loss"]
+
+
+def test_multicrop_batch_is_k_crops_per_image_each_masked_75_percent():
+    obj = _objective()
+    images = torch.randn(2, 4, 3, 28, 28, dtype=torch.float64)
+    torch.manual_seed(0)
+    seen = {}
+    obj.decoder.register_forward_hook(lambda m, a, out: seen.setdefault("pred", out))
+    orig = obj.reconstruct
+    obj.reconstruct = lambda crops, masked: (seen.setdefault("masked", masked), orig(crops, masked))[1]
+    loss = obj({"image": images})["loss"]
+    assert seen["masked"].shape == (8, 49) and torch.all(seen["masked"].sum(1) == 49 - 12)  # floor(49/4) kept
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("adversary", ["ape_embed", "ape_coord"])
+def test_ape_perturbs_only_masked_tokens_positions(adversary):
+    obj = _objective(adversary=adversary)
+    obj.adversaries.tensors["ape"] = torch.full_like(obj.adversaries.tensors["ape"], 0.7).requires_grad_()
+    masked = torch.zeros(2, 49, dtype=torch.bool)
+    masked[0, :10] = True
+    pos = obj.positions(masked, torch.float64)
+    fixed = obj.encoder.pos_embed[0, 1:].double()
+    assert torch.equal(pos[~masked], fixed.expand(2, -1, -1)[~masked])
+    assert not torch.allclose(pos[masked], fixed.expand(2, -1, -1)[masked])
+    (grad,) = torch.autograd.grad(pos.sum(), obj.adversaries.tensors["ape"])
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", ["delta", "embed"])
+def test_rpe_adversary_leaves_visible_query_rows_untouched(mode):
+    obj = _objective(rpe=True, table_std=0.5)
+    rpe = obj.encoder.blocks[0].attn.rpe
+    q = torch.randn(2, 2, 50, 16, dtype=torch.float64)
+    masked = torch.zeros(2, 49, dtype=torch.bool)
+    masked[:, 5:20] = True
+    value = torch.tensor([0.4, -1.3], dtype=torch.float64) if mode == "delta" else torch.randn(50, 2, 16, dtype=torch.float64)
+    value.requires_grad_()
+    clean = rpe(q)
+    attacked = rpe(q, RPEAdversary(masked, **{mode: value}))
+    rows = torch.cat([torch.zeros(2, 1, dtype=torch.bool), masked], 1)  # (B, T) perturbed query rows
+    assert torch.equal(attacked.transpose(1, 2)[~rows], clean.transpose(1, 2)[~rows])  # cls and visible rows
+    assert not torch.allclose(attacked.transpose(1, 2)[rows], clean.transpose(1, 2)[rows])
+    (grad,) = torch.autograd.grad(attacked.sum(), value)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("adversary, rpe", [("ape_embed", False), ("ape_coord", False), ("rpe_embed", True),
+                                            ("rpe_coord", True)])
+@pytest.mark.parametrize("norm", ["linf", "l2"])
+def test_a_pgd_step_increases_the_loss_and_stays_within_eps(adversary, rpe, norm):
+    obj = _objective(rpe=rpe, table_std=0.5, adversary=adversary, adv_norm=norm, adv_eps=0.05)
+    images = torch.randn(2, 2, 3, 28, 28, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    before = _loss(obj, images)
+    before.backward()
+    obj.after_optimizer_step(1e-3)  # PGD step of 1e-3 in the constraint's steepest-ascent direction
+    after = _loss(obj, images)
+    assert after.item() > before.item()
+    for _ in range(3):  # steps larger than eps: the projection keeps every adversary inside the ball / box
+        _loss(obj, images).backward()
+        obj.after_optimizer_step(0.2)
+    for name, t in obj.adversaries.tensors.items():
+        size = t.detach().abs().max() if norm == "linf" else t.detach().norm()
+        assert size <= 0.05 * (1 + 1e-6), name  # fp32 adversaries
+        assert size >= 0.05 - 1e-6, name  # it went to the boundary
+
+
+def test_adversaries_are_checkpointed_and_not_in_the_encoder():
+    obj = _objective(rpe=True, adversary="rpe_coord")
+    for t in obj.adversaries.tensors.values():
+        t.data.fill_(0.3)
+    state = obj.state_dict()
+    fresh = _objective(rpe=True, adversary="rpe_coord", seed=1)
+    fresh.load_state_dict(state)
+    assert all(torch.all(t == 0.3) for t in fresh.adversaries.tensors.values())
+    assert not any("adv" in k for k in obj.encoder.state_dict())
+
+
+def test_fgsm_perturbs_every_input_pixel_by_eps_over_std_against_the_loss():
+    obj = _objective(adversary="fgsm", fgsm_eps=1e-3)
+    crops = torch.randn(4, 3, 28, 28, dtype=torch.float64)
+    masked = torch.zeros(4, 49, dtype=torch.bool)
+    masked[:, ::2] = True
+    target = obj.target(crops)
+    adv = obj.fgsm(crops, masked, target)
+    std = torch.tensor([0.229, 0.224, 0.225], dtype=torch.float64)[:, None, None]
+    step = (adv - crops) * std / 1e-3  # (4, 3, 28, 28) in units of eps on [0, 1] pixels
+    from model.objectives.patches import patchify
+
+    per_patch = patchify(step, 4).abs()  # (4, 49, 48)
+    assert torch.allclose(per_patch[~masked], torch.ones_like(per_patch[~masked]))  # visible patches: +-eps
+    assert torch.all(per_patch[masked] == 0)  # masked patches are replaced by the mask token: no gradient
+    from model.objectives.mae import masked_patch_loss
+
+    clean = masked_patch_loss(obj.reconstruct(crops, masked), target, masked.double())
+    attacked = masked_patch_loss(obj.reconstruct(adv, masked), target, masked.double())
+    assert attacked > clean
+
+
+def test_bad_configs():
+    with pytest.raises(ValueError, match="set maeplus.rpe true"):
+        MAEPlusConfig(adversary="rpe_coord").validate()
+    with pytest.raises(ValueError, match="adv_norm"):
+        MAEPlusConfig(adv_norm="l1").validate()
+    with pytest.raises(ValueError, match="built with rpe=False"):
+        build_objective("maeplus", create_model("vit_debug_patch4"), MAEPlusConfig(rpe=True))
+    with pytest.raises(ValueError, match="does not match"):
+        Adversaries({"a": (2,)}, "linf", 1.0, 1.0).load_state_dict({"a": torch.zeros(3)})
