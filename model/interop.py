@@ -108,6 +108,12 @@ def load_into_objective(objective: torch.nn.Module, path: str | Path,
     if encoder.global_pool == "avg":  # MAE fine-tuning: fc_norm is new, the pretraining norm unused
         encoder_state = {k: v for k, v in encoder_state.items() if not k.startswith("norm.")}
         fresh |= {"fc_norm.weight", "fc_norm.bias"}
+    pos = encoder_state.get("pos_embed")
+    if pos is not None and pos.shape != encoder.pos_embed.shape:
+        # Another resolution (MAE+ pretrains on 112 px crops, fine-tunes at 224): the sin-cos table
+        # is fixed, not learned, so the target grid's own table is kept.
+        encoder_state = {k: v for k, v in encoder_state.items() if k != "pos_embed"}
+        fresh.add("pos_embed")
     try:
         missing, unexpected = encoder.load_state_dict(encoder_state, strict=False)
     except RuntimeError as e:  # shape mismatches

@@ -38,6 +38,7 @@ class ModelConfig:
     attn_backend: str = "auto"  # auto (= sdpa) | sdpa | math | flash_attn
     global_pool: str = "token"  # token (cls) | avg (patch mean + fc_norm, MAE fine-tuning)
     drop_path_rate: float = 0.0  # stochastic depth, grows linearly to this value over the blocks
+    rpe: bool = False  # iRPE in every block (to fine-tune an MAE+/AdPE RPE encoder; maeplus.rpe sets it for pretraining)
     init_from: str = ""  # weights to start from: our run folder / checkpoint, official MAE .pth, timm or exported encoder
 
 

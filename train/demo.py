@@ -3,14 +3,15 @@
 1. Writes train/test shards from the idx files of the Debian package dataset-fashion-mnist.
 2. Pretrains on the mini ViT (32x32 input, patch 4) with train/pretrain.py, the same entry
    point as every run, in a single process on the CPU (resumes if interrupted). The method is
-   MAE by default; `--method mixedae [--ablation NAME]` runs MixedAE or a Table A4 ablation with
-   the same budget (train/configs/demo_<method>.json [+ mixedae_ablations/NAME.json]).
+   MAE by default; `--method mixedae [--ablation NAME]` runs MixedAE or a Table A4 ablation,
+   `--method maeplus [--ablation NAME]` MAE+ or an AdPE variant / FGSM, with the same budget
+   (train/configs/demo_<method>.json [+ mixedae_ablations/NAME.json or adpe/NAME.json]).
 3. Evaluates the pretrained encoder and the same architecture at random init on the test split:
    weighted kNN and a linear probe on frozen cls features (train/evaluate.py).
 4. Prints a table and writes <run>/eval.json next to <run>/encoder.safetensors/.json
    (run folder: runs/demo for MAE, runs/demo_<method>[_<ablation>] otherwise).
 
-    python train/demo.py [--method mae|mixedae] [--ablation NAME] [--epochs N]
+    python train/demo.py [--method mae|mixedae|maeplus] [--ablation NAME] [--epochs N]
 """
 from __future__ import annotations
 
@@ -37,17 +38,18 @@ RAW_PIXEL_BASELINES = {"logistic_regression": 84.5, "knn_5": 85.5}  # test split
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", choices=["mae", "mixedae"], default="mae")
-    p.add_argument("--ablation", default="", help="a train/configs/mixedae_ablations/ preset name (MixedAE only)")
+    p.add_argument("--method", choices=["mae", "mixedae", "maeplus"], default="mae")
+    p.add_argument("--ablation", default="", help="a preset of train/configs/mixedae_ablations/ (mixedae) or "
+                                                   "train/configs/adpe/ (maeplus)")
     p.add_argument("--epochs", type=int, default=0, help="pretraining epochs (0 = the preset's 3)")
     p.add_argument("--skip_control", action="store_true", help="do not evaluate the random-init control")
     a = p.parse_args(argv)
     configs = REPO / "train" / "configs"
     presets = [configs / f"demo_{a.method}.json"]
     if a.ablation:
-        if a.method != "mixedae":
-            p.error("--ablation is for --method mixedae")
-        presets.append(configs / "mixedae_ablations" / f"{a.ablation}.json")
+        if a.method == "mae":
+            p.error("--ablation is for --method mixedae or maeplus")
+        presets.append(configs / {"mixedae": "mixedae_ablations", "maeplus": "adpe"}[a.method] / f"{a.ablation}.json")
         if not presets[-1].is_file():
             p.error(f"no ablation preset {presets[-1]}; choose one of "
                     f"{sorted(f.stem for f in presets[-1].parent.glob('*.json'))}")
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
     pretrain_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    pretrained = evaluate(load_encoder(encoder=str(run / "encoder.safetensors")), train, test)
+    # at the mini ViT's 32 px (MAE+ pretrains on 16 px crops; its sin-cos table is rebuilt for 32)
+    pretrained = evaluate(load_encoder(encoder=str(run / "encoder.safetensors"), img_size=32), train, test)
     control = None if a.skip_control else evaluate(load_encoder(random_init=MODEL, seed=0), train, test)
     eval_s = time.perf_counter() - t0
 

@@ -28,14 +28,27 @@ from model.vit import VisionTransformer
 OUR_ARCH_KEYS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias")
 
 
-def encoder_from_timm_kwargs(kwargs: dict) -> VisionTransformer:
-    return VisionTransformer(**{k: kwargs[k] for k in OUR_ARCH_KEYS}, rpe=kwargs.get("rpe", False), global_pool="token",
-                             num_classes=0)
+def encoder_from_timm_kwargs(kwargs: dict, img_size: int = 0) -> VisionTransformer:
+    arch = {k: kwargs[k] for k in OUR_ARCH_KEYS} | ({"img_size": img_size} if img_size else {})
+    return VisionTransformer(**arch, rpe=kwargs.get("rpe", False), global_pool="token", num_classes=0)
+
+
+def load_state_any_size(model: VisionTransformer, state: dict) -> None:
+    """Strict load; an encoder trained at another resolution (MAE+ crops) keeps this model's own
+    fixed sin-cos `pos_embed` for its grid (the table is not learned, so nothing is lost)."""
+    if "pos_embed" in state and state["pos_embed"].shape != model.pos_embed.shape:
+        state = {k: v for k, v in state.items() if k != "pos_embed"}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing != ["pos_embed"] or unexpected:
+            raise ValueError(f"encoder weights do not match: missing {missing}, unexpected {unexpected}")
+        return
+    model.load_state_dict(state, strict=True)
 
 
 def load_encoder(encoder: str | None = None, checkpoint: str | None = None, random_init: str | None = None,
                  img_size: int = 0, seed: int = 0) -> VisionTransformer:
-    """Exactly one source: an exported .safetensors (+ .json), a run/checkpoint folder, or a registry name."""
+    """Exactly one source: an exported .safetensors (+ .json), a run/checkpoint folder, or a registry name.
+    img_size (0 = the encoder's own) evaluates at another resolution (e.g. an MAE+ encoder at full size)."""
     if sum(x is not None for x in (encoder, checkpoint, random_init)) != 1:
         raise ValueError("give exactly one of --encoder, --checkpoint, --random_init")
     if random_init is not None:
@@ -50,15 +63,15 @@ def load_encoder(encoder: str | None = None, checkpoint: str | None = None, rand
 
             return encoder_from_state(split_official_mae(safe_load(path))[0])
         kwargs = json.loads(path.with_suffix(".json").read_text())["timm_kwargs"]
-        model = encoder_from_timm_kwargs(kwargs)
-        model.load_state_dict(load_file(str(path)), strict=True)
+        model = encoder_from_timm_kwargs(kwargs, img_size)
+        load_state_any_size(model, load_file(str(path)))
         return model
     from train.checkpoint import find_resume
     from train.export import encoder_state
 
     state, meta = encoder_state(find_resume(checkpoint, Path(checkpoint)))
-    model = encoder_from_timm_kwargs(meta["encoder_timm_kwargs"])
-    model.load_state_dict(state, strict=True)
+    model = encoder_from_timm_kwargs(meta["encoder_timm_kwargs"], img_size)
+    load_state_any_size(model, state)
     return model
 
 
@@ -175,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--encoder")
     p.add_argument("--checkpoint")
     p.add_argument("--random_init", help="registry name: the same architecture at random init (control)")
-    p.add_argument("--img_size", type=int, default=0, help="with --random_init")
+    p.add_argument("--img_size", type=int, default=0, help="evaluation resolution (0 = the encoder's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pool", choices=["cls", "avg"], default="cls")
     p.add_argument("--num_workers", type=int, default=1)

@@ -45,7 +45,7 @@ log = logging.getLogger("pretrain")
 
 
 def build_encoder(cfg: PretrainConfig):
-    overrides = {"in_chans": cfg.model.in_chans, "attn_backend": cfg.model.attn_backend,
+    overrides = {"in_chans": cfg.model.in_chans, "attn_backend": cfg.model.attn_backend, "rpe": cfg.model.rpe,
                  "global_pool": cfg.model.global_pool, "drop_path_rate": cfg.model.drop_path_rate}
     if cfg.model.img_size:
         overrides["img_size"] = cfg.model.img_size

@@ -60,6 +60,8 @@ class Adversaries:
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
+        if not self.tensors:
+            return
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in self.tensors.values()]
         if dist.is_available() and dist.is_initialized():  # same update on every rank
             flat = torch.cat([g.flatten() for g in grads])
