@@ -2,7 +2,7 @@
 named baselines measured in the same run, written as JSON to benchmarks/results/.
 
     python kernels/bench.py                      # GPU: ViT-B and ViT-L shapes, bf16
-    python kernels/bench.py --dtype fp16 --e2e   # + MixedAE vs MAE ViT-B training step time
+    python kernels/bench.py --dtype fp16 --e2e mixedae adpe   # + training-step ratios (ViT-B)
     python kernels/bench.py --device cpu --shapes 2,2,17,16 --iters 3   # CPU (PyTorch paths only)
 
 Variants (each on the same q, k, v):
@@ -150,6 +150,8 @@ def _time_training_step(objective, images: torch.Tensor, dtype: torch.dtype, dev
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if hasattr(objective, "after_optimizer_step"):  # AdPE's PGD step, as the loop does it
+            objective.after_optimizer_step(1e-4)
 
     for _ in range(warmup):
         step()
@@ -161,23 +163,35 @@ def _time_training_step(objective, images: torch.Tensor, dtype: torch.dtype, dev
     return (time.perf_counter() - start) * 1000 / iters
 
 
-def bench_e2e(dtype: torch.dtype, device: torch.device, batch: int, iters: int, warmup: int) -> dict:
-    """ViT-B/16 training step (forward, backward, AdamW) of MAE vs MixedAE at the same batch."""
+def bench_e2e(pair: str, dtype: torch.dtype, device: torch.device, batch: int, iters: int, warmup: int,
+              model: str = "vit_base_patch16") -> dict:
+    """Training step (forward, backward, AdamW) of a method against its baseline, same batch, one run:
+    mixedae: MAE vs MixedAE (224 px); adpe: MAE+ with iRPE vs AdPE RPE-coord (4 crops of 112 px)."""
     from model.objectives import build_objective
     from model.objectives.mae import MAEConfig
+    from model.objectives.maeplus import MAEPlusConfig
     from model.objectives.mixedae import MixedAEConfig
-    from model.registry import create_model
+    from model.registry import create_model, model_arch
 
-    out = {}
-    images = torch.randn(batch, 3, 224, 224, device=device)
-    for name, cfg in (("mae", MAEConfig()), ("mixedae", MixedAEConfig())):
+    size = model_arch(model)["img_size"]
+    if pair == "mixedae":
+        runs = {"mae": ("mae", MAEConfig(), {}), "mixedae": ("mixedae", MixedAEConfig(cell_size=2 * model_arch(model)["patch_size"]), {})}
+        images = torch.randn(batch, 3, size, size, device=device)
+    else:
+        size //= 2
+        runs = {"maeplus_rpe": ("maeplus", MAEPlusConfig(rpe=True), {"rpe": True, "img_size": size}),
+                "adpe_rpe_coord": ("maeplus", MAEPlusConfig(rpe=True, adversary="rpe_coord"), {"rpe": True, "img_size": size})}
+        images = torch.randn(batch, 4, 3, size, size, device=device)
+    out: dict = {}
+    for label, (objective_name, cfg, overrides) in runs.items():
         torch.manual_seed(0)
-        objective = build_objective(name, create_model("vit_base_patch16"), cfg).to(device)
-        out[name] = {"ms": _time_training_step(objective, images, dtype, device, iters, warmup)}
-        print(f"e2e {name} {out[name]}")
+        objective = build_objective(objective_name, create_model(model, **overrides), cfg).to(device)
+        out[label] = {"ms": _time_training_step(objective, images, dtype, device, iters, warmup)}
+        print(f"e2e {label} {out[label]}")
         del objective
-    out["mixedae_over_mae"] = out["mixedae"]["ms"] / out["mae"]["ms"]
-    return {"model": "vit_base_patch16", "batch": batch, "results": out}
+    base, method = list(runs)
+    out[f"{method}_over_{base}"] = out[method]["ms"] / out[base]["ms"]
+    return {"model": model, "batch": batch, "images": list(images.shape), "results": out}
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -185,12 +199,14 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--shapes", nargs="*", default=list(SHAPES),
-                   help="vit_b, vit_l, or B,H,T,d (T counts the cls token)")
+                   help="vit_b, vit_l, or B,H,T,d (T counts the cls token); none: only --e2e")
     p.add_argument("--mix_ratio", type=float, default=0.25, help="K = round(r * patches), r = 1/groups")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--e2e", action="store_true", help="also time MixedAE vs MAE ViT-B training steps")
+    p.add_argument("--e2e", nargs="*", choices=["mixedae", "adpe"], default=[],
+                   help="also time training steps: MixedAE vs MAE, AdPE (RPE-coord) vs MAE+ (RPE)")
     p.add_argument("--e2e_batch", type=int, default=128)
+    p.add_argument("--e2e_model", default="vit_base_patch16")
     p.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results"))
     a = p.parse_args(argv)
     device = torch.device(a.device)
@@ -210,11 +226,12 @@ def main(argv: list[str] | None = None) -> Path:
         record["triton"] = triton.__version__
     except ImportError:
         record["triton"] = None
-    for spec in a.shapes:
+    for spec in a.shapes if a.shapes != ["none"] else []:
         shape = SHAPES[spec] if spec in SHAPES else tuple(int(x) for x in spec.split(","))
         record["shapes"][spec] = bench_shape(spec, shape, dtype, device, a.mix_ratio, a.iters, a.warmup)
-    if a.e2e:
-        record["e2e"] = bench_e2e(dtype, device, a.e2e_batch, max(3, a.iters // 2), a.warmup)
+    for pair in a.e2e:
+        record.setdefault("e2e", {})[pair] = bench_e2e(pair, dtype, device, a.e2e_batch, max(3, a.iters // 2),
+                                                       a.warmup, a.e2e_model)
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
