@@ -22,31 +22,30 @@ def has_nvidia_apex() -> bool:
     return True
 
 
-@functools.cache
-def has_flash_attn() -> bool:
-    """True when the flash-attn package imports and the current GPU can run it."""
+def _imports_on_sm80(module: str) -> bool:
+    """True when `module` imports and the current GPU has compute capability >= 8.0."""
     if not torch.cuda.is_available():
         return False
     try:
-        importlib.import_module("flash_attn")
+        importlib.import_module(module)
     except Exception:
         return False
     major, _ = torch.cuda.get_device_capability()
-    return major >= 8  # FlashAttention-2 has no kernels for V100 (sm70)
+    return major >= 8
+
+
+@functools.cache
+def has_flash_attn() -> bool:
+    """True when the flash-attn package imports and the current GPU can run it (FlashAttention-2
+    has no kernels for V100, sm70)."""
+    return _imports_on_sm80("flash_attn")
 
 
 @functools.cache
 def has_triton_gpu() -> bool:
     """True when Triton imports and the current GPU is sm80+ (our fused kernels' target; V100
     falls back to the PyTorch paths)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        importlib.import_module("triton")
-    except Exception:
-        return False
-    major, _ = torch.cuda.get_device_capability()
-    return major >= 8
+    return _imports_on_sm80("triton")
 
 
 def describe() -> dict[str, bool]:
