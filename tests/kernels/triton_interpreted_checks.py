@@ -39,8 +39,8 @@ def _grads(out, inputs, seed=1):
     return torch.autograd.grad((out.float() * weight.float()).sum(), inputs)
 
 
-def _close(a, b, atol):
-    assert torch.allclose(a.float(), b.float(), atol=atol, rtol=0), (a.float() - b.float()).abs().max()
+def _close(a, b, atol) -> bool:
+    return torch.allclose(a.float(), b.float(), atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("per_row", [False, True])
@@ -51,19 +51,19 @@ def test_interpreted_topk_matches_reference(interpreted, per_row):
     out, share = interpreted.topk_attention(q, k, v, ks, 1, segments)
     mask = TopKMask(ks, num_global=1, segments=segments)
     ref = topk_attention_reference(q, k, v, mask)
-    _close(out, ref, 1e-5)
+    assert _close(out, ref, 1e-5)
     assert share.item() == pytest.approx(mask.same_source_share.item())
     for a, b in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
-        _close(a, b, 1e-5)
+        assert _close(a, b, 1e-5)
 
 
 def test_interpreted_segment_attention_matches_reference(interpreted):
     (q, k, v), segments = _inputs(T=37, d=16)  # more than one query block, padded key row
     out = interpreted.segment_attention(q, k, v, segments)
     ref = segment_attention_reference(q, k, v, segments)
-    _close(out, ref, 1e-5)
+    assert _close(out, ref, 1e-5)
     for a, b in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
-        _close(a, b, 1e-5)
+        assert _close(a, b, 1e-5)
 
 
 def test_interpreted_topk_ties_keep_the_whole_tie_deterministically(interpreted):
@@ -77,9 +77,9 @@ def test_interpreted_topk_ties_keep_the_whole_tie_deterministically(interpreted)
     out2, _ = interpreted.topk_attention(q, k, v, torch.full((B, T), 4), 1)
     ref = topk_attention_reference(q, k, v, TopKMask(4))
     assert torch.equal(out1, out2)
-    _close(out1, ref, 1e-5)
+    assert _close(out1, ref, 1e-5)
     for a, b in zip(_grads(out1, (q, k, v)), _grads(ref, (q, k, v))):
-        _close(a, b, 1e-4)
+        assert _close(a, b, 1e-4)
 
 
 def test_interpreted_kernel_refuses_double_backward(interpreted):
