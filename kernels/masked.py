@@ -77,8 +77,9 @@ def topk_allowed(logits: torch.Tensor, k: int | torch.Tensor, num_global: int) -
     """logits (B, H, T, T) -> bool (B, H, T, T): logit >= its row's K-th largest; global rows all True."""
     B, _, T, _ = logits.shape
     ks = per_row_k(k, B, T, logits.device)  # (B, 1, T, 1)
-    kmax = int(ks.max())
-    top = logits.detach().topk(kmax, dim=-1).values  # (B, H, T, kmax), descending
+    # One K: topk(K). Per-row K: a full sort, so K's maximum need not be read on the host.
+    ranked = logits.detach()
+    top = ranked.topk(min(max(k, 1), T), dim=-1).values if isinstance(k, int) else ranked.sort(-1, descending=True).values
     threshold = top.gather(-1, (ks - 1).expand(-1, logits.shape[1], -1, -1))  # (B, H, T, 1)
     allowed = logits.detach() >= threshold
     allowed[:, :, :num_global] = True

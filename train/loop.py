@@ -61,14 +61,14 @@ def run(
         for micro in range(accum):
             out = engine(_to_device(next(data), device, dtype))
             engine.backward(out["loss"])
-            if log_now and micro == accum - 1:  # the boundary: this engine.step() updates weights
+            boundary = micro == accum - 1  # this engine.step() updates weights
+            if boundary:
                 lr = engine.get_lr()[0]
-                if manual_norm:
+                if log_now and manual_norm:
                     grad_norm = _fp32_grad_norm(engine.module)
-            step_lr = engine.get_lr()[0]
             engine.step()
-            if micro == accum - 1 and after_step is not None:  # objective state outside the optimizer
-                after_step(step_lr)
+            if boundary and after_step is not None:  # objective state outside the optimizer
+                after_step(lr)
             for k, v in out.items():
                 if v.ndim == 0:
                     sums[k] = sums.get(k, 0) + v.detach().float() / accum

@@ -21,24 +21,20 @@ import torch.distributed as dist
 NORMS = ("linf", "l2")
 
 
+# Tensor arithmetic only (no data-dependent Python branches), so a step never waits on the device.
+
 def project_(a: torch.Tensor, norm: str, eps: float) -> torch.Tensor:
     """In place: onto the l_inf box or the l_2 ball of radius eps."""
     if norm == "linf":
         return a.clamp_(-eps, eps)
-    length = a.norm()
-    if length > eps:
-        a.mul_(eps / length)
-    return a
+    return a.mul_((eps / a.norm().clamp_min(1e-12)).clamp(max=1.0))
 
 
 def ascent_step_(a: torch.Tensor, grad: torch.Tensor, norm: str, step: float) -> torch.Tensor:
-    """In place: one steepest-ascent step of size `step` for the given norm."""
+    """In place: one steepest-ascent step of size `step` for the given norm (a zero gradient: no move)."""
     if norm == "linf":
         return a.add_(step * grad.sign())
-    length = grad.norm()
-    if length > 0:
-        a.add_(grad, alpha=step / float(length))
-    return a
+    return a.add_(grad * (step / grad.norm().clamp_min(1e-30)))
 
 
 class Adversaries:
@@ -69,8 +65,10 @@ class Adversaries:
             grads = list(flat.split([g.numel() for g in grads]))
         for t, g in zip(self.tensors.values(), grads):
             g = g.view_as(t)
-            if torch.isfinite(g).all():  # an fp16 overflow step is skipped by the optimizer too
-                project_(ascent_step_(t, g, self.norm, lr * self.scale), self.norm, self.eps)
+            finite = torch.isfinite(g).all()  # an fp16 overflow step is skipped by the optimizer too
+            moved = project_(ascent_step_(t.detach().clone(), torch.nan_to_num(g), self.norm, lr * self.scale),
+                             self.norm, self.eps)
+            t.copy_(torch.where(finite, moved, t))
             t.grad = None
 
     def norms(self) -> dict[str, torch.Tensor]:

@@ -252,10 +252,9 @@ class MixedAEObjective(nn.Module):
                         mixing.per_group)
         mixed = mix_images(images, mixing, self.patch_size)
         latent, _ = self.encode_mixed(mixed, mixing.segment)
-        pred, keep, source = self.unmix_predictions(latent, mixing)  # (Bm, g, N, P)
+        pred, keep, _ = self.unmix_predictions(latent, mixing)  # (Bm, g, N, P)
         index = torch.arange(n, device=images.device)
         m, s = (index // self.g) * mixing.per_group, index % self.g  # each image's first mixed image
-        assert torch.equal(source[m, s], index)
         pred, own = pred[m, s].float(), keep[m, s][..., None].float()  # (n, N, P), (n, N, 1)
         target = patchify(images.float(), self.patch_size)
         if self.cfg.norm_pix_loss:
