@@ -20,11 +20,12 @@ class ShardLoader:
 
     def __init__(self, shards: ShardSet, img_size: int, batch_size: int, seed: int, rank: int, world: int,
                  num_workers: int, shuffle_buffer: int, crop_scale_min: float = 0.2, pin_memory: bool = False,
-                 transform=None):
+                 transform=None, keep=None):
         check_split(shards, world, num_workers)
         self.shards, self.batch_size, self.seed, self.rank, self.world = shards, batch_size, seed, rank, world
         self.num_workers, self.shuffle_buffer, self.pin_memory = num_workers, shuffle_buffer, pin_memory
         self.transform = transform or PretrainTransform(img_size, scale=(crop_scale_min, 1.0))
+        self.keep = keep  # sample-key filter: only the keys it accepts are read (data/split.py)
         self.batches = 0
         self.errors = torch.zeros(max(1, num_workers), len(ERROR_KINDS), dtype=torch.long)  # latest per worker
         self._it = None
@@ -35,7 +36,8 @@ class ShardLoader:
 
     def _start(self):
         stream = ShardStream(self.shards, self.transform, self.seed, self.rank, self.world, self.num_workers,
-                             self.shuffle_buffer, self._skip_per_worker(), self.batches % max(1, self.num_workers))
+                             self.shuffle_buffer, self._skip_per_worker(), self.batches % max(1, self.num_workers),
+                             self.keep)
         loader = torch.utils.data.DataLoader(
             stream, batch_size=self.batch_size, num_workers=self.num_workers, pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0, prefetch_factor=4 if self.num_workers > 0 else None,

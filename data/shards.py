@@ -132,8 +132,10 @@ class ShardStream(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, shards: ShardSet, transform: Callable, seed: int, rank: int, world: int, num_workers: int,
-                 shuffle_buffer: int, skip_per_worker: list[int] | None = None, worker_offset: int = 0):
+                 shuffle_buffer: int, skip_per_worker: list[int] | None = None, worker_offset: int = 0,
+                 keep: Callable[[str], bool] | None = None):
         super().__init__()
+        self.keep = keep  # sample-key filter (a labeled split's part), applied before decoding
         self.shards, self.transform, self.seed = shards, transform, seed
         self.rank, self.world, self.num_workers = rank, world, max(1, num_workers)
         self.shuffle_buffer = shuffle_buffer
@@ -160,6 +162,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         errors: Counter = Counter()
         to_skip = self.skip_per_worker[worker]
         for epoch, pos, raw in self.worker_samples(worker, errors):
+            if self.keep is not None and not self.keep(raw["__key__"]):
+                continue
             try:
                 img, label = decode(raw)
             except (KeyError, OSError, ValueError, SyntaxError) as e:  # PIL raises SyntaxError for some files

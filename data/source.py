@@ -7,18 +7,19 @@ import torch
 
 from data.loader import ShardLoader
 from data.shards import ShardSet, check_split
+from data.split import LabeledSplit, SplitSource
 from data.synthetic import SyntheticImages
 
 SYNTHETIC_EPOCH = 1_281_167  # ImageNet-1k train, the nominal epoch of the synthetic source
 
 
-def nominal_epoch_size(data_cfg) -> int:
-    """Samples per nominal epoch, known before any process starts."""
+def nominal_epoch_size(data_cfg, split: LabeledSplit | None = None) -> int:
+    """Samples per nominal epoch, known before any process starts (with a labeled split: the
+    expected size of its training part)."""
     if data_cfg.epoch_size:
         return data_cfg.epoch_size
-    if data_cfg.source == "synthetic":
-        return SYNTHETIC_EPOCH
-    return ShardSet.from_index(data_cfg.train_index).num_samples
+    total = SYNTHETIC_EPOCH if data_cfg.source == "synthetic" else ShardSet.from_index(data_cfg.train_index).num_samples
+    return total if split is None else int(total * (1 - split.val_fraction))
 
 
 def check_source(data_cfg, world: int) -> None:
@@ -28,9 +29,26 @@ def check_source(data_cfg, world: int) -> None:
 
 
 def build_source(data_cfg, img_size: int, in_chans: int, batch_size: int, seed: int, rank: int, world: int,
-                 device: torch.device):
+                 device: torch.device, split: LabeledSplit | None = None, val_every: int = 1):
+    """The training stream; with a labeled split, D_tr batches carrying a D_val batch every
+    `val_every` (data/split.py)."""
+    if split is not None:
+        val_seed = seed + 1_000_003  # the D_val stream's own order and augmentation
+        if data_cfg.source == "synthetic":
+            return SplitSource(SyntheticImages(batch_size, img_size, in_chans, data_cfg.num_classes, seed, rank, device),
+                               SyntheticImages(batch_size, img_size, in_chans, data_cfg.num_classes, val_seed, rank,
+                                               device), val_every)
+        return SplitSource(_shard_loader(data_cfg, img_size, in_chans, batch_size, seed, rank, world, device,
+                                         split.keep_train),
+                           _shard_loader(data_cfg, img_size, in_chans, batch_size, val_seed, rank, world, device,
+                                         split.is_val), val_every)
     if data_cfg.source == "synthetic":
         return SyntheticImages(batch_size, img_size, in_chans, data_cfg.num_classes, seed, rank, device)
+    return _shard_loader(data_cfg, img_size, in_chans, batch_size, seed, rank, world, device)
+
+
+def _shard_loader(data_cfg, img_size: int, in_chans: int, batch_size: int, seed: int, rank: int, world: int,
+                  device: torch.device, keep=None) -> ShardLoader:
     if in_chans != 3:
         raise ValueError("shards decode to 3-channel RGB (grayscale is replicated); set model.in_chans 3")
     transform = None
@@ -44,7 +62,7 @@ def build_source(data_cfg, img_size: int, in_chans: int, batch_size: int, seed: 
         transform = MultiCropTransform(img_size, data_cfg.num_crops, (data_cfg.crop_scale_min, 1.0))
     return ShardLoader(ShardSet.from_index(data_cfg.train_index), img_size, batch_size, seed, rank, world,
                        data_cfg.num_workers, data_cfg.shuffle_buffer, data_cfg.crop_scale_min,
-                       pin_memory=device.type == "cuda", transform=transform)
+                       pin_memory=device.type == "cuda", transform=transform, keep=keep)
 
 
 def fixed_images(data_cfg, img_size: int, in_chans: int, n: int = 8) -> torch.Tensor:

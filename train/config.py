@@ -23,6 +23,7 @@ from model.objectives.linear_probe import LinearProbeConfig
 from model.objectives.mae import MAEConfig
 from model.objectives.maeplus import MAEPlusConfig
 from model.objectives.mixedae import MixedAEConfig
+from model.objectives.mlomae import MLOMAEConfig
 from model.registry import list_models, model_arch
 
 
@@ -99,6 +100,7 @@ class PretrainConfig:
     mae: MAEConfig = field(default_factory=MAEConfig)
     mixedae: MixedAEConfig = field(default_factory=MixedAEConfig)
     maeplus: MAEPlusConfig = field(default_factory=MAEPlusConfig)
+    mlomae: MLOMAEConfig = field(default_factory=MLOMAEConfig)
     linprobe: LinearProbeConfig = field(default_factory=LinearProbeConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
@@ -118,9 +120,12 @@ class PretrainConfig:
             raise ConfigError(f"optim.layer_decay must be in (0, 1], got {self.optim.layer_decay}")
         if self.model.global_pool not in ("token", "avg"):
             raise ConfigError(f"model.global_pool must be token or avg, got {self.model.global_pool!r}")
-        if self.data.eval_index and self.objective not in ("linprobe", "finetune"):
-            raise ConfigError(f"data.eval_index is for classification objectives; objective {self.objective!r} "
-                              f"has no classifier (evaluate its encoder with train/evaluate.py)")
+        if self.data.eval_index and not hasattr(OBJECTIVES[self.objective][1], "predict"):
+            raise ConfigError(f"data.eval_index is for objectives with a classifier; objective {self.objective!r} "
+                              f"has none (evaluate its encoder with train/evaluate.py)")
+        if self.data.eval_index and Path(self.data.eval_index).resolve() == Path(self.data.train_index).resolve():
+            raise ConfigError("data.eval_index is the training index: the reported accuracy would be measured on "
+                              "training samples; point it at the held-out split (e.g. test.json)")
         if self.optim.fused not in ("auto", "yes", "no"):
             raise ConfigError(f"optim.fused must be auto, yes or no, got {self.optim.fused!r}")
         if self.optim.warmup_epochs > self.optim.epochs:
@@ -150,15 +155,21 @@ class PretrainConfig:
             raise ConfigError(str(e)) from None
 
 
-def check_objective_fits(cfg: PretrainConfig, micro_batch: int) -> None:
-    """Objective-vs-model/batch checks (e.g. MixedAE's group size and mixing cells), before any process starts."""
+def check_objective_fits(cfg: PretrainConfig, micro_batch: int, accum: int = 1, zero_stage: int = 0) -> None:
+    """Objective-vs-model/batch/engine/data checks (e.g. MixedAE's group size and mixing cells,
+    MLO-MAE's ZeRO stage and class count), before any process starts."""
     section = getattr(cfg, cfg.objective)
-    if not hasattr(section, "check_fits"):
-        return
     arch = model_arch(cfg.model.name, **({"img_size": cfg.model.img_size} if cfg.model.img_size else {}))
     try:
-        section.check_fits(arch["img_size"], arch["patch_size"], arch["depth"], micro_batch)
-    except ValueError as e:
+        if hasattr(section, "check_fits"):
+            section.check_fits(arch["img_size"], arch["patch_size"], arch["depth"], micro_batch)
+        if hasattr(section, "check_engine"):
+            section.check_engine(zero_stage, accum)
+        if hasattr(section, "check_labels") and cfg.data.source == "shards" and Path(cfg.data.train_index).is_file():
+            from data.shards import ShardSet
+
+            section.check_labels(len(ShardSet.from_index(cfg.data.train_index).classes))
+    except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
 
 

@@ -47,14 +47,25 @@ def _module_state(tag_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:
     return states
 
 
+def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The fp32 tensors under `prefix`, with the prefix removed."""
+    return {k[len(prefix):]: v.float().contiguous() for k, v in state.items() if k.startswith(prefix)}
+
+
 def encoder_state(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """The encoder's fp32 weights (timm names) from a checkpoint tag, and its complete.json."""
     meta = read_meta(tag_dir)
-    state = _module_state(tag_dir, meta["zero_stage"])
-    encoder = {k[len(ENCODER_PREFIX):]: v.float().contiguous() for k, v in state.items() if k.startswith(ENCODER_PREFIX)}
+    encoder = _strip(_module_state(tag_dir, meta["zero_stage"]), ENCODER_PREFIX)
     if not encoder:
         raise ValueError(f"{tag_dir} holds no '{ENCODER_PREFIX}*' weights")
     return encoder, meta
+
+
+def pretrained_state(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """Encoder (timm names) and, when the run had one, its MAE decoder (official MAE names:
+    decoder_embed, decoder_blocks, ...) in fp32: what continued pretraining starts from."""
+    encoder, meta = encoder_state(tag_dir)
+    return {**encoder, **_strip(_module_state(tag_dir, meta["zero_stage"]), "decoder.")}
 
 
 def export_checkpoint(tag_dir: Path, out: Path) -> Path:

@@ -50,10 +50,12 @@ def run(
     # ZeRO stages 1-3 and the mixed-precision optimizers report the norm they computed; a plain
     # fp32 stage-0 engine without clipping does not, so we measure it on log steps.
     manual_norm = engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled())
-    # An objective may own state the optimizer does not update (AdPE's adversaries): it gets the
-    # step's lr after every optimizer step.
+    # An objective may own state the optimizer does not update (AdPE's adversaries, MLO-MAE's
+    # masking network and head): it gets the step's lr after every optimizer step and may return
+    # 0-dim tensors to log for that step.
     after_step = getattr(engine.module, "after_optimizer_step", None)
     sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, float] = {}  # optimizer steps each logged value covers in this window
     t_last, steps_since_log = time.perf_counter(), 0
     while state.step < state.stop_step:
         log_now = (state.step + 1) % state.log_every == 0 or state.step + 1 == state.stop_step
@@ -67,16 +69,19 @@ def run(
                 if log_now and manual_norm:
                     grad_norm = _fp32_grad_norm(engine.module)
             engine.step()
-            if boundary and after_step is not None:  # objective state outside the optimizer
-                after_step(lr)
             for k, v in out.items():
                 if v.ndim == 0:
                     sums[k] = sums.get(k, 0) + v.detach().float() / accum
+                    counts[k] = counts.get(k, 0) + 1 / accum
+            if boundary and after_step is not None:  # objective state outside the optimizer
+                for k, v in (after_step(lr) or {}).items():
+                    sums[k] = sums.get(k, 0) + v.detach().float()
+                    counts[k] = counts.get(k, 0) + 1
         state.step += 1
         steps_since_log += 1
         if log_now:
             names = sorted(sums)
-            stacked = torch.stack([sums[k] for k in names]) / steps_since_log
+            stacked = torch.stack([sums[k] / counts[k] for k in names])
             if dist.is_initialized():
                 dist.all_reduce(stacked)
                 stacked /= dist.get_world_size()
@@ -98,7 +103,7 @@ def run(
                 scale = getattr(engine.optimizer, "cur_scale", None) or getattr(engine.optimizer, "loss_scale", 0.0)
                 metrics["loss_scale"] = float(scale)
             on_log(state.step, metrics)
-            sums, t_last, steps_since_log = {}, time.perf_counter(), 0
+            sums, counts, t_last, steps_since_log = {}, {}, time.perf_counter(), 0
         last = state.step == state.stop_step
         if on_evaluate is not None and (last or (state.eval_every and state.step % state.eval_every == 0)):
             on_evaluate(state.step)

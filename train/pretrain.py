@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from data.shards import ShardSet
+from data.split import LabeledSplit
 from data.source import build_source, check_source, fixed_images, nominal_epoch_size
 from kernels.accelerators import describe as describe_accelerators
 from kernels.attention import describe_paths
@@ -55,9 +56,15 @@ def build_encoder(cfg: PretrainConfig):
     return create_model(cfg.model.name, **overrides)
 
 
+def labeled_split(cfg: PretrainConfig) -> LabeledSplit | None:
+    """The objective's split of the labeled training shards (MLO-MAE's D_tr / D_val), if it has one."""
+    section = getattr(cfg, cfg.objective)
+    return LabeledSplit(*section.data_split()) if hasattr(section, "data_split") else None
+
+
 def schedule_steps(cfg: PretrainConfig, plan: BatchPlan) -> tuple[int, int, float]:
     """(steps per epoch, total schedule steps, warmup steps), all in optimizer steps."""
-    epoch_size = nominal_epoch_size(cfg.data)
+    epoch_size = nominal_epoch_size(cfg.data, labeled_split(cfg))
     per_epoch = epoch_size // plan.global_batch
     if per_epoch < 1:
         raise ConfigError(f"the epoch ({epoch_size} samples) is smaller than the global batch {plan.global_batch}")
@@ -74,10 +81,10 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
     if cfg.model.init_from:
         try:
             state = None
-            if Path(cfg.model.init_from).is_dir():  # a run folder / checkpoint tag of ours: its encoder
-                from train.export import encoder_state
+            if Path(cfg.model.init_from).is_dir():  # a run folder / checkpoint tag of ours: encoder (+ MAE decoder)
+                from train.export import pretrained_state
 
-                state = encoder_state(checkpoint.find_resume(cfg.model.init_from, Path(cfg.model.init_from)))[0]
+                state = pretrained_state(checkpoint.find_resume(cfg.model.init_from, Path(cfg.model.init_from)))
             log.info(load_into_objective(objective, cfg.model.init_from, state))
         except ValueError as e:
             raise ConfigError(f"model.init_from: {e}") from None
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> Path:
     cfg = parse_args(argv)
     # Everything below up to distributed.init() rejects bad input before any process group starts.
     ds_config, plan = resolve(cfg, distributed.world_size_from_env())
-    check_objective_fits(cfg, plan.micro)
+    check_objective_fits(cfg, plan.micro, plan.accum, ds_config.get("zero_optimization", {}).get("stage", 0))
     try:
         check_source(cfg.data, plan.world)
     except ValueError as e:
@@ -147,8 +154,14 @@ def main(argv: list[str] | None = None) -> Path:
         log.info("weight decay on %d tensors (%d params), none on %d tensors (%d params)",
                  split["decay_tensors"], split["decay_params"], split["no_decay_tensors"], split["no_decay_params"])
 
+    split, section = labeled_split(cfg), getattr(cfg, cfg.objective)
+    if split is not None and rank == 0 and cfg.data.source == "shards":  # the record of D_tr / D_val
+        record = split.describe(ShardSet.from_index(cfg.data.train_index), cfg.data.train_index)
+        (run_dir / "split.json").write_text(json.dumps(record, indent=2))
+        log.info("labeled split: %d D_tr / %d D_val samples (run folder: split.json)", record["num_train"],
+                 record["num_val"])
     data = build_source(cfg.data, encoder.patch_embed.img_size, cfg.model.in_chans, plan.micro, cfg.seed, rank,
-                        world, device)
+                        world, device, split, section.val_every(plan.accum) if split is not None else 1)
     start_step = 0
     if resume_from is not None:
         client = checkpoint.load(engine, resume_from, rank)

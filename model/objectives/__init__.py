@@ -12,6 +12,7 @@ from model.objectives.linear_probe import LinearProbeConfig, LinearProbeObjectiv
 from model.objectives.mae import MAEConfig, MAEObjective
 from model.objectives.maeplus import MAEPlusConfig, MAEPlusObjective
 from model.objectives.mixedae import MixedAEConfig, MixedAEObjective
+from model.objectives.mlomae import MLOMAEConfig, MLOMAEObjective
 from model.vit import VisionTransformer
 
 # name -> (config class, objective class)
@@ -19,6 +20,7 @@ OBJECTIVES: dict[str, tuple[type, type[nn.Module]]] = {
     "mae": (MAEConfig, MAEObjective),
     "maeplus": (MAEPlusConfig, MAEPlusObjective),
     "mixedae": (MixedAEConfig, MixedAEObjective),
+    "mlomae": (MLOMAEConfig, MLOMAEObjective),
     "linprobe": (LinearProbeConfig, LinearProbeObjective),
     "finetune": (FinetuneConfig, FinetuneObjective),
 }

@@ -39,11 +39,15 @@ class MAEConfig:
             )
 
 
+def per_patch_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """pred, target (B, N, P) -> (B, N) mean squared error per patch, in fp32 (fp64 stays)."""
+    compute = torch.promote_types(pred.dtype, torch.float32)  # fp16/bf16 -> fp32
+    return ((pred.to(compute) - target.to(compute)) ** 2).mean(dim=-1)
+
+
 def masked_patch_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """pred, target (B, N, P); mask (B, N) with 1 = removed. Mean per-patch MSE over removed."""
-    compute = torch.promote_types(pred.dtype, torch.float32)  # fp16/bf16 -> fp32, fp64 stays
-    per_patch = ((pred.to(compute) - target.to(compute)) ** 2).mean(dim=-1)  # (B, N)
-    return (per_patch * mask).sum() / mask.sum()
+    return (per_patch_mse(pred, target) * mask).sum() / mask.sum()
 
 
 class MAEObjective(nn.Module):

@@ -1,0 +1,97 @@
+"""A labeled training set split into D_tr and D_val (MLO-MAE's levels I-II and III), and the
+stream that feeds both.
+
+The split is a pure function of each sample's key (webdataset's `__key__`):
+    val  iff  blake2b(f"{seed}:{key}") read as a fraction in [0, 1)  <  val_fraction
+so it does not depend on shard layout, world size, workers or order, needs no pass over the
+data, and the two parts are disjoint and cover the index by construction. Only the training
+index is ever split: the test split (a separate index) is read by no level. `describe` counts
+both parts from the tar headers (no image is read) for the record in the run folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import tarfile
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from webdataset.tariterators import base_plus_ext
+
+from data.shards import ShardSet
+
+
+@dataclass(frozen=True)
+class LabeledSplit:
+    val_fraction: float
+    seed: int = 0
+
+    def is_val(self, key: str) -> bool:
+        digest = hashlib.blake2b(f"{self.seed}:{key}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") / 2**64 < self.val_fraction
+
+    def keep_train(self, key: str) -> bool:
+        return not self.is_val(key)
+
+    def describe(self, shards: ShardSet, index: str) -> dict:
+        """Counts of both parts and a digest of the sorted D_val keys, from the tar headers only."""
+        keys = sorted(shard_keys(shards))
+        val = [k for k in keys if self.is_val(k)]
+        return {
+            "rule": "val iff int(blake2b('<seed>:<key>', digest_size=8), big-endian) / 2**64 < val_fraction",
+            "seed": self.seed, "val_fraction": self.val_fraction, "train_index": index,
+            "num_samples": len(keys), "num_train": len(keys) - len(val), "num_val": len(val),
+            "val_keys_sha256": hashlib.sha256("\n".join(val).encode()).hexdigest(),
+        }
+
+
+def shard_keys(shards: ShardSet) -> Iterator[str]:
+    """The distinct sample keys of every shard, read from tar member names (data is skipped)."""
+    for f in shards.files:
+        last = None
+        with tarfile.open(f, mode="r:") as tar:
+            for member in tar:
+                key, _ = base_plus_ext(member.name)
+                if key is not None and key != last:
+                    yield key
+                    last = key
+
+
+class SplitSource:
+    """Batches of D_tr (`image`, `label`) with a D_val batch (`val_image`, `val_label`) attached to
+    every `val_every`-th one (1-based), from two loaders over the same shards. Its position is
+    both loaders' positions; skipped-sample counters are summed."""
+
+    def __init__(self, train, val, val_every: int):
+        self.train, self.val, self.val_every = train, val, val_every
+        self.batches = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        batch = next(self.train)
+        self.batches += 1
+        if self.batches % self.val_every == 0:
+            v = next(self.val)
+            batch = {**batch, "val_image": v["image"], "val_label": v["label"]}
+        return batch
+
+    def counters(self) -> dict[str, int]:
+        if not hasattr(self.train, "counters"):
+            return {}
+        a, b = self.train.counters(), self.val.counters()
+        return {k: a[k] + b[k] for k in a}
+
+    def state_dict(self) -> dict:
+        return {"train": self.train.state_dict(), "val": self.val.state_dict(), "val_every": self.val_every,
+                "batches": self.batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["val_every"] != self.val_every:
+            raise ValueError(f"the data position was recorded with a D_val batch every {state['val_every']} "
+                             f"micro-batches, this run has {self.val_every}; resume with the same mlomae schedule "
+                             f"and gradient accumulation")
+        self.train.load_state_dict(state["train"])
+        self.val.load_state_dict(state["val"])
+        self.batches = int(state["batches"])

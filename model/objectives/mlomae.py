@@ -1,0 +1,419 @@
+"""MLO-MAE: a masking network learned by three-level optimisation (mlo_mae.txt; METHODS.md section 3).
+
+Level I (this module's forward, trained by the DeepSpeed engine like any objective): the masking
+network T reads the encoder's patch embeddings (+ position) of all N patches, flattened:
+    p = sigmoid(Linear(512, N)(ReLU(Linear(N*D, 512)(tokens))))            (B, N)
+masks the N*ratio patches with the highest p (hard top-k; ties by patch order) and trains the
+encoder E and MAE decoder D on the p-weighted reconstruction loss
+    L1 = sum_j m_j p_j l_j / sum_j m_j          (l_j: per-patch MSE, m_j = 1 for masked patches)
+which is the only path from the loss to T. With `straight_through` the top-k is read as the
+identity in the backward pass: the weights are m_j + p_j - sg(p_j), so E and D see the plain
+MAE loss on the learned mask and T receives l_j for every patch.
+T's input is taken as data (computed from E without a gradient), as in Eq. 1 where sigma
+depends on (X, T) only.
+
+Levels II and III run in `after_optimizer_step` (the loop's generic hook), outside DeepSpeed:
+the linear head C (on the frozen encoder's cls feature) and T are fp32 modules replicated on
+every rank, with their own AdamW, gradients all-reduced, lrs following the encoder's schedule
+times `head_lr_scale` / `mask_lr_scale`. Every `level1_steps` optimizer steps, C takes
+`level2_steps` steps on the latest D_tr batches; every `mask_every`-th such cycle T takes one
+step along the hypergradient of the validation loss (model/objectives/hypergrad.py), whose
+passes run in fp32 with TF32 off: the finite-difference perturbation (||eps v|| = 0.01 over all
+encoder weights) is far below bf16 / fp16 / TF32 resolution.
+
+Batches carry the level-I/II data (`image`, `label`: D_tr) and, on the micro-batch that closes a
+mask cycle, `val_image` / `val_label` (D_val); data/split.py builds that stream.
+
+Variant `blo` (BLO-MAE, Eq. 5): E is trained on gamma * L1 + CE(C(E(x)), y) (C held fixed in that
+step, then stepped on level II), and T's hypergradient is -eta_E * gamma * H_{T,E}(L1) v_E (T does
+not reach C in the lower level, so there is no head path).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from model.mae_decoder import MAEDecoder
+from model.objectives.hypergrad import Points, mask_hypergradient
+from model.objectives.mae import per_patch_mse
+from model.objectives.masking import Masking, gather_tokens, masking_from_noise, num_kept
+from model.objectives.patches import normalized_pixels, patchify, unpatchify
+from model.vit import VisionTransformer
+
+VARIANTS = ("mlo", "blo")
+
+
+@dataclass
+class MLOMAEConfig:
+    mask_ratio: float = 0.75
+    norm_pix_loss: bool = True
+    decoder_dim: int = 512
+    decoder_depth: int = 8
+    decoder_heads: int = 16
+    mask_hidden: int = 512  # masking network: Linear(N*D, hidden) -> ReLU -> Linear(hidden, N) -> sigmoid
+    straight_through: bool = False  # top-k as identity in the backward (Appendix A.4)
+    num_classes: int = 1000  # classes of the labeled shards (levels II and III)
+    head_lr_scale: float = 0.4  # lr of C / lr of E (paper: 4e-5 / 1e-4 ImageNet, 1e-3 / 1e-3 CIFAR)
+    mask_lr_scale: float = 0.4  # lr of T / lr of E
+    aux_weight_decay: float = 0.05  # AdamW weight decay of C and T (weights only, not biases)
+    level1_steps: int = 1  # encoder/decoder steps per head step (unroll steps: 1 ImageNet, 2 CIFAR)
+    level2_steps: int = 1  # head steps per cycle, on the cycle's latest D_tr micro-batches
+    mask_every: int = 1  # cycles per masking-network step (Table 16)
+    through_head: bool = True  # keep Eq. 9's path dL3/dC' dC'/dE' (False: through E' only)
+    unroll_lr: str = "schedule"  # eta_E, eta_C of Eqs. 6-7: schedule (the current lrs, Appendix A) | unit (1, as Betty's FD in the released code)
+    mask_adam_eps: float = 1e-16  # AdamW eps of T [project default]: with eta_E ~ 1e-4 its gradients sit far below 1e-8
+    fd_eps: float = 0.01  # finite-difference radius: eps = fd_eps / ||v||
+    val_fraction: float = 0.2  # share of the labeled training shards held out as D_val (level III)
+    split_seed: int = 0  # salt of the per-sample hash split (data/split.py)
+    variant: str = "mlo"  # mlo (three levels) | blo (BLO-MAE, Eq. 5)
+    blo_gamma: float = 1.0  # BLO-MAE: weight of the reconstruction loss in the lower level
+
+    def validate(self) -> None:
+        if not 0.0 < self.mask_ratio < 1.0:
+            raise ValueError(f"mlomae.mask_ratio must be in (0, 1), got {self.mask_ratio}")
+        if self.unroll_lr not in ("schedule", "unit"):
+            raise ValueError(f"mlomae.unroll_lr must be schedule or unit, got {self.unroll_lr!r}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"mlomae.variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.decoder_dim % self.decoder_heads:
+            raise ValueError(f"mlomae.decoder_dim {self.decoder_dim} is not divisible by mlomae.decoder_heads "
+                             f"{self.decoder_heads}")
+        for name in ("mask_hidden", "level1_steps", "level2_steps", "mask_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"mlomae.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_classes < 2:
+            raise ValueError(f"mlomae.num_classes must be >= 2, got {self.num_classes}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"mlomae.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if min(self.head_lr_scale, self.mask_lr_scale, self.aux_weight_decay, self.blo_gamma) < 0 or self.fd_eps <= 0:
+            raise ValueError("mlomae lr scales, aux_weight_decay and blo_gamma must be >= 0, fd_eps > 0")
+
+    # --- checks before any process starts (train/config.py, train/pretrain.py) ---------------
+    def check_engine(self, zero_stage: int, accum: int) -> None:
+        if zero_stage == 3:
+            raise ValueError(
+                "mlomae cannot run under ZeRO-3: the hypergradient perturbs and reads every encoder weight "
+                "on each rank, and ZeRO-3 partitions them; use zero_optimization.stage 0, 1 or 2")
+        if self.level2_steps > self.level1_steps * accum:
+            raise ValueError(
+                f"mlomae.level2_steps {self.level2_steps} exceeds the micro-batches of one cycle "
+                f"(level1_steps {self.level1_steps} x gradient_accumulation_steps {accum}); lower it")
+
+    def check_labels(self, num_classes: int) -> None:
+        if num_classes != self.num_classes:
+            raise ValueError(f"the labeled shards have {num_classes} classes but mlomae.num_classes is "
+                             f"{self.num_classes}; set --mlomae.num_classes {num_classes}")
+
+    def data_split(self) -> tuple[float, int]:
+        """(share held out as D_val, seed): the training index is split per sample (data/split.py)."""
+        return self.val_fraction, self.split_seed
+
+    def val_every(self, accum: int) -> int:
+        """Micro-batches between D_val batches: the last micro-batch of every mask cycle."""
+        return self.level1_steps * accum * self.mask_every
+
+
+class MaskingNetwork(nn.Module):
+    """(B, N, D) patch embeddings -> (B, N) masking probabilities (Appendix B.2)."""
+
+    def __init__(self, num_patches: int, dim: int, hidden: int = 512):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(1), nn.Linear(num_patches * dim, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, num_patches))
+        for m in self.net:
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.net(tokens))
+
+
+def top_masking(probs: torch.Tensor, mask_ratio: float) -> Masking:
+    """Mask the N*ratio patches with the highest probability (keep the lowest); stable on ties."""
+    return masking_from_noise(probs.detach(), num_kept(probs.shape[1], mask_ratio))
+
+
+def weighted_recon_loss(per_patch: torch.Tensor, mask: torch.Tensor, probs: torch.Tensor,
+                        straight_through: bool) -> torch.Tensor:
+    """per_patch, mask, probs (B, N) -> sum_j w_j l_j / #masked, w = m * p, or m + p - sg(p)."""
+    weights = mask + probs - probs.detach() if straight_through else mask * probs
+    return (weights * per_patch).sum() / mask.sum()
+
+
+def _all_reduce_mean_(tensors: list[torch.Tensor]) -> None:
+    if not (dist.is_available() and dist.is_initialized()) or not tensors:
+        return
+    flat = torch.cat([t.flatten() for t in tensors])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for t, f in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(f.view_as(t))
+
+
+def _adamw(module: nn.Module, weight_decay: float, eps: float = 1e-8) -> torch.optim.AdamW:
+    decay = [p for p in module.parameters() if p.ndim >= 2]
+    rest = [p for p in module.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=0.0, betas=(0.9, 0.95), eps=eps)
+
+
+class Auxiliary:
+    """C and T with their optimizers: fp32, outside the objective's parameters (a plain attribute,
+    not a submodule), so DeepSpeed neither casts, partitions nor optimises them."""
+
+    def __init__(self, num_patches: int, dim: int, hidden: int, num_classes: int, weight_decay: float,
+                 mask_eps: float = 1e-8):
+        self.mask_net = MaskingNetwork(num_patches, dim, hidden)
+        self.head = nn.Linear(dim, num_classes)  # the paper's single linear layer
+        nn.init.trunc_normal_(self.head.weight, std=0.01)
+        nn.init.zeros_(self.head.bias)
+        self.mask_opt = _adamw(self.mask_net, weight_decay, mask_eps)
+        self.head_opt = _adamw(self.head, weight_decay)
+
+    def follow(self, device: torch.device) -> None:
+        if self.head.weight.device != device:  # Module.to keeps the Parameter objects (optimizers stay valid)
+            self.mask_net.to(device)
+            self.head.to(device)
+
+    @staticmethod
+    def step(module: nn.Module, opt: torch.optim.Optimizer, grads: list[torch.Tensor], lr: float) -> None:
+        """Average grads over ranks, then one AdamW step (non-finite entries are zeroed)."""
+        grads = [torch.nan_to_num(g.detach().float(), nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
+        _all_reduce_mean_(grads)
+        for p, g in zip(module.parameters(), grads, strict=True):
+            p.grad = g
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        def cpu(x):
+            if isinstance(x, torch.Tensor):
+                return x.detach().cpu().clone()
+            return {k: cpu(v) for k, v in x.items()} if isinstance(x, dict) else x
+        return {"mask_net": cpu(self.mask_net.state_dict()), "head": cpu(self.head.state_dict()),
+                "mask_opt": cpu(self.mask_opt.state_dict()), "head_opt": cpu(self.head_opt.state_dict())}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mask_net.load_state_dict(state["mask_net"])
+        self.head.load_state_dict(state["head"])
+        self.mask_opt.load_state_dict(state["mask_opt"])
+        self.head_opt.load_state_dict(state["head_opt"])
+
+
+class full_fp32:
+    """TF32 off for matmuls and convolutions inside the block (restored after)."""
+
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+
+
+class _Method(nn.Module):
+    """Lets torch.func.functional_call run any method of `owner` with substituted tensors."""
+
+    def __init__(self, owner: nn.Module, name: str):
+        super().__init__()
+        self.owner, self.name = owner, name
+
+    def forward(self, *args):
+        return getattr(self.owner, self.name)(*args)
+
+
+class MLOMAEObjective(nn.Module):
+    def __init__(self, encoder: VisionTransformer, cfg: MLOMAEConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.encoder = encoder
+        pe = encoder.patch_embed
+        self.patch_size = pe.patch_size
+        self.decoder = MAEDecoder(pe.grid_size, pe.patch_size, pe.proj.in_channels, encoder.embed_dim,
+                                  cfg.decoder_dim, cfg.decoder_depth, cfg.decoder_heads,
+                                  attn_backend=encoder.blocks[0].attn.backend)
+        self.aux = Auxiliary(encoder.num_patches, encoder.embed_dim, cfg.mask_hidden, cfg.num_classes,
+                             cfg.aux_weight_decay, cfg.mask_adam_eps)
+        self.level1_done = 0  # optimizer steps of E/D (level I) so far
+        self.cycles_done = 0  # head (level II) cycles so far
+        self._tr_batches: deque = deque(maxlen=cfg.level2_steps)  # (image, label) of the latest micro-batches
+        self._l1_images: torch.Tensor | None = None
+        self._val: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # --- the generic hooks the loop and checkpoints use --------------------------------------
+    def get_extra_state(self) -> dict:
+        return {"aux": self.aux.state_dict(), "level1_done": self.level1_done, "cycles_done": self.cycles_done}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.aux.load_state_dict(state["aux"])
+        self.level1_done, self.cycles_done = int(state["level1_done"]), int(state["cycles_done"])
+
+    def after_optimizer_step(self, lr: float) -> dict[str, torch.Tensor]:
+        """Levels II and III on the schedule of the config; `lr` is the encoder's lr of this step.
+        Returns the scalars of the levels that ran (logged for this step)."""
+        self.level1_done += 1
+        if self.level1_done % self.cfg.level1_steps:
+            return {}
+        stats = self.level2(lr * self.cfg.head_lr_scale)
+        self.cycles_done += 1
+        if self.cycles_done % self.cfg.mask_every == 0:
+            if self._val is None:
+                raise RuntimeError("mlomae: a mask cycle ended without a D_val batch; the data source must attach "
+                                   "val_image/val_label every mlomae.val_every(accum) micro-batches (data/split.py)")
+            stats |= self.level3(lr)
+            self._val = None
+        return stats
+
+    # --- pieces shared by the levels ------------------------------------------------------------
+    def mask_probabilities(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, C, H, W) -> patch tokens (B, N, D) with position, and T's probabilities (B, N) (no gradient)."""
+        tokens = self.encoder.embed_patches(images)
+        self.aux.follow(tokens.device)
+        with torch.no_grad():
+            probs = self.aux.mask_net(tokens.detach().to(self.aux.head.weight.dtype))
+        return tokens, probs
+
+    def target(self, images: torch.Tensor) -> torch.Tensor:
+        t = patchify(images.to(torch.promote_types(images.dtype, torch.float32)), self.patch_size)
+        return normalized_pixels(t) if self.cfg.norm_pix_loss else t
+
+    def reconstruct(self, images: torch.Tensor, masking: Masking, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-patch MSE (B, N) of the MAE reconstruction under `masking` (every patch, masked or not)."""
+        tokens = self.encoder.embed_patches(images) if tokens is None else tokens
+        latent = self.encoder.forward_tokens(self.encoder.add_cls_token(gather_tokens(tokens, masking.ids_keep)))
+        return per_patch_mse(self.decoder(latent, masking.ids_restore), self.target(images))
+
+    def cls_features(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, D): the encoder's cls token on the whole image (levels II and III)."""
+        return self.encoder.forward_features(images)[:, 0]
+
+    def predict(self, images: torch.Tensor) -> torch.Tensor:
+        """Level-II classifier: (B, C, H, W) -> logits (B, num_classes); its test accuracy is MLO-MAE's linear probe."""
+        self.aux.follow(images.device)
+        w = self.aux.head.weight
+        return self.aux.head(self.cls_features(images).to(w.dtype))
+
+    # --- level I ---------------------------------------------------------------------------------
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        images = batch["image"]
+        self._tr_batches.append((images, batch["label"]))
+        self._l1_images = images
+        if "val_image" in batch:
+            self._val = (batch["val_image"], batch["val_label"])
+        tokens, probs = self.mask_probabilities(images)
+        masking = top_masking(probs, self.cfg.mask_ratio)
+        per_patch = self.reconstruct(images, masking, tokens)
+        loss = weighted_recon_loss(per_patch, masking.mask, probs, self.cfg.straight_through)
+        out = {"recon_loss": ((per_patch * masking.mask).sum() / masking.mask.sum()).detach(),
+               "mask_prob_mean": probs.mean(),
+               "mask_prob_masked": (probs * masking.mask).sum() / masking.mask.sum()}
+        if self.cfg.variant == "blo":  # lower level of Eq. 5: gamma * L1 + CE on D_tr, C fixed in this step
+            head = self.aux.head
+            logits = F.linear(self.cls_features(images).float(), head.weight.detach(), head.bias.detach())
+            cls_loss = F.cross_entropy(logits, batch["label"])
+            loss = self.cfg.blo_gamma * loss + cls_loss
+            out["blo_cls_loss"] = cls_loss.detach()
+        return {"loss": loss, **out}
+
+    # --- level II --------------------------------------------------------------------------------
+    def level2(self, lr_head: float) -> dict[str, torch.Tensor]:
+        head = self.aux.head
+        losses, correct = [], []
+        for images, labels in list(self._tr_batches)[-self.cfg.level2_steps:]:
+            with torch.no_grad():
+                feats = self.cls_features(images).to(head.weight.dtype)  # frozen encoder
+            with torch.enable_grad():
+                logits = head(feats)
+                loss = F.cross_entropy(logits, labels)
+                grads = torch.autograd.grad(loss, list(head.parameters()))
+            Auxiliary.step(head, self.aux.head_opt, list(grads), lr_head)
+            losses.append(loss.detach())
+            correct.append((logits.argmax(1) == labels).float().mean().detach() * 100)
+        return {"level2_loss": torch.stack(losses).mean(), "level2_train_top1": torch.stack(correct).mean()}
+
+    # --- level III -------------------------------------------------------------------------------
+    def fp32_state(self) -> dict[str, torch.Tensor]:
+        """Every floating parameter and buffer of the objective in fp32 (the module's own tensors
+        when it is fp32, copies otherwise), encoder parameters as gradient leaves."""
+        state = {}
+        for name, t in [*self.named_parameters(), *self.named_buffers()]:
+            if t.dtype in (torch.float16, torch.bfloat16):
+                t = t.detach().float().requires_grad_(name.startswith("encoder.") and t.requires_grad)
+            state[name] = t
+        return state
+
+    def call(self, state: dict[str, torch.Tensor], method: str, *args):
+        """Run self.<method>(*args) with the tensors of `state` in place of the objective's own."""
+        return functional_call(_Method(self, method), {f"owner.{k}": v for k, v in state.items()}, args)
+
+    def level1_loss(self, state, images, t_in, masking, track_encoder: bool = False) -> torch.Tensor:
+        """L1 at the encoder/decoder tensors of `state`, differentiable w.r.t. T (and the encoder if asked)."""
+        probs = self.aux.mask_net(t_in)
+        with torch.set_grad_enabled(track_encoder):
+            per_patch = self.call(state, "reconstruct", images, masking)
+        return weighted_recon_loss(per_patch, masking.mask, probs, self.cfg.straight_through)
+
+    def class_loss(self, state, head: list[torch.Tensor], images, labels) -> torch.Tensor:
+        """CE of the linear head (weight, bias) on the cls feature of the encoder tensors of `state`."""
+        return F.cross_entropy(F.linear(self.call(state, "cls_features", images), *head), labels)
+
+    def level3(self, lr: float) -> dict[str, torch.Tensor]:
+        cfg = self.cfg
+        images, (val_images, val_labels) = self._l1_images, self._val
+        tr_images, tr_labels = self._tr_batches[-1]
+        dtype = self.aux.head.weight.dtype
+        with full_fp32(), torch.enable_grad():
+            state = self.fp32_state()
+            enc = [state[n] for n, p in self.named_parameters() if n.startswith("encoder.") and p.requires_grad]
+            head = list(self.aux.head.parameters())
+            img1, img2, img3 = (x.to(dtype) for x in (images, tr_images, val_images))
+            with torch.no_grad():
+                t_in = self.call(state, "embed", img1)
+                masking = top_masking(self.aux.mask_net(t_in), cfg.mask_ratio)
+            blo = cfg.variant == "blo"
+            eta_enc, eta_head = (lr, lr * cfg.head_lr_scale) if cfg.unroll_lr == "schedule" else (1.0, 1.0)
+            grads, stats = mask_hypergradient(
+                level1=lambda: self.level1_loss(state, img1, t_in, masking),
+                level2=lambda: self.class_loss(state, head, img2, tr_labels),
+                level3=lambda: self.class_loss(state, head, img3, val_labels),
+                mask_params=list(self.aux.mask_net.parameters()), points=Points.current(enc, head),
+                lr_enc=eta_enc * (cfg.blo_gamma if blo else 1.0), lr_head=eta_head,
+                through_head=cfg.through_head and not blo, eps_scale=cfg.fd_eps)
+        Auxiliary.step(self.aux.mask_net, self.aux.mask_opt, grads, lr * cfg.mask_lr_scale)
+        return stats
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        return self.encoder.embed_patches(images)
+
+    # --- figures (the paper's Fig. 4) --------------------------------------------------------------
+    @torch.no_grad()
+    def visualizations(self, images: torch.Tensor, noise: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """Rows: original, input under the learned mask (removed patches zeroed), T's probability
+        map (brighter = more likely masked), reconstruction with the visible patches pasted."""
+        tokens, probs = self.mask_probabilities(images)
+        masking = top_masking(probs, self.cfg.mask_ratio)
+        latent = self.encoder.forward_tokens(self.encoder.add_cls_token(gather_tokens(tokens, masking.ids_keep)))
+        pred = self.decoder(latent, masking.ids_restore).float()
+        target = patchify(images.float(), self.patch_size)
+        if self.cfg.norm_pix_loss:
+            mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True, unbiased=True)
+            pred = pred * (var + 1e-6) ** 0.5 + mean
+        removed = masking.mask[..., None]  # (B, N, 1)
+        shape = (self.patch_size, self.encoder.patch_embed.grid_size, images.shape[1])
+        heat = probs.float()[..., None].expand(-1, -1, self.patch_size ** 2)  # (B, N, p*p): one channel
+        return {"mlo_masks": [
+            images.float(),
+            unpatchify(target * (1 - removed), *shape),
+            unpatchify(heat, self.patch_size, self.encoder.patch_embed.grid_size, 1),
+            unpatchify(target * (1 - removed) + pred * removed, *shape),
+        ]}

@@ -1,0 +1,90 @@
+"""MLO-MAE's labeled split: D_tr and D_val partition the training shards, deterministically,
+and no test sample is ever read."""
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from data.loader import ShardLoader
+from data.shards import ShardSet
+from data.split import LabeledSplit, SplitSource, shard_keys
+from data.synthetic import SyntheticImages
+from data.write_shards import main as write_shards
+
+
+def pixel_id(img, seed):
+    """The transform for these tests: a sample's identity is its (uniform) pixel value."""
+    return torch.tensor(int(np.asarray(img.convert("L"))[0, 0]))
+
+
+def folder(root, values):
+    for i, v in enumerate(values):
+        d = root / f"c{i % 2}"
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((6, 6), v, dtype=np.uint8)).save(d / f"{i}.png")
+    return root
+
+
+@pytest.fixture
+def train_and_test(tmp_path):
+    train_values, test_values = list(range(0, 120)), list(range(130, 160))
+    write_shards(["imagefolder", str(folder(tmp_path / "tr", train_values)), str(tmp_path / "s"), "--name", "train",
+                  "--samples_per_shard", "20"])
+    write_shards(["imagefolder", str(folder(tmp_path / "te", test_values)), str(tmp_path / "s"), "--name", "test",
+                  "--samples_per_shard", "10"])
+    return ShardSet.from_index(tmp_path / "s" / "train.json"), set(train_values), set(test_values)
+
+
+def one_epoch(shards, keep, n, workers=0):
+    loader = ShardLoader(shards, 6, batch_size=1, seed=3, rank=0, world=1, num_workers=workers, shuffle_buffer=7,
+                         transform=pixel_id, keep=keep)
+    return [int(next(loader)["image"]) for _ in range(n)]
+
+
+def test_parts_are_disjoint_cover_the_train_split_and_never_read_test(train_and_test):
+    shards, train_values, test_values = train_and_test
+    split = LabeledSplit(0.2, seed=0)
+    record = split.describe(shards, "train.json")
+    assert record["num_train"] + record["num_val"] == 120 and 10 <= record["num_val"] <= 40
+    tr = one_epoch(shards, split.keep_train, record["num_train"])
+    val = one_epoch(shards, split.is_val, record["num_val"], workers=2)
+    assert len(set(tr)) == len(tr) and len(set(val)) == len(val)  # one epoch: each sample once
+    assert set(tr) | set(val) == train_values
+    assert not set(tr) & set(val)
+    assert not (set(tr) | set(val)) & test_values
+
+
+def test_split_is_a_function_of_the_key_only(train_and_test):
+    shards, _, _ = train_and_test
+    keys = sorted(shard_keys(shards))
+    assert len(keys) == 120
+    a, b = LabeledSplit(0.2, seed=0), LabeledSplit(0.2, seed=0)
+    assert [a.is_val(k) for k in keys] == [b.is_val(k) for k in keys]
+    assert [a.is_val(k) for k in keys] != [LabeledSplit(0.2, seed=1).is_val(k) for k in keys]
+    # the same key set in any order / shard layout gives the same D_val
+    assert {k for k in reversed(keys) if a.is_val(k)} == {k for k in keys if a.is_val(k)}
+
+
+def test_fraction_is_as_configured():
+    split = LabeledSplit(0.2, seed=0)
+    share = np.mean([split.is_val(f"sample_{i:06d}") for i in range(20000)])
+    assert abs(share - 0.2) < 0.01
+
+
+def test_split_source_attaches_val_batches_and_resumes():
+    def make():
+        return SplitSource(SyntheticImages(2, 8, 1, 3, seed=0, rank=0), SyntheticImages(2, 8, 1, 3, seed=9, rank=0),
+                           val_every=3)
+
+    src = make()
+    got = [("val_image" in next(src)) for _ in range(6)]
+    assert got == [False, False, True, False, False, True]
+    state = src.state_dict()
+    nxt = [next(src) for _ in range(3)]
+    resumed = make()
+    resumed.load_state_dict(state)
+    again = [next(resumed) for _ in range(3)]
+    assert torch.equal(nxt[2]["val_image"], again[2]["val_image"]) and torch.equal(nxt[0]["image"], again[0]["image"])
+    other = SplitSource(SyntheticImages(2, 8, 1, 3, 0, 0), SyntheticImages(2, 8, 1, 3, 9, 0), val_every=2)
+    with pytest.raises(ValueError, match="every 3 micro-batches"):
+        other.load_state_dict(state)

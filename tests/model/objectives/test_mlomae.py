@@ -1,0 +1,171 @@
+"""MLO-MAE's level I (masking network, top-k, weighted loss), the level II/III schedule, state."""
+import pytest
+import torch
+
+from model.objectives.mlomae import (
+    MaskingNetwork,
+    MLOMAEConfig,
+    MLOMAEObjective,
+    top_masking,
+    weighted_recon_loss,
+)
+from model.registry import create_model
+
+
+def objective(seed=0, **overrides) -> MLOMAEObjective:
+    torch.manual_seed(seed)
+    encoder = create_model("vit_debug_patch4", img_size=8, in_chans=1)  # 2x2 = 4 patches
+    cfg = dict(decoder_dim=16, decoder_depth=1, decoder_heads=2, mask_hidden=8, num_classes=3, mask_ratio=0.5)
+    return MLOMAEObjective(encoder, MLOMAEConfig(**{**cfg, **overrides}))
+
+
+def batch(seed=0, val=True):
+    g = torch.Generator().manual_seed(seed)
+    out = {"image": torch.randn(4, 1, 8, 8, generator=g), "label": torch.randint(0, 3, (4,), generator=g)}
+    if val:
+        out |= {"val_image": torch.randn(4, 1, 8, 8, generator=g), "val_label": torch.randint(0, 3, (4,), generator=g)}
+    return out
+
+
+def test_masking_network_shapes_and_range():
+    net = MaskingNetwork(num_patches=6, dim=5, hidden=7)
+    assert [m.weight.shape for m in net.net if hasattr(m, "weight")] == [(7, 30), (6, 7)]  # Linear(N*D, 512), Linear(512, N)
+    p = net(torch.randn(3, 6, 5))
+    assert p.shape == (3, 6) and bool(((p > 0) & (p < 1)).all())
+
+
+def test_top_k_masks_the_highest_probabilities():
+    torch.manual_seed(0)
+    probs = torch.rand(5, 16)
+    masking = top_masking(probs, 0.75)  # 12 masked, 4 kept
+    for b in range(5):
+        highest = set(probs[b].topk(12).indices.tolist())
+        assert set(masking.mask[b].nonzero().flatten().tolist()) == highest
+        assert set(masking.ids_keep[b].tolist()) == set(range(16)) - highest
+
+
+def test_weighted_loss_hand_computed():
+    per_patch = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0]])
+    probs = torch.tensor([[0.1, 0.5, 0.25, 0.9]], requires_grad=True)
+    loss = weighted_recon_loss(per_patch, mask, probs, straight_through=False)
+    assert loss.item() == pytest.approx((0.5 * 2 + 0.25 * 3) / 2)
+    (g,) = torch.autograd.grad(loss, probs)
+    torch.testing.assert_close(g, torch.tensor([[0.0, 1.0, 1.5, 0.0]]))  # l_j / #masked on masked patches only
+
+
+def test_straight_through_is_plain_mae_loss_with_identity_backward():
+    per_patch = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0]])
+    probs = torch.tensor([[0.1, 0.5, 0.25, 0.9]], requires_grad=True)
+    loss = weighted_recon_loss(per_patch, mask, probs, straight_through=True)
+    assert loss.item() == pytest.approx((2 + 3) / 2)
+    (g,) = torch.autograd.grad(loss, probs)
+    torch.testing.assert_close(g, per_patch / 2)  # every patch, masked or not
+
+
+def test_level1_trains_encoder_and_decoder_not_the_masking_network():
+    obj = objective()
+    out = obj(batch())
+    out["loss"].backward()
+    assert obj.encoder.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+    assert obj.decoder.decoder_pred.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in obj.aux.mask_net.parameters())
+    assert all(p.grad is None for p in obj.aux.head.parameters())
+    # the logged loss parts: weighted loss <= plain loss on the masked patches (p < 1)
+    assert out["loss"].item() < out["recon_loss"].item()
+
+
+def test_level1_loss_equals_the_formula():
+    obj = objective()
+    b = batch(val=False)
+    tokens, probs = obj.mask_probabilities(b["image"])
+    masking = top_masking(probs, 0.5)
+    per_patch = obj.reconstruct(b["image"], masking)
+    expected = (masking.mask * probs * per_patch).sum() / masking.mask.sum()
+    torch.testing.assert_close(obj(b)["loss"], expected)
+
+
+def snapshot(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def changed(module, before):
+    return any(not torch.equal(p, b) for p, b in zip(module.parameters(), before))
+
+
+def test_schedule_of_levels_two_and_three():
+    """level1_steps 2, mask_every 2: the head moves every 2nd step, T every 4th."""
+    obj = objective(level1_steps=2, mask_every=2)
+    head, mask = snapshot(obj.aux.head), snapshot(obj.aux.mask_net)
+    moves = []
+    for step in range(1, 9):
+        obj(batch(step, val=step % 4 == 0))
+        obj.after_optimizer_step(lr=1e-2)
+        moves.append((changed(obj.aux.head, head), changed(obj.aux.mask_net, mask)))
+        head, mask = snapshot(obj.aux.head), snapshot(obj.aux.mask_net)
+    assert moves == [(False, False), (True, False), (False, False), (True, True)] * 2
+    assert obj.level1_done == 8 and obj.cycles_done == 4
+
+
+def test_a_mask_cycle_without_val_batch_is_an_error():
+    obj = objective()
+    obj(batch(val=False))
+    with pytest.raises(RuntimeError, match="val_image"):
+        obj.after_optimizer_step(lr=1e-2)
+
+
+def test_level3_restores_the_weights_and_logs():
+    obj = objective()
+    obj(batch())
+    before = {n: p.detach().clone() for n, p in obj.named_parameters()}
+    stats = obj.after_optimizer_step(lr=1e-2)
+    assert all(torch.equal(p, before[n]) for n, p in obj.named_parameters())
+    for key in ("level2_loss", "level2_train_top1", "level3_loss", "hypergrad_norm", "val_grad_norm"):
+        assert key in stats and torch.isfinite(stats[key])
+    assert stats["hypergrad_norm"] > 0
+
+
+def test_half_precision_weights_are_untouched_and_hypergradient_is_fp32():
+    """A bf16 objective (DeepSpeed's cast) runs the hypergradient on fp32 copies."""
+    obj = objective()
+    obj.bfloat16()
+    b = {k: (v.bfloat16() if v.is_floating_point() else v) for k, v in batch().items()}
+    obj(b)
+    before = {n: p.detach().clone() for n, p in obj.named_parameters()}
+    mask_before = snapshot(obj.aux.mask_net)
+    obj.after_optimizer_step(lr=1e-2)
+    assert all(torch.equal(p, before[n]) for n, p in obj.named_parameters())
+    assert obj.aux.mask_net.net[1].weight.dtype == torch.float32 and changed(obj.aux.mask_net, mask_before)
+
+
+def test_blo_lower_level_adds_the_classification_loss():
+    obj = objective(variant="blo", blo_gamma=0.5)
+    b = batch()
+    out = obj(b)
+    torch.testing.assert_close(out["loss"], 0.5 * objective()(b)["loss"] + out["blo_cls_loss"])
+    out["loss"].backward()
+    assert all(p.grad is None for p in obj.aux.head.parameters())  # C is held fixed in the engine's step
+
+
+def test_extra_state_round_trip():
+    a = objective(seed=0)
+    a(batch())
+    a.after_optimizer_step(lr=1e-2)
+    b = objective(seed=1)
+    b.set_extra_state(a.get_extra_state())
+    for x, y in zip([*a.aux.mask_net.parameters(), *a.aux.head.parameters()],
+                    [*b.aux.mask_net.parameters(), *b.aux.head.parameters()]):
+        assert torch.equal(x, y)
+    assert b.level1_done == 1 and b.cycles_done == 1
+    assert b.aux.mask_opt.state_dict()["state"][0]["step"] == a.aux.mask_opt.state_dict()["state"][0]["step"]
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="ZeRO-3"):
+        MLOMAEConfig().check_engine(3, 1)
+    with pytest.raises(ValueError, match="level2_steps"):
+        MLOMAEConfig(level2_steps=3, level1_steps=1).check_engine(2, 2)
+    with pytest.raises(ValueError, match="num_classes 10"):
+        MLOMAEConfig(num_classes=1000).check_labels(10)
+    assert MLOMAEConfig(level1_steps=2, mask_every=3).val_every(accum=4) == 24
