@@ -123,9 +123,11 @@ class PretrainConfig:
         if self.data.eval_index and not hasattr(OBJECTIVES[self.objective][1], "predict"):
             raise ConfigError(f"data.eval_index is for objectives with a classifier; objective {self.objective!r} "
                               f"has none (evaluate its encoder with train/evaluate.py)")
-        if self.data.eval_index and Path(self.data.eval_index).resolve() == Path(self.data.train_index).resolve():
-            raise ConfigError("data.eval_index is the training index: the reported accuracy would be measured on "
-                              "training samples; point it at the held-out split (e.g. test.json)")
+        split_objective = hasattr(getattr(self, self.objective), "data_split")  # MLO-MAE: levels I-III read train_index
+        if split_objective and self.data.eval_index and \
+                Path(self.data.eval_index).resolve() == Path(self.data.train_index).resolve():
+            raise ConfigError("data.eval_index is the training index, which every MLO-MAE level reads: the reported "
+                              "accuracy would be measured on training samples; point it at the held-out test split")
         if self.optim.fused not in ("auto", "yes", "no"):
             raise ConfigError(f"optim.fused must be auto, yes or no, got {self.optim.fused!r}")
         if self.optim.warmup_epochs > self.optim.epochs:

@@ -4,14 +4,16 @@
 2. Pretrains on the mini ViT (32x32 input, patch 4) with train/pretrain.py, the same entry
    point as every run, in a single process on the CPU (resumes if interrupted). The method is
    MAE by default; `--method mixedae [--ablation NAME]` runs MixedAE or a Table A4 ablation,
-   `--method maeplus [--ablation NAME]` MAE+ or an AdPE variant / FGSM, with the same budget
-   (train/configs/demo_<method>.json [+ mixedae_ablations/NAME.json or adpe/NAME.json]).
+   `--method maeplus [--ablation NAME]` MAE+ or an AdPE variant / FGSM, `--method mlomae
+   [--ablation blo|straight_through|unit_unroll_lr]` MLO-MAE (levels II-III on an 80/20 split of
+   the train shards; its level-II head is also scored on the test split)
+   (train/configs/demo_<method>.json [+ mixedae_ablations/, adpe/ or mlomae_variants/NAME.json]).
 3. Evaluates the pretrained encoder and the same architecture at random init on the test split:
    weighted kNN and a linear probe on frozen cls features (train/evaluate.py).
 4. Prints a table and writes <run>/eval.json next to <run>/encoder.safetensors/.json
    (run folder: runs/demo for MAE, runs/demo_<method>[_<ablation>] otherwise).
 
-    python train/demo.py [--method mae|mixedae|maeplus] [--ablation NAME] [--epochs N]
+    python train/demo.py [--method mae|mixedae|maeplus|mlomae] [--ablation NAME] [--epochs N]
 """
 from __future__ import annotations
 
@@ -38,10 +40,10 @@ RAW_PIXEL_BASELINES = {"logistic_regression": 84.5, "knn_5": 85.5}  # test split
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", choices=["mae", "mixedae", "maeplus"], default="mae")
-    p.add_argument("--ablation", default="", help="a preset of train/configs/mixedae_ablations/ (mixedae) or "
-                                                   "train/configs/adpe/ (maeplus)")
-    p.add_argument("--epochs", type=int, default=0, help="pretraining epochs (0 = the preset's 3)")
+    p.add_argument("--method", choices=["mae", "mixedae", "maeplus", "mlomae"], default="mae")
+    p.add_argument("--ablation", default="", help="a preset of train/configs/mixedae_ablations/ (mixedae), "
+                                                   "train/configs/adpe/ (maeplus) or mlomae_variants/ (mlomae)")
+    p.add_argument("--epochs", type=float, default=0, help="pretraining epochs (0 = the preset's)")
     p.add_argument("--skip_control", action="store_true", help="do not evaluate the random-init control")
     a = p.parse_args(argv)
     configs = REPO / "train" / "configs"
@@ -49,12 +51,13 @@ def main(argv: list[str] | None = None) -> dict:
     if a.ablation:
         if a.method == "mae":
             p.error("--ablation is for --method mixedae or maeplus")
-        presets.append(configs / {"mixedae": "mixedae_ablations", "maeplus": "adpe"}[a.method] / f"{a.ablation}.json")
+        folder = {"mixedae": "mixedae_ablations", "maeplus": "adpe", "mlomae": "mlomae_variants"}[a.method]
+        presets.append(configs / folder / f"{a.ablation}.json")
         if not presets[-1].is_file():
             p.error(f"no ablation preset {presets[-1]}; choose one of "
                     f"{sorted(f.stem for f in presets[-1].parent.glob('*.json'))}")
     name = "demo" if a.method == "mae" and not a.epochs else "_".join(
-        ["demo", a.method] + ([a.ablation] if a.ablation else []) + ([f"{a.epochs}ep"] if a.epochs else []))
+        ["demo", a.method] + ([a.ablation] if a.ablation else []) + ([f"{a.epochs:g}ep"] if a.epochs else []))
     run = REPO / "runs" / name
 
     if not (SHARDS / "train.json").is_file() or not (SHARDS / "test.json").is_file():
@@ -68,9 +71,12 @@ def main(argv: list[str] | None = None) -> dict:
            *[arg for preset in presets for arg in ("--config", str(preset))], "--data.train_index",
            str(SHARDS / "train.json"), "--output_dir", str(run), "--resume", "auto"]
     if a.epochs:
-        cmd += ["--optim.epochs", str(a.epochs), "--optim.warmup_epochs", str(a.epochs / 3)]  # the preset: 1 of 3
+        cmd += ["--optim.epochs", f"{a.epochs:g}", "--optim.warmup_epochs", str(a.epochs / 3)]  # the presets: 1 of 3
+    if a.method == "mlomae":  # its level-II head is scored on the test split at the end (train/pretrain.py)
+        cmd += ["--data.eval_index", str(SHARDS / "test.json")]
     subprocess.run(cmd, check=True, cwd=REPO)
     pretrain_s = time.perf_counter() - t0
+    head_eval = json.loads((run / "eval.json").read_text()) if a.method == "mlomae" else None
 
     t0 = time.perf_counter()
     # at the mini ViT's 32 px (MAE+ pretrains on 16 px crops; its sin-cos table is rebuilt for 32)
@@ -83,7 +89,9 @@ def main(argv: list[str] | None = None) -> dict:
         "method": a.method,
         "ablation": a.ablation or None,
         "random_init": control,
-        "final_train_metrics": {k: v for k, v in read_metrics(run)[-1].items() if k.startswith(("loss", "topk_acc"))},
+        "final_train_metrics": {k: v for k, v in [r for r in read_metrics(run) if "loss" in r][-1].items()
+                                if k.startswith(("loss", "topk_acc", "level", "recon", "mask_prob"))},
+        "level2_head_test_top1": head_eval["eval_top1"] if head_eval else None,
         "raw_pixel_baselines": RAW_PIXEL_BASELINES,
         "model": MODEL,
         "pretrain_seconds": round(pretrain_s, 1),
@@ -95,6 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nFashion-MNIST test top-1 (%), {MODEL}, frozen cls features")
     print(f"{'':24}{'linear probe':>14}{'kNN (k=20)':>12}")
     print(f"{(a.method.upper() + ' ' + a.ablation).strip() + ' pretrained':24}{pretrained['linear_probe_top1']:>14.2f}{pretrained['knn_top1']:>12.2f}")
+    if head_eval is not None:
+        print(f"{'MLO-MAE level-II head':24}{head_eval['eval_top1']:>14.2f}{'':>12}   (its own linear head, test split)")
     if control is not None:
         print(f"{'random init':24}{control['linear_probe_top1']:>14.2f}{control['knn_top1']:>12.2f}")
     print(f"{'raw pixels':24}{RAW_PIXEL_BASELINES['logistic_regression']:>14.2f}{RAW_PIXEL_BASELINES['knn_5']:>12.2f}"

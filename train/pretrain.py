@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from data.shards import ShardSet
-from data.split import LabeledSplit
 from data.source import build_source, check_source, fixed_images, nominal_epoch_size
+from data.split import LabeledSplit
 from kernels.accelerators import describe as describe_accelerators
 from kernels.attention import describe_paths
 from model.interop import load_into_objective

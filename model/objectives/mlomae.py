@@ -42,7 +42,12 @@ from torch.func import functional_call
 from model.mae_decoder import MAEDecoder
 from model.objectives.hypergrad import Points, mask_hypergradient
 from model.objectives.mae import per_patch_mse
-from model.objectives.masking import Masking, gather_tokens, masking_from_noise, num_kept
+from model.objectives.masking import (
+    Masking,
+    gather_tokens,
+    masking_from_noise,
+    num_kept,
+)
 from model.objectives.patches import normalized_pixels, patchify, unpatchify
 from model.vit import VisionTransformer
 

@@ -4,7 +4,6 @@ import tarfile
 from collections import Counter
 
 import numpy as np
-
 import pytest
 import torch
 

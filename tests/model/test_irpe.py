@@ -3,8 +3,15 @@ import math
 import pytest
 import torch
 
-from model.irpe import (axis_size, bilinear_corners, bucket_ids, grid_coords, num_buckets, piecewise_index,
-                        relaxed_index)
+from model.irpe import (
+    axis_size,
+    bilinear_corners,
+    bucket_ids,
+    grid_coords,
+    num_buckets,
+    piecewise_index,
+    relaxed_index,
+)
 
 
 def _far(x):  # alpha + ln(|x|/alpha) / ln(gamma/alpha) * (beta - alpha) with the defaults

@@ -51,3 +51,12 @@ def test_preset_then_cli_override(tmp_path):
     preset.write_text(json.dumps({"optim": {"blrr": 0.5}}))
     with pytest.raises(ConfigError, match="optim.blr"):
         parse_args([*DS, "--config", str(preset)])
+
+
+def test_mlomae_refuses_its_training_index_as_the_reported_split():
+    base = ["--ds_config", "ds_configs/cpu_debug.json", "--objective", "mlomae", "--data.train_index", "a/train.json"]
+    with pytest.raises(ConfigError, match="every MLO-MAE level reads"):
+        parse_args([*base, "--data.eval_index", "a/../a/train.json"])
+    assert parse_args([*base, "--data.eval_index", "a/test.json"]).data.eval_index == "a/test.json"
+    with pytest.raises(ConfigError, match="has none"):  # MAE has no classifier to score
+        parse_args([*DS, "--data.eval_index", "a/test.json"])

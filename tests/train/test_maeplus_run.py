@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import CPU_DS, REPO, run_pretrain
+
 from data.write_shards import main as write_shards
 from train.run_dir import read_metrics
 
