@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+from torch import nn
+from torch.func import functional_call
 
 Tensors = Sequence[torch.Tensor]
 
@@ -102,3 +104,30 @@ def mask_hypergradient(level1: Callable[[], torch.Tensor], level2: Callable[[], 
     hyper = [-lr_enc * g for g in mixed]
     stats = {"level3_loss": l3.detach(), "hypergrad_norm": _global_norm(hyper), "val_grad_norm": _global_norm(w)}
     return hyper, stats
+
+
+class full_fp32:
+    """TF32 off for matmuls and convolutions inside the block (restored after): the finite
+    differences need fp32's resolution, and TF32 rounds inputs to 10 mantissa bits."""
+
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+
+
+class _Method(nn.Module):
+    def __init__(self, owner: nn.Module, name: str):
+        super().__init__()
+        self.owner, self.name = owner, name
+
+    def forward(self, *args):
+        return getattr(self.owner, self.name)(*args)
+
+
+def call_with(module: nn.Module, state: dict[str, torch.Tensor], method: str, *args):
+    """module.<method>(*args) computed with the tensors of `state` (names as in module.state_dict())
+    in place of the module's own parameters and buffers (torch.func.functional_call)."""
+    return functional_call(_Method(module, method), {f"owner.{k}": v for k, v in state.items()}, args)

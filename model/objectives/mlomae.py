@@ -37,16 +37,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 
 from model.mae_decoder import MAEDecoder
-from model.objectives.hypergrad import Points, mask_hypergradient
+from model.objectives.hypergrad import Points, call_with, full_fp32, mask_hypergradient
 from model.objectives.mae import per_patch_mse
-from model.objectives.masking import (
-    Masking,
-    gather_tokens,
-    masking_from_noise,
-    num_kept,
+from model.objectives.masking import Masking, gather_tokens
+from model.objectives.masking_net import (
+    MaskingNetwork,
+    top_masking,
+    weighted_recon_loss,
 )
 from model.objectives.patches import normalized_pixels, patchify, unpatchify
 from model.vit import VisionTransformer
@@ -124,34 +123,6 @@ class MLOMAEConfig:
         return self.level1_steps * accum * self.mask_every
 
 
-class MaskingNetwork(nn.Module):
-    """(B, N, D) patch embeddings -> (B, N) masking probabilities (Appendix B.2)."""
-
-    def __init__(self, num_patches: int, dim: int, hidden: int = 512):
-        super().__init__()
-        self.net = nn.Sequential(nn.Flatten(1), nn.Linear(num_patches * dim, hidden), nn.ReLU(),
-                                 nn.Linear(hidden, num_patches))
-        for m in self.net:
-            if isinstance(m, nn.Linear):
-                nn.init.xavier_uniform_(m.weight)
-                nn.init.zeros_(m.bias)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.net(tokens))
-
-
-def top_masking(probs: torch.Tensor, mask_ratio: float) -> Masking:
-    """Mask the N*ratio patches with the highest probability (keep the lowest); stable on ties."""
-    return masking_from_noise(probs.detach(), num_kept(probs.shape[1], mask_ratio))
-
-
-def weighted_recon_loss(per_patch: torch.Tensor, mask: torch.Tensor, probs: torch.Tensor,
-                        straight_through: bool) -> torch.Tensor:
-    """per_patch, mask, probs (B, N) -> sum_j w_j l_j / #masked, w = m * p, or m + p - sg(p)."""
-    weights = mask + probs - probs.detach() if straight_through else mask * probs
-    return (weights * per_patch).sum() / mask.sum()
-
-
 def _all_reduce_mean_(tensors: list[torch.Tensor]) -> None:
     if not (dist.is_available() and dist.is_initialized()) or not tensors:
         return
@@ -212,28 +183,6 @@ class Auxiliary:
         self.head.load_state_dict(state["head"])
         self.mask_opt.load_state_dict(state["mask_opt"])
         self.head_opt.load_state_dict(state["head_opt"])
-
-
-class full_fp32:
-    """TF32 off for matmuls and convolutions inside the block (restored after)."""
-
-    def __enter__(self):
-        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-
-    def __exit__(self, *exc):
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
-
-
-class _Method(nn.Module):
-    """Lets torch.func.functional_call run any method of `owner` with substituted tensors."""
-
-    def __init__(self, owner: nn.Module, name: str):
-        super().__init__()
-        self.owner, self.name = owner, name
-
-    def forward(self, *args):
-        return getattr(self.owner, self.name)(*args)
 
 
 class MLOMAEObjective(nn.Module):
@@ -358,8 +307,8 @@ class MLOMAEObjective(nn.Module):
         return state
 
     def call(self, state: dict[str, torch.Tensor], method: str, *args):
-        """Run self.<method>(*args) with the tensors of `state` in place of the objective's own."""
-        return functional_call(_Method(self, method), {f"owner.{k}": v for k, v in state.items()}, args)
+        """self.<method>(*args) with the tensors of `state` in place of the objective's own."""
+        return call_with(self, state, method, *args)
 
     def level1_loss(self, state, images, t_in, masking, track_encoder: bool = False) -> torch.Tensor:
         """L1 at the encoder/decoder tensors of `state`, differentiable w.r.t. T (and the encoder if asked)."""

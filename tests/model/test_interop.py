@@ -83,3 +83,19 @@ def test_heads_must_be_given_for_unknown_widths():
     with pytest.raises(ValueError, match="pass num_heads"):
         encoder_from_state(enc.state_dict())
     assert encoder_from_state(enc.state_dict(), num_heads=2).arch == enc.arch
+
+
+def test_official_mae_checkpoint_starts_mlo_mae(mae, tmp_path):
+    """Continued pretraining (MLO-MAE section 3.6): encoder and decoder both come from the release."""
+    from model.interop import load_into_objective
+    from model.objectives.mlomae import MLOMAEConfig
+
+    path = tmp_path / "mae_pretrain.pth"
+    torch.save(_official_format(mae), path)
+    torch.manual_seed(1)
+    mlo = build_objective("mlomae", create_model("vit_small_patch16", img_size=32, depth=2),
+                          MLOMAEConfig(decoder_dim=64, decoder_depth=2, decoder_heads=4, num_classes=10))
+    assert load_into_objective(mlo, path).startswith("initialised encoder + decoder")
+    ours = dict(mlo.named_parameters())
+    for name, p in mae.named_parameters():
+        assert torch.equal(ours[name], p), name

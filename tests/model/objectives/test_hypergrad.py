@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from model.objectives.hypergrad import Points, central_difference, mask_hypergradient
-from model.objectives.mlomae import MLOMAEConfig, MLOMAEObjective, top_masking
+from model.objectives.masking_net import top_masking
+from model.objectives.mlomae import MLOMAEConfig, MLOMAEObjective
 from model.registry import create_model
 
 

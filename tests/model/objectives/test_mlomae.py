@@ -2,13 +2,12 @@
 import pytest
 import torch
 
-from model.objectives.mlomae import (
+from model.objectives.masking_net import (
     MaskingNetwork,
-    MLOMAEConfig,
-    MLOMAEObjective,
     top_masking,
     weighted_recon_loss,
 )
+from model.objectives.mlomae import MLOMAEConfig, MLOMAEObjective
 from model.registry import create_model
 
 
