@@ -53,6 +53,10 @@ def flash_attn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
     return out.transpose(1, 2)
 
 
+# The backend for methods that differentiate through an input gradient (energy-based pretraining):
+# SDPA's flash / memory-efficient kernels and flash-attn have no double backward.
+TWICE_DIFFERENTIABLE = "math"
+
 BACKENDS: dict[str, AttentionFn] = {
     "math": math_attention,
     "sdpa": sdpa_attention,

@@ -10,6 +10,7 @@ import fnmatch
 import inspect
 from typing import Callable
 
+from model.timm_backbone import TIMM_PREFIX, TimmBackbone, is_timm_name
 from model.vit import VisionTransformer
 
 _REGISTRY: dict[str, Callable[..., VisionTransformer]] = {}
@@ -38,7 +39,10 @@ def list_models(pattern: str = "*") -> list[str]:
     return sorted(n for n in _REGISTRY if fnmatch.fnmatch(n, pattern))
 
 
-def create_model(name: str, **overrides) -> VisionTransformer:
+def create_model(name: str, **overrides) -> VisionTransformer | TimmBackbone:
+    """A registered ViT, or any timm model as `timm/<timm name>` (model/timm_backbone.py)."""
+    if is_timm_name(name):
+        return TimmBackbone(name[len(TIMM_PREFIX):], **overrides)
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, _REGISTRY, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -47,7 +51,10 @@ def create_model(name: str, **overrides) -> VisionTransformer:
 
 
 def model_arch(name: str, **overrides) -> dict:
-    """Constructor arguments of a registered model (defaults filled in) without building it."""
+    """Constructor arguments of a registered model (defaults filled in) without building it.
+    timm backbones report their img_size only (patch_size and depth 0: not a patch-token ViT)."""
+    if is_timm_name(name):
+        return {"img_size": overrides.get("img_size", 224), "patch_size": 0, "depth": 0}
     if name not in _REGISTRY:
         create_model(name)
     defaults = {k: p.default for k, p in inspect.signature(VisionTransformer.__init__).parameters.items()

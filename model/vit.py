@@ -144,7 +144,7 @@ class VisionTransformer(nn.Module):
             depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
         )
         self.rpe = rpe  # iRPE in every block: extra `blocks.i.attn.rpe.table` parameters timm does not have
-        self.embed_dim = embed_dim
+        self.img_size, self.embed_dim = img_size, embed_dim
         self.global_pool = global_pool
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
         self.num_patches = self.patch_embed.num_patches
@@ -223,6 +223,11 @@ class VisionTransformer(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> (B, 1+N, D)."""
         return self.forward_tokens(self.add_cls_token(self.embed_patches(x)))
+
+    def pooled_features(self, x: torch.Tensor, pool: str = "avg") -> torch.Tensor:
+        """(B, C, H, W) -> (B, D): mean of the patch tokens (avg) or the cls token, after the blocks' norm."""
+        tokens = self.forward_features(x)
+        return tokens[:, 1:].mean(dim=1) if pool == "avg" else tokens[:, 0]
 
     def forward_head(self, feats: torch.Tensor) -> torch.Tensor:
         pooled = feats[:, 1:].mean(dim=1) if self.global_pool == "avg" else feats[:, 0]

@@ -18,6 +18,7 @@ from typing import Any, Union
 
 from kernels import resolve_backend
 from model.objectives import OBJECTIVES
+from model.objectives.energy import EnergyConfig
 from model.objectives.finetune import FinetuneConfig
 from model.objectives.linear_probe import LinearProbeConfig
 from model.objectives.mae import MAEConfig
@@ -25,6 +26,7 @@ from model.objectives.maeplus import MAEPlusConfig
 from model.objectives.mixedae import MixedAEConfig
 from model.objectives.mlomae import MLOMAEConfig
 from model.registry import list_models, model_arch
+from model.timm_backbone import is_timm_name
 
 
 class ConfigError(ValueError):
@@ -33,7 +35,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    name: str = "vit_base_patch16"  # a key of model.registry.list_models()
+    name: str = "vit_base_patch16"  # a key of model.registry.list_models(), or timm/<timm model name> (energy)
     img_size: int = 0  # 0 = the registry entry's default (224 for standard sizes)
     in_chans: int = 3
     attn_backend: str = "auto"  # auto (= sdpa) | sdpa | math | flash_attn
@@ -101,6 +103,7 @@ class PretrainConfig:
     mixedae: MixedAEConfig = field(default_factory=MixedAEConfig)
     maeplus: MAEPlusConfig = field(default_factory=MAEPlusConfig)
     mlomae: MLOMAEConfig = field(default_factory=MLOMAEConfig)
+    energy: EnergyConfig = field(default_factory=EnergyConfig)
     linprobe: LinearProbeConfig = field(default_factory=LinearProbeConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
@@ -146,10 +149,11 @@ class PretrainConfig:
             raise ConfigError(f"data.crop_scale_min must be in (0, 1], got {self.data.crop_scale_min}")
         if self.model.init_from and not Path(self.model.init_from).exists():
             raise ConfigError(f"model.init_from {self.model.init_from!r} does not exist")
-        if self.model.name not in list_models():
+        if self.model.name not in list_models() and not is_timm_name(self.model.name):
             close = difflib.get_close_matches(self.model.name, list_models(), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"model.name {self.model.name!r} is not registered{hint} Choose one of {list_models()}")
+            raise ConfigError(f"model.name {self.model.name!r} is not registered{hint} Choose one of {list_models()} "
+                              f"or a timm model as 'timm/<name>' (e.g. timm/convnext_atto)")
         try:
             resolve_backend(self.model.attn_backend)
             getattr(self, self.objective).validate()
@@ -167,6 +171,8 @@ def check_objective_fits(cfg: PretrainConfig, micro_batch: int, accum: int = 1, 
             section.check_fits(arch["img_size"], arch["patch_size"], arch["depth"], micro_batch)
         if hasattr(section, "check_engine"):
             section.check_engine(zero_stage, accum)
+        if hasattr(section, "check_input"):
+            section.check_input(cfg.model.in_chans)
         if hasattr(section, "check_labels") and cfg.data.source == "shards" and Path(cfg.data.train_index).is_file():
             from data.shards import ShardSet
 

@@ -6,14 +6,17 @@
    MAE by default; `--method mixedae [--ablation NAME]` runs MixedAE or a Table A4 ablation,
    `--method maeplus [--ablation NAME]` MAE+ or an AdPE variant / FGSM, `--method mlomae
    [--ablation blo|straight_through|unit_unroll_lr]` MLO-MAE (levels II-III on an 80/20 split of
-   the train shards; its level-II head is also scored on the test split)
-   (train/configs/demo_<method>.json [+ mixedae_ablations/, adpe/ or mlomae_variants/NAME.json]).
+   the train shards; its level-II head is also scored on the test split), `--method energy
+   [--ablation CORRUPTION|convnext_atto]` energy-based pretraining (a mixture of corruptions by
+   default; evaluated on average-pooled features)
+   (train/configs/demo_<method>.json [+ mixedae_ablations/, adpe/, mlomae_variants/ or
+   energy_variants/NAME.json]).
 3. Evaluates the pretrained encoder and the same architecture at random init on the test split:
-   weighted kNN and a linear probe on frozen cls features (train/evaluate.py).
+   weighted kNN and a linear probe on frozen features (train/evaluate.py).
 4. Prints a table and writes <run>/eval.json next to <run>/encoder.safetensors/.json
    (run folder: runs/demo for MAE, runs/demo_<method>[_<ablation>] otherwise).
 
-    python train/demo.py [--method mae|mixedae|maeplus|mlomae] [--ablation NAME] [--epochs N]
+    python train/demo.py [--method mae|mixedae|maeplus|mlomae|energy] [--ablation NAME] [--epochs N]
 """
 from __future__ import annotations
 
@@ -34,15 +37,15 @@ from train.run_dir import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 SHARDS = REPO / "runs" / "shards" / "fashion_mnist"
-MODEL = "vit_mini_patch4"
 RAW_PIXEL_BASELINES = {"logistic_regression": 84.5, "knn_5": 85.5}  # test split, raw pixels (see README)
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", choices=["mae", "mixedae", "maeplus", "mlomae"], default="mae")
+    p.add_argument("--method", choices=["mae", "mixedae", "maeplus", "mlomae", "energy"], default="mae")
     p.add_argument("--ablation", default="", help="a preset of train/configs/mixedae_ablations/ (mixedae), "
-                                                   "train/configs/adpe/ (maeplus) or mlomae_variants/ (mlomae)")
+                                                   "adpe/ (maeplus), mlomae_variants/ (mlomae) or "
+                                                   "energy_variants/ (energy: a single corruption or convnext_atto)")
     p.add_argument("--epochs", type=float, default=0, help="pretraining epochs (0 = the preset's)")
     p.add_argument("--skip_control", action="store_true", help="do not evaluate the random-init control")
     a = p.parse_args(argv)
@@ -51,7 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
     if a.ablation:
         if a.method == "mae":
             p.error("--ablation is for --method mixedae or maeplus")
-        folder = {"mixedae": "mixedae_ablations", "maeplus": "adpe", "mlomae": "mlomae_variants"}[a.method]
+        folder = {"mixedae": "mixedae_ablations", "maeplus": "adpe", "mlomae": "mlomae_variants",
+                  "energy": "energy_variants"}[a.method]
         presets.append(configs / folder / f"{a.ablation}.json")
         if not presets[-1].is_file():
             p.error(f"no ablation preset {presets[-1]}; choose one of "
@@ -79,9 +83,14 @@ def main(argv: list[str] | None = None) -> dict:
     head_eval = json.loads((run / "eval.json").read_text()) if a.method == "mlomae" else None
 
     t0 = time.perf_counter()
+    model_name = json.loads((run / "config.json").read_text())["model"]["name"]  # a timm backbone for energy
+    # Energy pretraining reads average-pooled ViT features (its cls token is never trained); the
+    # others are evaluated on the cls token, MAE's protocol.
+    pool = "avg" if a.method == "energy" else "cls"
     # at the mini ViT's 32 px (MAE+ pretrains on 16 px crops; its sin-cos table is rebuilt for 32)
-    pretrained = evaluate(load_encoder(encoder=str(run / "encoder.safetensors"), img_size=32), train, test)
-    control = None if a.skip_control else evaluate(load_encoder(random_init=MODEL, seed=0), train, test)
+    pretrained = evaluate(load_encoder(encoder=str(run / "encoder.safetensors"), img_size=32), train, test, pool)
+    control = None if a.skip_control else evaluate(load_encoder(random_init=model_name, img_size=32, seed=0), train,
+                                                   test, pool)
     eval_s = time.perf_counter() - t0
 
     result = {
@@ -93,14 +102,15 @@ def main(argv: list[str] | None = None) -> dict:
                                 if k.startswith(("loss", "topk_acc", "level", "recon", "mask_prob"))},
         "level2_head_test_top1": head_eval["eval_top1"] if head_eval else None,
         "raw_pixel_baselines": RAW_PIXEL_BASELINES,
-        "model": MODEL,
+        "model": model_name,
+        "features": pool,
         "pretrain_seconds": round(pretrain_s, 1),
         "eval_seconds": round(eval_s, 1),
         "device": "cpu",
         "torch_threads": torch.get_num_threads(),
     }
     (run / "eval.json").write_text(json.dumps(result, indent=2))
-    print(f"\nFashion-MNIST test top-1 (%), {MODEL}, frozen cls features")
+    print(f"\nFashion-MNIST test top-1 (%), {model_name}, frozen {pool} features")
     print(f"{'':24}{'linear probe':>14}{'kNN (k=20)':>12}")
     print(f"{(a.method.upper() + ' ' + a.ablation).strip() + ' pretrained':24}{pretrained['linear_probe_top1']:>14.2f}{pretrained['knn_top1']:>12.2f}")
     if head_eval is not None:

@@ -1,6 +1,7 @@
 """Process-group set-up shared by the deepspeed launcher and plain single-process runs."""
 from __future__ import annotations
 
+import glob
 import os
 import socket
 
@@ -39,7 +40,23 @@ def init() -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+    rank = torch.distributed.get_rank()
+    release_shm_names(rank)
+    return rank, torch.distributed.get_world_size(), device
+
+
+def release_shm_names(rank: int) -> None:
+    """DeepSpeed's CPU all-reduce maps a 69 MB /dev/shm buffer per rank and never unlinks it, so
+    every CPU run leaks them until the machine runs out of memory. Once every rank has mapped
+    every peer's buffer (init_distributed returns only then; the barrier makes it true for all),
+    the names can go: the mappings stay valid until the processes exit, also after a crash."""
+    torch.distributed.barrier()
+    port = os.environ.get("MASTER_PORT", "")
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_{rank}"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def barrier() -> None:

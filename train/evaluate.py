@@ -23,12 +23,15 @@ from safetensors.torch import load_file
 
 from data.shards import ShardSet, decode, raw_samples
 from data.transforms import EvalTransform
+from model.timm_backbone import TimmBackbone
 from model.vit import VisionTransformer
 
 OUR_ARCH_KEYS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias")
 
 
-def encoder_from_timm_kwargs(kwargs: dict, img_size: int = 0) -> VisionTransformer:
+def encoder_from_timm_kwargs(kwargs: dict, img_size: int = 0) -> VisionTransformer | TimmBackbone:
+    if "timm_model" in kwargs:  # a timm backbone (model/timm_backbone.py)
+        return TimmBackbone(kwargs["timm_model"], img_size or kwargs["img_size"], kwargs["in_chans"])
     arch = {k: kwargs[k] for k in OUR_ARCH_KEYS} | ({"img_size": img_size} if img_size else {})
     return VisionTransformer(**arch, rpe=kwargs.get("rpe", False), global_pool="token", num_classes=0)
 
@@ -96,15 +99,18 @@ class EvalStream(torch.utils.data.IterableDataset):
 @torch.no_grad()
 def extract_features(model: VisionTransformer, shards: ShardSet, batch_size: int = 256, num_workers: int = 1,
                      pool: str = "cls") -> tuple[torch.Tensor, torch.Tensor]:
-    """(num_samples, D) features after the final norm: cls token or mean of patch tokens."""
+    """(num_samples, D) features after the final norm: cls token or mean of patch tokens (a timm
+    backbone: its own pooled features)."""
     model.eval()
-    loader = torch.utils.data.DataLoader(EvalStream(shards, EvalTransform(model.patch_embed.img_size, crop_pct=1.0)),
+    loader = torch.utils.data.DataLoader(EvalStream(shards, EvalTransform(model.img_size, crop_pct=1.0)),
                                          batch_size=batch_size, num_workers=num_workers,
                                          generator=torch.Generator().manual_seed(0))  # leave the global RNG alone
     feats, labels = [], []
     for images, y in loader:
-        tokens = model.forward_features(images)  # (B, 1+N, D)
-        feats.append(tokens[:, 0] if pool == "cls" else tokens[:, 1:].mean(1))
+        if isinstance(model, TimmBackbone):
+            feats.append(model.pooled_features(images))
+        else:
+            feats.append(model.pooled_features(images, pool))  # (B, D)
         labels.append(y)
     return torch.cat(feats), torch.cat(labels)
 

@@ -102,7 +102,7 @@ def check_resume_compatible(meta: dict, cfg: PretrainConfig, world: int) -> None
             f"--resume: the checkpoint was written by {meta['world_size']} ranks, this run has {world}; "
             f"resume with the same world size"
         )
-    saved, now = meta["config"], to_dict(cfg)
+    saved, now = meta["config"], json.loads(json.dumps(to_dict(cfg)))  # as stored: tuples become lists
     for key in ("objective", "model", cfg.objective):
         if saved.get(key) != now[key]:
             raise ConfigError(f"--resume: the checkpoint was trained with {key}={saved.get(key)}, this run has {now[key]}")
@@ -138,14 +138,16 @@ def main(argv: list[str] | None = None) -> Path:
     np.random.seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
     encoder = objective.encoder
-    attention_paths = describe_paths(encoder.blocks[0].attn.backend, device, dtype, encoder.num_patches + 1,
-                                     encoder.embed_dim // encoder.blocks[0].attn.num_heads)
+    attn = getattr(getattr(encoder, "blocks", [None])[0], "attn", None)  # our ViT; timm backbones bring their own
+    backend = attn.backend if attn is not None else f"timm ({cfg.model.name})"
+    attention_paths = describe_paths(backend, device, dtype, encoder.num_patches + 1,
+                                     encoder.embed_dim // attn.num_heads) if attn is not None else {"dense": backend}
     if rank == 0:
         write_run_files(run_dir, to_dict(cfg), ds_config, {
             "world_size": world, "device": str(device), "precision": str(dtype).removeprefix("torch."),
             "batch": asdict(plan) | {"global": plan.global_batch}, "peak_lr": peak_lr,
             "steps_per_epoch": per_epoch, "total_steps": total_steps, "accelerators": describe_accelerators(),
-            "attention_backend": encoder.blocks[0].attn.backend, "attention_paths": attention_paths,
+            "attention_backend": backend, "attention_paths": attention_paths,
             "param_split": split,
         })
         log.info("world %d on %s, %s, global batch %d = %d x %d x %d, peak lr %.3g, %d steps (%d/epoch)",
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> Path:
         (run_dir / "split.json").write_text(json.dumps(record, indent=2))
         log.info("labeled split: %d D_tr / %d D_val samples (run folder: split.json)", record["num_train"],
                  record["num_val"])
-    data = build_source(cfg.data, encoder.patch_embed.img_size, cfg.model.in_chans, plan.micro, cfg.seed, rank,
+    data = build_source(cfg.data, encoder.img_size, cfg.model.in_chans, plan.micro, cfg.seed, rank,
                         world, device, split, section.val_every(plan.accum) if split is not None else 1)
     start_step = 0
     if resume_from is not None:
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> Path:
         module.train()
 
     if rank == 0 and cfg.run.vis_every:
-        img_size = encoder.patch_embed.img_size
+        img_size = encoder.img_size
         vis_images = fixed_images(cfg.data, img_size, cfg.model.in_chans).to(device, dtype)
         vis_noise = torch.rand(len(vis_images), encoder.num_patches, generator=torch.Generator().manual_seed(0))
         vis_noise = vis_noise.to(device)
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> Path:
         def on_evaluate(step: int) -> None:
             module = engine.module
             module.eval()
-            result = classification_accuracy(module.predict, eval_shards, encoder.patch_embed.img_size,
+            result = classification_accuracy(module.predict, eval_shards, encoder.img_size,
                                              cfg.data.eval_crop_pct, rank, world, device, dtype,
                                              num_workers=cfg.data.num_workers)
             module.train()

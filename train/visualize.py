@@ -71,8 +71,9 @@ def write_figures(objective, images: torch.Tensor, noise: torch.Tensor, out_dir:
     if hasattr(objective, "visualizations"):
         for name, rows in objective.visualizations(images, noise).items():
             figures[name] = [to_uint8(r) for r in rows]
-    pictures = to_uint8(images)
-    figures["cls_attention"] = [pictures, heat_overlay(pictures, cls_attention(objective.encoder, images))]
+    if hasattr(objective.encoder, "blocks"):  # our ViT (timm backbones: no cls attention map)
+        pictures = to_uint8(images)
+        figures["cls_attention"] = [pictures, heat_overlay(pictures, cls_attention(objective.encoder, images))]
     paths = []
     for name, rows in figures.items():
         path = out_dir / f"{name}_step{step:08d}.png"

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from model.objectives.energy import EnergyConfig, EnergyObjective
 from model.objectives.finetune import FinetuneConfig, FinetuneObjective
 from model.objectives.linear_probe import LinearProbeConfig, LinearProbeObjective
 from model.objectives.mae import MAEConfig, MAEObjective
@@ -21,6 +22,7 @@ OBJECTIVES: dict[str, tuple[type, type[nn.Module]]] = {
     "maeplus": (MAEPlusConfig, MAEPlusObjective),
     "mixedae": (MixedAEConfig, MixedAEObjective),
     "mlomae": (MLOMAEConfig, MLOMAEObjective),
+    "energy": (EnergyConfig, EnergyObjective),
     "linprobe": (LinearProbeConfig, LinearProbeObjective),
     "finetune": (FinetuneConfig, FinetuneObjective),
 }

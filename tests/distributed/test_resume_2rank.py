@@ -1,4 +1,5 @@
 """Two real CPU ranks (deepspeed launcher, gloo), ZeRO-2: save, resume, same losses as straight."""
+import glob
 import json
 
 import pytest
@@ -10,9 +11,15 @@ pytestmark = pytest.mark.distributed
 STEPS, SPLIT = 6, 3
 
 
+def _shm_buffers() -> set[str]:
+    return set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+
+
 def test_two_rank_zero2_resume_matches_uninterrupted(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
+    before = _shm_buffers()
     run_pretrain(straight, "--run.max_steps", str(STEPS), "--run.ckpt_every", str(SPLIT), ranks=2)
+    assert _shm_buffers() <= before  # DeepSpeed's CPU all-reduce buffers are released (train/distributed.py)
     run_pretrain(split, "--run.max_steps", str(SPLIT), ranks=2)  # ends with a checkpoint at step 3
     proc = run_pretrain(split, "--run.max_steps", str(STEPS), "--resume", "auto", ranks=2)
     assert "resumed from" in proc.stdout + proc.stderr

@@ -32,8 +32,8 @@ def test_shipped_configs_state_clipping_and_resolve(name):
         cfg.optim.name = "lars"  # the probe's optimizer: must be accepted by its config
     final, plan = resolve(cfg, world=8 if gpu else 1, cuda=gpu, bf16_ok=True)
     if gpu:
-        # the recipes' global batches: pretraining 4096, fine-tuning 1024, linear probe 16384, MLO-MAE 256
-        want = {"finetune": 1024, "linprobe": 16384, "mlomae": 256}.get(name.split("_")[0], 4096)
+        # the recipes' global batches: pretraining 4096, fine-tuning 1024, linear probe 16384, MLO-MAE and energy 256
+        want = {"finetune": 1024, "linprobe": 16384, "mlomae": 256, "energy": 256}.get(name.split("_")[0], 4096)
         assert plan.global_batch == want == final["train_batch_size"]
         assert final["zero_optimization"]["stage"] == (0 if name.startswith("linprobe") else 1)
         assert ("v100" in name) == final["fp16"]["enabled"]

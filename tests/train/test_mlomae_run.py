@@ -68,8 +68,10 @@ REPLICATION = textwrap.dedent("""
     import torch, torch.distributed as dist, deepspeed
     sys.path.insert(0, "tests/model/objectives")
     from test_mlomae import batch, objective
+    from train.distributed import release_shm_names
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
+    release_shm_names(rank)
     obj = objective(seed=0)
     init = torch.cat([p.detach().flatten().clone() for p in [*obj.aux.mask_net.parameters(), *obj.aux.head.parameters()]])
     for step in range(3):

@@ -1,0 +1,175 @@
+"""Energy-inspired pretraining (energy_pretraining.txt; METHODS.md section 4).
+
+Energy E(x) = h(psi(x)): the backbone's pooled features (ViT: mean of the patch tokens
+**[project default]**; timm ConvNeXt / Swin: timm's pooled pre-logits) and a bias-free Linear to 1.
+Restoration from a corruption x~0 = corrupt(x), for n = 1..N:
+    x~n = x~(n-1) - alpha * grad_x E(SG(x~(n-1)))
+with the input gradient taken with create_graph=True, so the loss trains the backbone and the
+head through it (double backward); loss = mean over steps of SmoothL1(beta 1)(x~n, x).
+alpha = exp(log_alpha) is learnable (init 1.0 **[project default]**).
+
+Precision: the double backward runs in the engine's dtype (fp32, bf16 or fp16); the energy and
+the loss are fp32. Under fp16 the inner gradient is taken of E * `fp16_inner_scale` and divided
+back, so small input gradients do not flush to zero (DeepSpeed's loss scale only covers the
+outer backward). Attention must be twice differentiable: SDPA's flash and memory-efficient
+kernels and flash-attn are not, so the ViT is built with the dispatch's `math` backend
+(`encoder_overrides`); timm backbones use their own (non-fused) attention paths.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from data import corruptions as C
+from kernels.attention import TWICE_DIFFERENTIABLE
+
+CORRUPTIONS = ("grid", "blank_small", "blank_large", "sr", "denoise", "colorize")
+
+
+@dataclass
+class EnergyConfig:
+    steps: int = 2  # N restoration steps
+    alpha_init: float = 1.0  # initial step size (alpha = exp(log_alpha), learnable)
+    corruption: str = "mixture"  # mixture | grid | blank_small | blank_large | sr | denoise | colorize
+    mixture: str = "grid,sr,denoise,colorize"  # the mixture's parts (the paper's main setting: masking, SR, denoising, colorization)
+    grid_cell: int = 16  # px per grid cell (paper: 16, 24, 32)
+    grid_ratio: float = 0.75  # share of cells blanked [project default: MAE's ratio]
+    small_blanks: int = 75
+    small_area: tuple[float, float] = (0.01, 0.025)  # of the image area, per blank
+    large_blanks: int = 25
+    large_area: tuple[float, float] = (0.02, 0.08)  # U(0.5, 2.0) / 25 of the area [project interpretation]
+    sr_scale: int = 16  # super-resolution factor (paper: 14, 16, 24, 32 at 224 px)
+    pool: str = "avg"  # ViT features: avg (patch tokens) | cls
+    fp16_inner_scale: float = 1024.0  # scale of E before the inner gradient under fp16
+
+    def validate(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"energy.steps must be >= 1, got {self.steps}")
+        if self.alpha_init <= 0:
+            raise ValueError(f"energy.alpha_init must be > 0, got {self.alpha_init}")
+        if self.corruption != "mixture" and self.corruption not in CORRUPTIONS:
+            raise ValueError(f"energy.corruption must be mixture or one of {CORRUPTIONS}, got {self.corruption!r}")
+        parts = self.mixture_parts()
+        unknown = [p for p in parts if p not in CORRUPTIONS]
+        if not parts or unknown:
+            raise ValueError(f"energy.mixture lists unknown corruptions {unknown}; choose from {CORRUPTIONS}")
+        if not 0.0 < self.grid_ratio < 1.0:
+            raise ValueError(f"energy.grid_ratio must be in (0, 1), got {self.grid_ratio}")
+        if self.pool not in ("avg", "cls"):
+            raise ValueError(f"energy.pool must be avg or cls, got {self.pool!r}")
+        for name in ("small_area", "large_area"):
+            lo, hi = getattr(self, name)
+            if not 0.0 < lo <= hi <= 1.0:
+                raise ValueError(f"energy.{name} must satisfy 0 < low <= high <= 1, got {(lo, hi)}")
+
+    def mixture_parts(self) -> list[str]:
+        return [p.strip() for p in self.mixture.split(",") if p.strip()]
+
+    def used(self) -> list[str]:
+        return self.mixture_parts() if self.corruption == "mixture" else [self.corruption]
+
+    def encoder_overrides(self) -> dict:
+        """The ViT's attention must support double backward (timm backbones ignore this)."""
+        return {"attn_backend": TWICE_DIFFERENTIABLE}
+
+    def check_fits(self, img_size: int, patch_size: int, depth: int, micro_batch: int) -> None:
+        used = self.used()
+        if "grid" in used and img_size % self.grid_cell:
+            raise ValueError(f"energy.grid_cell {self.grid_cell} does not tile {img_size} px images; choose a divisor")
+        if "sr" in used and img_size % self.sr_scale:
+            raise ValueError(f"energy.sr_scale {self.sr_scale} does not divide {img_size} px images; choose a divisor")
+
+    def check_input(self, in_chans: int) -> None:
+        if "colorize" in self.used() and in_chans != 3:
+            raise ValueError(f"energy corruption colorize needs RGB input but model.in_chans is {in_chans}; "
+                             f"set model.in_chans 3 or leave colorize out of energy.mixture")
+
+    def corruption_fns(self) -> dict[str, callable]:
+        fns = {
+            "grid": partial(C.grid_mask, cell=self.grid_cell, ratio=self.grid_ratio),
+            "blank_small": partial(C.random_blanks, count=self.small_blanks, area=self.small_area),
+            "blank_large": partial(C.random_blanks, count=self.large_blanks, area=self.large_area),
+            "sr": partial(C.super_resolution, scale=self.sr_scale),
+            "denoise": C.denoise,
+            "colorize": C.colorize,
+        }
+        return {name: fns[name] for name in self.used()}
+
+
+class EnergyObjective(nn.Module):
+    def __init__(self, encoder: nn.Module, cfg: EnergyConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.encoder = encoder
+        backend = getattr(getattr(getattr(encoder, "blocks", [None])[0], "attn", None), "backend", TWICE_DIFFERENTIABLE)
+        if backend != TWICE_DIFFERENTIABLE:
+            raise ValueError(f"energy pretraining needs double backward through attention; build the ViT with "
+                             f"attn_backend {TWICE_DIFFERENTIABLE!r} (pretrain.py does), not {backend!r}")
+        self.head = nn.Linear(encoder.embed_dim, 1, bias=False)  # energy head h
+        nn.init.xavier_uniform_(self.head.weight)
+        # shape (1,), not 0-dim: DeepSpeed's initial broadcast views parameters as bytes
+        self.log_alpha = nn.Parameter(torch.full((1,), math.log(cfg.alpha_init)))
+        self.corrupt_fns = cfg.corruption_fns()
+
+    def no_weight_decay(self) -> set[str]:
+        return {"log_alpha"}
+
+    def energy(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B,) fp32 energies."""
+        if hasattr(self.encoder, "blocks"):  # our ViT
+            feats = self.encoder.pooled_features(x, self.cfg.pool)
+        else:
+            feats = self.encoder.pooled_features(x)
+        return self.head(feats).float().squeeze(-1)
+
+    def corrupt(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (corrupted (B, C, H, W), index into cfg.used() per sample or None for a single corruption)."""
+        if self.cfg.corruption != "mixture":
+            return self.corrupt_fns[self.cfg.corruption](images), None
+        return C.mixture(images, self.corrupt_fns)
+
+    def restore(self, corrupted: torch.Tensor, create_graph: bool = True) -> list[torch.Tensor]:
+        """The chain x~1..x~N from x~0 = corrupted; each step's input is detached (SG)."""
+        alpha = self.log_alpha.exp()[0]
+        scale = self.cfg.fp16_inner_scale if corrupted.dtype == torch.float16 else 1.0
+        chain, x = [], corrupted
+        for _ in range(self.cfg.steps):
+            x = x.detach().requires_grad_()
+            with torch.enable_grad():
+                (grad,) = torch.autograd.grad(self.energy(x).sum() * scale, x, create_graph=create_graph)
+            x = x - alpha.to(x.dtype) * (grad / scale)
+            chain.append(x)
+        return chain
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        images = batch["image"]
+        corrupted, _ = self.corrupt(images)
+        chain = self.restore(corrupted.detach())
+        target = images.float()
+        per_step = [F.smooth_l1_loss(x.float(), target, beta=1.0) for x in chain]
+        loss = torch.stack(per_step).mean()
+        # Weights that only shift E by a constant (the final norm's bias) get no gradient, yet the
+        # double-backward graph still reaches them with an undefined one, which ZeRO's gradient
+        # hooks cannot take; a zero-weighted term gives every weight a defined (zero) gradient.
+        loss = loss + 0.0 * sum(p.view(-1)[0] for p in self.parameters() if p.requires_grad)
+        out = {"loss": loss, "alpha": self.log_alpha.exp()[0].detach(),
+               "corrupted_l1": F.smooth_l1_loss(corrupted.float(), target, beta=1.0).detach()}
+        out.update({f"loss_step{i + 1}": v.detach() for i, v in enumerate(per_step)})
+        return out
+
+    @torch.no_grad()
+    def visualizations(self, images: torch.Tensor, noise: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """Rows: corrupted, step 1, step N, original (one fixed corruption draw per call)."""
+        gen = torch.Generator(images.device).manual_seed(0)
+        if self.cfg.corruption == "mixture":
+            corrupted, _ = C.mixture(images, self.corrupt_fns, gen)
+        else:
+            corrupted = self.corrupt_fns[self.cfg.corruption](images, generator=gen)
+        chain = self.restore(corrupted, create_graph=False)
+        return {"energy_restoration": [corrupted.float(), chain[0].float(), chain[-1].float(), images.float()]}

@@ -1,0 +1,69 @@
+"""Any timm model as a pretraining backbone (e.g. ConvNeXt, Swin for energy-based pretraining,
+the paper's Table B): `create_model("timm/convnext_atto", img_size=32, in_chans=3)`.
+
+The adapter adopts the timm model's top-level children and parameters as its own, so its
+state_dict carries exactly timm's names: an exported backbone loads into
+`timm.create_model(name, num_classes=0)` with no missing or unexpected keys. It offers what the
+entry points read from an encoder (img_size, embed_dim, num_patches, timm_kwargs) and
+`pooled_features(x)`, the model's pooled pre-logits features (B, num_features).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+TIMM_PREFIX = "timm/"
+
+
+def is_timm_name(name: str) -> bool:
+    if not name.startswith(TIMM_PREFIX):
+        return False
+    import timm
+
+    return timm.is_model(name[len(TIMM_PREFIX):])
+
+
+class TimmBackbone(nn.Module):
+    num_patches = 0  # not a patch-token model: no MAE-style masking, no attention maps
+
+    def __init__(self, name: str, img_size: int = 224, in_chans: int = 3, drop_path_rate: float = 0.0,
+                 rpe: bool = False, **_vit_only):
+        super().__init__()
+        import timm
+
+        if rpe:
+            raise ValueError(f"rpe (iRPE) is a ViT option; timm model {name!r} has none")
+        kwargs = dict(pretrained=False, num_classes=0, in_chans=in_chans, drop_path_rate=drop_path_rate)
+        try:  # resolution-dependent models (Swin, timm ViTs) take img_size; convolutional ones do not
+            model = timm.create_model(name, img_size=img_size, **kwargs)
+        except TypeError:
+            model = timm.create_model(name, **kwargs)
+        if any(True for _ in model.named_buffers(recurse=False)):
+            raise ValueError(f"timm model {name!r} has top-level buffers, which this adapter cannot share")
+        self.__dict__["inner"] = model  # not a submodule: its children are adopted below
+        for child_name, child in model.named_children():
+            self.add_module(child_name, child)
+        for param_name, param in model.named_parameters(recurse=False):
+            self.register_parameter(param_name, param)
+        self.name, self.img_size, self.in_chans = name, img_size, in_chans
+        self.embed_dim = model.num_features
+
+    def _apply(self, fn, recurse=True):  # .to() / .half(): top-level params of the inner model stay shared
+        super()._apply(fn, recurse)
+        for param_name, param in list(self._parameters.items()):
+            setattr(self.inner, param_name, param)
+        return self
+
+    def pooled_features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, num_features): timm's pooled pre-logits features."""
+        return self.inner(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pooled_features(x)
+
+    def no_weight_decay(self) -> set[str]:
+        nwd = getattr(self.inner, "no_weight_decay", None)
+        return set(nwd()) if nwd is not None else set()
+
+    def timm_kwargs(self) -> dict:
+        return {"timm_model": self.name, "img_size": self.img_size, "in_chans": self.in_chans, "num_classes": 0}
