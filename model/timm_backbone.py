@@ -54,8 +54,9 @@ class TimmBackbone(nn.Module):
             setattr(self.inner, param_name, param)
         return self
 
-    def pooled_features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) -> (B, num_features): timm's pooled pre-logits features."""
+    def pooled_features(self, x: torch.Tensor, pool: str = "avg") -> torch.Tensor:
+        """(B, C, H, W) -> (B, num_features): timm's pooled pre-logits features (the model's own
+        pooling; `pool` is accepted for the ViT's signature and ignored)."""
         return self.inner(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -74,8 +74,11 @@ def main(argv: list[str] | None = None) -> dict:
     cmd = [sys.executable, str(REPO / "train" / "pretrain.py"), "--ds_config", str(REPO / "ds_configs" / "cpu_demo.json"),
            *[arg for preset in presets for arg in ("--config", str(preset))], "--data.train_index",
            str(SHARDS / "train.json"), "--output_dir", str(run), "--resume", "auto"]
-    if a.epochs:
+    if a.epochs and a.epochs == int(a.epochs):
         cmd += ["--optim.epochs", f"{a.epochs:g}", "--optim.warmup_epochs", str(a.epochs / 3)]  # the presets: 1 of 3
+    elif a.epochs:  # a fraction of an epoch: one shorter nominal epoch, so the schedule still completes
+        cmd += ["--optim.epochs", "1", "--optim.warmup_epochs", str(1 / 3),
+                "--data.epoch_size", str(int(train.num_samples * a.epochs))]
     if a.method == "mlomae":  # its level-II head is scored on the test split at the end (train/pretrain.py)
         cmd += ["--data.eval_index", str(SHARDS / "test.json")]
     subprocess.run(cmd, check=True, cwd=REPO)

@@ -107,10 +107,7 @@ def extract_features(model: VisionTransformer, shards: ShardSet, batch_size: int
                                          generator=torch.Generator().manual_seed(0))  # leave the global RNG alone
     feats, labels = [], []
     for images, y in loader:
-        if isinstance(model, TimmBackbone):
-            feats.append(model.pooled_features(images))
-        else:
-            feats.append(model.pooled_features(images, pool))  # (B, D)
+        feats.append(model.pooled_features(images, pool))  # (B, D)
         labels.append(y)
     return torch.cat(feats), torch.cat(labels)
 

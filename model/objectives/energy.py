@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +90,7 @@ class EnergyConfig:
             raise ValueError(f"energy corruption colorize needs RGB input but model.in_chans is {in_chans}; "
                              f"set model.in_chans 3 or leave colorize out of energy.mixture")
 
-    def corruption_fns(self) -> dict[str, callable]:
+    def corruption_fns(self) -> dict[str, Callable]:
         fns = {
             "grid": partial(C.grid_mask, cell=self.grid_cell, ratio=self.grid_ratio),
             "blank_small": partial(C.random_blanks, count=self.small_blanks, area=self.small_area),
@@ -122,11 +123,7 @@ class EnergyObjective(nn.Module):
 
     def energy(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> (B,) fp32 energies."""
-        if hasattr(self.encoder, "blocks"):  # our ViT
-            feats = self.encoder.pooled_features(x, self.cfg.pool)
-        else:
-            feats = self.encoder.pooled_features(x)
-        return self.head(feats).float().squeeze(-1)
+        return self.head(self.encoder.pooled_features(x, self.cfg.pool)).float().squeeze(-1)
 
     def corrupt(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (corrupted (B, C, H, W), index into cfg.used() per sample or None for a single corruption)."""

@@ -82,7 +82,9 @@ REPLICATION = textwrap.dedent("""
     dist.all_gather(gathered, flat)
     assert not torch.equal(flat, init), "T and C did not move"
     assert torch.equal(gathered[0], gathered[1]), "T / C differ across ranks"
-    print("replicated")
+    print("replicated", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
 """)
 
 
