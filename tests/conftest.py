@@ -1,4 +1,5 @@
 import io
+import json
 import os
 import subprocess
 import sys
@@ -37,6 +38,16 @@ def run_pretrain(out_dir: Path, *args: str, ranks: int = 1, ds_config: Path = CP
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"pretrain failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_pretrain_calls(calls: list[list[str]]) -> subprocess.CompletedProcess:
+    """Several train/pretrain.py runs (argv lists) in one Python process: the start-up is paid once."""
+    code = "import json, sys\nfrom train.pretrain import main\nfor argv in json.loads(sys.argv[1]):\n    main(argv)\n"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(calls)], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
 

@@ -74,9 +74,10 @@ class MAEObjective(nn.Module):
             noise = torch.rand(batch_size, N, device=device)
         return masking_from_noise(noise, num_kept(N, self.cfg.mask_ratio))
 
-    def encode(self, images: torch.Tensor, masking: Masking) -> torch.Tensor:
-        """(B, C, H, W) -> latent (B, 1+L, D) over the kept tokens. Positions are added before masking."""
-        tokens = self.encoder.embed_patches(images)  # (B, N, D)
+    def encode(self, images: torch.Tensor, masking: Masking, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, C, H, W) -> latent (B, 1+L, D) over the kept tokens. Positions are added before masking.
+        `tokens` (B, N, D): the patch embeddings when the caller already has them."""
+        tokens = self.encoder.embed_patches(images) if tokens is None else tokens  # (B, N, D)
         kept = gather_tokens(tokens, masking.ids_keep)  # (B, L, D)
         return self.encoder.forward_tokens(self.encoder.add_cls_token(kept))
 
@@ -91,12 +92,16 @@ class MAEObjective(nn.Module):
         loss = masked_patch_loss(pred, self.target(images), masking.mask)
         return {"loss": loss, "pred": pred, "mask": masking.mask}
 
+    def vis_masking(self, images: torch.Tensor, noise: torch.Tensor) -> Masking:
+        """The masking the figures show: MAE's random masking from the fixed noise (B, N)."""
+        return masking_from_noise(noise, num_kept(self.encoder.num_patches, self.cfg.mask_ratio))
+
     @torch.no_grad()
     def visualizations(self, images: torch.Tensor, noise: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         """Rows of (B, C, H, W) images in the input's normalised space: original, masked input
         (removed patches zeroed), reconstruction, reconstruction with the visible patches pasted.
         Normalised-pixel predictions are mapped back with each patch's true mean/std (as MAE's demo)."""
-        masking = masking_from_noise(noise, num_kept(self.encoder.num_patches, self.cfg.mask_ratio))
+        masking = self.vis_masking(images, noise)
         pred = self.decoder(self.encode(images, masking), masking.ids_restore).float()  # (B, N, p*p*C)
         target = patchify(images.float(), self.patch_size)
         if self.cfg.norm_pix_loss:

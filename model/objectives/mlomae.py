@@ -38,16 +38,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from model.mae_decoder import MAEDecoder
 from model.objectives.hypergrad import Points, call_with, full_fp32, mask_hypergradient
-from model.objectives.mae import per_patch_mse
-from model.objectives.masking import Masking, gather_tokens
+from model.objectives.mae import MAEObjective, per_patch_mse
+from model.objectives.masking import Masking
 from model.objectives.masking_net import (
     MaskingNetwork,
     top_masking,
     weighted_recon_loss,
 )
-from model.objectives.patches import normalized_pixels, patchify, unpatchify
+from model.objectives.patches import unpatchify
 from model.vit import VisionTransformer
 
 VARIANTS = ("mlo", "blo")
@@ -185,17 +184,11 @@ class Auxiliary:
         self.head_opt.load_state_dict(state["head_opt"])
 
 
-class MLOMAEObjective(nn.Module):
+class MLOMAEObjective(MAEObjective):
+    """MAE (encoder, decoder, target, figures) with T's mask and weighting in level I."""
+
     def __init__(self, encoder: VisionTransformer, cfg: MLOMAEConfig):
-        super().__init__()
-        cfg.validate()
-        self.cfg = cfg
-        self.encoder = encoder
-        pe = encoder.patch_embed
-        self.patch_size = pe.patch_size
-        self.decoder = MAEDecoder(pe.grid_size, pe.patch_size, pe.proj.in_channels, encoder.embed_dim,
-                                  cfg.decoder_dim, cfg.decoder_depth, cfg.decoder_heads,
-                                  attn_backend=encoder.blocks[0].attn.backend)
+        super().__init__(encoder, cfg)  # MLOMAEConfig carries MAE's fields (mask_ratio, norm_pix_loss, decoder_*)
         self.aux = Auxiliary(encoder.num_patches, encoder.embed_dim, cfg.mask_hidden, cfg.num_classes,
                              cfg.aux_weight_decay, cfg.mask_adam_eps)
         self.level1_done = 0  # optimizer steps of E/D (level I) so far
@@ -237,15 +230,9 @@ class MLOMAEObjective(nn.Module):
             probs = self.aux.mask_net(tokens.detach().to(self.aux.head.weight.dtype))
         return tokens, probs
 
-    def target(self, images: torch.Tensor) -> torch.Tensor:
-        t = patchify(images.to(torch.promote_types(images.dtype, torch.float32)), self.patch_size)
-        return normalized_pixels(t) if self.cfg.norm_pix_loss else t
-
     def reconstruct(self, images: torch.Tensor, masking: Masking, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Per-patch MSE (B, N) of the MAE reconstruction under `masking` (every patch, masked or not)."""
-        tokens = self.encoder.embed_patches(images) if tokens is None else tokens
-        latent = self.encoder.forward_tokens(self.encoder.add_cls_token(gather_tokens(tokens, masking.ids_keep)))
-        return per_patch_mse(self.decoder(latent, masking.ids_restore), self.target(images))
+        return per_patch_mse(self.decoder(self.encode(images, masking, tokens), masking.ids_restore), self.target(images))
 
     def cls_features(self, images: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> (B, D): the encoder's cls token on the whole image (levels II and III)."""
@@ -350,24 +337,16 @@ class MLOMAEObjective(nn.Module):
         return self.encoder.embed_patches(images)
 
     # --- figures (the paper's Fig. 4) --------------------------------------------------------------
+    def vis_masking(self, images: torch.Tensor, noise: torch.Tensor) -> Masking:
+        return top_masking(self.mask_probabilities(images)[1], self.cfg.mask_ratio)
+
     @torch.no_grad()
     def visualizations(self, images: torch.Tensor, noise: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-        """Rows: original, input under the learned mask (removed patches zeroed), T's probability
-        map (brighter = more likely masked), reconstruction with the visible patches pasted."""
-        tokens, probs = self.mask_probabilities(images)
-        masking = top_masking(probs, self.cfg.mask_ratio)
-        latent = self.encoder.forward_tokens(self.encoder.add_cls_token(gather_tokens(tokens, masking.ids_keep)))
-        pred = self.decoder(latent, masking.ids_restore).float()
-        target = patchify(images.float(), self.patch_size)
-        if self.cfg.norm_pix_loss:
-            mean, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True, unbiased=True)
-            pred = pred * (var + 1e-6) ** 0.5 + mean
-        removed = masking.mask[..., None]  # (B, N, 1)
-        shape = (self.patch_size, self.encoder.patch_embed.grid_size, images.shape[1])
-        heat = probs.float()[..., None].expand(-1, -1, self.patch_size ** 2)  # (B, N, p*p): one channel
-        return {"mlo_masks": [
-            images.float(),
-            unpatchify(target * (1 - removed), *shape),
-            unpatchify(heat, self.patch_size, self.encoder.patch_embed.grid_size, 1),
-            unpatchify(target * (1 - removed) + pred * removed, *shape),
-        ]}
+        """MAE's rows under the learned mask, with T's probability map (brighter = more likely
+        masked) in place of the raw reconstruction: original, masked input, map, reconstruction
+        with the visible patches pasted."""
+        rows = super().visualizations(images, noise)["mae_reconstruction"]
+        probs = self.mask_probabilities(images)[1].float()  # (B, N)
+        heat = probs[..., None].expand(-1, -1, self.patch_size ** 2)  # (B, N, p*p): one channel
+        heat = unpatchify(heat, self.patch_size, self.encoder.patch_embed.grid_size, 1)
+        return {"mlo_masks": [rows[0], rows[1], heat, rows[3]]}

@@ -8,7 +8,7 @@ import sys
 import pytest
 import timm
 import torch
-from conftest import CPU_DS, DEBUG_PRESET, REPO
+from conftest import CPU_DS, DEBUG_PRESET, REPO, run_pretrain_calls
 
 from train.evaluate import load_encoder
 from train.run_dir import read_metrics
@@ -20,17 +20,9 @@ ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 COMMON = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--config", str(PRESET), "--run.progress", "false"]
 
 
-def run_in_one_process(calls):
-    code = "import json, sys\nfrom train.pretrain import main\nfor argv in json.loads(sys.argv[1]):\n    main(argv)\n"
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(calls)], cwd=REPO, capture_output=True, text=True,
-                          env=ENV, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
-
-
 def test_vit_and_convnext_train_resume_and_export(tmp_path):
     vit, resumed, convnext = tmp_path / "vit", tmp_path / "resumed", tmp_path / "convnext"
-    run_in_one_process([
+    run_pretrain_calls([
         [*COMMON, "--output_dir", str(vit), "--run.max_steps", "4", "--run.ckpt_every", "2", "--run.vis_every", "4"],
         [*COMMON, "--output_dir", str(resumed), "--run.max_steps", "4", "--run.export", "false",
          "--resume", str(vit / "checkpoints" / "step00000002")],
@@ -63,7 +55,7 @@ def test_vit_and_convnext_train_resume_and_export(tmp_path):
 
 def test_every_single_corruption_preset_trains(tmp_path):
     runs = {c: tmp_path / c for c in CORRUPTIONS}
-    run_in_one_process([[*COMMON, "--config", str(VARIANTS / f"{c}.json"), "--output_dir", str(out),
+    run_pretrain_calls([[*COMMON, "--config", str(VARIANTS / f"{c}.json"), "--output_dir", str(out),
                          "--run.max_steps", "2", "--run.export", "false"] for c, out in runs.items()])
     for c, out in runs.items():
         rows = read_metrics(out)

@@ -8,7 +8,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import CPU_DS, DEBUG_PRESET, REPO, _free_port, run_pretrain
+from conftest import (
+    CPU_DS,
+    DEBUG_PRESET,
+    REPO,
+    _free_port,
+    run_pretrain,
+    run_pretrain_calls,
+)
 
 from data.write_shards import main as write_shards
 from train.run_dir import read_metrics
@@ -17,20 +24,12 @@ PRESET = REPO / "train" / "configs" / "debug_mlomae.json"
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
-def run_in_one_process(calls: list[list[str]]) -> subprocess.CompletedProcess:
-    code = "import json, sys\nfrom train.pretrain import main\nfor argv in json.loads(sys.argv[1]):\n    main(argv)\n"
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(calls)], cwd=REPO, capture_output=True, text=True,
-                          env=ENV, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
-
-
 def test_continued_pretraining_from_mae_then_resume_is_exact(tmp_path):
     mae, straight, resumed = tmp_path / "mae", tmp_path / "mlo", tmp_path / "resumed"
     common = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--run.progress", "false"]
     mlo = [*common, "--config", str(PRESET), "--model.init_from", str(mae), "--run.max_steps", "6",
            "--run.ckpt_every", "3"]
-    proc = run_in_one_process([
+    proc = run_pretrain_calls([
         [*common, "--output_dir", str(mae), "--run.max_steps", "2"],
         [*mlo, "--output_dir", str(straight), "--run.vis_every", "6"],
         [*mlo, "--output_dir", str(resumed), "--resume", str(straight / "checkpoints" / "step00000003"),
