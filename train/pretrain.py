@@ -103,8 +103,13 @@ def check_resume_compatible(meta: dict, cfg: PretrainConfig, world: int) -> None
             f"resume with the same world size"
         )
     saved, now = meta["config"], json.loads(json.dumps(to_dict(cfg)))  # as stored: tuples become lists
+    default = json.loads(json.dumps(to_dict(PretrainConfig())))
     for key in ("objective", "model", cfg.objective):
-        if saved.get(key) != now[key]:
+        was, is_ = saved.get(key), now[key]
+        if isinstance(was, dict) and isinstance(is_, dict):
+            # an option added to the code after the checkpoint was written counts as its default
+            was = {**{k: v for k, v in default[key].items() if k not in was}, **was}
+        if was != is_:
             raise ConfigError(f"--resume: the checkpoint was trained with {key}={saved.get(key)}, this run has {now[key]}")
 
 

@@ -129,3 +129,18 @@ def test_continued_pretraining_from_an_official_mae_checkpoint(straight, tmp_pat
     torch.save(bad, tmp_path / "broken.pth")
     proc = run_pretrain(tmp_path / "run2", "--model.init_from", str(tmp_path / "broken.pth"), check=False)
     assert proc.returncode == 2 and "does not fit the configured encoder" in proc.stderr
+
+
+def test_resume_accepts_options_added_since_the_checkpoint_at_their_defaults():
+    """A checkpoint written before an option existed (e.g. model.rpe) resumes when the option is
+    at its default, and is refused when the run sets it otherwise."""
+    from train.config import PretrainConfig, to_dict
+    from train.pretrain import ConfigError, check_resume_compatible
+
+    cfg = PretrainConfig(ds_config="x.json")
+    saved = json.loads(json.dumps(to_dict(cfg)))
+    del saved["model"]["rpe"]
+    check_resume_compatible({"world_size": 1, "config": saved}, cfg, 1)
+    cfg.model.rpe = True
+    with pytest.raises(ConfigError, match="trained with model="):
+        check_resume_compatible({"world_size": 1, "config": saved}, cfg, 1)
