@@ -125,11 +125,13 @@ class EnergyObjective(nn.Module):
         """(B, C, H, W) -> (B,) fp32 energies."""
         return self.head(self.encoder.pooled_features(x, self.cfg.pool)).float().squeeze(-1)
 
-    def corrupt(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (corrupted (B, C, H, W), index into cfg.used() per sample or None for a single corruption)."""
+    def corrupt(self, images: torch.Tensor, generator: torch.Generator | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (corrupted (B, C, H, W), index into cfg.used() per sample or None for a single corruption).
+        Randomness from `generator`, or the global RNG (seeded per rank, checkpointed) when None."""
         if self.cfg.corruption != "mixture":
-            return self.corrupt_fns[self.cfg.corruption](images), None
-        return C.mixture(images, self.corrupt_fns)
+            return self.corrupt_fns[self.cfg.corruption](images, generator=generator), None
+        return C.mixture(images, self.corrupt_fns, generator)
 
     def restore(self, corrupted: torch.Tensor, create_graph: bool = True) -> list[torch.Tensor]:
         """The chain x~1..x~N from x~0 = corrupted; each step's input is detached (SG)."""
@@ -163,10 +165,6 @@ class EnergyObjective(nn.Module):
     @torch.no_grad()
     def visualizations(self, images: torch.Tensor, noise: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         """Rows: corrupted, step 1, step N, original (one fixed corruption draw per call)."""
-        gen = torch.Generator(images.device).manual_seed(0)
-        if self.cfg.corruption == "mixture":
-            corrupted, _ = C.mixture(images, self.corrupt_fns, gen)
-        else:
-            corrupted = self.corrupt_fns[self.cfg.corruption](images, generator=gen)
+        corrupted, _ = self.corrupt(images, torch.Generator(images.device).manual_seed(0))
         chain = self.restore(corrupted, create_graph=False)
         return {"energy_restoration": [corrupted.float(), chain[0].float(), chain[-1].float(), images.float()]}
