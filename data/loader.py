@@ -1,10 +1,11 @@
-"""The training-side iterator over shards: batches, a position record, skipped-sample counts."""
+"""The training-side iterator over shards: batches on the device, a position record, skipped-sample counts."""
 from __future__ import annotations
 
 import torch
 
-from data.shards import ERROR_KINDS, ShardSet, ShardStream, check_split
-from data.transforms import PretrainTransform
+from data.reshard import ReaderLayout, consumed
+from data.shards import ERROR_KINDS, ShardSet, ShardStream, StreamStart, check_split, shards_for
+from data.transforms import PretrainTransform, normalize_uint8
 
 
 def _one_thread(_: int) -> None:
@@ -12,36 +13,47 @@ def _one_thread(_: int) -> None:
 
 
 class ShardLoader:
-    """Yields {"image": (B, 3, S, S), "label": (B,)} forever; `state_dict()` is its position.
+    """Yields {"image": (B, ...) float32, "label": (B,)} on `device`, forever; `state_dict()` is its position.
 
+    Workers deliver uint8 crops (or, with an nvjpeg transform, JPEG bytes that are decoded here on
+    the device); they are copied from pinned memory without blocking and normalised on the device.
     With W workers, PyTorch's DataLoader takes batch k from worker k mod W, so the number of
-    batches consumed fixes how far each worker's stream has advanced and whose turn is next.
+    batches consumed says whose turn is next, and the position of the last sample of each worker's
+    latest batch says where that worker's stream continues.
     """
 
     def __init__(self, shards: ShardSet, img_size: int, batch_size: int, seed: int, rank: int, world: int,
                  num_workers: int, shuffle_buffer: int, crop_scale_min: float = 0.2, pin_memory: bool = False,
-                 transform=None, keep=None):
+                 transform=None, keep=None, device: torch.device | str = "cpu"):
         check_split(shards, world, num_workers)
         self.shards, self.batch_size, self.seed, self.rank, self.world = shards, batch_size, seed, rank, world
         self.num_workers, self.shuffle_buffer, self.pin_memory = num_workers, shuffle_buffer, pin_memory
         self.transform = transform or PretrainTransform(img_size, scale=(crop_scale_min, 1.0))
         self.keep = keep  # sample-key filter: only the keys it accepts are read (data/split.py)
+        self.device = torch.device(device)
+        self.device_decoder = None
+        if getattr(self.transform, "wants_encoded", False):
+            from data.device_decode import DeviceDecoder
+
+            self.device_decoder = DeviceDecoder(img_size, self.device)
+        W = max(1, num_workers)
         self.batches = 0
-        self.errors = torch.zeros(max(1, num_workers), len(ERROR_KINDS), dtype=torch.long)  # latest per worker
+        self.start = StreamStart.fresh(W)
+        self.last = list(self.start.last)  # per worker: (epoch, pos) of the last sample delivered
+        self.layout: ReaderLayout | None = None  # the earlier readers whose samples are skipped, if any
+        self.errors = torch.zeros(W, len(ERROR_KINDS), dtype=torch.long)  # per worker, since it started
+        self.errors_before = torch.zeros(len(ERROR_KINDS), dtype=torch.long)  # counted before the last resume
         self._it = None
 
-    def _skip_per_worker(self) -> list[int]:
-        W = max(1, self.num_workers)
-        return [max(0, (self.batches - w + W - 1) // W) * self.batch_size for w in range(W)]
-
     def _start(self):
+        start = StreamStart(list(self.last), self.start.start_epoch, self.start.consumed, self.start.legacy_skip)
         stream = ShardStream(self.shards, self.transform, self.seed, self.rank, self.world, self.num_workers,
-                             self.shuffle_buffer, self._skip_per_worker(), self.batches % max(1, self.num_workers),
-                             self.keep)
+                             self.shuffle_buffer, start, self.batches % max(1, self.num_workers), self.keep)
+        collate = None if self.device_decoder is None else self.device_decoder.collate
         loader = torch.utils.data.DataLoader(
             stream, batch_size=self.batch_size, num_workers=self.num_workers, pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0, prefetch_factor=4 if self.num_workers > 0 else None,
-            worker_init_fn=_one_thread,
+            worker_init_fn=_one_thread, collate_fn=collate,
             # Starting workers draws a base seed; from the global RNG it would shift the training
             # process's random stream (masking noise) depending on when the loader started.
             generator=torch.Generator().manual_seed(self.seed),
@@ -55,25 +67,96 @@ class ShardLoader:
         if self._it is None:
             self._it = self._start()
         batch = next(self._it)
-        self.errors[int(batch["worker"][0])] = batch["errors"][-1]
+        worker = int(batch["worker"][0])  # bookkeeping on CPU tensors: no device sync
+        self.errors[worker] = batch["errors"][-1]
+        self.last[worker] = (int(batch["epoch"][-1]), int(batch["pos"][-1]))
         self.batches += 1
-        return {"image": batch["image"], "label": batch["label"]}
+        if self.device_decoder is not None:
+            images = self.device_decoder(batch["image"])
+        else:
+            images = batch["image"].to(self.device, non_blocking=True)
+        if images.dtype == torch.uint8:
+            images = normalize_uint8(images)
+        return {"image": images, "label": batch["label"].to(self.device, non_blocking=True)}
+
+    def _skipped(self) -> torch.Tensor:
+        """(len(ERROR_KINDS),) samples skipped on this rank since the run began."""
+        total = self.errors_before + self.errors.sum(0)
+        if self.device_decoder is not None:  # JPEGs the device could not decode
+            total[ERROR_KINDS.index("undecodable_image")] += self.device_decoder.failed
+        return total
 
     def counters(self) -> dict[str, int]:
         """Samples skipped so far on this rank, by kind (summed over workers)."""
-        return {f"data_skipped_{k}": int(v) for k, v in zip(ERROR_KINDS, self.errors.sum(0).tolist(), strict=True)}
+        return {f"data_skipped_{k}": int(v) for k, v in zip(ERROR_KINDS, self._skipped().tolist(), strict=True)}
 
     def state_dict(self) -> dict:
-        return {"batches": self.batches, "errors": self.errors.tolist(), "num_workers": self.num_workers,
-                "batch_size": self.batch_size, "world": self.world, "seed": self.seed}
+        return {"batches": self.batches, "last": [list(p) for p in self.last], "errors": self._skipped().tolist(),
+                "num_workers": self.num_workers, "batch_size": self.batch_size, "world": self.world,
+                "seed": self.seed, "shuffle_buffer": self.shuffle_buffer, "start_epoch": self.start.start_epoch,
+                "layout": self.layout.to_dict() if self.layout else None}
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("num_workers", "batch_size", "world", "seed"):
+        """Continue from this rank's own position (same world size and workers)."""
+        for key in ("num_workers", "world", "seed"):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"the data position was recorded with {key}={state[key]}, this run has {getattr(self, key)}; "
                     f"the stream can only be continued with the same value"
                 )
         self.batches = int(state["batches"])
-        self.errors = torch.tensor(state["errors"], dtype=torch.long)
+        self.errors = torch.zeros_like(self.errors)
+        if "last" not in state:  # recorded before positions were: replay decoded samples, as then
+            W = max(1, self.num_workers)
+            if state["batch_size"] != self.batch_size:
+                raise ValueError("this data position (an older format) needs the same micro-batch size to continue")
+            skip = [max(0, (self.batches - w + W - 1) // W) * self.batch_size for w in range(W)]
+            self.start = StreamStart.fresh(W)
+            self.start.legacy_skip = skip
+            self.errors_before = torch.zeros(len(ERROR_KINDS), dtype=torch.long)  # the replay counts them again
+            self._it = None
+            return
+        if state["shuffle_buffer"] != self.shuffle_buffer:
+            raise ValueError(f"the data position was recorded with data.shuffle_buffer {state['shuffle_buffer']}, "
+                             f"this run has {self.shuffle_buffer}; resume with the same value")
+        self.layout = ReaderLayout.from_dict(state["layout"])
+        self._set_start(state["start_epoch"], [tuple(p) for p in state["last"]])
+        self.errors_before = torch.tensor(state["errors"], dtype=torch.long)
+
+    def resume_from(self, states: list[dict]) -> None:
+        """Continue from the positions of every rank of a checkpointed run (rank order). With the
+        same readers (world size x workers) this rank continues its own stream; otherwise the new
+        readers skip exactly what the old ones delivered (data/reshard.py)."""
+        if len(states) == self.world and states[0].get("num_workers") == self.num_workers:
+            self.load_state_dict(states[self.rank])
+            return
+        if any("last" not in s for s in states):
+            raise ValueError("this checkpoint's data positions predate per-sample positions; resume it on the world "
+                             "size and data.num_workers it was written with")
+        if states[0]["seed"] != self.seed or states[0]["shuffle_buffer"] != self.shuffle_buffer:
+            raise ValueError("a change of world size keeps the data order only with the same seed and "
+                             "data.shuffle_buffer as the checkpointed run")
+        self.layout = ReaderLayout.from_states(states)
+        self.batches = 0
+        self.errors = torch.zeros_like(self.errors)
+        totals = torch.tensor([s["errors"] for s in states], dtype=torch.long).sum(0)
+        self.errors_before = totals if self.rank == 0 else torch.zeros_like(totals)  # counters are summed over ranks
+        self._set_start(None, None)
+
+    def _set_start(self, start_epoch: int | None, last: list[tuple[int, int]] | None) -> None:
+        """Positions and the skip list of the earlier layout, if any; None: a fresh start after it."""
+        W = max(1, self.num_workers)
+        skip: dict = {}
+        first = 0
+        if self.layout is not None:
+            readers = range(self.rank * W, (self.rank + 1) * W)
+            n = len(self.shards.files)
+
+            def mine(epoch: int) -> set[int]:
+                return {i for r in readers for i in shards_for(n, epoch, self.seed, r, self.world * W)}
+
+            first, skip = consumed(self.layout, self.shards, mine)
+        start_epoch = first if start_epoch is None else start_epoch
+        self.start = StreamStart([(start_epoch, -1)] * W, start_epoch, skip)
+        self.last = list(last) if last is not None else list(self.start.last)
         self._it = None  # restart the workers at the recorded position

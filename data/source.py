@@ -9,6 +9,7 @@ from data.loader import ShardLoader
 from data.shards import ShardSet, check_split
 from data.split import LabeledSplit, SplitSource
 from data.synthetic import SyntheticImages
+from data.transforms import PretrainTransform
 
 SYNTHETIC_EPOCH = 1_281_167  # ImageNet-1k train, the nominal epoch of the synthetic source
 
@@ -51,18 +52,24 @@ def _shard_loader(data_cfg, img_size: int, in_chans: int, batch_size: int, seed:
                   device: torch.device, keep=None) -> ShardLoader:
     if in_chans != 3:
         raise ValueError("shards decode to 3-channel RGB (grayscale is replicated); set model.in_chans 3")
-    transform = None
+    scale = (data_cfg.crop_scale_min, 1.0)
     if data_cfg.train_transform == "randaug":
         from data.transforms import RandAugTransform
 
-        transform = RandAugTransform(img_size, (data_cfg.crop_scale_min, 1.0), data_cfg.randaug, data_cfg.reprob)
+        transform = RandAugTransform(img_size, scale, data_cfg.randaug, data_cfg.reprob)
     elif data_cfg.train_transform == "multicrop":  # MAE+: (k, 3, s, s) per image
         from data.transforms import MultiCropTransform
 
-        transform = MultiCropTransform(img_size, data_cfg.num_crops, (data_cfg.crop_scale_min, 1.0))
+        transform = MultiCropTransform(img_size, data_cfg.num_crops, scale, decode=data_cfg.decode)
+    elif data_cfg.decode == "nvjpeg":
+        from data.device_decode import EncodedCropTransform
+
+        transform = EncodedCropTransform(img_size, scale)
+    else:
+        transform = PretrainTransform(img_size, scale, decode=data_cfg.decode)
     return ShardLoader(ShardSet.from_index(data_cfg.train_index), img_size, batch_size, seed, rank, world,
                        data_cfg.num_workers, data_cfg.shuffle_buffer, data_cfg.crop_scale_min,
-                       pin_memory=device.type == "cuda", transform=transform, keep=keep)
+                       pin_memory=device.type == "cuda", transform=transform, keep=keep, device=device)
 
 
 def fixed_images(data_cfg, img_size: int, in_chans: int, n: int = 8) -> torch.Tensor:

@@ -11,14 +11,13 @@ both parts from the tar headers (no image is read) for the record in the run fol
 from __future__ import annotations
 
 import hashlib
-import tarfile
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from webdataset.tariterators import base_plus_ext
 
-from data.shards import ShardSet
+from data.shards import ShardSet, raw_samples
 
 
 @dataclass(frozen=True)
@@ -46,15 +45,9 @@ class LabeledSplit:
 
 
 def shard_keys(shards: ShardSet) -> Iterator[str]:
-    """The distinct sample keys of every shard, read from tar member names (data is skipped)."""
-    for f in shards.files:
-        last = None
-        with tarfile.open(f, mode="r:") as tar:
-            for member in tar:
-                key, _ = base_plus_ext(member.name)
-                if key is not None and key != last:
-                    yield key
-                    last = key
+    """The sample keys of every shard, read from the tar headers (data is skipped)."""
+    for raw in raw_samples(list(shards.files), Counter(), with_data=False):
+        yield raw["__key__"]
 
 
 class SplitSource:
@@ -95,3 +88,14 @@ class SplitSource:
         self.train.load_state_dict(state["train"])
         self.val.load_state_dict(state["val"])
         self.batches = int(state["batches"])
+
+    def resume_from(self, states: list[dict]) -> None:
+        """Every rank's position of a checkpointed run (rank order). Both streams continue
+        (ShardLoader.resume_from, also on another world size); the micro-batch count is rescaled
+        to this run's accumulation, so the D_val batch still closes each mask cycle."""
+        self.train.resume_from([s["train"] for s in states])
+        self.val.resume_from([s["val"] for s in states])
+        steps, rest = divmod(states[0]["batches"] * self.val_every, states[0]["val_every"])  # equal on every rank
+        if rest:
+            raise ValueError("the checkpoint's D_val schedule does not map onto this run's gradient accumulation")
+        self.batches = steps

@@ -44,3 +44,8 @@ class SyntheticImages:
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
+
+    def resume_from(self, states: list[dict]) -> None:
+        """Every rank's position of a checkpointed run (rank order). A rank the old run did not have
+        continues from the furthest position (there is no data set whose order could be kept)."""
+        self.load_state_dict(states[self.rank] if self.rank < len(states) else max(states, key=lambda s: s["position"]))

@@ -9,8 +9,10 @@ Layout of `<output_dir>/checkpoints/`:
     latest                        name of the newest complete tag (atomic rename)
 
 A tag without complete.json is never resumed from. Client state holds the step, the config and
-every rank's data position; complete.json also holds the run's config (readable without
-unpickling, checked before a resume starts any process group).
+every rank's data position; complete.json also holds the run's config and global batch
+(readable without unpickling, checked before a resume starts any process group). A run resumed
+on another world size reads the tag through DeepSpeed's universal checkpoint, converted into
+`<tag>/universal/` the first time.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from train.distributed import barrier
 
 COMPLETE = "complete.json"
 LATEST = "latest"
+UNIVERSAL = "universal"  # DeepSpeed universal checkpoint of a tag, made when the world size changes
 TAG_RE = re.compile(r"^step(\d{8})$")
 
 
@@ -140,23 +143,74 @@ DEEPSPEED_DATA_GLOBALS = {
 def verify_safe(tag_dir: Path) -> None:
     """Refuse a checkpoint whose pickles name any global beyond tensors, plain containers and the
     DeepSpeed data classes above. DeepSpeed's loader unpickles without restriction, so this scan
-    (which reads the pickle opcodes without executing them) runs first."""
+    (which reads the pickle opcodes without executing them) runs first. A universal folder's
+    per-parameter files sit in sub-folders, so the scan is recursive there."""
     from torch.serialization import get_unsafe_globals_in_checkpoint
 
-    for f in sorted(tag_dir.glob("*.pt")):
+    files = tag_dir.rglob("*.pt") if tag_dir.name == UNIVERSAL else tag_dir.glob("*.pt")
+    for f in sorted(files):
         unexpected = set(get_unsafe_globals_in_checkpoint(f)) - DEEPSPEED_DATA_GLOBALS
         if unexpected:
             raise ValueError(f"{f} would unpickle {sorted(unexpected)}; refusing to load it (not a checkpoint "
                              f"written by this code, or tampered with)")
 
 
-def load(engine, tag_dir: Path, rank: int) -> dict:
-    """Restore engine state and this rank's RNG; returns the client state. The caller has checked
-    (before starting the process group) that the world size matches the checkpoint's."""
-    verify_safe(tag_dir)
-    _, client = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
+def needs_universal(tag_dir: Path) -> bool:
+    """ZeRO 1-3 and DeepSpeed's bf16 optimizer save optimizer state partitioned per rank: another
+    world size loads it through a universal checkpoint. Stage 0 keeps it whole in the model file."""
+    return any(tag_dir.glob("*optim_states.pt"))
+
+
+def to_universal(tag_dir: Path) -> Path:
+    """`<tag>/universal/`: DeepSpeed's world-size-independent form of the tag (fp32 weights and
+    optimizer moments per parameter), converted once (rank 0; the others wait) and reused.
+    Written under a temporary name and renamed when complete."""
+    out = tag_dir / UNIVERSAL
+    if out.is_dir():
+        return out
+    from argparse import Namespace
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    verify_safe(tag_dir)  # the converter unpickles without restriction
+    tmp = tag_dir / f".{UNIVERSAL}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds_to_universal(Namespace(input_folder=str(tag_dir), output_folder=str(tmp), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
+    os.replace(tmp, out)
+    return out
+
+
+def reseed(seed: int, rank: int, step: int) -> None:
+    """Fresh per-rank RNG streams for a run continued on another world size (the old ranks'
+    streams do not map onto the new ranks): a function of (seed, rank, step)."""
+    s = int(np.random.SeedSequence((seed, rank, step)).generate_state(1, dtype=np.uint64)[0] & (2**63 - 1))
+    torch.manual_seed(s)
+    np.random.seed(s % 2**32)
+    random.seed(s)
+
+
+def load(engine, tag_dir: Path, rank: int, world: int, seed: int) -> dict:
+    """Restore engine state and RNG; returns the client state. On the world size of the checkpoint
+    everything continues exactly (this rank's RNG too). On another world size (the caller checked
+    that the global batch is the same and, for partitioned optimizer state, initialised the engine
+    with `checkpoint.load_universal`) weights, optimizer moments, schedule and step carry over and
+    the RNG streams start afresh from (seed, rank, step)."""
+    meta = read_meta(tag_dir)
+    same_world = meta["world_size"] == world
+    source = tag_dir
+    if not same_world and needs_universal(tag_dir):
+        if rank == 0:
+            to_universal(tag_dir)
+        barrier()
+        source = tag_dir / UNIVERSAL
+    verify_safe(source)
+    _, client = engine.load_checkpoint(str(source.parent), tag=source.name,
                                        load_optimizer_states=True, load_lr_scheduler_states=True)
     if client is None:
-        raise RuntimeError(f"DeepSpeed could not load {tag_dir}")
-    set_rng_state(torch.load(tag_dir / f"rng_rank{rank}.pt", weights_only=True))
+        raise RuntimeError(f"DeepSpeed could not load {source}")
+    if same_world:
+        set_rng_state(torch.load(tag_dir / f"rng_rank{rank}.pt", weights_only=True))
+    else:
+        reseed(seed, rank, client["step"])
     return client

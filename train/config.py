@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from data.transforms import DECODES
 from kernels import resolve_backend
 from model.objectives import OBJECTIVES
 from model.objectives.energy import EnergyConfig
@@ -56,6 +57,7 @@ class DataConfig:
     shuffle_buffer: int = 1000  # samples held by each worker's shuffle buffer
     crop_scale_min: float = 0.2  # RandomResizedCrop scale range (crop_scale_min, 1)
     train_transform: str = "crop_flip"  # crop_flip (MAE pretraining / linprobe) | randaug (fine-tuning) | multicrop (MAE+)
+    decode: str = "pil"  # pil | pil_draft (JPEG decoded at 1/2-1/8 scale when the crop allows) | nvjpeg (on the GPU)
     num_crops: int = 4  # crops per image with train_transform multicrop (each img_size, scale (crop_scale_min, 1))
     randaug: str = "rand-m9-mstd0.5-inc1"  # timm RandAugment policy (train_transform randaug)
     reprob: float = 0.25  # random erasing probability (train_transform randaug)
@@ -117,6 +119,13 @@ class PretrainConfig:
         if self.data.train_transform not in ("crop_flip", "randaug", "multicrop"):
             raise ConfigError(f"data.train_transform must be crop_flip, randaug or multicrop, got "
                               f"{self.data.train_transform!r}")
+        if self.data.decode not in DECODES:
+            raise ConfigError(f"data.decode must be one of {DECODES}, got {self.data.decode!r}")
+        if self.data.decode != "pil" and self.data.train_transform == "randaug":
+            raise ConfigError(f"data.decode {self.data.decode} is not available with train_transform randaug "
+                              f"(timm's pipeline decodes whole images); use data.decode pil")
+        if self.data.decode == "nvjpeg" and self.data.train_transform != "crop_flip":
+            raise ConfigError("data.decode nvjpeg supports train_transform crop_flip only; use pil_draft for multicrop")
         if self.data.train_transform == "multicrop" and self.data.num_crops < 1:
             raise ConfigError(f"data.num_crops must be >= 1, got {self.data.num_crops}")
         if not 0.0 < self.optim.layer_decay <= 1.0:

@@ -95,13 +95,19 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
     return engine, objective, split
 
 
-def check_resume_compatible(meta: dict, cfg: PretrainConfig, world: int) -> None:
-    """The checkpoint (its complete.json) must come from the same model, objective and world size."""
-    if meta["world_size"] != world:
-        raise ConfigError(
-            f"--resume: the checkpoint was written by {meta['world_size']} ranks, this run has {world}; "
-            f"resume with the same world size"
-        )
+def check_resume_compatible(meta: dict, cfg: PretrainConfig, plan: BatchPlan) -> None:
+    """The checkpoint (its complete.json) must come from the same model and objective; on another
+    world size it must have trained with the same global batch (the schedule counts its steps)."""
+    if meta["world_size"] != plan.world:
+        was = meta.get("global_batch")
+        if was is None:
+            raise ConfigError(f"--resume: the checkpoint was written by {meta['world_size']} ranks, this run has "
+                              f"{plan.world}, and it predates world-size changes; resume with {meta['world_size']} ranks")
+        if was != plan.global_batch:
+            raise ConfigError(
+                f"--resume: the checkpoint trained with global batch {was} on {meta['world_size']} ranks, this run "
+                f"has {plan.global_batch} on {plan.world}; keep the global batch (give train_batch_size and "
+                f"train_micro_batch_size_per_gpu in the ds_config, so the accumulation follows the world size)")
     saved, now = meta["config"], json.loads(json.dumps(to_dict(cfg)))  # as stored: tuples become lists
     default = json.loads(json.dumps(to_dict(PretrainConfig())))
     for key in ("objective", "model", cfg.objective):
@@ -130,7 +136,10 @@ def main(argv: list[str] | None = None) -> Path:
     run_dir = Path(cfg.output_dir)
     resume_from = checkpoint.find_resume(cfg.resume, run_dir)
     if resume_from is not None:
-        check_resume_compatible(checkpoint.read_meta(resume_from), cfg, plan.world)
+        resumed_meta = checkpoint.read_meta(resume_from)
+        check_resume_compatible(resumed_meta, cfg, plan)
+        if resumed_meta["world_size"] != plan.world and checkpoint.needs_universal(resume_from):
+            ds_config["checkpoint"] = {"load_universal": True}  # partitioned optimizer state, re-laid out
 
     rank, world, device = distributed.init()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="[%(name)s] %(message)s")
@@ -171,14 +180,16 @@ def main(argv: list[str] | None = None) -> Path:
                         world, device, split, section.val_every(plan.accum) if split is not None else 1)
     start_step = 0
     if resume_from is not None:
-        client = checkpoint.load(engine, resume_from, rank)
+        client = checkpoint.load(engine, resume_from, rank, world, cfg.seed)
         start_step = client["step"]
-        data.load_state_dict(client["data"][rank])
-        log.info("resumed from %s at step %d", resume_from, start_step)
+        data.resume_from(client["data"])
+        log.info("resumed from %s at step %d%s", resume_from, start_step,
+                 f" (written by {len(client['data'])} ranks, continued on {world})" if len(client["data"]) != world else "")
     stop_step = min(total_steps, cfg.run.max_steps) if cfg.run.max_steps else total_steps
 
     ckpt_root = run_dir / "checkpoints"
     ckpt_meta = {"zero_stage": engine.zero_optimization_stage(), "objective": cfg.objective, "config": to_dict(cfg),
+                 "global_batch": plan.global_batch,
                  "encoder_timm_kwargs": encoder.timm_kwargs(), "model_name": cfg.model.name}
     last_saved: list[Path] = []
 

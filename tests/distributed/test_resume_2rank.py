@@ -41,7 +41,7 @@ def test_two_rank_zero2_resume_matches_uninterrupted(tmp_path):
     assert got[SPLIT]["loss"] != got[0]["loss"]
 
 
-def test_resume_on_a_different_world_size_is_refused(tmp_path):
-    run_pretrain(tmp_path, "--run.max_steps", "2", ranks=2)
+def test_resume_on_another_world_size_with_another_global_batch_is_refused(tmp_path):
+    run_pretrain(tmp_path, "--run.max_steps", "2", ranks=2)  # cpu_debug: micro 8 per rank, the batch follows the world
     proc = run_pretrain(tmp_path, "--run.max_steps", "4", "--resume", "auto", ranks=1, check=False)
-    assert proc.returncode == 2 and "written by 2 ranks, this run has 1" in proc.stderr
+    assert proc.returncode == 2 and "global batch 16 on 2 ranks, this run has 8 on 1" in proc.stderr

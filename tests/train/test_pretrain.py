@@ -135,12 +135,13 @@ def test_resume_accepts_options_added_since_the_checkpoint_at_their_defaults():
     """A checkpoint written before an option existed (e.g. model.rpe) resumes when the option is
     at its default, and is refused when the run sets it otherwise."""
     from train.config import PretrainConfig, to_dict
+    from train.ds_config import BatchPlan
     from train.pretrain import ConfigError, check_resume_compatible
 
-    cfg = PretrainConfig(ds_config="x.json")
+    cfg, plan = PretrainConfig(ds_config="x.json"), BatchPlan(8, 1, 1)
     saved = json.loads(json.dumps(to_dict(cfg)))
     del saved["model"]["rpe"]
-    check_resume_compatible({"world_size": 1, "config": saved}, cfg, 1)
+    check_resume_compatible({"world_size": 1, "config": saved}, cfg, plan)
     cfg.model.rpe = True
     with pytest.raises(ConfigError, match="trained with model="):
-        check_resume_compatible({"world_size": 1, "config": saved}, cfg, 1)
+        check_resume_compatible({"world_size": 1, "config": saved}, cfg, plan)

@@ -1,0 +1,104 @@
+"""Decode paths for the pretraining crop: reduced-size JPEG decoding (pil_draft) and decoding on
+the training device (nvjpeg; run here with torchvision's CPU decoder) against the plain path."""
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from data.device_decode import DeviceDecoder, EncodedCropTransform
+from data.transforms import PretrainTransform, draft_for_crops, normalize_uint8, to_normalized_tensor
+
+
+def photo_like(w=320, h=240, seed=0) -> Image.Image:
+    """Smooth colour gradients plus mild texture: JPEG-compressible like a photograph."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w] / max(w, h)
+    img = np.stack([128 + 100 * np.sin(6 * x + c) * np.cos(4 * y - c) for c in range(3)], -1)
+    img += rng.normal(0, 6, img.shape)
+    return Image.fromarray(img.clip(0, 255).astype(np.uint8))
+
+
+def jpeg(img: Image.Image, quality=92) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def opened(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data))  # lazy, as the shard reader hands it over
+
+
+def big_crop_seed(t: PretrainTransform, data: bytes, min_side: int) -> int:
+    return next(s for s in range(1000) if min(t.crop_params(opened(data), s).h, t.crop_params(opened(data), s).w)
+                >= min_side)
+
+
+def test_normalising_uint8_on_the_device_equals_the_old_float_path():
+    img = photo_like(40, 30)
+    assert torch.equal(normalize_uint8(torch.from_numpy(np.array(img)).permute(2, 0, 1)), to_normalized_tensor(img))
+
+
+def test_draft_decodes_smaller_and_gives_nearly_the_same_crop():
+    data = jpeg(photo_like())
+    plain, draft = PretrainTransform(32, decode="pil"), PretrainTransform(32, decode="pil_draft")
+    seed = big_crop_seed(plain, data, 150)  # a crop >= 4x the output: libjpeg may decode at 1/4
+    img = opened(data)
+    assert draft_for_crops(img, [plain.crop_params(img, seed)], 32) >= 4 and img.size[0] <= 80
+    a, b = plain(opened(data), seed), draft(opened(data), seed)
+    assert a.dtype == b.dtype == torch.uint8 and a.shape == b.shape == (3, 32, 32)
+    diff = (a.float() - b.float()).abs()
+    assert diff.mean() < 2.0 and not torch.equal(a, b)  # the same region, resampled differently
+
+
+def test_draft_changes_nothing_when_the_crop_is_too_small_or_not_a_jpeg():
+    data = jpeg(photo_like())
+    plain, draft = PretrainTransform(64, decode="pil"), PretrainTransform(64, decode="pil_draft")
+    seed = next(s for s in range(1000) if min(plain.crop_params(opened(data), s).h,
+                                               plain.crop_params(opened(data), s).w) < 128)
+    assert torch.equal(plain(opened(data), seed), draft(opened(data), seed))
+    buf = io.BytesIO()
+    photo_like().save(buf, format="PNG")
+    assert torch.equal(plain(opened(buf.getvalue()), 3), draft(opened(buf.getvalue()), 3))
+
+
+def test_device_decode_matches_the_cpu_path_and_keeps_the_batch_when_a_jpeg_is_corrupt():
+    plain, encoded = PretrainTransform(32), EncodedCropTransform(32)
+    files = [jpeg(photo_like(seed=i)) for i in range(3)]
+    png = io.BytesIO()
+    photo_like(seed=5).save(png, format="PNG")
+    files.append(png.getvalue())
+    items = [{"image": encoded(opened(d), 10 + k, d), "label": k} for k, d in enumerate(files)]
+    assert isinstance(items[0]["image"], dict) and torch.is_tensor(items[3]["image"])  # the PNG is cropped on CPU
+    decoder = DeviceDecoder(32, torch.device("cpu"))
+    batch = decoder(DeviceDecoder.collate(items)["image"])
+    want = torch.stack([plain(opened(d), 10 + k) for k, d in enumerate(files)])
+    assert batch.shape == (4, 3, 32, 32) and batch.dtype == torch.uint8
+    assert torch.equal(batch[3], want[3])
+    # the same crop and resize; the decoders (torchvision's libjpeg vs PIL's) agree to a level
+    assert (batch[:3].int() - want[:3].int()).abs().max() <= 1
+
+    broken = files[1][:200] + b"\x00" * 50  # header intact, entropy data destroyed
+    items[1] = {"image": encoded(opened(files[1]), 11, broken), "label": 1}
+    batch = decoder(DeviceDecoder.collate(items)["image"])
+    assert decoder.failed == 1 and batch.shape == (4, 3, 32, 32)
+    assert any(torch.equal(batch[1], batch[k]) for k in (0, 2, 3))  # a stand-in from the same batch
+
+
+@pytest.mark.parametrize("decode", ["pil_draft", "nvjpeg"])
+def test_loader_with_each_decode_yields_normalised_batches(tmp_path, decode):
+    from data.source import build_source
+    from data.write_shards import main as write_shards
+    from train.config import DataConfig
+
+    src = tmp_path / "src" / "c0"
+    src.mkdir(parents=True)
+    for i in range(8):
+        (src / f"{i}.jpg").write_bytes(jpeg(photo_like(96, 80, seed=i)))
+    write_shards(["imagefolder", str(tmp_path / "src"), str(tmp_path / "s"), "--samples_per_shard", "4"])
+    cfg = DataConfig(train_index=str(tmp_path / "s" / "train.json"), num_workers=0, decode=decode)
+    source = build_source(cfg, 32, 3, 4, seed=0, rank=0, world=1, device=torch.device("cpu"))
+    batch = next(source)
+    assert batch["image"].shape == (4, 3, 32, 32) and batch["image"].dtype == torch.float32
+    assert -2.2 < batch["image"].min() and batch["image"].max() < 2.7  # ImageNet-normalised range

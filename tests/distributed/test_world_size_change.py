@@ -1,0 +1,69 @@
+"""Resuming on another world size: DeepSpeed's universal checkpoint for the weights and optimizer
+state, the shard stream re-laid out for the data (2 CPU ranks -> 1)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, _free_port, run_pretrain
+
+from data.write_shards import main as write_shards
+from train.run_dir import read_metrics
+
+pytestmark = pytest.mark.distributed
+
+
+def deepspeed(ranks: int, *args: str) -> None:
+    launcher = str(Path(sys.executable).parent / "deepspeed")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(_free_port()), *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def write_ds(path: Path, stage: int = 2) -> Path:
+    """Global batch 16 with micro 8: the accumulation follows the world size (2 ranks x 1, 1 rank x 2)."""
+    path.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.0,
+                                "zero_optimization": {"stage": stage}, "bf16": {"enabled": False}}))
+    return path
+
+
+def test_weights_moments_and_schedule_carry_over_from_2_ranks_to_1(tmp_path):
+    write_ds(tmp_path / "ds.json")
+    script = str(REPO / "tests" / "distributed" / "reshard_engine_check.py")
+    deepspeed(2, script, str(tmp_path), "train")
+    deepspeed(1, script, str(tmp_path), "resume")
+    want = json.loads((tmp_path / "losses_train.json").read_text())
+    got = json.loads((tmp_path / "losses_resume.json").read_text())
+    assert list(got) == ["4", "5"]
+    assert got["4"] == pytest.approx(want["4"], rel=1e-6)  # weights after step 3
+    assert got["5"] == pytest.approx(want["5"], rel=1e-5)  # + Adam moments, step count, lr of step 4
+    assert got["5"] != pytest.approx(want["4"], rel=1e-3)  # the step changed the loss
+    assert (tmp_path / "run" / "checkpoints" / "step00000003" / "universal" / "zero").is_dir()
+
+
+def test_pretrain_on_shards_continues_on_one_rank(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    src = tmp_path / "src"
+    for c in range(2):
+        (src / str(c)).mkdir(parents=True)
+        for i in range(24):
+            Image.fromarray(np.full((8, 8), c * 100 + i, dtype=np.uint8)).save(src / str(c) / f"{i}.png")
+    write_shards(["imagefolder", str(src), str(tmp_path / "s"), "--samples_per_shard", "6"])  # 8 shards
+    ds = write_ds(tmp_path / "ds.json")
+    args = ("--data.source", "shards", "--data.train_index", str(tmp_path / "s" / "train.json"), "--data.epoch_size",
+            "0", "--data.num_workers", "1", "--model.in_chans", "3", "--run.ckpt_every", "2")
+    run = tmp_path / "run"
+    run_pretrain(run, *args, "--run.max_steps", "2", ranks=2, ds_config=ds)
+    proc = run_pretrain(run, *args, "--run.max_steps", "3", "--resume", "auto", ds_config=ds)
+    assert "resumed from" in proc.stderr and "written by 2 ranks, continued on 1" in proc.stderr
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["data_skipped_undecodable_image"] == 0
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["world_size"] == 1 and meta["batch"] == {"micro": 8, "accum": 2, "world": 1, "global": 16}
+    tag = run / "checkpoints" / "step00000003"
+    assert json.loads((tag / "complete.json").read_text())["world_size"] == 1
