@@ -10,7 +10,7 @@ from torch import nn
 
 from model.init import mae_init_
 from model.pos_embed import sincos_2d
-from model.vit import Block, default_norm
+from model.vit import Block, default_norm, run_block
 
 
 class MAEDecoder(nn.Module):
@@ -41,11 +41,15 @@ class MAEDecoder(nn.Module):
         )
         self.decoder_norm = default_norm(decoder_dim)
         self.decoder_pred = nn.Linear(decoder_dim, patch_size**2 * in_chans)
+        self.grad_checkpointing = False
         mae_init_(self)
         nn.init.normal_(self.mask_token, std=0.02)
 
     def no_weight_decay(self) -> set[str]:
         return {"mask_token", "decoder_pos_embed"}
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
 
     def forward(self, latent: torch.Tensor, ids_restore: torch.Tensor) -> torch.Tensor:
         """latent (B, 1+L, De) = [cls, kept tokens in shuffled order]; ids_restore (B, N).
@@ -81,5 +85,6 @@ class MAEDecoder(nn.Module):
         `rpe_adversaries`: one RPEAdversary (or None) per block when built with rpe=True."""
         x = x + self.decoder_pos_embed
         for i, block in enumerate(self.decoder_blocks):
-            x = block(x, None, rpe_adversaries[i] if rpe_adversaries is not None else None)
+            x = run_block(block, x, None, rpe_adversaries[i] if rpe_adversaries is not None else None,
+                          recompute=self.grad_checkpointing)
         return self.decoder_pred(self.decoder_norm(x))[:, 1:]

@@ -48,6 +48,9 @@ class TimmBackbone(nn.Module):
         self.name, self.img_size, self.in_chans = name, img_size, in_chans
         self.embed_dim = model.num_features
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.inner.set_grad_checkpointing(enable)
+
     def _apply(self, fn, recurse=True):  # .to() / .half(): top-level params of the inner model stay shared
         super()._apply(fn, recurse)
         for param_name, param in list(self._parameters.items()):

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 from timm.layers import DropPath
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from kernels import AttentionMask, attention, resolve_backend
 from model.init import mae_init_
@@ -113,6 +114,15 @@ class Block(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
+def run_block(block: Block, x: torch.Tensor, attn_mask: AttentionMask | None = None,
+              rpe_adversary: RPEAdversary | None = None, recompute: bool = False) -> torch.Tensor:
+    """block(x, ...), or with activation checkpointing (non-reentrant: the recomputation sees the
+    same drop-path draws, and gradients of any order flow through it)."""
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(block, x, attn_mask, rpe_adversary, use_reentrant=False)
+    return block(x, attn_mask, rpe_adversary)
+
+
 class VisionTransformer(nn.Module):
     """ViT encoder: conv patch embed, cls token, fixed sin-cos positions, pre-norm blocks, norm.
 
@@ -164,8 +174,13 @@ class VisionTransformer(nn.Module):
         self.norm = default_norm(embed_dim) if global_pool == "token" else nn.Identity()
         self.fc_norm = default_norm(embed_dim) if global_pool == "avg" else nn.Identity()
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.grad_checkpointing = False  # set_grad_checkpointing: recompute blocks in backward
         mae_init_(self)
         nn.init.normal_(self.cls_token, std=0.02)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Keep only each block's input for backward and recompute the block there (timm's name)."""
+        self.grad_checkpointing = enable
 
     def reset_head(self, num_classes: int) -> None:
         """A fresh Linear classifier (timm's name `head`) on the pooled feature."""
@@ -216,8 +231,9 @@ class VisionTransformer(nn.Module):
         for i, block in enumerate(self.blocks):
             if block_input is not None:
                 x = x + block_input
-            x = block(x, attn_masks[i] if attn_masks is not None else None,
-                      rpe_adversaries[i] if rpe_adversaries is not None else None)
+            x = run_block(block, x, attn_masks[i] if attn_masks is not None else None,
+                          rpe_adversaries[i] if rpe_adversaries is not None else None,
+                          recompute=self.grad_checkpointing)
         return self.norm(x)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:

@@ -74,6 +74,26 @@ def precision(ds: dict) -> str:
     return "fp16" if fp16 else "bf16" if bf16 else "fp32"
 
 
+# DeepSpeed's activation_checkpointing section is the switch for recomputing every transformer
+# block in backward (torch.utils.checkpoint on our blocks; model/ stays free of deepspeed). Its
+# options belong to Megatron-style deepspeed.checkpointing, which our models do not call.
+UNSUPPORTED_CHECKPOINTING = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                             "synchronize_checkpoint_boundary", "profile")
+
+
+def activation_checkpointing(ds: dict) -> bool:
+    """Whether the ds_config asks for activation checkpointing (its `activation_checkpointing` section)."""
+    section = ds.get("activation_checkpointing")
+    if section is None:
+        return False
+    on = [k for k in UNSUPPORTED_CHECKPOINTING if section.get(k)]
+    if on or section.get("number_checkpoints"):
+        raise ConfigError(f"ds_config activation_checkpointing sets {on or ['number_checkpoints']}, which apply to "
+                          f"Megatron-style deepspeed.checkpointing; here the section only switches on recomputing every "
+                          f"transformer block (torch.utils.checkpoint). Leave those options false")
+    return True
+
+
 def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
             bf16_ok: bool | None = None) -> tuple[dict, BatchPlan]:
     """Return the final ds_config (batch triple filled in) and the batch plan, or raise ConfigError."""
@@ -104,6 +124,7 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
     if stage == 3 and cfg.run.vis_every:
         raise ConfigError("run.vis_every needs the full weights on rank 0, which ZeRO-3 partitions; "
                           "set run.vis_every 0 or use ZeRO stage <= 2")
+    activation_checkpointing(ds)
     if cfg.model.attn_backend == "flash_attn" and prec == "fp32":
         raise ConfigError("model.attn_backend flash_attn runs only in fp16/bf16, but the ds_config trains in fp32")
     plan = resolve_batch(ds, world)

@@ -31,12 +31,15 @@ TIMM_NAMES = {
 
 def _module_state(tag_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:
     """Full-precision module weights. ZeRO-1/2 mixed-precision and ZeRO-3 runs keep the fp32
-    master weights only in the optimizer shards, so those are consolidated through DeepSpeed."""
-    states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
-    # objectives' extra state (e.g. AdPE adversaries under `_extra_state`) is not weights
-    states = {k: v for k, v in states.items() if isinstance(v, torch.Tensor)}
-    half = any(v.dtype in (torch.float16, torch.bfloat16) for v in states.values())
-    if zero_stage >= 1 and (half or zero_stage == 3):
+    master weights only in the optimizer shards, so those are consolidated through DeepSpeed
+    (ZeRO-3 writes no whole-model file at all)."""
+    half = False
+    if zero_stage < 3:
+        states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
+        # objectives' extra state (e.g. AdPE adversaries under `_extra_state`) is not weights
+        states = {k: v for k, v in states.items() if isinstance(v, torch.Tensor)}
+        half = any(v.dtype in (torch.float16, torch.bfloat16) for v in states.values())
+    if zero_stage == 3 or (zero_stage >= 1 and half):
         from deepspeed.utils.zero_to_fp32 import (
             get_fp32_state_dict_from_zero_checkpoint,
         )

@@ -3,8 +3,9 @@
     deepspeed train/pretrain.py --ds_config ds_configs/<file>.json [--key value ...]
     python    train/pretrain.py --ds_config ds_configs/cpu_debug.json [--key value ...]
 
-Options: `python train/pretrain.py --help`. Everything is checked before the process group
-starts; then: build encoder + objective, DeepSpeed engine, resume, loop, final checkpoint, export.
+Options: `python train/pretrain.py --help`; `--dry-run [--world_size N] [--gpu a100]` checks a
+configuration for another world size and GPU and estimates memory (train/dry_run.py). Everything
+is checked before the process group starts; then: build encoder + objective, DeepSpeed engine, resume, loop, final checkpoint, export.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from train.config import (
     parse_args,
     to_dict,
 )
-from train.ds_config import BatchPlan, resolve
+from train.ds_config import BatchPlan, activation_checkpointing, resolve
 from train.evaluate import classification_accuracy
 from train.loop import LoopState, run
 from train.optim import WarmupCosineSchedule, build_optimizer, build_param_groups
@@ -88,6 +89,10 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
             log.info(load_into_objective(objective, cfg.model.init_from, state))
         except ValueError as e:
             raise ConfigError(f"model.init_from: {e}") from None
+    if activation_checkpointing(ds_config):  # recompute every transformer block in backward
+        for module in objective.modules():
+            if hasattr(module, "set_grad_checkpointing"):
+                module.set_grad_checkpointing(True)
     groups, split = build_param_groups(objective, cfg.optim.weight_decay, cfg.optim.layer_decay)
     optimizer = build_optimizer(groups, cfg.optim, device.type == "cuda")
     scheduler = WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, warmup_steps, total_steps)
@@ -124,6 +129,10 @@ def main(argv: list[str] | None = None) -> Path:
     if "--help" in argv or "-h" in argv:
         print(__doc__ + "\n" + help_text())
         raise SystemExit(0)
+    if "--dry-run" in argv:  # check for a world size and GPU, estimate memory; start nothing
+        from train.dry_run import main as dry_run
+
+        raise SystemExit(dry_run(argv))
     cfg = parse_args(argv)
     # Everything below up to distributed.init() rejects bad input before any process group starts.
     ds_config, plan = resolve(cfg, distributed.world_size_from_env())

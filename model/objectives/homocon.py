@@ -41,5 +41,6 @@ def homologous_contrastive_loss(z: torch.Tensor, labels: torch.Tensor, temperatu
     positive = (labels[:, None] == labels[None, :]) & ~self_pair
     num_pos = positive.sum(dim=1)
     per_anchor = -log_prob.masked_fill(~positive, 0.0).sum(dim=1) / num_pos.clamp_min(1)
-    has_pos = num_pos > 0
-    return per_anchor[has_pos].mean()
+    has_pos = (num_pos > 0).to(per_anchor.dtype)
+    # a weighted mean, not per_anchor[has_pos]: boolean indexing would wait for the GPU (data-dependent size)
+    return (per_anchor * has_pos).sum() / has_pos.sum()

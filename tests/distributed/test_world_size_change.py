@@ -23,10 +23,10 @@ def deepspeed(ranks: int, *args: str) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def write_ds(path: Path, stage: int = 2) -> Path:
+def write_ds(path: Path, stage: int = 2, **extra) -> Path:
     """Global batch 16 with micro 8: the accumulation follows the world size (2 ranks x 1, 1 rank x 2)."""
     path.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.0,
-                                "zero_optimization": {"stage": stage}, "bf16": {"enabled": False}}))
+                                "zero_optimization": {"stage": stage}, "bf16": {"enabled": False}, **extra}))
     return path
 
 
@@ -44,7 +44,7 @@ def test_weights_moments_and_schedule_carry_over_from_2_ranks_to_1(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step00000003" / "universal" / "zero").is_dir()
 
 
-def test_pretrain_on_shards_continues_on_one_rank(tmp_path):
+def test_pretrain_on_shards_under_zero3_with_checkpointing_continues_on_one_rank(tmp_path):
     import numpy as np
     from PIL import Image
 
@@ -54,11 +54,14 @@ def test_pretrain_on_shards_continues_on_one_rank(tmp_path):
         for i in range(24):
             Image.fromarray(np.full((8, 8), c * 100 + i, dtype=np.uint8)).save(src / str(c) / f"{i}.png")
     write_shards(["imagefolder", str(src), str(tmp_path / "s"), "--samples_per_shard", "6"])  # 8 shards
-    ds = write_ds(tmp_path / "ds.json")
+    ds = write_ds(tmp_path / "ds.json", stage=3, activation_checkpointing={})  # the ViT-H matrix's setting
     args = ("--data.source", "shards", "--data.train_index", str(tmp_path / "s" / "train.json"), "--data.epoch_size",
             "0", "--data.num_workers", "1", "--model.in_chans", "3", "--run.ckpt_every", "2")
     run = tmp_path / "run"
     run_pretrain(run, *args, "--run.max_steps", "2", ranks=2, ds_config=ds)
+    from train.export import load_timm_encoder
+
+    assert load_timm_encoder(run / "encoder.safetensors").patch_embed.proj.weight.shape[0] == 32  # ZeRO-3 exports
     proc = run_pretrain(run, *args, "--run.max_steps", "3", "--resume", "auto", ds_config=ds)
     assert "resumed from" in proc.stderr and "written by 2 ranks, continued on 1" in proc.stderr
     rows = read_metrics(run)

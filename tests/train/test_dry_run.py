@@ -1,0 +1,119 @@
+"""The dry run over every shipped ds_config, for the methods each serves, and what it rejects."""
+import json
+import sys
+
+import pytest
+from conftest import REPO
+
+from train.config import parse_args
+from train.dry_run import check
+from train.gpus import gpu_in_filename, gpu_named
+
+DS = REPO / "ds_configs"
+PRESETS = REPO / "train" / "configs"
+MODELS = {"b": "vit_base_patch16", "l": "vit_large_patch16", "h": "vit_huge_patch14"}
+
+
+def methods_for(name: str) -> list[list[str]]:
+    """The option sets (method presets) a shipped file is meant for: for the 4096 matrix MAE+ (every
+    token of 4 crops in the encoder: the most memory) everywhere, MAE and MixedAE on ZeRO-1."""
+    if name.startswith("vit_"):
+        model = ["--model.name", MODELS[name[4]]]
+        cell = ["--mixedae.cell_size", "28"] if name[4] == "h" else []  # 2 x 2 patches of 14 px
+        others = [model, ["--config", str(PRESETS / "mixedae_vit_b.json"), *model, *cell]] if "zero1" in name else []
+        return [["--config", str(PRESETS / "maeplus_vit_b.json"), *model], *others]
+    if name.startswith(("mlomae_", "energy_")):
+        return [["--config", str(PRESETS / f"{name.split('_')[0]}_vit_b.json")]]
+    if name.startswith("finetune_"):
+        from train.finetune import RECIPE
+
+        return [[*RECIPE, "--model.name", MODELS[name.split("_")[2]], "--finetune.num_classes", "1000"]]
+    if name.startswith("linprobe_"):
+        from train.linprobe import RECIPE
+
+        return [[*RECIPE, "--model.name", "vit_base_patch16", "--linprobe.num_classes", "1000"]]
+    if name == "cpu_demo.json":
+        return [["--config", str(PRESETS / "demo_mae.json"), "--data.epoch_size", "60000"]]  # Fashion-MNIST's train split
+    return [["--config", str(PRESETS / "debug_mae.json")]]  # the tests' config
+
+
+@pytest.mark.parametrize("path", sorted(DS.glob("*.json")), ids=lambda p: p.stem)
+def test_every_shipped_ds_config_passes_the_dry_run_for_its_methods(path):
+    gpu = gpu_named(gpu_in_filename(path.name) or "a100")
+    world = 8 if gpu_in_filename(path.name) else 1
+    for options in methods_for(path.name):
+        cfg = parse_args(["--ds_config", str(path), "--data.source", "synthetic", *options])
+        run = check(cfg, world, gpu)
+        assert run.ok, f"{path.name} {options}: {run.problems}"
+        assert run.memory is not None and run.memory.fits(gpu)
+        if path.name.startswith("vit_"):
+            assert run.memory.largest_micro(gpu) >= 2 * json.loads(path.read_text())["train_micro_batch_size_per_gpu"]
+
+
+def test_matrix_files_are_the_generators_output():
+    sys.path.insert(0, str(DS))
+    try:
+        from generate import matrix, render
+    finally:
+        sys.path.remove(str(DS))
+    files = matrix()
+    for name, cfg in files.items():
+        assert (DS / name).read_text() == render(cfg), f"{name} differs: run python ds_configs/generate.py"
+    assert len([f for f in files if f.startswith("vit_")]) == 21  # B/L/H x 3 GPUs x ZeRO 1, 2 (+ ZeRO-3 for H)
+    for name, cfg in files.items():
+        if name.startswith("vit_"):
+            assert cfg["train_batch_size"] == 4096 and "gradient_accumulation_steps" not in cfg
+            assert ("activation_checkpointing" in cfg) == ("zero3" in name)
+
+
+def _check(ds: str, *options: str, world: int = 8, gpu: str = "a100"):
+    return check(parse_args(["--ds_config", str(DS / ds), "--data.source", "synthetic", *options]), world,
+                 gpu_named(gpu))
+
+
+def test_rejections_name_the_problem():
+    assert "V100 has none" in _check("vit_b_8xa100_bf16_zero1.json", gpu="v100").problems[0]
+    assert "not divisible by micro batch 256 x 24 ranks" in _check("vit_b_8xa100_bf16_zero1.json", world=24).problems[0]
+    zero3 = "vit_h_8xa100_bf16_zero3_actckpt.json"
+    assert "ZeRO-3" in _check(zero3, "--config", str(PRESETS / "mlomae_vit_b.json")).problems[0]
+    assert "ZeRO-3" in _check(zero3, "--config", str(PRESETS / "energy_vit_b.json")).problems[0]
+    assert "ZeRO-3" in _check(zero3, "--model.name", "vit_huge_patch14", "--run.vis_every", "100").problems[0]
+
+
+def test_memory_estimate_reacts_to_zero_stage_checkpointing_and_micro_batch(tmp_path):
+    base = json.loads((DS / "vit_h_8xv100_fp16_zero1.json").read_text())
+    h = ["--model.name", "vit_huge_patch14"]
+
+    def estimate(**changes):
+        cfg = {**base, **changes}
+        (tmp_path / "ds.json").write_text(json.dumps(cfg))
+        return check(parse_args(["--ds_config", str(tmp_path / "ds.json"), "--data.source", "synthetic", *h]), 8,
+                     gpu_named("v100"))
+
+    z1 = estimate()
+    z2 = estimate(zero_optimization={**base["zero_optimization"], "stage": 2})
+    z3 = estimate(zero_optimization={"stage": 3}, activation_checkpointing={})
+    assert z2.memory.gradients == pytest.approx(z1.memory.gradients / 8)  # ZeRO-2 partitions gradients
+    assert z3.memory.weights == pytest.approx(z1.memory.weights / 8)  # ZeRO-3 partitions weights
+    assert z3.memory.activations < z1.memory.activations / 5  # checkpointing keeps block inputs only
+    big = estimate(train_micro_batch_size_per_gpu=512)
+    assert not big.ok and "exceeds" in big.problems[0] and f"at most {z1.memory.largest_micro(gpu_named('v100'))}" \
+        in big.problems[0]
+    assert big.memory.activations == pytest.approx(z1.memory.activations * 16)  # linear in the micro-batch
+
+
+def test_cli_exit_codes(capsys):
+    from train.pretrain import main
+
+    def run(*args):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--dry-run", *args])
+        return exit_.value.code, capsys.readouterr().out
+
+    code, out = run("--ds_config", str(DS / "vit_l_8xa100_bf16_zero2.json"), "--model.name", "vit_large_patch16",
+                    "--data.source", "synthetic", "--world_size", "16")
+    assert code == 0, out
+    assert "16 x A100 SXM4 80GB: global batch 4096 = micro 128 x accumulation 2 x 16 ranks" in out
+    code, out = run("--ds_config", str(DS / "vit_l_8xa100_bf16_zero2.json"), "--data.source", "synthetic",
+                    "--gpu", "v100")
+    assert code == 2 and "PROBLEM: ds_config enables bf16, which this GPU lacks" in out

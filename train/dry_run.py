@@ -1,0 +1,151 @@
+"""Check a pretraining configuration for a world size and a GPU, and estimate per-GPU memory,
+without starting any process or touching a GPU.
+
+    python train/pretrain.py --dry-run [--world_size N] [--gpu a100] --ds_config FILE [--config PRESET] [--key value ...]
+
+Checks everything train/pretrain.py checks before it starts (options, batch arithmetic against
+the world size, the objective against model, batch and ZeRO stage, shards against ranks x
+workers when the index is readable here) plus what depends on the named GPU (bf16 support,
+sm80 kernels) and whether the memory estimate (train/memory.py) fits it. Exit 0 when the
+configuration is sound and fits, 2 otherwise, with the problems listed.
+
+--gpu defaults to the GPU a shipped ds_config names (`..._8xa100_...`), else this machine's;
+--world_size to WORLD_SIZE, else what a ds_config giving all three batch numbers implies, else 8.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from model.registry import model_arch
+from train.config import ConfigError, PretrainConfig, check_objective_fits, parse_args
+from train.ds_config import activation_checkpointing, load, precision, resolve
+from train.gpus import GPU, current_gpu, gpu_in_filename, gpu_named
+from train.memory import GIB, HEADROOM, MemoryEstimate, estimate
+
+
+@dataclass
+class DryRun:
+    world: int
+    gpu: GPU
+    lines: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    memory: MemoryEstimate | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def default_world(ds_config: str) -> int:
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    ds = load(ds_config)
+    tb, mb, ga = (ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                      "gradient_accumulation_steps"))
+    if tb and mb and ga and tb % (mb * ga) == 0:
+        return tb // (mb * ga)
+    return 8
+
+
+def default_gpu(ds_config: str) -> GPU:
+    name = gpu_in_filename(Path(ds_config).name)
+    if name is not None:
+        return gpu_named(name)
+    here = current_gpu()
+    if here is None:
+        raise ConfigError("name the GPU to check against with --gpu (one of v100, a100, h100, ...)")
+    return here
+
+
+def check(cfg: PretrainConfig, world: int, gpu: GPU) -> DryRun:
+    from train.pretrain import build_encoder, schedule_steps
+
+    run = DryRun(world, gpu)
+    try:
+        ds, plan = resolve(cfg, world, cuda=True, bf16_ok=gpu.bf16)
+    except ConfigError as e:
+        run.problems.append(str(e))
+        return run
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    prec = precision(ds)
+    run.lines.append(f"{world} x {gpu.name}: global batch {plan.global_batch} = micro {plan.micro} x accumulation "
+                     f"{plan.accum} x {world} ranks; {prec}; ZeRO {stage}; activation checkpointing "
+                     f"{'on' if activation_checkpointing(ds) else 'off'}")
+    if cfg.model.attn_backend == "flash_attn" and not gpu.sm80:
+        run.problems.append(f"model.attn_backend flash_attn needs an sm80+ GPU (FlashAttention-2); {gpu.name} has "
+                            f"none: use sdpa")
+    try:
+        check_objective_fits(cfg, plan.micro, plan.accum, stage)
+    except ConfigError as e:
+        run.problems.append(str(e))
+    if cfg.data.source == "synthetic" or Path(cfg.data.train_index).is_file():
+        try:
+            from data.source import check_source
+
+            check_source(cfg.data, world)
+            per_epoch, total, _ = schedule_steps(cfg, plan)
+            run.lines.append(f"schedule: {per_epoch} steps per epoch, {total} steps; peak lr "
+                             f"{cfg.optim.blr * plan.global_batch / 256:.3g} (blr {cfg.optim.blr:g} x "
+                             f"{plan.global_batch} / 256)")
+        except (ConfigError, ValueError) as e:
+            run.problems.append(str(e))
+    else:
+        run.lines.append(f"shards not checked: {cfg.data.train_index!r} is not readable here")
+    if run.problems:  # a configuration that cannot start has no memory to estimate
+        return run
+    from model.objectives import build_objective
+
+    section = getattr(cfg, cfg.objective)
+    builder = lambda: build_objective(cfg.objective, build_encoder(cfg), section)  # noqa: E731
+    img_size = cfg.model.img_size or model_arch(cfg.model.name)["img_size"]
+    try:
+        mem = estimate(builder, cfg.data, ds, plan, gpu, img_size, cfg.model.in_chans)
+    except (NotImplementedError, RuntimeError) as e:  # an objective the meta device cannot run
+        run.lines.append(f"memory not estimated: the objective does not run on the meta device ({e})")
+        return run
+    run.memory = mem
+    prof = mem.profile
+    run.lines.append(f"parameters: {mem.params / 1e6:.1f}M ({mem.trainable / 1e6:.1f}M trained); per sample: "
+                     f"{prof.tokens() / plan.micro:.0f} block tokens, {prof.train_flops / plan.micro / 1e9:.1f} "
+                     f"training GFLOPs (3 x forward matmuls)")
+    parts = ", ".join(f"{k} {v}" for k, v in mem.table().items())
+    limit = HEADROOM * gpu.memory_gib
+    run.lines.append(f"memory per GPU, estimate (GiB): {parts} of {gpu.memory_gib:g} (limit {limit:.0f}); "
+                     f"largest micro-batch that fits: {mem.largest_micro(gpu)}")
+    if not mem.fits(gpu):
+        run.problems.append(f"the estimate {mem.total / GIB:.1f} GiB exceeds {limit:.0f} GiB of {gpu.name}: set "
+                            f"train_micro_batch_size_per_gpu to at most {mem.largest_micro(gpu)} (with "
+                            f"train_batch_size given, the accumulation follows), or use a higher ZeRO stage or "
+                            f"activation checkpointing")
+    return run
+
+
+def main(argv: list[str]) -> int:
+    rest, world, gpu_name = [], None, None
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--dry-run":
+            i += 1
+        elif argv[i] in ("--world_size", "--gpu"):
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{argv[i]} needs a value")
+            world, gpu_name = (int(argv[i + 1]), gpu_name) if argv[i] == "--world_size" else (world, argv[i + 1])
+            i += 2
+        else:
+            rest.append(argv[i])
+            i += 1
+    cfg = parse_args(rest)
+    try:
+        gpu = gpu_named(gpu_name) if gpu_name else default_gpu(cfg.ds_config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    run = check(cfg, world or default_world(cfg.ds_config), gpu)
+    print(f"dry run of {cfg.objective} on {cfg.model.name} with {cfg.ds_config}")
+    for line in run.lines:
+        print(f"  {line}")
+    for p in run.problems:
+        print(f"  PROBLEM: {p}")
+    print("  OK: nothing would stop this run before it starts" if run.ok else f"  {len(run.problems)} problem(s)")
+    return 0 if run.ok else 2
