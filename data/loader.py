@@ -1,6 +1,8 @@
 """The training-side iterator over shards: batches on the device, a position record, skipped-sample counts."""
 from __future__ import annotations
 
+import signal
+
 import torch
 
 from data.reshard import ReaderLayout, consumed
@@ -8,8 +10,12 @@ from data.shards import ERROR_KINDS, ShardSet, ShardStream, StreamStart, check_s
 from data.transforms import PretrainTransform, normalize_uint8
 
 
-def _one_thread(_: int) -> None:
+def _init_worker(_: int) -> None:
     torch.set_num_threads(1)  # decode workers must not compete with the training process's threads
+    # Stop requests are the training process's to act on (train/preemption.py); a worker that
+    # died of one first would take the batch stream, and the checkpoint, with it.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class ShardLoader:
@@ -53,7 +59,7 @@ class ShardLoader:
         loader = torch.utils.data.DataLoader(
             stream, batch_size=self.batch_size, num_workers=self.num_workers, pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0, prefetch_factor=4 if self.num_workers > 0 else None,
-            worker_init_fn=_one_thread, collate_fn=collate,
+            worker_init_fn=_init_worker, collate_fn=collate,
             # Starting workers draws a base seed; from the global RNG it would shift the training
             # process's random stream (masking noise) depending on when the loader started.
             generator=torch.Generator().manual_seed(self.seed),

@@ -88,6 +88,8 @@ class RunConfig:
     export: bool = True  # write encoder.safetensors + encoder.json at the end
     vis_every: int = 0  # optimizer steps between PNG figures in <output_dir>/vis (0 = none)
     eval_every: int = 0  # optimizer steps between evaluations on data.eval_index (0 = only at the end)
+    compile: bool = False  # torch.compile every ViT block (encoder and decoder; ZeRO stages 0-2)
+    stop_check_every: int = 5  # optimizer steps between the ranks' agreement on a stop signal (SIGUSR1 / SIGTERM)
 
 
 @dataclass
@@ -140,6 +142,11 @@ class PretrainConfig:
                 Path(self.data.eval_index).resolve() == Path(self.data.train_index).resolve():
             raise ConfigError("data.eval_index is the training index, which every MLO-MAE level reads: the reported "
                               "accuracy would be measured on training samples; point it at the held-out test split")
+        if self.run.compile and getattr(OBJECTIVES[self.objective][1], "double_backward", False):
+            raise ConfigError(f"run.compile: objective {self.objective} differentiates through input gradients, "
+                              f"which compiled graphs do not support; set run.compile false")
+        if self.run.stop_check_every < 1:
+            raise ConfigError("run.stop_check_every must be >= 1")
         if self.optim.fused not in ("auto", "yes", "no"):
             raise ConfigError(f"optim.fused must be auto, yes or no, got {self.optim.fused!r}")
         if self.optim.warmup_epochs > self.optim.epochs:
@@ -168,6 +175,11 @@ class PretrainConfig:
             getattr(self, self.objective).validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def encoder_img_size(cfg: PretrainConfig) -> int:
+    """The encoder's input size: model.img_size, else the registry entry's default."""
+    return cfg.model.img_size or model_arch(cfg.model.name)["img_size"]
 
 
 def check_objective_fits(cfg: PretrainConfig, micro_batch: int, accum: int = 1, zero_stage: int = 0) -> None:

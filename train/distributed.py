@@ -1,4 +1,5 @@
-"""Process-group set-up shared by the deepspeed launcher and plain single-process runs."""
+"""Process-group set-up shared by the deepspeed launcher, Slurm (launchers/slurm.py) and plain
+single-process runs."""
 from __future__ import annotations
 
 import glob
@@ -7,13 +8,18 @@ import socket
 
 import torch
 
+from launchers import slurm
+
 if not torch.cuda.is_available():
     # DeepSpeed otherwise probes for accelerators and warns; say CPU outright.
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def world_size_from_env() -> int:
-    """Known before the process group exists (launchers export WORLD_SIZE)."""
+    """Known before the process group exists: WORLD_SIZE (deepspeed / torchrun / our node
+    launcher), else the task count of a one-task-per-GPU Slurm step (launchers/slurm.py)."""
+    if "WORLD_SIZE" not in os.environ and slurm.in_task_step(os.environ):
+        return int(slurm.task_env(os.environ)["WORLD_SIZE"])
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -30,6 +36,8 @@ def init() -> tuple[int, int, torch.device]:
     """
     import deepspeed
 
+    if "RANK" not in os.environ and slurm.in_task_step(os.environ):  # srun: one task per GPU
+        os.environ.update(slurm.task_env(os.environ))  # DeepSpeed's init does not read SLURM_*
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))

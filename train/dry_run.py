@@ -18,8 +18,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from model.registry import model_arch
-from train.config import ConfigError, PretrainConfig, check_objective_fits, parse_args
+from train.config import ConfigError, PretrainConfig, check_objective_fits, encoder_img_size, parse_args
 from train.ds_config import activation_checkpointing, load, precision, resolve
 from train.gpus import GPU, current_gpu, gpu_in_filename, gpu_named
 from train.memory import GIB, HEADROOM, MemoryEstimate, estimate
@@ -99,7 +98,7 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU) -> DryRun:
 
     section = getattr(cfg, cfg.objective)
     builder = lambda: build_objective(cfg.objective, build_encoder(cfg), section)  # noqa: E731
-    img_size = cfg.model.img_size or model_arch(cfg.model.name)["img_size"]
+    img_size = encoder_img_size(cfg)
     try:
         mem = estimate(builder, cfg.data, ds, plan, gpu, img_size, cfg.model.in_chans)
     except (NotImplementedError, RuntimeError) as e:  # an objective the meta device cannot run

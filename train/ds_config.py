@@ -121,6 +121,9 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
         raise ConfigError("optim.name lars needs whole per-layer tensors for its trust ratio, but ZeRO stages "
                           ">= 1 and DeepSpeed's bf16 optimizer hand it flat partitions; use a ds_config with ZeRO "
                           "stage 0 in fp32 or fp16")
+    if stage == 3 and cfg.run.compile:
+        raise ConfigError("run.compile is not supported under ZeRO-3 (its parameter gathering hooks around every "
+                          "block); use ZeRO stage <= 2 or run.compile false")
     if stage == 3 and cfg.run.vis_every:
         raise ConfigError("run.vis_every needs the full weights on rank 0, which ZeRO-3 partitions; "
                           "set run.vis_every 0 or use ZeRO stage <= 2")

@@ -45,7 +45,10 @@ def run(
     on_checkpoint: Callable[[int], None],
     on_visualize: Callable[[int], None] = lambda step: None,
     on_evaluate: Callable[[int], None] | None = None,
-) -> None:
+    should_stop: Callable[[int], bool] = lambda step: False,
+) -> bool:
+    """Train until state.stop_step; True when `should_stop` (a collective: train/preemption.py)
+    ended it early, after a checkpoint of the step reached."""
     accum = engine.gradient_accumulation_steps()
     # ZeRO stages 1-3 and the mixed-precision optimizers report the norm they computed; a plain
     # fp32 stage-0 engine without clipping does not, so we measure it on log steps.
@@ -109,6 +112,12 @@ def run(
             on_evaluate(state.step)
         if state.vis_every and (state.step % state.vis_every == 0 or last):
             on_visualize(state.step)
-        if state.step % state.ckpt_every == 0 or state.step == state.stop_step:
+        saved = state.step % state.ckpt_every == 0 or last
+        if saved:
             on_checkpoint(state.step)
             t_last = time.perf_counter()  # checkpoint time is not training throughput
+        if not last and should_stop(state.step):
+            if not saved:
+                on_checkpoint(state.step)
+            return True
+    return False

@@ -89,12 +89,11 @@ def estimate(objective_builder, data_cfg, ds: dict, plan: BatchPlan, gpu: GPU, i
     """`objective_builder()` builds the objective (it runs on the meta device here)."""
     prec = precision(ds)
     stage = ds.get("zero_optimization", {}).get("stage", 0)
+    from train.pretrain import apply_execution_options
+
     with torch.device("meta"):
         objective = objective_builder()
-        if activation_checkpointing(ds):
-            for m in objective.modules():
-                if hasattr(m, "set_grad_checkpointing"):
-                    m.set_grad_checkpointing(True)
+        apply_execution_options(objective, activation_checkpointing(ds), compile_blocks=False)
         params = sum(p.numel() for p in objective.parameters())
         trainable = sum(p.numel() for p in objective.parameters() if p.requires_grad)
         value_bytes = 4 if prec == "fp32" else 2

@@ -40,6 +40,7 @@ from train.ds_config import BatchPlan, activation_checkpointing, resolve
 from train.evaluate import classification_accuracy
 from train.loop import LoopState, run
 from train.optim import WarmupCosineSchedule, build_optimizer, build_param_groups
+from train.preemption import StopSignal, requeue_job
 from train.run_dir import Reporter, write_run_files
 from train.visualize import write_figures
 
@@ -72,6 +73,18 @@ def schedule_steps(cfg: PretrainConfig, plan: BatchPlan) -> tuple[int, int, floa
     return per_epoch, per_epoch * cfg.optim.epochs, per_epoch * cfg.optim.warmup_epochs
 
 
+def apply_execution_options(objective: torch.nn.Module, recompute: bool, compile_blocks: bool) -> None:
+    """Activation checkpointing (the ds_config's section: every transformer block recomputed in
+    backward) and run.compile (torch.compile of every ViT block: one graph per block shape)."""
+    from model.vit import Block
+
+    for module in objective.modules():
+        if recompute and hasattr(module, "set_grad_checkpointing"):
+            module.set_grad_checkpointing(True)
+        if compile_blocks and isinstance(module, Block):
+            module.compile()
+
+
 def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, peak_lr: float,
                  warmup_steps: float, total_steps: int):
     """Encoder + objective (identical initial weights on every rank), AdamW, schedule, engine."""
@@ -89,10 +102,7 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
             log.info(load_into_objective(objective, cfg.model.init_from, state))
         except ValueError as e:
             raise ConfigError(f"model.init_from: {e}") from None
-    if activation_checkpointing(ds_config):  # recompute every transformer block in backward
-        for module in objective.modules():
-            if hasattr(module, "set_grad_checkpointing"):
-                module.set_grad_checkpointing(True)
+    apply_execution_options(objective, activation_checkpointing(ds_config), cfg.run.compile)
     groups, split = build_param_groups(objective, cfg.optim.weight_decay, cfg.optim.layer_decay)
     optimizer = build_optimizer(groups, cfg.optim, device.type == "cuda")
     scheduler = WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, warmup_steps, total_steps)
@@ -239,10 +249,17 @@ def main(argv: list[str] | None = None) -> Path:
 
     state = LoopState(start_step, stop_step, cfg.run.log_every, cfg.run.ckpt_every, plan.global_batch,
                       cfg.run.vis_every, cfg.run.eval_every)
-    run(engine, data, state, device, dtype, reporter.log if reporter else lambda step, metrics: None, on_checkpoint,
-        on_visualize, on_evaluate)
+    stop = StopSignal(cfg.run.stop_check_every, device)  # SIGUSR1 / SIGTERM: checkpoint, (requeue), exit
+    stopped = run(engine, data, state, device, dtype, reporter.log if reporter else lambda step, metrics: None,
+                  on_checkpoint, on_visualize, on_evaluate, stop.should_stop)
     if reporter is not None:
         reporter.close()
+    if stopped:
+        log.info("stopped on a signal at step %d after writing %s", state.step, last_saved[0])
+        if rank == 0 and stop.requeue:
+            log.info(requeue_job())
+        distributed.barrier()
+        return run_dir
     if rank == 0 and cfg.run.export and last_saved:
         from train.export import export_checkpoint
 

@@ -1,0 +1,123 @@
+"""Slurm launching without Slurm: faked environments for 2 local ranks, a fake scontrol / sbatch."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import CPU_DS, DEBUG_PRESET, REPO, _free_port
+
+from launchers.slurm import hostnames, in_task_step, node_envs, task_env
+from train.run_dir import read_metrics
+
+
+def test_hostlists_expand():
+    assert hostnames("gpu[01-03,07],login-a") == ["gpu01", "gpu02", "gpu03", "gpu07", "login-a"]
+    assert hostnames("r[1-2]n[8-9]") == ["r1n8", "r1n9", "r2n8", "r2n9"]
+    assert hostnames("node001") == ["node001"]
+
+
+def test_one_task_per_gpu_maps_slurm_to_torch_distributed():
+    env = {"SLURM_PROCID": "13", "SLURM_LOCALID": "5", "SLURM_STEP_NUM_TASKS": "32", "SLURM_STEP_NUM_NODES": "4",
+           "SLURM_STEP_NODELIST": "gpu[01-04]", "SLURM_JOB_ID": "123456"}
+    assert in_task_step(env)
+    assert task_env(env) == {"RANK": "13", "LOCAL_RANK": "5", "WORLD_SIZE": "32", "LOCAL_WORLD_SIZE": "8",
+                             "MASTER_ADDR": "gpu01", "MASTER_PORT": str(20000 + 123456 % 20000)}
+    assert task_env({**env, "MASTER_PORT": "29999"})["MASTER_PORT"] == "29999"
+    # the batch script itself, or a 1-task step, is not a rank of a bigger world
+    assert not in_task_step({"SLURM_PROCID": "0", "SLURM_JOB_ID": "1", "SLURM_NTASKS": "32"})
+    assert not in_task_step({**env, "SLURM_STEP_NUM_TASKS": "1"})
+
+
+def test_one_task_per_node_starts_its_ranks():
+    env = {"SLURM_NODEID": "2", "SLURM_STEP_NUM_NODES": "4", "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_ID": "7"}
+    envs = node_envs(env, 8)
+    assert [e["RANK"] for e in envs] == [str(r) for r in range(16, 24)]
+    assert {e["WORLD_SIZE"] for e in envs} == {"32"} and [e["LOCAL_RANK"] for e in envs] == [str(r) for r in range(8)]
+    assert {e["MASTER_ADDR"] for e in envs} == {"n1"}
+
+
+def fake_slurm_bin(tmp_path):
+    """A `scontrol` and an `sbatch` that record their arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, reply in (("scontrol", ""), ("sbatch", "Submitted batch job 4242")):
+        script = bin_dir / name
+        script.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/{name}.log\necho {reply}\n")
+        script.chmod(0o755)
+    return bin_dir
+
+
+def wait_for_steps(run_dir, n, procs, timeout=240):
+    end = time.time() + timeout
+    while time.time() < end:
+        if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= n:
+            return
+        assert all(p.poll() is None for p in procs), "a rank ended early"
+        time.sleep(0.1)
+    raise AssertionError(f"no {n} logged steps within {timeout} s")
+
+
+def test_requeue_on_sigusr1_writes_a_resumable_checkpoint_node_then_task_mode(tmp_path):
+    run_dir = tmp_path / "run"
+    bin_dir = fake_slurm_bin(tmp_path)
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_NODELIST": "localhost",
+             "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    args = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(run_dir),
+            "--run.progress", "false", "--data.epoch_size", "100000", "--run.stop_check_every", "1"]
+    # one task per node: the node launcher starts 2 ranks and forwards the signal to them
+    node = subprocess.Popen([sys.executable, "-m", "launchers.slurm", "node", "--ranks", "2", "--",
+                             "train/pretrain.py", *args],
+                            cwd=REPO, env={**base, **slurm, "SLURM_NODEID": "0", "SLURM_NNODES": "1",
+                                           "MASTER_PORT": str(_free_port())},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_steps(run_dir, 2, [node])
+    node.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=USR1@180` does ahead of the time limit
+    out, _ = node.communicate(timeout=240)
+    assert node.returncode == 0, out[-3000:]
+    assert "requeued Slurm job 4242" in out
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    stopped = read_metrics(run_dir)[-1]["step"]
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step{stopped:08d}"
+    assert json.loads((run_dir / "checkpoints" / latest / "complete.json").read_text())["world_size"] == 2
+    assert not (run_dir / "encoder.safetensors").exists()  # stopped, not finished: nothing exported
+
+    # the requeued job, one task per GPU: each faked task is a rank (RANK etc. from SLURM_*)
+    port = str(_free_port())
+    tasks = [subprocess.Popen([sys.executable, "train/pretrain.py", *args, "--resume", "auto",
+                               "--run.max_steps", str(stopped + 2)], cwd=REPO,
+                              env={**base, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r),
+                                   "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1", "MASTER_PORT": port},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [t.communicate(timeout=240)[0] for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], outs[0][-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / latest} at step {stopped}" in outs[0]
+    assert [r["step"] for r in read_metrics(run_dir)][-3:] == [stopped, stopped + 1, stopped + 2]
+    assert json.loads((run_dir / "meta.json").read_text())["world_size"] == 2
+
+
+def test_submit_checks_snapshots_and_calls_sbatch(tmp_path, monkeypatch, capsys):
+    from launchers.submit import main
+
+    monkeypatch.setenv("PATH", f"{fake_slurm_bin(tmp_path)}:{os.environ['PATH']}")
+    run_dir = tmp_path / "run"
+    common = ["--gpu", "a100", "--", "--ds_config", str(REPO / "ds_configs" / "vit_b_8xa100_bf16_zero1.json"),
+              "--model.name", "vit_base_patch16", "--data.source", "synthetic", "--output_dir", str(run_dir)]
+    assert main(["--nodes", "3", *common]) == 2  # 4096 / (256 x 24) is no whole accumulation
+    assert "not submitted" in capsys.readouterr().err
+    assert not run_dir.exists() and not (tmp_path / "sbatch.log").exists()
+
+    assert main(["--nodes", "2", "--partition", "gpu", *common]) == 0
+    launch = next((run_dir / "launch").iterdir())
+    record = json.loads((launch / "submit.json").read_text())
+    assert record["job"] == "4242" and record["world_size"] == 16 and len(record["commit"]) == 40
+    assert (launch / "code" / "train" / "pretrain.py").read_text() == (REPO / "train" / "pretrain.py").read_text()
+    sbatch = (tmp_path / "sbatch.log").read_text().split()
+    assert sbatch[:6] == ["--nodes", "2", "--ntasks-per-node", "8", "--gpus-per-node", "8"]
+    assert "--partition" in sbatch and str(launch / "code" / "launchers" / "pretrain.sbatch") in sbatch
+    ds_copy = sbatch[sbatch.index("--ds_config") + 1]
+    assert ds_copy.startswith(str(launch)) and json.loads(open(ds_copy).read())["train_batch_size"] == 4096

@@ -1,0 +1,76 @@
+"""train/bench.py: throughput through the real engine and loop, FLOPs from the token counts, MFU,
+the loader alone; JSON records with device, versions and commit."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import CPU_DS, DEBUG_PRESET, REPO
+
+from train.pretrain import apply_execution_options
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """Two benches in one process (the start-up is paid once): the debug MAE with activation
+    checkpointing switched on, MFU against an A100's peak; the loader alone on JPEG shards."""
+    import numpy as np
+    from PIL import Image
+
+    from data.write_shards import main as write_shards
+
+    tmp = tmp_path_factory.mktemp("bench")
+    src = tmp / "src" / "c0"
+    src.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        Image.fromarray(rng.integers(0, 255, (60, 80, 3), dtype=np.uint8)).save(src / f"{i}.jpg", quality=90)
+    write_shards(["imagefolder", str(tmp / "src"), str(tmp / "s"), "--samples_per_shard", "6"])
+    out = tmp / "results"
+    common = ["--ds_config", str(CPU_DS), "--steps", "3", "--warmup", "1", "--out_dir", str(out)]
+    calls = [
+        [*common, "--config", str(DEBUG_PRESET), "--activation_checkpointing", "on", "--gpu", "a100"],
+        [*common, "--config", str(DEBUG_PRESET), "--loader_only", "--data.source", "shards", "--data.train_index",
+         str(tmp / "s" / "train.json"), "--data.num_workers", "2", "--model.in_chans", "3", "--data.decode",
+         "pil_draft"],
+    ]
+    code = "import json, sys\nfrom train.bench import main\nfor argv in json.loads(sys.argv[1]):\n    main(argv)\n"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(calls)], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    files = sorted(out.glob("*.json"))
+    return {("loader" if "loader" in f.name else "train"): json.loads(f.read_text()) for f in files}
+
+
+def test_training_bench_reports_throughput_flops_and_mfu(records):
+    r = records["train"]
+    res = r["results"]
+    # the debug MAE's hand count (tests/train/test_costs.py): 2,359,040 forward FLOPs per image
+    assert res["train_flops_per_image"] == 3 * 2_359_040
+    assert res["images_per_s"] == pytest.approx(8 / res["step_time_s"], rel=1e-6)  # cpu_debug: global batch 8 x 1
+    assert res["tflops_per_gpu"] == pytest.approx(res["train_flops_per_image"] * 8 / res["step_time_s"] / 1e12)
+    assert res["mfu"] == pytest.approx(res["tflops_per_gpu"] / 312)  # the A100's dense bf16 peak
+    assert res["peak_rss_gib"] > 0.1
+    assert r["ds_config"]["activation_checkpointing"] == {}  # the switch reached the engine's config
+    assert r["git"]["commit"] and r["versions"]["deepspeed"] and r["world_size"] == 1 and "cores" in r["device"]
+
+
+def test_loader_bench_reports_per_worker_throughput(records):
+    r = records["loader"]["loader"]
+    assert r["num_workers"] == 2 and r["decode"] == "pil_draft" and r["micro_batch"] == 8
+    assert r["images_per_s"] > 0 and r["images_per_s_per_worker"] == pytest.approx(r["images_per_s"] / 2)
+
+
+def test_compile_switch_compiles_every_block():
+    from model.objectives import build_objective
+    from model.objectives.mae import MAEConfig
+    from model.registry import create_model
+    from model.vit import Block
+
+    objective = build_objective("mae", create_model("vit_debug_patch4"), MAEConfig(decoder_depth=2))
+    apply_execution_options(objective, recompute=True, compile_blocks=True)
+    blocks = [m for m in objective.modules() if isinstance(m, Block)]
+    assert len(blocks) == 4 and all(b._compiled_call_impl is not None for b in blocks)
+    assert objective.encoder.grad_checkpointing and objective.decoder.grad_checkpointing

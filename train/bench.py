@@ -1,0 +1,201 @@
+"""Throughput benchmark of any method / model / ds_config, through the real engine and loop.
+
+    python    train/bench.py --ds_config FILE [--config PRESET] [--key value ...] [bench options]
+    deepspeed train/bench.py ...                        # several GPUs: images/s of the whole job
+
+Bench options (the rest are train/pretrain.py options; data.source synthetic or shards):
+    --steps N (20)            optimizer steps timed, after
+    --warmup N (5)            untimed steps (allocator, cuDNN / compile warm-up)
+    --activation_checkpointing on|off   override the ds_config's section
+    --loader_only             time the data source alone (shards: decode + crop in the workers)
+    --gpu NAME                the GPU whose dense peak MFU is taken against (default: detected)
+    --out_dir DIR (benchmarks/results)
+(`--run.compile true` compiles the blocks; `--data.decode pil_draft|nvjpeg` picks the decoder.)
+
+Reports images/s, step time, training TFLOP/s per GPU from the analytic FLOP count of the
+objective's actual token counts (train/costs.py: 3 x forward matmul FLOPs of one micro-batch x
+accumulation), MFU against the GPU's dense peak (train/gpus.py), peak memory (CUDA: max
+allocated; CPU: the process's peak RSS), and with --loader_only images/s of the loader and per
+worker process (each runs one thread). JSON with device, versions, commit, the final ds_config
+and every option goes to benchmarks/results/. Timings come from the loop's own log step (one
+host sync per window), so they include data loading and every objective hook.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from train import distributed
+from train.config import ConfigError, encoder_img_size, parse_args, to_dict
+from train.ds_config import activation_checkpointing, resolve
+from train.gpus import current_gpu, gpu_named
+from train.run_dir import REPO, git_commit
+
+BENCH_FLAGS = {"--steps": int, "--warmup": int, "--activation_checkpointing": str, "--gpu": str, "--out_dir": str}
+
+
+def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
+    """(bench options, pretrain options)."""
+    opts = {"steps": 20, "warmup": 5, "activation_checkpointing": None, "gpu": None, "loader_only": False,
+            "out_dir": str(REPO / "benchmarks" / "results")}
+    rest, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--loader_only":
+            opts["loader_only"], i = True, i + 1
+        elif argv[i] in BENCH_FLAGS:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{argv[i]} needs a value")
+            opts[argv[i][2:]] = BENCH_FLAGS[argv[i]](argv[i + 1])
+            i += 2
+        else:
+            rest.append(argv[i])
+            i += 1
+    if opts["activation_checkpointing"] not in (None, "on", "off"):
+        raise ConfigError("--activation_checkpointing takes on or off")
+    if opts["steps"] < 1 or opts["warmup"] < 0:
+        raise ConfigError("--steps must be >= 1 and --warmup >= 0")
+    return opts, rest
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("deepspeed", "timm", "triton", "torchvision", "PIL"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = None
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.machine()
+    return f"{model} ({os.cpu_count()} cores)"
+
+
+def peak_memory_gib(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+    return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # Linux: KiB
+
+
+def loader_throughput(cfg, opts: dict, img_size: int, rank: int, world: int) -> dict:
+    """Batches of the training data source alone (in this process: no engine, no model)."""
+    from data.source import build_source
+
+    micro = resolve(cfg, world)[1].micro
+    data = build_source(cfg.data, img_size, cfg.model.in_chans, micro, cfg.seed, rank, world, torch.device("cpu"))
+    for _ in range(opts["warmup"]):
+        next(data)
+    start = time.perf_counter()
+    for _ in range(opts["steps"]):
+        next(data)
+    elapsed = time.perf_counter() - start
+    images = opts["steps"] * micro
+    workers = max(1, cfg.data.num_workers)
+    return {"images_per_s": images / elapsed, "images_per_s_per_worker": images / elapsed / workers,
+            "batches": opts["steps"], "micro_batch": micro, "num_workers": cfg.data.num_workers,
+            "decode": cfg.data.decode, "cpu_count": os.cpu_count()}
+
+
+def main(argv: list[str] | None = None) -> Path:
+    from data.source import build_source
+    from model.objectives import build_objective
+    from train.costs import example_batch, profile
+    from train.loop import LoopState, run
+    from train.pretrain import apply_execution_options, build_encoder, build_engine, labeled_split, schedule_steps
+
+    opts, rest = split_argv(sys.argv[1:] if argv is None else argv)
+    cfg = parse_args([*rest, "--run.tensorboard", "false", "--run.progress", "false", "--run.export", "false"])
+    img_size = encoder_img_size(cfg)
+    record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_commit(),
+              "versions": versions(), "argv": rest, "bench": opts, "config": to_dict(cfg)}
+    if opts["loader_only"]:
+        record["device"] = cpu_name()
+        record["loader"] = loader_throughput(cfg, opts, img_size, 0, 1)
+        print(f"loader: {record['loader']['images_per_s']:.0f} images/s, "
+              f"{record['loader']['images_per_s_per_worker']:.0f} per worker ({cfg.data.num_workers} workers, "
+              f"decode {cfg.data.decode})")
+        return write(record, opts, f"loader_{cfg.data.decode}")
+
+    ds_config, plan = resolve(cfg, distributed.world_size_from_env())
+    if opts["activation_checkpointing"] == "on":
+        ds_config["activation_checkpointing"] = {}
+    elif opts["activation_checkpointing"] == "off":
+        ds_config.pop("activation_checkpointing", None)
+    rank, world, device = distributed.init()
+    per_epoch, total, warmup_steps = schedule_steps(cfg, plan)
+    engine, objective, _ = build_engine(cfg, ds_config, device, cfg.optim.blr * plan.global_batch / 256,
+                                        warmup_steps, total)
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
+    split = labeled_split(cfg)
+    section = getattr(cfg, cfg.objective)
+    data = build_source(cfg.data, img_size, cfg.model.in_chans, plan.micro, cfg.seed, rank, world, device, split,
+                        section.val_every(plan.accum) if split is not None else 1)
+    windows: list[dict] = []
+    noop = lambda step: None  # noqa: E731
+
+    def timed(first: int, steps: int) -> None:
+        run(engine, data, LoopState(first, first + steps, steps, 10**12, plan.global_batch), device, dtype,
+            lambda step, metrics: windows.append(metrics), noop)
+
+    if opts["warmup"]:
+        timed(0, opts["warmup"])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timed(opts["warmup"], opts["steps"])
+    measured = windows[-1]
+
+    with torch.device("meta"):  # the FLOPs of one micro-batch, from the objective's actual token counts
+        twin = build_objective(cfg.objective, build_encoder(cfg), section)
+        apply_execution_options(twin, activation_checkpointing(ds_config), compile_blocks=False)
+        gpu = gpu_named(opts["gpu"]) if opts["gpu"] else current_gpu()
+        prof = profile(twin, example_batch(cfg.data, plan.micro, img_size, cfg.model.in_chans),
+                       fused_kernels=bool(gpu and gpu.sm80))
+    flops_per_gpu_step = prof.train_flops * plan.accum
+    tflops = flops_per_gpu_step / measured["step_time"] / 1e12
+    result = {
+        "images_per_s": measured["images_per_s"], "images_per_s_per_gpu": measured["images_per_s"] / world,
+        "step_time_s": measured["step_time"], "train_flops_per_image": prof.train_flops / plan.micro,
+        "block_tokens_per_image": prof.tokens() / plan.micro, "tflops_per_gpu": tflops,
+        "mfu": tflops / gpu.peak_tflops if gpu else None, "peak_tflops": gpu.peak_tflops if gpu else None,
+        "loss": measured["loss"], **peak_memory_gib(device),
+    }
+    record.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(), world_size=world, dtype=str(dtype).removeprefix("torch."),
+                  batch=asdict(plan) | {"global": plan.global_batch}, ds_config=ds_config, results=result,
+                  gpu=asdict(gpu) if gpu else None)
+    path = None
+    if rank == 0:
+        mfu = f", MFU {result['mfu']:.1%} of {gpu.name}" if gpu else ""
+        print(f"{cfg.objective} {cfg.model.name}: {result['images_per_s']:.1f} images/s ({world} x {record['device']}, "
+              f"{record['dtype']}), step {result['step_time_s'] * 1e3:.1f} ms, {tflops:.3g} TFLOP/s per GPU{mfu}")
+        path = write(record, opts, f"{cfg.objective}_{cfg.model.name}")
+    distributed.barrier()
+    return path
+
+
+def write(record: dict, opts: dict, label: str) -> Path:
+    out = Path(opts["out_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    path = out / f"bench_{label}_{kind}_{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}.json"
+    path.write_text(json.dumps(record, indent=2, default=str))
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    from train.pretrain import cli
+
+    cli(main)
