@@ -21,14 +21,15 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as F2
 
-from data.transforms import Crop, PretrainTransform
+from data.transforms import Crop, PretrainTransform, decode_rgb
 
 
 class EncodedCropTransform:
     """Worker side: {"jpeg": (n,) uint8 bytes, "crop": (5,) i, j, h, w, flip} for a JPEG the device
     decodes, else the uint8 (3, S, S) crop made here."""
 
-    wants_encoded = True  # ShardStream passes the encoded bytes as a third argument
+    takes_bytes = True  # ShardStream passes the encoded bytes as a third argument
+    device_decode = True  # ShardLoader decodes the batch on the device (DeviceDecoder)
 
     def __init__(self, size: int, scale: tuple[float, float] = (0.2, 1.0)):
         self.crop = PretrainTransform(size, scale)
@@ -38,7 +39,7 @@ class EncodedCropTransform:
         if img.format == "JPEG" and img.mode in ("RGB", "L"):
             c = torch.tensor([crop.i, crop.j, crop.h, crop.w, int(crop.flip)])
             return {"jpeg": torch.frombuffer(bytearray(data), dtype=torch.uint8), "crop": c}
-        return self.crop.apply(img, crop)
+        return self.crop.apply(decode_rgb(img, data), crop)
 
 
 class DeviceDecoder:

@@ -38,7 +38,7 @@ class ShardLoader:
         self.keep = keep  # sample-key filter: only the keys it accepts are read (data/split.py)
         self.device = torch.device(device)
         self.device_decoder = None
-        if getattr(self.transform, "wants_encoded", False):
+        if getattr(self.transform, "device_decode", False):
             from data.device_decode import DeviceDecoder
 
             self.device_decoder = DeviceDecoder(img_size, self.device)

@@ -229,7 +229,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         last = tuple(self.start.last[worker])
         legacy_skip = self.start.legacy_skip[worker] if self.start.legacy_skip else 0
         replayed: Counter | None = None  # errors met while re-reading delivered samples are counted already
-        wants_encoded = getattr(self.transform, "wants_encoded", False)
+        takes_bytes = getattr(self.transform, "takes_bytes", False)
         for epoch, pos, raw in self.worker_samples(worker, errors):
             if (epoch, pos) <= last:  # delivered before the resume: re-read, not decoded
                 continue
@@ -243,12 +243,12 @@ class ShardStream(torch.utils.data.IterableDataset):
             except (KeyError, OSError, ValueError, SyntaxError) as e:  # PIL raises SyntaxError for some files
                 errors[error_kind(e)] += 1
                 continue
-            try:  # the pixels are decoded here (at reduced size with pil_draft; nvjpeg defers it)
+            try:  # the pixels are decoded here (at reduced size with cpu_draft; nvjpeg defers it)
                 if legacy_skip > 0:  # an old-format position: decoded samples to drop
                     img.load()
                     legacy_skip -= 1
                     continue
-                image = self.transform(img, seed, data) if wants_encoded else self.transform(img, seed)
+                image = self.transform(img, seed, data) if takes_bytes else self.transform(img, seed)
             except (OSError, ValueError, SyntaxError):
                 errors["undecodable_image"] += 1
                 continue

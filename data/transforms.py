@@ -10,14 +10,18 @@ normalised. All convert to 3-channel RGB (grayscale is replicated); normalisatio
 ImageNet mean/std.
 
 Decoding (`data.decode`) for the pretraining crops:
-  pil        decode the whole image with PIL, crop, resize (antialiased bicubic on the uint8 tensor);
-  pil_draft  let libjpeg decode at 1/2, 1/4 or 1/8 scale when every crop of the image still has
+  cpu        RGB / grayscale JPEGs decoded by libjpeg-turbo straight into a uint8 tensor
+             (torchvision.io.decode_jpeg; other images through PIL), the crop resized on the
+             tensor (antialiased bicubic);
+  cpu_draft  let libjpeg decode at 1/2, 1/4 or 1/8 scale when every crop of the image still has
              at least `size` pixels per side at that scale (DCT-domain downscaling; PIL's
              `Image.draft`), then crop and resize the smaller image; the crop covers the same
-             region of the picture, only the resampling differs slightly from `pil`;
+             region of the picture, only the resampling differs slightly from `cpu`;
   nvjpeg     the workers only read the header and draw the crop; the JPEG bytes go to the
              training device, where torchvision.io.decode_jpeg decodes the batch (nvJPEG on
              CUDA) and each crop is resized there (data/device_decode.py).
+Transforms take (lazily opened PIL image, seed), plus the encoded bytes when they declare
+`takes_bytes` (the bytes let libjpeg decode without PIL's copy).
 """
 from __future__ import annotations
 
@@ -32,9 +36,14 @@ from PIL import Image
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as F2
 
+try:  # deprecated in torchvision 0.29 in favour of TorchCodec; PIL decodes when it is gone
+    from torchvision.io import ImageReadMode, decode_jpeg
+except ImportError:  # pragma: no cover
+    decode_jpeg = None
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-DECODES = ("pil", "pil_draft", "nvjpeg")
+DECODES = ("cpu", "cpu_draft", "nvjpeg")
 
 
 def to_normalized_tensor(img: Image.Image) -> torch.Tensor:
@@ -76,13 +85,24 @@ def draft_for_crops(img: Image.Image, crops: list[Crop], size: int) -> float:
     return width / box[2] if box is not None else 1.0  # box = the whole picture in reduced pixels
 
 
+def decode_rgb(img: Image.Image, data: bytes | None = None) -> torch.Tensor:
+    """(3, H, W) uint8 pixels of a lazily opened image (decoding it). RGB / grayscale JPEGs go
+    to libjpeg-turbo through torchvision (no PIL image and copy in between: ~0.3 ms less per
+    ImageNet-sized image); anything else, or a drafted image, through PIL."""
+    if data is not None and img.format == "JPEG" and img.mode in ("RGB", "L") and decode_jpeg is not None:
+        return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    return TF.pil_to_tensor(img.convert("RGB"))
+
+
 class PretrainTransform:
+    takes_bytes = True  # ShardStream passes the encoded bytes as a third argument
+
     def __init__(self, size: int, scale: tuple[float, float] = (0.2, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3),
-                 decode: str = "pil"):
-        if decode not in ("pil", "pil_draft"):
-            raise ValueError(f"PretrainTransform decodes with pil or pil_draft, got {decode!r} (nvjpeg: "
-                             f"EncodedCropTransform)")
-        self.size, self.scale, self.ratio, self.draft = size, list(scale), list(ratio), decode == "pil_draft"
+                 decode: str = "cpu"):
+        if decode not in ("cpu", "cpu_draft"):
+            raise ValueError(f"PretrainTransform decodes with cpu or cpu_draft, got {decode!r} (nvjpeg: "
+                             f"data.device_decode.EncodedCropTransform)")
+        self.size, self.scale, self.ratio, self.draft = size, list(scale), list(ratio), decode == "cpu_draft"
 
     def crop_params(self, img: Image.Image, seed: int) -> Crop:
         """torchvision's RandomResizedCrop draw (10 tries, then the central crop of the allowed
@@ -105,11 +125,11 @@ class PretrainTransform:
             w, h = width, height
         return Crop((height - h) // 2, (width - w) // 2, h, w, rng.random() < 0.5)
 
-    def apply(self, img: Image.Image, crop: Crop, reduction: float = 1.0) -> torch.Tensor:
-        """The crop (in original pixels) of `img`, which libjpeg may have decoded `reduction` x
-        smaller, as (3, S, S) uint8. The resize runs on the uint8 tensor (torchvision's
-        antialiased bicubic, PIL's kernel: within 1 level of PIL's own resize, ~2.5x faster)."""
-        pixels = TF.pil_to_tensor(img.convert("RGB"))  # (3, H, W) uint8, decodes a lazily opened file
+    def apply(self, pixels: torch.Tensor, crop: Crop, reduction: float = 1.0) -> torch.Tensor:
+        """The crop (in original pixels) of (3, H, W) uint8 `pixels`, which libjpeg may have
+        decoded `reduction` x smaller, as (3, S, S) uint8. The resize runs on the uint8 tensor
+        (torchvision's antialiased bicubic, PIL's kernel: within 1 level of PIL's own resize,
+        ~2.5x faster)."""
         i, j, h, w = crop.i, crop.j, crop.h, crop.w
         if reduction != 1.0:  # the same region in the reduced image's pixels (rounded)
             i, j = round(i / reduction), round(j / reduction)
@@ -118,28 +138,35 @@ class PretrainTransform:
                         interpolation=InterpolationMode.BICUBIC, antialias=True)
         return (out.flip(-1) if crop.flip else out).contiguous()
 
-    def __call__(self, img: Image.Image, seed: int) -> torch.Tensor:
+    def decode(self, img: Image.Image, crops: list[Crop], data: bytes | None) -> tuple[torch.Tensor, float]:
+        """(pixels, reduction): decoded at the reduction every crop allows with cpu_draft."""
+        reduction = draft_for_crops(img, crops, self.size) if self.draft else 1.0
+        return decode_rgb(img, data if reduction == 1.0 else None), reduction
+
+    def __call__(self, img: Image.Image, seed: int, data: bytes | None = None) -> torch.Tensor:
         crop = self.crop_params(img, seed)
-        reduction = draft_for_crops(img, [crop], self.size) if self.draft else 1.0
-        return self.apply(img, crop, reduction)
+        pixels, reduction = self.decode(img, [crop], data)
+        return self.apply(pixels, crop, reduction)
 
 
 class MultiCropTransform:
     """MAE+ multi-crop tokenization (METHODS.md section 2): `num_crops` independent
     RandomResizedCrop(size, scale (0.08, 1), bicubic) + flip views of one image -> (k, 3, size, size)
     uint8. Crop c of a sample uses its own seed derived from (sample seed, c); the image is decoded
-    once (with pil_draft, at the reduction the smallest crop allows)."""
+    once (with cpu_draft, at the reduction the smallest crop allows)."""
 
-    def __init__(self, size: int, num_crops: int = 4, scale: tuple[float, float] = (0.08, 1.0), decode: str = "pil"):
+    takes_bytes = True
+
+    def __init__(self, size: int, num_crops: int = 4, scale: tuple[float, float] = (0.08, 1.0), decode: str = "cpu"):
         if num_crops < 1:
             raise ValueError(f"num_crops must be >= 1, got {num_crops}")
         self.num_crops = num_crops
         self.crop = PretrainTransform(size, scale, decode=decode)
 
-    def __call__(self, img: Image.Image, seed: int) -> torch.Tensor:
+    def __call__(self, img: Image.Image, seed: int, data: bytes | None = None) -> torch.Tensor:
         crops = [self.crop.crop_params(img, (seed * 1_000_003 + c) % 2**63) for c in range(self.num_crops)]
-        reduction = draft_for_crops(img, crops, self.crop.size) if self.crop.draft else 1.0
-        return torch.stack([self.crop.apply(img, c, reduction) for c in crops])
+        pixels, reduction = self.crop.decode(img, crops, data)
+        return torch.stack([self.crop.apply(pixels, c, reduction) for c in crops])
 
 
 class EvalTransform:

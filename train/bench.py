@@ -10,7 +10,7 @@ Bench options (the rest are train/pretrain.py options; data.source synthetic or 
     --loader_only             time the data source alone (shards: decode + crop in the workers)
     --gpu NAME                the GPU whose dense peak MFU is taken against (default: detected)
     --out_dir DIR (benchmarks/results)
-(`--run.compile true` compiles the blocks; `--data.decode pil_draft|nvjpeg` picks the decoder.)
+(`--run.compile true` compiles the blocks; `--data.decode cpu_draft|nvjpeg` picks the decoder.)
 
 Reports images/s, step time, training TFLOP/s per GPU from the analytic FLOP count of the
 objective's actual token counts (train/costs.py: 3 x forward matmul FLOPs of one micro-batch x
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"loader: {record['loader']['images_per_s']:.0f} images/s, "
               f"{record['loader']['images_per_s_per_worker']:.0f} per worker ({cfg.data.num_workers} workers, "
               f"decode {cfg.data.decode})")
-        return write(record, opts, f"loader_{cfg.data.decode}")
+        return write(record, opts, f"loader_{cfg.data.train_transform}_{img_size}px_{cfg.data.decode}")
 
     ds_config, plan = resolve(cfg, distributed.world_size_from_env())
     if opts["activation_checkpointing"] == "on":

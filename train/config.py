@@ -57,7 +57,7 @@ class DataConfig:
     shuffle_buffer: int = 1000  # samples held by each worker's shuffle buffer
     crop_scale_min: float = 0.2  # RandomResizedCrop scale range (crop_scale_min, 1)
     train_transform: str = "crop_flip"  # crop_flip (MAE pretraining / linprobe) | randaug (fine-tuning) | multicrop (MAE+)
-    decode: str = "pil"  # pil | pil_draft (JPEG decoded at 1/2-1/8 scale when the crop allows) | nvjpeg (on the GPU)
+    decode: str = "cpu"  # cpu | cpu_draft (JPEG decoded at 1/2-1/8 scale when the crop allows) | nvjpeg (on the GPU)
     num_crops: int = 4  # crops per image with train_transform multicrop (each img_size, scale (crop_scale_min, 1))
     randaug: str = "rand-m9-mstd0.5-inc1"  # timm RandAugment policy (train_transform randaug)
     reprob: float = 0.25  # random erasing probability (train_transform randaug)
@@ -123,11 +123,11 @@ class PretrainConfig:
                               f"{self.data.train_transform!r}")
         if self.data.decode not in DECODES:
             raise ConfigError(f"data.decode must be one of {DECODES}, got {self.data.decode!r}")
-        if self.data.decode != "pil" and self.data.train_transform == "randaug":
+        if self.data.decode != "cpu" and self.data.train_transform == "randaug":
             raise ConfigError(f"data.decode {self.data.decode} is not available with train_transform randaug "
-                              f"(timm's pipeline decodes whole images); use data.decode pil")
+                              f"(timm's pipeline decodes whole images with PIL); use data.decode cpu")
         if self.data.decode == "nvjpeg" and self.data.train_transform != "crop_flip":
-            raise ConfigError("data.decode nvjpeg supports train_transform crop_flip only; use pil_draft for multicrop")
+            raise ConfigError("data.decode nvjpeg supports train_transform crop_flip only; use cpu_draft for multicrop")
         if self.data.train_transform == "multicrop" and self.data.num_crops < 1:
             raise ConfigError(f"data.num_crops must be >= 1, got {self.data.num_crops}")
         if not 0.0 < self.optim.layer_decay <= 1.0:

@@ -1,4 +1,4 @@
-"""Decode paths for the pretraining crop: reduced-size JPEG decoding (pil_draft) and decoding on
+"""Decode paths for the pretraining crop: reduced-size JPEG decoding (cpu_draft) and decoding on
 the training device (nvjpeg; run here with torchvision's CPU decoder) against the plain path."""
 import io
 
@@ -40,9 +40,17 @@ def test_normalising_uint8_on_the_device_equals_the_old_float_path():
     assert torch.equal(normalize_uint8(torch.from_numpy(np.array(img)).permute(2, 0, 1)), to_normalized_tensor(img))
 
 
+def test_cpu_path_decodes_jpeg_bytes_with_libjpeg_like_pil():
+    t = PretrainTransform(32)
+    for k in range(3):
+        data = jpeg(photo_like(seed=k))
+        from_bytes, from_pil = t(opened(data), k, data), t(opened(data), k)  # torchvision's libjpeg / PIL
+        assert (from_bytes.int() - from_pil.int()).abs().max() <= 1
+
+
 def test_draft_decodes_smaller_and_gives_nearly_the_same_crop():
     data = jpeg(photo_like())
-    plain, draft = PretrainTransform(32, decode="pil"), PretrainTransform(32, decode="pil_draft")
+    plain, draft = PretrainTransform(32, decode="cpu"), PretrainTransform(32, decode="cpu_draft")
     seed = big_crop_seed(plain, data, 150)  # a crop >= 4x the output: libjpeg may decode at 1/4
     img = opened(data)
     assert draft_for_crops(img, [plain.crop_params(img, seed)], 32) >= 4 and img.size[0] <= 80
@@ -54,7 +62,7 @@ def test_draft_decodes_smaller_and_gives_nearly_the_same_crop():
 
 def test_draft_changes_nothing_when_the_crop_is_too_small_or_not_a_jpeg():
     data = jpeg(photo_like())
-    plain, draft = PretrainTransform(64, decode="pil"), PretrainTransform(64, decode="pil_draft")
+    plain, draft = PretrainTransform(64, decode="cpu"), PretrainTransform(64, decode="cpu_draft")
     seed = next(s for s in range(1000) if min(plain.crop_params(opened(data), s).h,
                                                plain.crop_params(opened(data), s).w) < 128)
     assert torch.equal(plain(opened(data), seed), draft(opened(data), seed))
@@ -86,7 +94,7 @@ def test_device_decode_matches_the_cpu_path_and_keeps_the_batch_when_a_jpeg_is_c
     assert any(torch.equal(batch[1], batch[k]) for k in (0, 2, 3))  # a stand-in from the same batch
 
 
-@pytest.mark.parametrize("decode", ["pil_draft", "nvjpeg"])
+@pytest.mark.parametrize("decode", ["cpu", "cpu_draft", "nvjpeg"])
 def test_loader_with_each_decode_yields_normalised_batches(tmp_path, decode):
     from data.source import build_source
     from data.write_shards import main as write_shards

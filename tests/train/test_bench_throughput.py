@@ -33,7 +33,7 @@ def records(tmp_path_factory):
         [*common, "--config", str(DEBUG_PRESET), "--activation_checkpointing", "on", "--gpu", "a100"],
         [*common, "--config", str(DEBUG_PRESET), "--loader_only", "--data.source", "shards", "--data.train_index",
          str(tmp / "s" / "train.json"), "--data.num_workers", "2", "--model.in_chans", "3", "--data.decode",
-         "pil_draft"],
+         "cpu_draft"],
     ]
     code = "import json, sys\nfrom train.bench import main\nfor argv in json.loads(sys.argv[1]):\n    main(argv)\n"
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
@@ -59,7 +59,7 @@ def test_training_bench_reports_throughput_flops_and_mfu(records):
 
 def test_loader_bench_reports_per_worker_throughput(records):
     r = records["loader"]["loader"]
-    assert r["num_workers"] == 2 and r["decode"] == "pil_draft" and r["micro_batch"] == 8
+    assert r["num_workers"] == 2 and r["decode"] == "cpu_draft" and r["micro_batch"] == 8
     assert r["images_per_s"] > 0 and r["images_per_s_per_worker"] == pytest.approx(r["images_per_s"] / 2)
 
 

@@ -145,3 +145,18 @@ def test_resume_accepts_options_added_since_the_checkpoint_at_their_defaults():
     cfg.model.rpe = True
     with pytest.raises(ConfigError, match="trained with model="):
         check_resume_compatible({"world_size": 1, "config": saved}, cfg, plan)
+
+
+def test_resume_on_another_world_size_needs_the_same_global_batch():
+    from train.config import PretrainConfig, to_dict
+    from train.ds_config import BatchPlan
+    from train.pretrain import ConfigError, check_resume_compatible
+
+    cfg = PretrainConfig(ds_config="x.json")
+    saved = json.loads(json.dumps(to_dict(cfg)))
+    meta = {"world_size": 2, "global_batch": 16, "config": saved}
+    check_resume_compatible(meta, cfg, BatchPlan(8, 2, 1))  # 8 x 2 x 1 = 16: allowed
+    with pytest.raises(ConfigError, match="global batch 16 on 2 ranks, this run has 8 on 1"):
+        check_resume_compatible(meta, cfg, BatchPlan(8, 1, 1))
+    with pytest.raises(ConfigError, match="predates world-size changes"):
+        check_resume_compatible({"world_size": 2, "config": saved}, cfg, BatchPlan(8, 2, 1))
