@@ -6,7 +6,7 @@
         --data.train_index runs/shards/photos/train.json --model.name vit_base_patch16 --data.num_workers 2
 
 Each image is a random crop of a source photo, resized to an ImageNet-like size (shorter side
-333-500 px, aspect 3:4 to 4:3), with mild Gaussian noise (sigma 5: sensor-like detail, since
+333-500 px, `--short_side` to change, aspect 3:4 to 4:3), with mild Gaussian noise (sigma 5: sensor-like detail, since
 wallpapers are smoother than ImageNet's photos) and saved as JPEG quality 95. The defaults give
 77 KB per file on average from mate-backgrounds 1.26 (ImageNet-1k train: about 110 KB). Written
 as an ImageFolder with 10 classes, then sharded with data/write_shards.py.
@@ -23,7 +23,8 @@ from PIL import Image
 from data.write_shards import main as write_shards
 
 
-def make_images(src: Path, out: Path, count: int, seed: int = 0, noise: float = 5.0, quality: int = 95) -> list[Path]:
+def make_images(src: Path, out: Path, count: int, seed: int = 0, noise: float = 5.0, quality: int = 95,
+                short_side: tuple[int, int] = (333, 500)) -> list[Path]:
     photos = sorted(p for p in src.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
     if not photos:
         raise SystemExit(f"no .jpg/.jpeg/.png photographs under {src}")
@@ -33,7 +34,7 @@ def make_images(src: Path, out: Path, count: int, seed: int = 0, noise: float = 
         img = Image.open(photos[k % len(photos)]).convert("RGB")
         W, H = img.size
         aspect = rng.uniform(3 / 4, 4 / 3)
-        short = rng.randint(333, 500)
+        short = rng.randint(*short_side)
         w, h = (round(short * aspect), short) if aspect >= 1 else (short, round(short / aspect))
         # a crop of the output's aspect, between 1:1 pixels and as large as the photo allows
         scale = rng.uniform(min(1.0, max(w / W, h / H)), 1.0)
@@ -54,8 +55,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("out", type=Path, help="output folder: images/ (ImageFolder) and train.json + shards")
     p.add_argument("--count", type=int, default=2000)
     p.add_argument("--samples_per_shard", type=int, default=100)
+    p.add_argument("--short_side", default="333,500", help="range of the shorter side in px (ImageNet-like default)")
     a = p.parse_args(argv)
-    files = make_images(a.src, a.out / "images", a.count)
+    lo, hi = (int(v) for v in a.short_side.split(","))
+    files = make_images(a.src, a.out / "images", a.count, short_side=(lo, hi))
     sizes = [f.stat().st_size for f in files]
     print(f"{len(files)} JPEGs, mean {np.mean(sizes) / 1024:.0f} KB")
     write_shards(["imagefolder", str(a.out / "images"), str(a.out), "--samples_per_shard", str(a.samples_per_shard)])
