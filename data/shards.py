@@ -206,8 +206,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         # batch comes from the stream whose turn it was in the round-robin.
         self.worker_offset = worker_offset
 
-    def worker_samples(self, worker: int, errors: Counter, with_data: bool = True,
-                       ) -> Iterator[tuple[int, int, dict]]:
+    def worker_samples(self, worker: int, errors: Counter, with_data: bool = True) -> Iterator[tuple[int, int, dict]]:
         """(epoch, position in epoch, raw sample) for one worker, forever, from start_epoch."""
         reader, readers = self.rank * self.num_workers + worker, self.world * self.num_workers
         epoch = self.start.start_epoch

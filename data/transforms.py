@@ -25,6 +25,7 @@ Transforms take (lazily opened PIL image, seed), plus the encoded bytes when the
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -52,13 +53,19 @@ def to_normalized_tensor(img: Image.Image) -> torch.Tensor:
     return TF.normalize(x, IMAGENET_MEAN, IMAGENET_STD)
 
 
+@functools.lru_cache(maxsize=None)
+def _mean_std(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(3, 1, 1) constants, made once per device: a fresh host-to-GPU copy every step would wait
+    for the GPU."""
+    return (torch.tensor(IMAGENET_MEAN, device=device)[:, None, None],
+            torch.tensor(IMAGENET_STD, device=device)[:, None, None])
+
+
 def normalize_uint8(images: torch.Tensor) -> torch.Tensor:
     """(..., 3, H, W) uint8 -> float32 ImageNet-normalised, on the tensor's device. The same
     arithmetic as `to_normalized_tensor`, so moving it off the workers changes no value."""
-    x = images.float() / 255.0
-    mean = torch.tensor(IMAGENET_MEAN, device=x.device)[:, None, None]
-    std = torch.tensor(IMAGENET_STD, device=x.device)[:, None, None]
-    return (x - mean) / std
+    mean, std = _mean_std(images.device)
+    return (images.float() / 255.0 - mean) / std
 
 
 @dataclass(frozen=True)

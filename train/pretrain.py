@@ -5,7 +5,9 @@
 
 Options: `python train/pretrain.py --help`; `--dry-run [--world_size N] [--gpu a100]` checks a
 configuration for another world size and GPU and estimates memory (train/dry_run.py). Everything
-is checked before the process group starts; then: build encoder + objective, DeepSpeed engine, resume, loop, final checkpoint, export.
+is checked before the process group starts; then: build encoder + objective, DeepSpeed engine,
+resume (also on another world size), loop (stopping with a checkpoint on SIGUSR1: requeue),
+final checkpoint, export.
 """
 from __future__ import annotations
 

@@ -74,3 +74,23 @@ def test_compile_switch_compiles_every_block():
     blocks = [m for m in objective.modules() if isinstance(m, Block)]
     assert len(blocks) == 4 and all(b._compiled_call_impl is not None for b in blocks)
     assert objective.encoder.grad_checkpointing and objective.decoder.grad_checkpointing
+
+
+def test_a_compiled_block_computes_what_the_eager_block_does():
+    import torch
+
+    from model.vit import Block
+
+    torch.manual_seed(0)
+    block = Block(32, 2)
+    x = torch.randn(2, 13, 32, requires_grad=True)
+    eager = block(x)
+    eager.sum().backward()
+    grads = (x.grad.clone(), block.mlp.fc1.weight.grad.clone())
+    x.grad = None
+    block.zero_grad()
+    block.compile()  # what run.compile does to every block (inductor, CPU here)
+    compiled = block(x)
+    compiled.sum().backward()
+    assert torch.allclose(compiled, eager, atol=1e-5)
+    assert torch.allclose(x.grad, grads[0], atol=1e-5) and torch.allclose(block.mlp.fc1.weight.grad, grads[1], atol=1e-5)
