@@ -174,9 +174,29 @@ def to_universal(tag_dir: Path) -> Path:
 
     verify_safe(tag_dir)  # the converter unpickles without restriction
     tmp = tag_dir / f".{UNIVERSAL}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    ds_to_universal(Namespace(input_folder=str(tag_dir), output_folder=str(tmp), num_extract_workers=1,
+    staging = tag_dir / f".{UNIVERSAL}_input.tmp{os.getpid()}"
+    for d in (tmp, staging):
+        shutil.rmtree(d, ignore_errors=True)
+    model_file = tag_dir / "mp_rank_00_model_states.pt"
+    source = tag_dir
+    if model_file.is_file():
+        state = torch.load(model_file, map_location="cpu", weights_only=False)  # verified above
+        if any(not isinstance(v, torch.Tensor) for v in state["module"].values()):
+            # objectives' extra state (AdPE adversaries, MLO-MAE's networks and optimizers) is not a
+            # weight, and the converter expects only tensors: convert a copy without it, then put
+            # the whole model file back, so the universal load restores the extra state too
+            staging.mkdir()
+            for f in tag_dir.glob("*.pt"):
+                (staging / f.name).symlink_to(f.resolve())
+            (staging / model_file.name).unlink()
+            state["module"] = {k: v for k, v in state["module"].items() if isinstance(v, torch.Tensor)}
+            torch.save(state, staging / model_file.name)
+            source = staging
+    ds_to_universal(Namespace(input_folder=str(source), output_folder=str(tmp), num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
+    if source is staging:
+        shutil.copy2(model_file, tmp / model_file.name)
+        shutil.rmtree(staging)
     os.replace(tmp, out)
     return out
 
