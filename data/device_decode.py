@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import default_collate
@@ -67,9 +66,7 @@ class DeviceDecoder:
                     out.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device))
                 except RuntimeError:
                     try:
-                        with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
-                            pixels = torch.from_numpy(np.asarray(img.convert("RGB")).copy())  # (H, W, 3)
-                        out.append(pixels.permute(2, 0, 1).to(self.device))
+                        out.append(decode_rgb(Image.open(io.BytesIO(data.numpy().tobytes()))).to(self.device))
                     except (OSError, ValueError, SyntaxError):
                         out.append(None)
             return out
@@ -93,8 +90,8 @@ class DeviceDecoder:
         for k, img in zip(encoded, decoded):
             if img is None:
                 continue
-            out[k] = self.crop(img, Crop(*(int(v) for v in images[k]["crop"][:4].tolist()),
-                                         bool(images[k]["crop"][4])))
+            i, j, h, w, flip = images[k]["crop"].tolist()  # a CPU tensor: no device sync
+            out[k] = self.crop(img, Crop(i, j, h, w, bool(flip)))
             good.append(k)
         bad = sorted(set(range(len(images))) - set(good))
         if bad and not good:

@@ -95,7 +95,7 @@ class SplitSource:
         to this run's accumulation, so the D_val batch still closes each mask cycle."""
         self.train.resume_from([s["train"] for s in states])
         self.val.resume_from([s["val"] for s in states])
-        steps, rest = divmod(states[0]["batches"] * self.val_every, states[0]["val_every"])  # equal on every rank
+        batches, rest = divmod(states[0]["batches"] * self.val_every, states[0]["val_every"])  # equal on every rank
         if rest:
             raise ValueError("the checkpoint's D_val schedule does not map onto this run's gradient accumulation")
-        self.batches = steps
+        self.batches = batches

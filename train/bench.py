@@ -36,7 +36,7 @@ import torch
 
 from train import distributed
 from train.config import ConfigError, encoder_img_size, parse_args, to_dict
-from train.ds_config import activation_checkpointing, resolve
+from train.ds_config import resolve
 from train.gpus import current_gpu, gpu_named
 from train.run_dir import REPO, git_commit
 
@@ -111,10 +111,8 @@ def loader_throughput(cfg, opts: dict, img_size: int, rank: int, world: int) -> 
 
 def main(argv: list[str] | None = None) -> Path:
     from data.source import build_source
-    from model.objectives import build_objective
-    from train.costs import example_batch, profile
     from train.loop import LoopState, run
-    from train.pretrain import apply_execution_options, build_encoder, build_engine, labeled_split, schedule_steps
+    from train.pretrain import build_engine, labeled_split, profile_config, schedule_steps
 
     opts, rest = split_argv(sys.argv[1:] if argv is None else argv)
     cfg = parse_args([*rest, "--run.tensorboard", "false", "--run.progress", "false", "--run.export", "false"])
@@ -157,12 +155,8 @@ def main(argv: list[str] | None = None) -> Path:
     timed(opts["warmup"], opts["steps"])
     measured = windows[-1]
 
-    with torch.device("meta"):  # the FLOPs of one micro-batch, from the objective's actual token counts
-        twin = build_objective(cfg.objective, build_encoder(cfg), section)
-        apply_execution_options(twin, activation_checkpointing(ds_config), compile_blocks=False)
-        gpu = gpu_named(opts["gpu"]) if opts["gpu"] else current_gpu()
-        prof = profile(twin, example_batch(cfg.data, plan.micro, img_size, cfg.model.in_chans),
-                       fused_kernels=bool(gpu and gpu.sm80))
+    gpu = gpu_named(opts["gpu"]) if opts["gpu"] else current_gpu()
+    _, prof = profile_config(cfg, ds_config, plan.micro, fused_kernels=bool(gpu and gpu.sm80))  # FLOPs of a micro-batch
     flops_per_gpu_step = prof.train_flops * plan.accum
     tflops = flops_per_gpu_step / measured["step_time"] / 1e12
     result = {
@@ -172,7 +166,8 @@ def main(argv: list[str] | None = None) -> Path:
         "mfu": tflops / gpu.peak_tflops if gpu else None, "peak_tflops": gpu.peak_tflops if gpu else None,
         "loss": measured["loss"], **peak_memory_gib(device),
     }
-    record.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(), world_size=world, dtype=str(dtype).removeprefix("torch."),
+    record.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(), world_size=world,
+                  dtype=str(dtype).removeprefix("torch."),
                   batch=asdict(plan) | {"global": plan.global_batch}, ds_config=ds_config, results=result,
                   gpu=asdict(gpu) if gpu else None)
     path = None

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train.config import ConfigError, PretrainConfig, check_objective_fits, encoder_img_size, parse_args
+from train.config import ConfigError, PretrainConfig, check_objective_fits, parse_args
 from train.ds_config import activation_checkpointing, load, precision, resolve
 from train.gpus import GPU, current_gpu, gpu_in_filename, gpu_named
 from train.memory import GIB, HEADROOM, MemoryEstimate, estimate
@@ -59,7 +59,7 @@ def default_gpu(ds_config: str) -> GPU:
 
 
 def check(cfg: PretrainConfig, world: int, gpu: GPU) -> DryRun:
-    from train.pretrain import build_encoder, schedule_steps
+    from train.pretrain import schedule_steps
 
     run = DryRun(world, gpu)
     try:
@@ -94,13 +94,8 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU) -> DryRun:
         run.lines.append(f"shards not checked: {cfg.data.train_index!r} is not readable here")
     if run.problems:  # a configuration that cannot start has no memory to estimate
         return run
-    from model.objectives import build_objective
-
-    section = getattr(cfg, cfg.objective)
-    builder = lambda: build_objective(cfg.objective, build_encoder(cfg), section)  # noqa: E731
-    img_size = encoder_img_size(cfg)
     try:
-        mem = estimate(builder, cfg.data, ds, plan, gpu, img_size, cfg.model.in_chans)
+        mem = estimate(cfg, ds, plan, gpu)
     except (NotImplementedError, RuntimeError) as e:  # an objective the meta device cannot run
         run.lines.append(f"memory not estimated: the objective does not run on the meta device ({e})")
         return run

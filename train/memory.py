@@ -16,10 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from train.costs import Profile, example_batch, profile
-from train.ds_config import BatchPlan, activation_checkpointing, precision
+from train.costs import Profile
+from train.ds_config import BatchPlan, precision
 from train.gpus import GPU
 
 GIB = 2**30
@@ -84,21 +82,16 @@ def comm_buffers(ds: dict, trainable: int, prec: str) -> float:
     return w * (reduce + gather) * (4.5 if z.get("overlap_comm", stage == 3) else 1.0)
 
 
-def estimate(objective_builder, data_cfg, ds: dict, plan: BatchPlan, gpu: GPU, img_size: int,
-             in_chans: int) -> MemoryEstimate:
-    """`objective_builder()` builds the objective (it runs on the meta device here)."""
+def estimate(cfg, ds: dict, plan: BatchPlan, gpu: GPU) -> MemoryEstimate:
+    """The estimate for a configuration (its objective runs on the meta device)."""
+    from train.pretrain import profile_config
+
     prec = precision(ds)
     stage = ds.get("zero_optimization", {}).get("stage", 0)
-    from train.pretrain import apply_execution_options
-
-    with torch.device("meta"):
-        objective = objective_builder()
-        apply_execution_options(objective, activation_checkpointing(ds), compile_blocks=False)
-        params = sum(p.numel() for p in objective.parameters())
-        trainable = sum(p.numel() for p in objective.parameters() if p.requires_grad)
-        value_bytes = 4 if prec == "fp32" else 2
-        prof = profile(objective, example_batch(data_cfg, plan.micro, img_size, in_chans), fused_kernels=gpu.sm80,
-                       value_bytes=value_bytes)
+    value_bytes = 4 if prec == "fp32" else 2
+    objective, prof = profile_config(cfg, ds, plan.micro, gpu.sm80, value_bytes)
+    params = sum(p.numel() for p in objective.parameters())
+    trainable = sum(p.numel() for p in objective.parameters() if p.requires_grad)
     weights, grads, optimizer = model_states(params, trainable, prec, stage, plan.world)
     acts = prof.activation_bytes(value_bytes)
     return MemoryEstimate(params, trainable, weights, grads, optimizer, comm_buffers(ds, trainable, prec), acts,

@@ -34,6 +34,7 @@ class StopSignal:
         self.agreed = 0  # what every rank agreed on (0 = keep training)
         self._pending = None  # (event or None, host tensor) of the round in flight
         self._host = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._result = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")  # read before reuse
         # SIGTERM means preemption only inside Slurm; elsewhere (the deepspeed launcher cleaning up
         # after a failed rank, a plain kill) it keeps its default: stop at once.
         for sig in (signal.SIGUSR1, signal.SIGTERM) if "SLURM_JOB_ID" in os.environ else (signal.SIGUSR1,):
@@ -60,11 +61,10 @@ class StopSignal:
         flag = self._host.to(self.device, non_blocking=True, copy=True)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if self.device.type == "cuda":
-            result = torch.empty(1, dtype=torch.int32, pin_memory=True)
-            result.copy_(flag, non_blocking=True)
+            self._result.copy_(flag, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._pending = (event, result)
+            self._pending = (event, self._result)
         else:
             self._pending = (None, flag)
         return False

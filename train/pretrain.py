@@ -34,6 +34,7 @@ from train.config import (
     ConfigError,
     PretrainConfig,
     check_objective_fits,
+    encoder_img_size,
     help_text,
     parse_args,
     to_dict,
@@ -85,6 +86,18 @@ def apply_execution_options(objective: torch.nn.Module, recompute: bool, compile
             module.set_grad_checkpointing(True)
         if compile_blocks and isinstance(module, Block):
             module.compile()
+
+
+def profile_config(cfg: PretrainConfig, ds_config: dict, micro: int, fused_kernels: bool, value_bytes: int = 2):
+    """(the configured objective built on the meta device with the ds_config's activation
+    checkpointing, the profile of one micro-batch: FLOPs and activations from its token counts)."""
+    from train.costs import example_batch, profile
+
+    with torch.device("meta"):
+        objective = build_objective(cfg.objective, build_encoder(cfg), getattr(cfg, cfg.objective))
+        apply_execution_options(objective, activation_checkpointing(ds_config), compile_blocks=False)
+        batch = example_batch(cfg.data, micro, encoder_img_size(cfg), cfg.model.in_chans)
+        return objective, profile(objective, batch, fused_kernels, value_bytes)
 
 
 def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, peak_lr: float,
