@@ -1,12 +1,19 @@
-"""The training-side iterator over shards: batches on the device, a position record, skipped-sample counts."""
+"""The training-side iterator over shards: batches on the device, a position record, skipped and
+converted sample counts."""
 from __future__ import annotations
 
+import atexit
+import multiprocessing
 import signal
+import time
+import weakref
 
 import torch
 
+from data.faults import ERROR_KINDS, padded
+from data.image_modes import CONVERTED_KINDS
 from data.reshard import ReaderLayout, consumed
-from data.shards import ERROR_KINDS, ShardSet, ShardStream, StreamStart, check_split, shards_for
+from data.shards import DEFAULT_MAX_IMAGE_PIXELS, ShardSet, ShardStream, StreamStart, check_split, shards_for
 from data.transforms import PretrainTransform, normalize_uint8
 
 
@@ -18,6 +25,27 @@ def _init_worker(_: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+_LIVE_LOADERS: weakref.WeakSet = weakref.WeakSet()  # loaders whose workers may be running
+
+
+@atexit.register  # after torch and multiprocessing registered theirs: runs before them
+def _end_workers_at_exit() -> None:
+    """Multiprocessing ends daemon children at exit with SIGTERM and then waits for them. Workers
+    ignore SIGTERM (above), so a process ending while a loader is alive (training raised) would wait
+    forever. Close the loaders (the DataLoader stops its workers); then, for any worker left, send
+    SIGTERM as multiprocessing would, and SIGKILL to whatever is still running after 1 s."""
+    for loader in list(_LIVE_LOADERS):
+        loader.close()
+    children = [p for p in multiprocessing.active_children() if p.daemon]
+    for p in children:
+        p.terminate()
+    deadline = time.monotonic() + 1.0
+    for p in children:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+
+
 class ShardLoader:
     """Yields {"image": (B, ...) float32, "label": (B,)} on `device`, forever; `state_dict()` is its position.
 
@@ -26,16 +54,21 @@ class ShardLoader:
     With W workers, PyTorch's DataLoader takes batch k from worker k mod W, so the number of
     batches consumed says whose turn is next, and the position of the last sample of each worker's
     latest batch says where that worker's stream continues.
+
+    max_bad_fraction / max_image_pixels: see ShardStream (the training source passes data.*; the
+    default 1.0 never gives up).
     """
 
     def __init__(self, shards: ShardSet, img_size: int, batch_size: int, seed: int, rank: int, world: int,
                  num_workers: int, shuffle_buffer: int, crop_scale_min: float = 0.2, pin_memory: bool = False,
-                 transform=None, keep=None, device: torch.device | str = "cpu"):
+                 transform=None, keep=None, device: torch.device | str = "cpu", max_bad_fraction: float = 1.0,
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
         check_split(shards, world, num_workers)
         self.shards, self.batch_size, self.seed, self.rank, self.world = shards, batch_size, seed, rank, world
         self.num_workers, self.shuffle_buffer, self.pin_memory = num_workers, shuffle_buffer, pin_memory
         self.transform = transform or PretrainTransform(img_size, scale=(crop_scale_min, 1.0))
         self.keep = keep  # sample-key filter: only the keys it accepts are read (data/split.py)
+        self.max_bad_fraction, self.max_image_pixels = max_bad_fraction, max_image_pixels
         self.device = torch.device(device)
         self.device_decoder = None
         if getattr(self.transform, "device_decode", False):
@@ -49,12 +82,15 @@ class ShardLoader:
         self.layout: ReaderLayout | None = None  # the earlier readers whose samples are skipped, if any
         self.errors = torch.zeros(W, len(ERROR_KINDS), dtype=torch.long)  # per worker, since it started
         self.errors_before = torch.zeros(len(ERROR_KINDS), dtype=torch.long)  # counted before the last resume
+        self.converted = torch.zeros(W, len(CONVERTED_KINDS), dtype=torch.long)  # the same for converted samples
+        self.converted_before = torch.zeros(len(CONVERTED_KINDS), dtype=torch.long)
         self._it = None
 
     def _start(self):
         start = StreamStart(list(self.last), self.start.start_epoch, self.start.consumed, self.start.legacy_skip)
         stream = ShardStream(self.shards, self.transform, self.seed, self.rank, self.world, self.num_workers,
-                             self.shuffle_buffer, start, self.batches % max(1, self.num_workers), self.keep)
+                             self.shuffle_buffer, start, self.batches % max(1, self.num_workers), self.keep,
+                             self.max_bad_fraction, self.max_image_pixels)
         collate = None if self.device_decoder is None else self.device_decoder.collate
         loader = torch.utils.data.DataLoader(
             stream, batch_size=self.batch_size, num_workers=self.num_workers, pin_memory=self.pin_memory,
@@ -64,17 +100,33 @@ class ShardLoader:
             # process's random stream (masking noise) depending on when the loader started.
             generator=torch.Generator().manual_seed(self.seed),
         )
+        _LIVE_LOADERS.add(self)
         return iter(loader)
 
     def __iter__(self):
         return self
 
+    def close(self) -> None:
+        """Stop the workers; the next batch starts them again at the recorded position. (Freeing
+        the DataLoader's iterator is how it stops its workers.)"""
+        self._it = None
+
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._it is None:
             self._it = self._start()
-        batch = next(self._it)
+        try:
+            batch = next(self._it)
+        except Exception as e:  # e.g. CorruptDataError
+            self.close()
+            if self.num_workers > 0:  # re-raised from a worker, whose traceback is in the message
+                # The traceback's DataLoader frames would keep the iterator, and its workers, alive
+                # until a garbage collection (or for good, were it to propagate to exit); without
+                # them the iterator is freed now and stops its workers.
+                raise e.with_traceback(None)
+            raise
         worker = int(batch["worker"][0])  # bookkeeping on CPU tensors: no device sync
         self.errors[worker] = batch["errors"][-1]
+        self.converted[worker] = batch["converted"][-1]
         self.last[worker] = (int(batch["epoch"][-1]), int(batch["pos"][-1]))
         self.batches += 1
         if self.device_decoder is not None:
@@ -92,12 +144,19 @@ class ShardLoader:
             total[ERROR_KINDS.index("undecodable_image")] += self.device_decoder.failed
         return total
 
+    def _converted(self) -> torch.Tensor:
+        """(len(CONVERTED_KINDS),) samples converted to 8-bit RGB on this rank since the run began."""
+        return self.converted_before + self.converted.sum(0)
+
     def counters(self) -> dict[str, int]:
-        """Samples skipped so far on this rank, by kind (summed over workers)."""
-        return {f"data_skipped_{k}": int(v) for k, v in zip(ERROR_KINDS, self._skipped().tolist(), strict=True)}
+        """Samples skipped and converted so far on this rank, by kind (summed over workers)."""
+        skipped = {f"data_skipped_{k}": int(v) for k, v in zip(ERROR_KINDS, self._skipped().tolist(), strict=True)}
+        converted = zip(CONVERTED_KINDS, self._converted().tolist(), strict=True)
+        return {**skipped, **{f"data_converted_{k}": int(v) for k, v in converted}}
 
     def state_dict(self) -> dict:
         return {"batches": self.batches, "last": [list(p) for p in self.last], "errors": self._skipped().tolist(),
+                "converted": self._converted().tolist(),
                 "num_workers": self.num_workers, "batch_size": self.batch_size, "world": self.world,
                 "seed": self.seed, "shuffle_buffer": self.shuffle_buffer, "start_epoch": self.start.start_epoch,
                 "layout": self.layout.to_dict() if self.layout else None}
@@ -112,6 +171,7 @@ class ShardLoader:
                 )
         self.batches = int(state["batches"])
         self.errors = torch.zeros_like(self.errors)
+        self.converted = torch.zeros_like(self.converted)
         if "last" not in state:  # recorded before positions were: replay decoded samples, as then
             W = max(1, self.num_workers)
             if state["batch_size"] != self.batch_size:
@@ -120,6 +180,7 @@ class ShardLoader:
             self.start = StreamStart.fresh(W)
             self.start.legacy_skip = skip
             self.errors_before = torch.zeros(len(ERROR_KINDS), dtype=torch.long)  # the replay counts them again
+            self.converted_before = torch.zeros(len(CONVERTED_KINDS), dtype=torch.long)  # not recorded then
             self._it = None
             return
         if state["shuffle_buffer"] != self.shuffle_buffer:
@@ -127,7 +188,7 @@ class ShardLoader:
                              f"this run has {self.shuffle_buffer}; resume with the same value")
         self.layout = ReaderLayout.from_dict(state["layout"])
         self._set_start(state["start_epoch"], [tuple(p) for p in state["last"]])
-        self.errors_before = torch.tensor(state["errors"], dtype=torch.long)
+        self.errors_before, self.converted_before = _counts(state)
 
     def resume_from(self, states: list[dict]) -> None:
         """Continue from the positions of every rank of a checkpointed run (rank order). With the
@@ -145,8 +206,11 @@ class ShardLoader:
         self.layout = ReaderLayout.from_states(states)
         self.batches = 0
         self.errors = torch.zeros_like(self.errors)
-        totals = torch.tensor([s["errors"] for s in states], dtype=torch.long).sum(0)
-        self.errors_before = totals if self.rank == 0 else torch.zeros_like(totals)  # counters are summed over ranks
+        self.converted = torch.zeros_like(self.converted)
+        errors, converted = (torch.stack(t).sum(0) for t in zip(*map(_counts, states)))
+        mine = self.rank == 0  # counters are summed over ranks: the old totals start on rank 0
+        self.errors_before = errors if mine else torch.zeros_like(errors)
+        self.converted_before = converted if mine else torch.zeros_like(converted)
         self._set_start(None, None)
 
     def _set_start(self, start_epoch: int | None, last: list[tuple[int, int]] | None) -> None:
@@ -166,3 +230,10 @@ class ShardLoader:
         self.start = StreamStart([(start_epoch, -1)] * W, start_epoch, skip)
         self.last = list(last) if last is not None else list(self.start.last)
         self._it = None  # restart the workers at the recorded position
+
+
+def _counts(state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(skipped, converted) counts of a saved position; states written before newer kinds (or the
+    converted counts) existed read as zeros for them."""
+    return (torch.tensor(padded(state["errors"], len(ERROR_KINDS)), dtype=torch.long),
+            torch.tensor(padded(state.get("converted", []), len(CONVERTED_KINDS)), dtype=torch.long))

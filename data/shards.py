@@ -15,8 +15,14 @@ without decoding and continues. With another number of readers (world size or wo
 data/reshard.py works out which samples the old readers had consumed and the new readers skip
 exactly those (`Consumed`).
 
-A sample whose image is missing or does not decode, or whose label is missing, is skipped and
-counted by kind; a shard that ends early (truncated tar) is counted and the stream moves on.
+Faults (data/faults.py): a sample that cannot be used (image missing, empty, undecodable or
+above data.max_image_pixels, label missing or not an integer) is skipped and counted by kind; a
+shard that ends early (truncated tar) is counted and the stream moves on. Images of other modes
+are converted to 8-bit RGB and counted by conversion (CMYK, 16-bit, other; data/image_modes.py).
+Each reader gives up with `CorruptDataError` when more than data.max_bad_fraction of what it
+read was unusable (the rule is in data/faults.py). The index must list at least one shard, each
+with samples and a non-empty file; a `pipe:<shell command>` entry (webdataset's URL for a tar on
+a command's stdout) runs only with data.allow_pipe_urls, and other URLs are refused.
 """
 from __future__ import annotations
 
@@ -25,7 +31,10 @@ import json
 import os
 import random
 import re
+import struct
+import subprocess
 import tarfile
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,15 +45,49 @@ import torch
 from PIL import Image
 from webdataset.tariterators import group_by_keys
 
+from data.faults import ERROR_KINDS, BadSampleBudget, CorruptDataError, SampleError, ShardIndexError
+from data.image_modes import CONVERTED_KINDS, conversion_kind
+
 IMAGE_KEYS = ("jpg", "jpeg", "png")
-ERROR_KINDS = ("missing_image", "missing_cls", "bad_label", "undecodable_image", "truncated_shard")
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # PIL's default Image.MAX_IMAGE_PIXELS (data.max_image_pixels)
+URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# What PIL raises for malformed image bytes (struct.error / IndexError from some truncated headers)
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, IndexError)
+
+
+@dataclass(frozen=True)
+class PipeShard:
+    """A shard read from the stdout of a shell command: the index entry `pipe:<command>`."""
+    url: str
+
+    @property
+    def command(self) -> str:
+        return self.url[len("pipe:"):]
+
+    @property
+    def name(self) -> str:
+        """Names the shard in sample ids (no '/'): the base name of the command's last word that
+        mentions .tar (`pipe:curl -s https://host/train-000001.tar` -> train-000001.tar), else the
+        whole command with every run of other characters than [A-Za-z0-9._-] replaced by '_'."""
+        return shard_name(self.url)
+
+    def __str__(self) -> str:
+        return self.url
+
+
+def shard_name(url: str) -> str:
+    """The name of the shard a sample's `__url__` points at (a file's name, or PipeShard.name)."""
+    if not url.startswith("pipe:"):
+        return Path(url).name
+    tars = [w for w in url[len("pipe:"):].split() if ".tar" in w]
+    return tars[-1].rstrip("/").rsplit("/", 1)[-1] if tars else re.sub(r"[^A-Za-z0-9._-]+", "_", url)
 
 
 @dataclass(frozen=True)
 class ShardSet:
     """A set of shards described by the JSON index that data/write_shards.py writes."""
 
-    files: tuple[Path, ...]
+    files: tuple[Path | PipeShard, ...]
     counts: tuple[int, ...]
     classes: tuple[str, ...]
 
@@ -53,16 +96,54 @@ class ShardSet:
         return sum(self.counts)
 
     @classmethod
-    def from_index(cls, path: str | Path) -> "ShardSet":
+    def from_index(cls, path: str | Path, allow_pipe_urls: bool = False) -> "ShardSet":
+        """Raises FileNotFoundError for a missing index or shard file, ShardIndexError for an index
+        that cannot feed training (no shards, empty shards, malformed entries, refused URLs)."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"shard index {path} not found; write shards with data/write_shards.py")
         index = json.loads(path.read_text())
-        files = tuple(path.parent / s["file"] for s in index["shards"])
-        missing = [str(f) for f in files if not f.is_file()]
+        entries = index.get("shards") if isinstance(index, dict) else None
+        if not isinstance(entries, list) or not isinstance(index.get("classes"), list):
+            raise ShardIndexError(f"shard index {path} has no 'shards' or 'classes' list; is it an index written by "
+                                  f"data/write_shards.py?")
+        if not entries:
+            raise ShardIndexError(f"shard index {path} lists no shards; there is nothing to train on")
+        malformed = [e for e in entries if not isinstance(e, dict) or not isinstance(e.get("file"), str)
+                     or not isinstance(e.get("samples"), int) or isinstance(e.get("samples"), bool)]
+        if malformed:
+            raise ShardIndexError(f"shard index {path}: {len(malformed)} 'shards' entries lack a 'file' name or an "
+                                  f"integer 'samples' count, e.g. {malformed[0]!r}")
+        files = tuple(_shard_file(path, e["file"], allow_pipe_urls) for e in entries)
+        missing = [str(f) for f in files if isinstance(f, Path) and not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{len(missing)} shard(s) listed in {path} are missing, e.g. {missing[:3]}")
-        return cls(files, tuple(s["samples"] for s in index["shards"]), tuple(index["classes"]))
+        empty = [e["file"] for e, f in zip(entries, files) if e["samples"] <= 0 or
+                 (isinstance(f, Path) and f.stat().st_size == 0)]
+        if empty:
+            raise ShardIndexError(f"shard index {path}: {len(empty)} shard(s) hold no samples (a count <= 0 or a "
+                                  f"zero-byte file), e.g. {empty[:3]}; rewrite them (data/write_shards.py) or "
+                                  f"remove them from the index")
+        names = [f.name for f in files]
+        if len(set(names)) < len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ShardIndexError(f"shard index {path}: shard names repeat ({twice[:3]}); sample ids are "
+                                  f"<shard name>/<key>, so every shard needs its own name")
+        return cls(files, tuple(e["samples"] for e in entries), tuple(index["classes"]))
+
+
+def _shard_file(index: Path, entry: str, allow_pipe_urls: bool) -> Path | PipeShard:
+    """An index entry as a local path (relative to the index) or, when allowed, a pipe: command."""
+    if entry.startswith("pipe:"):
+        if not allow_pipe_urls:
+            raise ShardIndexError(f"shard index {index}: entry {entry!r} is a pipe: URL, which runs a shell command; "
+                                  f"set data.allow_pipe_urls true only if you trust whoever wrote the index")
+        return PipeShard(entry)
+    if URL_SCHEME.match(entry):
+        raise ShardIndexError(f"shard index {index}: entry {entry!r} is a URL; shards are read from local files or "
+                              f"from a command's output: write the entry as a pipe: command (e.g. 'pipe:curl -sfL "
+                              f"{entry}' or 'pipe:aws s3 cp {entry} -') and set data.allow_pipe_urls true")
+    return index.parent / entry
 
 
 def check_split(shards: ShardSet, world: int, num_workers: int) -> None:
@@ -89,14 +170,21 @@ def shards_for(num_shards: int, epoch: int, seed: int, reader: int, readers: int
 META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members, never part of a sample
 
 
-def tar_members(f: Path, with_data: bool) -> Iterator[dict]:
+def _is_sample_member(m: tarfile.TarInfo) -> bool:
+    return m.isreg() and not META.match(m.name) and not ("/" not in m.name and m.name.startswith("__"))
+
+
+def tar_members(f: Path | PipeShard, with_data: bool) -> Iterator[dict]:
     """Regular members of one tar in order, as webdataset's iterator gives them. Without data only
     the headers are read (the data is seeked over): the same members, so key-only replays see the
     same samples. A member whose data runs past the end of the file raises, as reading it would."""
+    if isinstance(f, PipeShard):
+        yield from pipe_members(f)
+        return
     size = os.path.getsize(f)
     with tarfile.open(f, mode="r:") as tar:
         for m in tar:
-            if not m.isreg() or META.match(m.name) or ("/" not in m.name and m.name.startswith("__")):
+            if not _is_sample_member(m):
                 continue
             if m.offset_data + m.size > size:
                 raise tarfile.ReadError(f"{f}: member {m.name} is cut short")
@@ -104,19 +192,46 @@ def tar_members(f: Path, with_data: bool) -> Iterator[dict]:
             yield {"fname": m.name, "data": data, "__url__": str(f)}
 
 
-def raw_samples(files: list[Path], errors: Counter, with_data: bool = True) -> Iterator[dict]:
-    """Group tar members into samples (webdataset's grouping); a truncated tar ends its shard.
-    `with_data=False` yields the same samples with keys only (`__key__`, `__url__`)."""
+def pipe_members(shard: PipeShard) -> Iterator[dict]:
+    """Members of the tar a shell command writes to stdout, read as a stream ("r|"). The data is
+    always read, also for key-only replays: a stream cannot seek, and reading the data is how a
+    member cut short shows, so both see the same samples. A command that exits with an error
+    status ends the shard like a truncated tar."""
+    proc = subprocess.Popen(shard.command, shell=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    try:
+        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+            for m in tar:
+                if _is_sample_member(m):
+                    yield {"fname": m.name, "data": tar.extractfile(m).read(), "__url__": shard.url}
+        proc.stdout.read()  # the archive's zero padding: left unread, the command could die of SIGPIPE
+        if (status := proc.wait()) != 0:
+            raise tarfile.ReadError(f"{shard.url}: the command exited with status {status}")
+    finally:  # also when the reader stops early: no command left running
+        proc.stdout.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def shard_samples(f: Path | PipeShard, errors: Counter, with_data: bool = True) -> Iterator[dict]:
+    """The samples of one tar (webdataset's grouping of members by key); a truncated tar ends
+    early and is counted. `with_data=False` yields the same samples with keys only (`__key__`,
+    `__url__`)."""
+    try:
+        yield from group_by_keys(tar_members(f, with_data))
+    except (tarfile.TarError, OSError, EOFError, ValueError):
+        errors["truncated_shard"] += 1
+
+
+def raw_samples(files: list[Path | PipeShard], errors: Counter, with_data: bool = True) -> Iterator[dict]:
+    """The samples of several tars in order (see `shard_samples`)."""
     for f in files:
-        try:
-            yield from group_by_keys(tar_members(f, with_data))
-        except (tarfile.TarError, OSError, EOFError, ValueError):
-            errors["truncated_shard"] += 1
+        yield from shard_samples(f, errors, with_data)
 
 
 def sample_id(raw: dict) -> str:
-    """`<shard file name>/<key>`: unique across a shard set even if keys repeat across shards."""
-    return f"{Path(raw['__url__']).name}/{raw['__key__']}"
+    """`<shard name>/<key>`: unique across a shard set even if keys repeat across shards."""
+    return f"{shard_name(raw['__url__'])}/{raw['__key__']}"
 
 
 def shuffled(samples: Iterator[dict], buffer: int, rng: random.Random) -> Iterator[dict]:
@@ -133,15 +248,33 @@ def shuffled(samples: Iterator[dict], buffer: int, rng: random.Random) -> Iterat
     yield from pool
 
 
-def open_sample(sample: dict) -> tuple[Image.Image, int, bytes]:
+def open_sample(sample: dict, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[Image.Image, int, bytes]:
     """(lazily opened image: header read, pixels not decoded; label; encoded bytes).
-    Raise KeyError / OSError / ValueError for a sample that cannot be used."""
+    Raise SampleError (a ValueError) naming the kind of a sample that cannot be used; an image of
+    more than `max_pixels` pixels is refused from its header, before any decoding."""
     key = next((k for k in IMAGE_KEYS if k in sample), None)
     if key is None:
-        raise KeyError("image")
+        raise SampleError("missing_image")
     if "cls" not in sample:
-        raise KeyError("cls")
-    return Image.open(io.BytesIO(sample[key])), int(sample["cls"]), sample[key]
+        raise SampleError("missing_cls")
+    data = sample[key]
+    if not data:
+        raise SampleError("empty_image")
+    try:
+        label = int(sample["cls"])
+    except (TypeError, ValueError):
+        raise SampleError("bad_label", f"{sample['cls'][:20]!r} is not an integer") from None
+    try:
+        with warnings.catch_warnings():  # PIL's warning for a large header: refused below, not noise in the log
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        raise SampleError("decompression_bomb") from None
+    except DECODE_ERRORS as e:
+        raise SampleError("undecodable_image", str(e)) from None
+    if img.size[0] * img.size[1] > max_pixels:
+        raise SampleError("decompression_bomb", f"{img.size[0]} x {img.size[1]} pixels")
+    return img, label, data
 
 
 def decode(sample: dict) -> tuple[Image.Image, int]:
@@ -149,12 +282,6 @@ def decode(sample: dict) -> tuple[Image.Image, int]:
     img, label, _ = open_sample(sample)
     img.load()
     return img, label
-
-
-def error_kind(e: Exception) -> str:
-    if isinstance(e, KeyError):
-        return f"missing_{e.args[0]}"
-    return "bad_label" if isinstance(e, ValueError) else "undecodable_image"
 
 
 @dataclass
@@ -189,13 +316,16 @@ class ShardStream(torch.utils.data.IterableDataset):
     """Infinite training stream of one rank; the DataLoader's workers split it further.
 
     Yields dicts with `image` (transform output), `label`, and bookkeeping for the main process:
-    `worker`, `epoch`, `pos` (the sample's position) and `errors` (this worker's skipped-sample
-    counts since it started, ERROR_KINDS order).
+    `worker`, `epoch`, `pos` (the sample's position), `errors` and `converted` (this worker's
+    skipped / converted sample counts since it started, ERROR_KINDS / CONVERTED_KINDS order).
+    max_bad_fraction: give up past this fraction of unusable samples (data/faults.py; 1.0 = never).
+    max_image_pixels: larger images are skipped from their header (`decompression_bomb`).
     """
 
     def __init__(self, shards: ShardSet, transform: Callable, seed: int, rank: int, world: int, num_workers: int,
                  shuffle_buffer: int, start: StreamStart | None = None, worker_offset: int = 0,
-                 keep: Callable[[str], bool] | None = None):
+                 keep: Callable[[str], bool] | None = None, max_bad_fraction: float = 1.0,
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
         super().__init__()
         self.keep = keep  # sample-key filter (a labeled split's part), applied before decoding
         self.shards, self.transform, self.seed = shards, transform, seed
@@ -205,8 +335,25 @@ class ShardStream(torch.utils.data.IterableDataset):
         # DataLoader worker i plays stream (i + offset) mod W, so that after a resume the first
         # batch comes from the stream whose turn it was in the round-robin.
         self.worker_offset = worker_offset
+        self.max_bad_fraction, self.max_image_pixels = max_bad_fraction, max_image_pixels
 
-    def worker_samples(self, worker: int, errors: Counter, with_data: bool = True) -> Iterator[tuple[int, int, dict]]:
+    def read_shards(self, ids: list[int], errors: Counter, with_data: bool,
+                    budget: BadSampleBudget | None) -> Iterator[dict]:
+        """The samples of shards `ids` in order; samples a tar does not deliver (its index count
+        minus those read) are counted as lost, and a tar that ends short without an error as truncated."""
+        for i in ids:
+            f, expected, got, truncated = self.shards.files[i], self.shards.counts[i], 0, errors["truncated_shard"]
+            for s in shard_samples(f, errors, with_data):
+                got += 1
+                yield s
+            if got < expected:
+                if errors["truncated_shard"] == truncated:  # cut between members: no read error to count
+                    errors["truncated_shard"] += 1
+                if budget is not None:
+                    budget.lose(str(f), expected - got)
+
+    def worker_samples(self, worker: int, errors: Counter, with_data: bool = True,
+                       budget: BadSampleBudget | None = None) -> Iterator[tuple[int, int, dict]]:
         """(epoch, position in epoch, raw sample) for one worker, forever, from start_epoch."""
         reader, readers = self.rank * self.num_workers + worker, self.world * self.num_workers
         epoch = self.start.start_epoch
@@ -214,22 +361,40 @@ class ShardStream(torch.utils.data.IterableDataset):
             done = self.start.consumed.get(epoch, Consumed())
             ids = [i for i in shards_for(len(self.shards.files), epoch, self.seed, reader, readers) if i not in done.shards]
             rng = random.Random(derive_seed(self.seed, epoch, self.rank, worker))
-            samples = raw_samples([self.shards.files[i] for i in ids], errors, with_data)
+            read = 0
+
+            def counted(samples: Iterator[dict]) -> Iterator[dict]:
+                nonlocal read
+                for s in samples:
+                    read += 1
+                    yield s
+
+            samples = counted(self.read_shards(ids, errors, with_data, budget))
             if done.samples:
                 samples = (s for s in samples if sample_id(s) not in done.samples)
             for pos, s in enumerate(shuffled(samples, self.shuffle_buffer, rng)):
                 yield epoch, pos, s
+            if ids and not read:  # every epoch would be the same: the stream would wait forever
+                names = [str(self.shards.files[i]) for i in ids]
+                raise CorruptDataError(f"data reader rank {self.rank} worker {worker}: none of its {len(ids)} shard(s) "
+                                       f"delivered a sample in epoch {epoch}, e.g. {names[:3]}; fix or rewrite them "
+                                       f"(data/write_shards.py)")
             epoch += 1
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker = ((info.id if info is not None else 0) + self.worker_offset) % self.num_workers
         errors: Counter = Counter()
+        converted: Counter = Counter()
+        budget = BadSampleBudget(self.max_bad_fraction, max(self.shards.counts), f"rank {self.rank} worker {worker}")
+        if Image.MAX_IMAGE_PIXELS is not None and self.max_image_pixels > Image.MAX_IMAGE_PIXELS:
+            # PIL's own check is process-wide and would refuse (above 2x its limit) what the config allows
+            Image.MAX_IMAGE_PIXELS = self.max_image_pixels
         last = tuple(self.start.last[worker])
         legacy_skip = self.start.legacy_skip[worker] if self.start.legacy_skip else 0
         replayed: Counter | None = None  # errors met while re-reading delivered samples are counted already
         takes_bytes = getattr(self.transform, "takes_bytes", False)
-        for epoch, pos, raw in self.worker_samples(worker, errors):
+        for epoch, pos, raw in self.worker_samples(worker, errors, budget=budget):
             if (epoch, pos) <= last:  # delivered before the resume: re-read, not decoded
                 continue
             if replayed is None:
@@ -237,19 +402,28 @@ class ShardStream(torch.utils.data.IterableDataset):
             if self.keep is not None and not self.keep(raw["__key__"]):
                 continue
             seed = derive_seed(self.seed, epoch, self.rank, worker, pos)
+            shard = raw["__url__"]
+            budget.seen(shard)
             try:
-                img, label, data = open_sample(raw)
-            except (KeyError, OSError, ValueError, SyntaxError) as e:  # PIL raises SyntaxError for some files
-                errors[error_kind(e)] += 1
+                img, label, data = open_sample(raw, self.max_image_pixels)
+            except SampleError as e:
+                errors[e.kind] += 1
+                budget.skip(shard, e.kind)
                 continue
+            mode = img.mode  # from the header; decoding may change it (JPEG draft)
             try:  # the pixels are decoded here (at reduced size with cpu_draft; nvjpeg defers it)
                 if legacy_skip > 0:  # an old-format position: decoded samples to drop
                     img.load()
                     legacy_skip -= 1
                     continue
                 image = self.transform(img, seed, data) if takes_bytes else self.transform(img, seed)
-            except (OSError, ValueError, SyntaxError):
-                errors["undecodable_image"] += 1
+            except (*DECODE_ERRORS, Image.DecompressionBombError) as e:  # PIL checks GIF frames as it decodes
+                kind = "decompression_bomb" if isinstance(e, Image.DecompressionBombError) else "undecodable_image"
+                errors[kind] += 1
+                budget.skip(shard, kind)
                 continue
+            if (kind := conversion_kind(mode)) is not None:
+                converted[kind] += 1
             counts = torch.tensor([errors[k] - replayed[k] for k in ERROR_KINDS])
-            yield {"image": image, "label": label, "worker": worker, "epoch": epoch, "pos": pos, "errors": counts}
+            yield {"image": image, "label": label, "worker": worker, "epoch": epoch, "pos": pos, "errors": counts,
+                   "converted": torch.tensor([converted[k] for k in CONVERTED_KINDS])}

@@ -14,19 +14,24 @@ from data.transforms import PretrainTransform
 SYNTHETIC_EPOCH = 1_281_167  # ImageNet-1k train, the nominal epoch of the synthetic source
 
 
+def train_shards(data_cfg) -> ShardSet:
+    """The training shard set (pipe: entries only with data.allow_pipe_urls)."""
+    return ShardSet.from_index(data_cfg.train_index, data_cfg.allow_pipe_urls)
+
+
 def nominal_epoch_size(data_cfg, split: LabeledSplit | None = None) -> int:
     """Samples per nominal epoch, known before any process starts (with a labeled split: the
     expected size of its training part)."""
     if data_cfg.epoch_size:
         return data_cfg.epoch_size
-    total = SYNTHETIC_EPOCH if data_cfg.source == "synthetic" else ShardSet.from_index(data_cfg.train_index).num_samples
+    total = SYNTHETIC_EPOCH if data_cfg.source == "synthetic" else train_shards(data_cfg).num_samples
     return total if split is None else int(total * (1 - split.val_fraction))
 
 
 def check_source(data_cfg, world: int) -> None:
     """Fail before training when the shards cannot feed every rank and worker."""
     if data_cfg.source == "shards":
-        check_split(ShardSet.from_index(data_cfg.train_index), world, data_cfg.num_workers)
+        check_split(train_shards(data_cfg), world, data_cfg.num_workers)
 
 
 def build_source(data_cfg, img_size: int, in_chans: int, batch_size: int, seed: int, rank: int, world: int,
@@ -67,9 +72,10 @@ def _shard_loader(data_cfg, img_size: int, in_chans: int, batch_size: int, seed:
         transform = EncodedCropTransform(img_size, scale)
     else:
         transform = PretrainTransform(img_size, scale, decode=data_cfg.decode)
-    return ShardLoader(ShardSet.from_index(data_cfg.train_index), img_size, batch_size, seed, rank, world,
-                       data_cfg.num_workers, data_cfg.shuffle_buffer, data_cfg.crop_scale_min,
-                       pin_memory=device.type == "cuda", transform=transform, keep=keep, device=device)
+    return ShardLoader(train_shards(data_cfg), img_size, batch_size, seed, rank, world, data_cfg.num_workers,
+                       data_cfg.shuffle_buffer, data_cfg.crop_scale_min, pin_memory=device.type == "cuda",
+                       transform=transform, keep=keep, device=device, max_bad_fraction=data_cfg.max_bad_fraction,
+                       max_image_pixels=data_cfg.max_image_pixels)
 
 
 def fixed_images(data_cfg, img_size: int, in_chans: int, n: int = 8) -> torch.Tensor:
@@ -81,7 +87,7 @@ def fixed_images(data_cfg, img_size: int, in_chans: int, n: int = 8) -> torch.Te
     from data.shards import decode, raw_samples
     from data.transforms import EvalTransform
 
-    shards, transform = ShardSet.from_index(data_cfg.train_index), EvalTransform(img_size, crop_pct=1.0)
+    shards, transform = train_shards(data_cfg), EvalTransform(img_size, crop_pct=1.0)
     images = []
     for raw in raw_samples(list(shards.files), Counter()):
         try:

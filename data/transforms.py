@@ -6,8 +6,8 @@ copy and pin) and normalises on the training device (`normalize_uint8`). The cro
 torchvision's algorithm from a private random.Random seeded by (seed, epoch, rank, worker, sample
 index): the same sample position always gets the same crop, in any process, and no global RNG
 is touched. Evaluation: resize the shorter side to size / crop_pct, then center-crop `size`,
-normalised. All convert to 3-channel RGB (grayscale is replicated); normalisation uses the
-ImageNet mean/std.
+normalised. All convert to 3-channel 8-bit RGB (data/image_modes.py: grayscale replicated, CMYK
+converted, 16-bit grey scaled by >> 8); normalisation uses the ImageNet mean/std.
 
 Decoding (`data.decode`) for the pretraining crops:
   cpu        RGB / grayscale JPEGs decoded by libjpeg-turbo straight into a uint8 tensor
@@ -37,6 +37,8 @@ from PIL import Image
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as F2
 
+from data.image_modes import to_rgb
+
 try:  # deprecated in torchvision 0.29 in favour of TorchCodec; PIL decodes when it is gone
     from torchvision.io import ImageReadMode, decode_jpeg
 except ImportError:  # pragma: no cover
@@ -49,7 +51,7 @@ DECODES = ("cpu", "cpu_draft", "nvjpeg")
 
 def to_normalized_tensor(img: Image.Image) -> torch.Tensor:
     """PIL (any mode) -> (3, H, W) float, ImageNet-normalised."""
-    x = TF.pil_to_tensor(img.convert("RGB")).float() / 255.0
+    x = TF.pil_to_tensor(to_rgb(img)).float() / 255.0
     return TF.normalize(x, IMAGENET_MEAN, IMAGENET_STD)
 
 
@@ -98,7 +100,7 @@ def decode_rgb(img: Image.Image, data: bytes | None = None) -> torch.Tensor:
     ImageNet-sized image); anything else, or a drafted image, through PIL."""
     if data is not None and img.format == "JPEG" and img.mode in ("RGB", "L") and decode_jpeg is not None:
         return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-    return TF.pil_to_tensor(img.convert("RGB"))
+    return TF.pil_to_tensor(to_rgb(img))
 
 
 class PretrainTransform:
@@ -181,7 +183,7 @@ class EvalTransform:
         self.size, self.resize = size, int(round(size / crop_pct))
 
     def __call__(self, img: Image.Image, seed: int = 0) -> torch.Tensor:
-        img = TF.resize(img.convert("RGB"), self.resize, InterpolationMode.BICUBIC, antialias=True)
+        img = TF.resize(to_rgb(img), self.resize, InterpolationMode.BICUBIC, antialias=True)
         return to_normalized_tensor(TF.center_crop(img, [self.size, self.size]))
 
 
@@ -205,7 +207,7 @@ class RandAugTransform:
                 random.seed(seed)
                 np.random.seed(seed % 2**32)
                 torch.manual_seed(seed)
-                return self.transform(img.convert("RGB"))
+                return self.transform(to_rgb(img))
         finally:
             random.setstate(py_state)
             np.random.set_state(np_state)

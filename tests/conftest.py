@@ -24,8 +24,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def run_pretrain(out_dir: Path, *args: str, ranks: int = 1, ds_config: Path = CPU_DS, check: bool = True):
-    """Run train/pretrain.py as a real process (1 rank: python; >1: the deepspeed launcher)."""
+def run_pretrain(out_dir: Path, *args: str, ranks: int = 1, ds_config: Path = CPU_DS, check: bool = True,
+                 faults: str = ""):
+    """Run train/pretrain.py as a real process (1 rank: python; >1: the deepspeed launcher);
+    `faults` arms train/fault_injection.py in it."""
     opts = ["--ds_config", str(ds_config), "--config", str(DEBUG_PRESET), "--output_dir", str(out_dir),
             "--run.progress", "false", *args]
     script = str(REPO / "train" / "pretrain.py")
@@ -34,7 +36,7 @@ def run_pretrain(out_dir: Path, *args: str, ranks: int = 1, ds_config: Path = CP
     else:
         launcher = str(Path(sys.executable).parent / "deepspeed")
         cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(_free_port()), script, *opts]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PRETRAIN_FAULTS": faults}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"pretrain failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

@@ -5,18 +5,25 @@ Layout of `<output_dir>/checkpoints/`:
         mp_rank_00_model_states.pt, *_optim_states.pt   DeepSpeed's files (module, optimizer,
                                                         scheduler, client state)
         rng_rank{r}.pt            RNG states of rank r (torch, CUDA, numpy, python)
-        complete.json             written last, after every rank finished: step, world size
+        complete.json             written last, after every rank finished: step, world size,
+                                  the size of every file of the tag
     latest                        name of the newest complete tag (atomic rename)
 
-A tag without complete.json is never resumed from. Client state holds the step, the config and
-every rank's data position; complete.json also holds the run's config and global batch
-(readable without unpickling, checked before a resume starts any process group). A run resumed
-on another world size reads the tag through DeepSpeed's universal checkpoint, converted into
-`<tag>/universal/` the first time.
+A save is written under `step00000100.partial/`; once every rank's files are on disk, rank 0
+writes complete.json into it, renames the folder to its tag and only then moves `latest`. A
+crash at any point leaves the previous tag as the newest complete one. Before a tag is trusted
+its files are checked against the sizes in complete.json (a truncated or missing file, e.g.
+after a disk filled up or a copy was cut short, makes it fall back to the tag before).
+
+Client state holds the step, the config and every rank's data position; complete.json also
+holds the run's config and global batch (readable without unpickling, checked before a resume
+starts any process group). A run resumed on another world size reads the tag through
+DeepSpeed's universal checkpoint, converted into `<tag>/universal/` the first time.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -26,12 +33,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from train import fault_injection
 from train.distributed import barrier
 
+log = logging.getLogger("checkpoint")
 COMPLETE = "complete.json"
 LATEST = "latest"
 UNIVERSAL = "universal"  # DeepSpeed universal checkpoint of a tag, made when the world size changes
 TAG_RE = re.compile(r"^step(\d{8})$")
+PARTIAL = ".partial"  # suffix of a tag being written
 
 
 def tag_for(step: int) -> str:
@@ -71,11 +81,21 @@ def save(engine, root: Path, step: int, client_state: dict, rank: int, world: in
     """Collective: every rank calls it. `meta` (JSON) goes into complete.json; afterwards only the
     newest `keep` complete tags remain (0 = keep all). Returns the tag directory."""
     tag = tag_for(step)
-    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
-    torch.save(rng_state(), root / tag / f"rng_rank{rank}.pt")
+    partial = root / f"{tag}{PARTIAL}"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save of this step
+    barrier()
+    engine.save_checkpoint(str(root), tag=partial.name, client_state=client_state, save_latest=False)
+    torch.save(rng_state(), partial / f"rng_rank{rank}.pt")
+    fault_injection.at("checkpoint_write", step)
     barrier()  # every rank's files are on disk before the tag is declared complete
     if rank == 0:
-        _write_atomic(root / tag / COMPLETE, json.dumps({"step": step, "world_size": world, **meta}, indent=1))
+        files = {f.name: f.stat().st_size for f in sorted(partial.iterdir()) if f.is_file()}
+        _write_atomic(partial / COMPLETE, json.dumps({"step": step, "world_size": world, **meta, "files": files},
+                                                     indent=1))
+        if (root / tag).exists():  # an earlier save of the same step (a rerun from an older tag)
+            shutil.rmtree(root / tag)
+        os.replace(partial, root / tag)
         _write_atomic(root / LATEST, tag)
         if keep > 0:
             prune(root, keep)
@@ -84,14 +104,14 @@ def save(engine, root: Path, step: int, client_state: dict, rank: int, world: in
 
 
 def prune(root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete tags (and any older incomplete ones)."""
-    tags = sorted(p for p in root.glob("step*") if TAG_RE.match(p.name))
-    complete = [p for p in tags if is_complete(p)]
+    """Delete all but the newest `keep` complete tags (and any older incomplete or partial ones)."""
+    tags = sorted(p for p in root.glob("step*") if TAG_RE.match(p.name.removesuffix(PARTIAL)))
+    complete = [p for p in tags if TAG_RE.match(p.name) and is_complete(p)]
     if len(complete) <= keep:
         return
-    oldest_kept = complete[-keep]
+    oldest_kept = complete[-keep].name
     for p in tags:
-        if p < oldest_kept:
+        if p.name.removesuffix(PARTIAL) < oldest_kept:
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -99,15 +119,40 @@ def is_complete(tag_dir: Path) -> bool:
     return (tag_dir / COMPLETE).is_file()
 
 
+def check_files(tag_dir: Path) -> str | None:
+    """None if the tag is complete and every file listed in complete.json has its recorded size;
+    else what is wrong. (Tags written before sizes were recorded are checked for completeness only.)"""
+    try:
+        meta = json.loads((tag_dir / COMPLETE).read_text())
+    except FileNotFoundError:
+        return f"{tag_dir.name} has no {COMPLETE} (its save did not finish)"
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return f"{tag_dir / COMPLETE} is not readable JSON"
+    for name, size in meta.get("files", {}).items():
+        f = tag_dir / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != size:
+            return f"{f} has {f.stat().st_size} bytes, {size} were written"
+    return None
+
+
 def latest_complete(root: Path) -> Path | None:
-    """The `latest` pointer if it names a complete tag, else the newest complete tag, else None."""
+    """The newest tag that passes `check_files`: the one `latest` names, else (newest first) the
+    others, each one passed over with a warning saying why. None if there is none."""
+    tags = sorted((p for p in root.glob("step*") if TAG_RE.match(p.name) and is_complete(p)), reverse=True)
     pointer = root / LATEST
     if pointer.is_file():
-        tag_dir = root / pointer.read_text().strip()
-        if is_complete(tag_dir):
+        named = root / pointer.read_text().strip()
+        if named in tags:
+            tags.remove(named)
+            tags.insert(0, named)
+    for tag_dir in tags:
+        problem = check_files(tag_dir)
+        if problem is None:
             return tag_dir
-    tags = sorted((p for p in root.glob("step*") if TAG_RE.match(p.name) and is_complete(p)), reverse=True)
-    return tags[0] if tags else None
+        log.warning("not resuming from %s: %s", tag_dir, problem)
+    return None
 
 
 def find_resume(resume: str, output_dir: Path) -> Path | None:
@@ -120,6 +165,8 @@ def find_resume(resume: str, output_dir: Path) -> Path | None:
     path = Path(resume)
     for candidate in (path, path / "checkpoints"):
         if is_complete(candidate):
+            if (problem := check_files(candidate)) is not None:
+                raise FileNotFoundError(f"--resume {resume!r}: {problem}; resume from an earlier tag")
             return candidate
         if candidate.is_dir() and (found := latest_complete(candidate)) is not None:
             return found

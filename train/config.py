@@ -62,6 +62,9 @@ class DataConfig:
     randaug: str = "rand-m9-mstd0.5-inc1"  # timm RandAugment policy (train_transform randaug)
     reprob: float = 0.25  # random erasing probability (train_transform randaug)
     num_classes: int = 1000  # synthetic source only
+    max_bad_fraction: float = 0.01  # stop when more of a reader's samples are unusable (data/faults.py; 1.0 = never)
+    max_image_pixels: int = 89_478_485  # larger images are skipped from their header (PIL's default limit)
+    allow_pipe_urls: bool = False  # let index entries 'pipe:<shell command>' run commands to read shards
 
 
 @dataclass
@@ -90,6 +93,8 @@ class RunConfig:
     eval_every: int = 0  # optimizer steps between evaluations on data.eval_index (0 = only at the end)
     compile: bool = False  # torch.compile every ViT block (encoder and decoder; ZeRO stages 0-2)
     stop_check_every: int = 5  # optimizer steps between the ranks' agreement on a stop signal (SIGUSR1 / SIGTERM)
+    max_nonfinite_steps: int = 20  # consecutive skipped steps (non-finite loss / gradients) that stop the run; 0 = never
+    overwrite: bool = False  # start afresh in an output_dir that holds another run (its checkpoints and logs are deleted)
 
 
 @dataclass
@@ -147,6 +152,10 @@ class PretrainConfig:
                               f"which compiled graphs do not support; set run.compile false")
         if self.run.stop_check_every < 1:
             raise ConfigError("run.stop_check_every must be >= 1")
+        if self.run.max_nonfinite_steps < 0:
+            raise ConfigError("run.max_nonfinite_steps must be >= 0 (0 never stops)")
+        if self.run.overwrite and self.resume:
+            raise ConfigError("run.overwrite starts afresh and --resume continues: give one of them")
         if self.optim.fused not in ("auto", "yes", "no"):
             raise ConfigError(f"optim.fused must be auto, yes or no, got {self.optim.fused!r}")
         if self.optim.warmup_epochs > self.optim.epochs:
@@ -161,6 +170,11 @@ class PretrainConfig:
         if self.data.source == "shards" and not self.data.train_index:
             raise ConfigError("data.train_index is required with data.source shards (the JSON written by "
                               "data/write_shards.py), or set --data.source synthetic")
+        if not 0.0 <= self.data.max_bad_fraction <= 1.0:
+            raise ConfigError(f"data.max_bad_fraction must be in [0, 1] (1.0 disables the check), got "
+                              f"{self.data.max_bad_fraction}")
+        if self.data.max_image_pixels < 1:
+            raise ConfigError(f"data.max_image_pixels must be >= 1, got {self.data.max_image_pixels}")
         if not 0.0 < self.data.crop_scale_min <= 1.0:
             raise ConfigError(f"data.crop_scale_min must be in (0, 1], got {self.data.crop_scale_min}")
         if self.model.init_from and not Path(self.model.init_from).exists():
@@ -197,7 +211,7 @@ def check_objective_fits(cfg: PretrainConfig, micro_batch: int, accum: int = 1, 
         if hasattr(section, "check_labels") and cfg.data.source == "shards" and Path(cfg.data.train_index).is_file():
             from data.shards import ShardSet
 
-            section.check_labels(len(ShardSet.from_index(cfg.data.train_index).classes))
+            section.check_labels(len(ShardSet.from_index(cfg.data.train_index, cfg.data.allow_pipe_urls).classes))
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
 

@@ -12,6 +12,9 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from train import fault_injection
+from train.nonfinite import StepHealth, nan_if_not_finite
+
 
 @dataclass
 class LoopState:
@@ -22,6 +25,7 @@ class LoopState:
     global_batch: int
     vis_every: int = 0  # 0 = no figures
     eval_every: int = 0  # 0 = evaluate only at the end (when an evaluation is given)
+    max_nonfinite_steps: int = 0  # consecutive skipped (non-finite) steps that stop the run; 0 = never
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -60,18 +64,29 @@ def run(
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, float] = {}  # optimizer steps each logged value covers in this window
     t_last, steps_since_log = time.perf_counter(), 0
+    health = StepHealth(state.max_nonfinite_steps)
     while state.step < state.stop_step:
         log_now = (state.step + 1) % state.log_every == 0 or state.step + 1 == state.stop_step
         grad_norm, lr = None, 0.0
         for micro in range(accum):
             out = engine(_to_device(next(data), device, dtype))
-            engine.backward(out["loss"])
+            out["loss"] = fault_injection.poison_loss(out["loss"], state.step + 1)
+            # a non-finite loss gives NaN gradients: the engine then skips the step (train/nonfinite.py)
+            engine.backward(nan_if_not_finite(out["loss"]))
             boundary = micro == accum - 1  # this engine.step() updates weights
             if boundary:
                 lr = engine.get_lr()[0]
                 if log_now and manual_norm:
                     grad_norm = _fp32_grad_norm(engine.module)
-            engine.step()
+            try:
+                engine.step()
+            except Exception as e:  # DeepSpeed's fp16 scaler at its minimum: a collapse, said as such
+                translated = StepHealth.translate(e, engine, state.step + 1)
+                if translated is e:
+                    raise
+                raise translated from e
+            if boundary:
+                health.step(engine, state.step + 1)
             for k, v in out.items():
                 if v.ndim == 0:
                     sums[k] = sums.get(k, 0) + v.detach().float() / accum
@@ -82,6 +97,7 @@ def run(
                     counts[k] = counts.get(k, 0) + 1
         state.step += 1
         steps_since_log += 1
+        fault_injection.at("after_step", state.step)
         if log_now:
             names = sorted(sums)
             stacked = torch.stack([sums[k] / counts[k] for k in names])
@@ -94,6 +110,7 @@ def run(
                 metrics["grad_norm"] = float(norm)
             elapsed = time.perf_counter() - t_last  # after .tolist(): the device work is done
             metrics["lr"] = lr
+            metrics["skipped_steps"] = engine.skipped_steps  # non-finite / overflow steps not applied, whole run
             metrics["step_time"] = elapsed / steps_since_log
             metrics["images_per_s"] = state.global_batch * steps_since_log / elapsed
             if hasattr(data, "counters"):  # samples the data source skipped, summed over ranks

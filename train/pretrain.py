@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data.faults import CorruptDataError, ShardIndexError
 from data.shards import ShardSet
-from data.source import build_source, check_source, fixed_images, nominal_epoch_size
+from data.source import build_source, check_source, fixed_images, nominal_epoch_size, train_shards
 from data.split import LabeledSplit
 from kernels.accelerators import describe as describe_accelerators
 from kernels.attention import describe_paths
@@ -39,12 +40,13 @@ from train.config import (
     parse_args,
     to_dict,
 )
-from train.ds_config import BatchPlan, activation_checkpointing, resolve
+from train.ds_config import BatchPlan, activation_checkpointing, precision, resolve
 from train.evaluate import classification_accuracy
 from train.loop import LoopState, run
+from train.nonfinite import NonFiniteError, skip_nonfinite_steps
 from train.optim import WarmupCosineSchedule, build_optimizer, build_param_groups
 from train.preemption import StopSignal, requeue_job
-from train.run_dir import Reporter, write_run_files
+from train.run_dir import Reporter, check_run_folder, write_run_files
 from train.visualize import write_figures
 
 log = logging.getLogger("pretrain")
@@ -120,6 +122,8 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
     apply_execution_options(objective, activation_checkpointing(ds_config), cfg.run.compile)
     groups, split = build_param_groups(objective, cfg.optim.weight_decay, cfg.optim.layer_decay)
     optimizer = build_optimizer(groups, cfg.optim, device.type == "cuda")
+    if ds_config.get("zero_optimization", {}).get("stage", 0) == 0 and precision(ds_config) == "fp32":
+        optimizer = skip_nonfinite_steps(optimizer)  # the one engine without DeepSpeed's own check
     scheduler = WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, warmup_steps, total_steps)
     engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     return engine, objective, split
@@ -170,10 +174,18 @@ def main(argv: list[str] | None = None) -> Path:
     run_dir = Path(cfg.output_dir)
     resume_from = checkpoint.find_resume(cfg.resume, run_dir)
     if resume_from is not None:
+        try:  # DeepSpeed's loader unpickles without restriction: scan the files before anything starts
+            checkpoint.verify_safe(resume_from)
+        except ValueError as e:
+            raise ConfigError(f"--resume: {e}") from None
         resumed_meta = checkpoint.read_meta(resume_from)
         check_resume_compatible(resumed_meta, cfg, plan)
         if resumed_meta["world_size"] != plan.world and checkpoint.needs_universal(resume_from):
             ds_config["checkpoint"] = {"load_universal": True}  # partitioned optimizer state, re-laid out
+    try:
+        check_run_folder(run_dir, to_dict(cfg), resuming=resume_from is not None, overwrite=cfg.run.overwrite)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
     rank, world, device = distributed.init()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="[%(name)s] %(message)s")
@@ -206,7 +218,7 @@ def main(argv: list[str] | None = None) -> Path:
 
     split, section = labeled_split(cfg), getattr(cfg, cfg.objective)
     if split is not None and rank == 0 and cfg.data.source == "shards":  # the record of D_tr / D_val
-        record = split.describe(ShardSet.from_index(cfg.data.train_index), cfg.data.train_index)
+        record = split.describe(train_shards(cfg.data), cfg.data.train_index)
         (run_dir / "split.json").write_text(json.dumps(record, indent=2))
         log.info("labeled split: %d D_tr / %d D_val samples (run folder: split.json)", record["num_train"],
                  record["num_val"])
@@ -249,7 +261,7 @@ def main(argv: list[str] | None = None) -> Path:
     reporter = Reporter(run_dir, start_step, stop_step, cfg.run.tensorboard, cfg.run.progress) if rank == 0 else None
     on_evaluate = None
     if cfg.data.eval_index:  # classification objectives: top-1/top-5 on every rank's share of the shards
-        eval_shards = ShardSet.from_index(cfg.data.eval_index)
+        eval_shards = ShardSet.from_index(cfg.data.eval_index, cfg.data.allow_pipe_urls)
 
         def on_evaluate(step: int) -> None:
             module = engine.module
@@ -263,7 +275,7 @@ def main(argv: list[str] | None = None) -> Path:
                 (run_dir / "eval.json").write_text(json.dumps({"step": step, **result}, indent=2))
 
     state = LoopState(start_step, stop_step, cfg.run.log_every, cfg.run.ckpt_every, plan.global_batch,
-                      cfg.run.vis_every, cfg.run.eval_every)
+                      cfg.run.vis_every, cfg.run.eval_every, cfg.run.max_nonfinite_steps)
     stop = StopSignal(cfg.run.stop_check_every, device)  # SIGUSR1 / SIGTERM: checkpoint, (requeue), exit
     stopped = run(engine, data, state, device, dtype, reporter.log if reporter else lambda step, metrics: None,
                   on_checkpoint, on_visualize, on_evaluate, stop.should_stop)
@@ -285,12 +297,17 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 def cli(main_fn) -> None:
-    """Run an entry point; a configuration problem exits with status 2 and a one-line message."""
+    """Run an entry point; a configuration problem exits with status 2 and a one-line message; a
+    run stopped by what it detected (diverged: train/nonfinite.py; too much corrupt data:
+    data/faults.py) with status 3, its last checkpoint kept."""
     try:
         main_fn()
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, ShardIndexError) as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except (NonFiniteError, CorruptDataError) as e:
+        print(f"training stopped: {e}", file=sys.stderr)
+        raise SystemExit(3) from None
 
 
 if __name__ == "__main__":

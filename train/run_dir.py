@@ -5,11 +5,14 @@ Only rank 0 writes. metrics.jsonl has one JSON object per logged step.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from train.checkpoint import is_complete
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,6 +25,47 @@ def git_commit() -> dict:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (subprocess.CalledProcessError, FileNotFoundError):
         return {"commit": "unknown", "dirty": None}
+
+
+# What a run writes into its folder (launchers/submit.py's `launch/` snapshots are not the run's own)
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "vis", "config.json", "ds_config.json", "meta.json",
+               "encoder.safetensors", "encoder.json", "eval.json", "split.json")
+
+
+def _experiment(config: dict) -> dict:
+    """The part of a config that defines the experiment: not where it writes, how it resumes,
+    or the run section's logging, checkpoint and stopping cadence."""
+    return {k: v for k, v in config.items() if k not in ("output_dir", "resume", "run")}
+
+
+def check_run_folder(run_dir: Path, config: dict, resuming: bool, overwrite: bool) -> None:
+    """A run that does not resume must not mix into another run's folder: refuse one that holds
+    checkpoints, or a config.json of another experiment, unless `overwrite` (then delete the old
+    run's outputs). Raises ValueError naming the way out; runs before any process group starts."""
+    if resuming or not run_dir.is_dir():
+        return
+    old_config = run_dir / "config.json"
+    checkpoints = sorted(p for p in (run_dir / "checkpoints").glob("step*") if is_complete(p))
+    problem = ""
+    if checkpoints:
+        problem = f"holds the checkpoints of a run ({checkpoints[-1].name} ...)"
+    elif old_config.is_file():
+        saved = json.loads(old_config.read_text())
+        now = json.loads(json.dumps(config))  # as stored: tuples become lists
+        differing = sorted(k for k in set(_experiment(saved)) | set(_experiment(now)) if saved.get(k) != now.get(k))
+        if differing:
+            problem = f"holds a run with another config (sections differing: {', '.join(differing)})"
+    if not problem:
+        return
+    if not overwrite:
+        raise ValueError(f"output_dir {run_dir} {problem}; continue it with --resume auto, choose another "
+                         f"--output_dir, or start afresh with --run.overwrite true (deletes its checkpoints and logs)")
+    for name in RUN_OUTPUTS:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)  # every rank does this before the group starts: races are benign
+        elif path.exists():
+            path.unlink(missing_ok=True)
 
 
 def write_run_files(run_dir: Path, config: dict, ds_config: dict, extra: dict) -> None:

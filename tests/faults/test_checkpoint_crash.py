@@ -1,0 +1,70 @@
+"""A crash while a checkpoint is written, and checkpoints damaged afterwards: the previous
+complete tag is the one resumed from; a partial or damaged tag is never picked."""
+import json
+
+import pytest
+from conftest import run_pretrain
+
+from train.checkpoint import COMPLETE, LATEST, check_files, find_resume, latest_complete, prune, tag_for
+from train.run_dir import read_metrics
+
+
+def test_killed_while_writing_step_4_resumes_from_step_2_and_repeats_its_losses(tmp_path):
+    args = ("--run.max_steps", "6", "--run.ckpt_every", "2")
+    proc = run_pretrain(tmp_path, *args, faults="checkpoint_write@4", check=False)
+    assert proc.returncode == -9  # SIGKILL with step 4's files written, before the tag was declared complete
+    root = tmp_path / "checkpoints"
+    assert (root / "step00000004.partial" / "mp_rank_00_model_states.pt").is_file()  # the files are there
+    assert not (root / "step00000004").exists()  # but under the temporary name
+    assert (root / LATEST).read_text() == "step00000002"
+    before_crash = {r["step"]: r for r in read_metrics(tmp_path)}
+    assert max(before_crash) == 4  # steps 3 and 4 ran and were logged before the crash
+
+    proc = run_pretrain(tmp_path, *args, "--resume", "auto")
+    assert "step00000002 at step 2" in proc.stdout + proc.stderr
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    for step in (3, 4):  # computed again from step 2: the values of the run before it crashed
+        assert rows[step - 1]["loss"] == before_crash[step]["loss"]
+        assert rows[step - 1]["grad_norm"] == pytest.approx(before_crash[step]["grad_norm"], rel=1e-6)
+    assert sorted(p.name for p in root.glob("step*")) == [tag_for(s) for s in (2, 4, 6)]  # partial replaced
+    assert check_files(root / tag_for(4)) is None
+
+
+def _tag(root, step, files=None):
+    d = root / tag_for(step)
+    d.mkdir(parents=True)
+    for name, data in (files or {}).items():
+        (d / name).write_bytes(data)
+    sizes = {name: len(data) for name, data in (files or {}).items()}
+    (d / COMPLETE).write_text(json.dumps({"step": step, "world_size": 1, "files": sizes}))
+    return d
+
+
+def test_a_damaged_newest_tag_falls_back_to_the_one_before(tmp_path, caplog):
+    root = tmp_path / "checkpoints"
+    good = _tag(root, 2, {"mp_rank_00_model_states.pt": b"x" * 100})
+    bad = _tag(root, 4, {"mp_rank_00_model_states.pt": b"x" * 100, "rng_rank0.pt": b"y" * 10})
+    (root / LATEST).write_text(bad.name)
+    assert latest_complete(root) == bad
+    (bad / "mp_rank_00_model_states.pt").write_bytes(b"x" * 60)  # truncated (disk full, cut copy)
+    assert latest_complete(root) == good
+    assert "has 60 bytes, 100 were written" in caplog.text
+    (bad / "mp_rank_00_model_states.pt").write_bytes(b"x" * 100)
+    (bad / "rng_rank0.pt").unlink()
+    assert latest_complete(root) == good and "rng_rank0.pt is missing" in caplog.text
+    (bad / COMPLETE).write_text("{not json")
+    assert latest_complete(root) == good
+    with pytest.raises(FileNotFoundError, match="resume from an earlier tag"):  # named explicitly: refused
+        (bad / COMPLETE).write_text(json.dumps({"step": 4, "world_size": 1, "files": {"rng_rank0.pt": 10}}))
+        find_resume(str(bad), tmp_path)
+
+
+def test_prune_removes_partial_saves_older_than_what_it_keeps(tmp_path):
+    root = tmp_path / "checkpoints"
+    for s in (1, 2, 3):
+        _tag(root, s)
+    (root / f"{tag_for(2)}.partial").mkdir()  # a crashed save, superseded
+    (root / f"{tag_for(4)}.partial").mkdir()  # a save in progress / crashed after the newest
+    prune(root, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == [tag_for(3), f"{tag_for(4)}.partial"]

@@ -1,0 +1,51 @@
+"""Checkpoints and imported weights never unpickle code: a file that would run something when
+loaded is refused, and the something does not run."""
+import json
+
+import pytest
+import torch
+from conftest import CPU_DS, DEBUG_PRESET
+
+from train.config import parse_args, to_dict
+from train.pretrain import cli, main
+
+
+class RunsCode:
+    """Unpickling this calls open(marker, "w"): the file appearing means code ran."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    marker = tmp_path / "ran"
+    argv = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(tmp_path / "run")]
+    tag = tmp_path / "elsewhere" / "checkpoints" / "step00000004"
+    tag.mkdir(parents=True)
+    meta = {"step": 4, "world_size": 1, "global_batch": 8, "config": to_dict(parse_args(argv))}
+    (tag / "complete.json").write_text(json.dumps(meta))
+    torch.save({"module": {"w": torch.zeros(2)}, "step": 4, "data": [RunsCode(marker)]},
+               tag / "mp_rank_00_model_states.pt")
+    with pytest.raises(SystemExit) as exit_info:
+        cli(lambda: main([*argv, "--resume", str(tag)]))
+    assert exit_info.value.code == 2
+    assert "would unpickle ['io.open']; refusing to load it" in capsys.readouterr().err
+    assert not marker.exists()
+    assert not torch.distributed.is_initialized()
+
+
+def test_imported_weights_that_would_run_code_are_refused(tmp_path):
+    from model.interop import safe_load
+
+    marker = tmp_path / "ran"
+    path = tmp_path / "mae_pretrain_vit_base.pth"
+    torch.save({"model": {"cls_token": torch.zeros(1, 1, 8)}, "args": RunsCode(marker)}, path)
+    with pytest.raises(ValueError, match="holds objects other than tensors"):
+        safe_load(path)
+    assert not marker.exists()
+    torch.save({"model": {"cls_token": torch.zeros(1, 1, 8)}}, path)  # plain tensors load
+    assert safe_load(path)["model"]["cls_token"].shape == (1, 1, 8)

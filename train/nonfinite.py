@@ -1,0 +1,92 @@
+"""Optimizer steps with a non-finite loss or gradients: skipped, counted, and a run that keeps
+producing them stopped with a message saying so.
+
+Skipping is DeepSpeed's: every engine except ZeRO-0 fp32 checks the gradients before the update
+(fp16 and bf16 overflow checks; ZeRO 1-3 fp32 through the gradient norm) and skips a step that
+fails, without advancing the lr schedule; `engine.was_step_applied()` says which. Two gaps are
+closed here:
+  - a non-finite loss whose gradients happen to be finite (e.g. a NaN term that no weight
+    feeds) would be applied: `nan_if_not_finite` turns it into NaN gradients, which every check
+    catches;
+  - a ZeRO-0 fp32 engine hands the optimizer over as is and applies every step:
+    `skip_nonfinite_steps` gives it the same check, reported the way DeepSpeed's optimizers
+    report an overflow (an `overflow` attribute the engine reads).
+`StepHealth` counts the skipped steps and stops the run after `limit` consecutive ones, or at
+once when fp16's dynamic loss scale collapses (DeepSpeed raises once it would go below its
+minimum); the run stops without writing a checkpoint, so the last complete one stays newest.
+"""
+from __future__ import annotations
+
+import torch
+
+REMEDY = ("lower optim.blr, set gradient_clipping in the ds_config (e.g. 1.0), or train in bf16/fp32; then "
+          "continue from the last checkpoint with --resume auto")
+
+
+class NonFiniteError(RuntimeError):
+    """Training diverged: the run stops and keeps its last checkpoint."""
+
+
+def nan_if_not_finite(loss: torch.Tensor) -> torch.Tensor:
+    """`loss` x 1 (exact), or x NaN when it is not finite, so that every gradient is NaN and the
+    step is skipped. The factor is computed on the device: no host sync."""
+    factor = torch.where(torch.isfinite(loss.detach()), 1.0, float("nan")).to(loss.dtype)
+    return loss * factor
+
+
+def skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make `optimizer.step()` skip (and flag in `optimizer.overflow`) a step whose gradients are
+    not all finite. For ZeRO-0 fp32 engines only: the others check already. Costs one host sync
+    per step (free on CPU; fp32 without ZeRO is a CPU / debugging set-up)."""
+    inner = optimizer.step
+
+    def step(closure=None):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        optimizer.overflow = bool(grads) and not bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
+        return None if optimizer.overflow else inner(closure)
+
+    optimizer.overflow = False
+    optimizer.step = step
+    return optimizer
+
+
+def _loss_scale(engine) -> float | None:
+    if not engine.fp16_enabled():
+        return None
+    return float(getattr(engine.optimizer, "cur_scale", None) or getattr(engine.optimizer, "loss_scale", 0.0))
+
+
+class StepHealth:
+    """Follows `engine.was_step_applied()` after each optimizer step (host values DeepSpeed has
+    already synced for its own check: no extra sync)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit  # consecutive skipped steps that stop the run (0 = never)
+        self.streak = 0
+        self.first_bad = 0
+
+    def step(self, engine, optimizer_step: int) -> None:
+        """After the engine.step() that ended optimizer step `optimizer_step` (counted from 1)."""
+        if engine.was_step_applied():
+            self.streak = 0
+            return
+        self.streak += 1
+        if self.streak == 1:
+            self.first_bad = optimizer_step
+        if self.limit and self.streak >= self.limit:
+            scale = _loss_scale(engine)
+            fp16 = f"; the fp16 loss scale is {scale:g}" if scale is not None else ""
+            raise NonFiniteError(
+                f"{self.streak} consecutive optimizer steps ({self.first_bad}-{optimizer_step}) had a non-finite "
+                f"loss or gradients and were skipped (run.max_nonfinite_steps {self.limit}){fp16}. Training stopped "
+                f"without writing a checkpoint, so the last complete one is kept: {REMEDY}")
+
+    @staticmethod
+    def translate(error: Exception, engine, optimizer_step: int) -> Exception:
+        """DeepSpeed's fp16 scaler raises a bare Exception once the scale cannot go lower: say what it means."""
+        if "loss scale already at minimum" in str(error):
+            return NonFiniteError(
+                f"fp16 loss-scale collapse at step {optimizer_step}: the gradients still overflow at the minimum loss "
+                f"scale ({_loss_scale(engine):g}), so fp16 cannot represent this model's gradients any more. Training "
+                f"stopped without writing a checkpoint, so the last complete one is kept: {REMEDY}")
+        return error
