@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo clean
+.PHONY: install test demo study clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist
 # init (train/demo.py). Installs the Debian data package when it is missing and we are root.
 demo: $(STAMP) $(FASHION_MNIST)
 	$(PY) train/demo.py
+
+# Every method on Fashion-MNIST with the same budget, 2 seeds, kNN / linear probe / fine-tuning
+# -> docs/RESULTS.md + docs/figures/ (train/study.py). Reruns skip finished runs.
+study: $(STAMP) $(FASHION_MNIST)
+	$(PY) -m pip install -q -e ".[study]"
+	$(PY) train/study.py
 
 $(FASHION_MNIST):
 	@if [ "$$(id -u)" = 0 ]; then \

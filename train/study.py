@@ -1,0 +1,195 @@
+"""The Fashion-MNIST study (`make study`): every method pretrained with the same budget on the
+mini ViT, then evaluated three ways on the test split, over several seeds; docs/RESULTS.md.
+
+Per seed, each entry of STUDY (train/configs/demo_<method>.json + its variant preset):
+  1. pretrain `--pretrain_epochs` epochs of the 60k training images (train/pretrain.py);
+  2. weighted kNN (k = 20) and a linear probe on frozen features (train/evaluate.py);
+  3. short fine-tuning: `--finetune_epochs` over `--finetune_samples` training images
+     (train/finetune.py, the MAE protocol shrunk to the mini ViT: AdamW, layer decay 0.75,
+     label smoothing, crop + flip; no mixup / RandAugment at 32 px grayscale), top-1 on the test split.
+Controls: `random_init` (the same three evaluations of an untrained encoder) and `supervised`
+(the ViT trained from scratch with the fine-tuning recipe on as many images as pretraining and
+fine-tuning see together, in one schedule: the ceiling). Nothing is tuned on the test split: every setting is the demo presets'.
+
+Each run lives in runs/study/<entry>/seed<k>/ (pretraining resumes there; a finished entry is
+not run again), its evaluations in result.json; train/study_report.py writes docs/RESULTS.md
+and the figures from them.
+
+    python train/study.py [--seeds 0,1] [--pretrain_epochs 1] [--finetune_epochs 1] [--only mae,mixedae]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from data.shards import ShardSet  # noqa: E402
+from data.write_shards import FASHION_MNIST_DIR  # noqa: E402
+from data.write_shards import main as write_shards  # noqa: E402
+from train.evaluate import evaluate, load_encoder  # noqa: E402
+from train.run_dir import read_metrics  # noqa: E402
+
+CONFIGS = REPO / "train" / "configs"
+EVAL_SIZE = 32  # every encoder is evaluated and fine-tuned at the mini ViT's 32 px (MAE+ pretrains on 16 px crops)
+
+
+@dataclass(frozen=True)
+class Entry:
+    label: str  # as the tables say it
+    presets: tuple[str, ...]  # under train/configs/; empty: no pretraining (a control)
+    pool: str = "cls"  # frozen features: cls token (MAE protocol) or the patch mean (energy: its cls is untrained)
+    rpe: bool = False  # the encoder has iRPE in every block (fine-tuning keeps it)
+
+
+STUDY = {
+    "mae": Entry("MAE", ("demo_mae.json",)),
+    "mixedae": Entry("MixedAE", ("demo_mixedae.json",)),
+    "mixedae_naive": Entry("MixedAE naive mixing", ("demo_mixedae.json", "mixedae_ablations/naive_mixing.json")),
+    "maeplus": Entry("MAE+ (RPE)", ("demo_maeplus.json", "adpe/maeplus_rpe.json"), rpe=True),
+    "adpe": Entry("AdPE (RPE-coord, default)", ("demo_maeplus.json", "adpe/rpe_coord.json"), rpe=True),
+    "mlomae": Entry("MLO-MAE", ("demo_mlomae.json",)),
+    "energy": Entry("Energy (mixture)", ("demo_energy.json",), pool="avg"),
+    "random_init": Entry("random init (control)", ()),
+    "supervised": Entry("supervised from scratch (ceiling)", ()),
+}
+
+
+def shards(out: Path) -> tuple[Path, Path]:
+    """(train index, test index) of Fashion-MNIST shards, written once from the Debian package's idx files."""
+    if not (out / "train.json").is_file() or not (out / "test.json").is_file():
+        if not FASHION_MNIST_DIR.is_dir():
+            sys.exit(f"Fashion-MNIST not found in {FASHION_MNIST_DIR}: run `apt-get install dataset-fashion-mnist`")
+        write_shards(["fashion-mnist", str(out), "--samples_per_shard", "2500"])
+    return out / "train.json", out / "test.json"
+
+
+def _run(cmd: list[str]) -> float:
+    """Run an entry point quietly; seconds taken. Its log goes to the run folder on failure."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, *cmd], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:1])} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return time.perf_counter() - t0
+
+
+def _timed(run: Path, cmd: list[str]) -> float:
+    """Seconds the run took when it ran through (kept in seconds.json: a rerun that only finds
+    the finished run, or one resumed after an interruption, does not replace the measurement)."""
+    record = run / "seconds.json"
+    fresh = not record.is_file() and not (run / "checkpoints" / "latest").is_file()
+    seconds = _run(cmd)
+    if fresh:
+        record.write_text(json.dumps({"seconds": seconds}))
+    return json.loads(record.read_text())["seconds"] if record.is_file() else float("nan")
+
+
+def _epochs(epochs: float, train_samples: int) -> list[str]:
+    """Options for a budget in epochs; a fraction shortens the nominal epoch so the schedule completes."""
+    if epochs == int(epochs):
+        return ["--optim.epochs", f"{epochs:g}", "--optim.warmup_epochs", f"{epochs / 3:g}"]
+    return ["--optim.epochs", "1", "--optim.warmup_epochs", f"{1 / 3:g}",
+            "--data.epoch_size", str(int(train_samples * epochs))]
+
+
+def pretrain(entry: Entry, run: Path, seed: int, epochs: float, train: Path, test: Path, n_train: int) -> dict:
+    cmd = ["train/pretrain.py", "--ds_config", "ds_configs/cpu_demo.json",
+           *[a for p in entry.presets for a in ("--config", str(CONFIGS / p))], "--data.train_index", str(train),
+           "--output_dir", str(run), "--resume", "auto", "--seed", str(seed), "--run.progress", "false",
+           "--run.vis_every", str(10**9), *_epochs(epochs, n_train)]  # figures at the last step only
+    if "demo_mlomae.json" in entry.presets:  # its level-II head is scored on the test split at the end
+        cmd += ["--data.eval_index", str(test)]
+    seconds = _timed(run, cmd)
+    rows = [r for r in read_metrics(run) if "loss" in r]
+    return {"pretrain_seconds": round(seconds, 1), "loss_curve": [(r["step"], r["loss"]) for r in rows],
+            "pretrain_images_per_s": round(sum(r["images_per_s"] for r in rows) / len(rows), 1)}
+
+
+def finetune(run: Path, seed: int, epochs: float, samples: int, train: Path, test: Path, init: Path | None,
+             rpe: bool) -> dict:
+    """Top-1 on the test split after fine-tuning `init` (None: from scratch)."""
+    cmd = ["train/finetune.py", "--ds_config", "ds_configs/cpu_demo.json", "--model.name", "vit_mini_patch4",
+           "--model.img_size", str(EVAL_SIZE), "--model.rpe", str(rpe).lower(), "--finetune.num_classes", "10",
+           "--finetune.mixup", "0", "--finetune.cutmix", "0", "--data.train_transform", "crop_flip",
+           "--data.crop_scale_min", "0.35", "--data.num_workers", "1", "--data.train_index", str(train),
+           "--data.eval_index", str(test), "--optim.blr", "1e-3", "--optim.layer_decay", "0.75",
+           "--run.log_every", "50", "--run.ckpt_every", "100000", "--run.progress", "false", "--run.export", "false",
+           "--output_dir", str(run), "--resume", "auto", "--seed", str(seed), *_epochs(epochs, samples)]
+    if epochs == int(epochs):
+        cmd += ["--data.epoch_size", str(samples)]
+    if init is not None:
+        cmd += ["--model.init_from", str(init)]
+    seconds = _timed(run, cmd)
+    rows = [r for r in read_metrics(run) if "loss" in r]
+    return {"finetune_top1": json.loads((run / "eval.json").read_text())["eval_top1"], "finetune_seconds": round(seconds, 1),
+            "finetune_images_per_s": round(sum(r["images_per_s"] for r in rows) / len(rows), 1)}
+
+
+def run_entry(name: str, seed: int, a, train: Path, test: Path) -> dict:
+    entry, out = STUDY[name], a.out / name / f"seed{seed}"
+    done = out / "result.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    train_set, test_set = ShardSet.from_index(train), ShardSet.from_index(test)
+    result: dict = {"entry": name, "label": entry.label, "seed": seed, "pool": entry.pool}
+    if name == "supervised":  # as many training images as pretraining + fine-tuning see, in one schedule
+        images = int(a.pretrain_epochs * train_set.num_samples + a.finetune_epochs * a.finetune_samples)
+        result |= finetune(out / "finetune", seed, 1, images, train, test, None, rpe=False)
+    else:
+        if entry.presets:
+            result |= pretrain(entry, out / "pretrain", seed, a.pretrain_epochs, train, test, train_set.num_samples)
+            encoder = load_encoder(encoder=str(out / "pretrain" / "encoder.safetensors"), img_size=EVAL_SIZE)
+            if (out / "pretrain" / "eval.json").is_file():  # MLO-MAE's level-II head on the test split
+                result["level2_head_top1"] = json.loads((out / "pretrain" / "eval.json").read_text())["eval_top1"]
+        else:
+            encoder = load_encoder(random_init="vit_mini_patch4", img_size=EVAL_SIZE, seed=seed)
+        t0 = time.perf_counter()
+        result |= evaluate(encoder, train_set, test_set, entry.pool)
+        result["eval_seconds"] = round(time.perf_counter() - t0, 1)
+        init = out / "pretrain" / "encoder.safetensors" if entry.presets else None
+        result |= finetune(out / "finetune", seed, a.finetune_epochs, a.finetune_samples, train, test, init, entry.rpe)
+    result |= {"device": "cuda" if torch.cuda.is_available() else "cpu", "torch_threads": torch.get_num_threads(),
+               "budget": {"pretrain_epochs": a.pretrain_epochs, "finetune_epochs": a.finetune_epochs,
+                          "finetune_samples": a.finetune_samples}}
+    done.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--pretrain_epochs", type=float, default=1.0)
+    p.add_argument("--finetune_epochs", type=float, default=1.0)
+    p.add_argument("--finetune_samples", type=int, default=20000, help="training images per fine-tuning epoch")
+    p.add_argument("--only", default="", help="comma-separated entries (default: all of " + ", ".join(STUDY) + ")")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "study")
+    p.add_argument("--report", type=Path, default=REPO / "docs" / "RESULTS.md")
+    a = p.parse_args(argv)
+    names = [n for n in a.only.split(",") if n] or list(STUDY)
+    unknown = sorted(set(names) - set(STUDY))
+    if unknown:
+        p.error(f"unknown entries {unknown}; choose from {list(STUDY)}")
+    train, test = shards(REPO / "runs" / "shards" / "fashion_mnist")
+    results = []
+    for seed in (int(s) for s in a.seeds.split(",")):
+        for name in names:
+            print(f"[study] {name} seed {seed}", flush=True)
+            results.append(run_entry(name, seed, a, train, test))
+    from train.study_report import write_report
+
+    write_report(results, a.out, a.report)
+    print(f"[study] wrote {a.report}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
