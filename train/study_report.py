@@ -5,7 +5,7 @@ from its seed-0 run folder: reconstructions, attention maps, MLO-MAE masks, ener
 
 A claim "holds" when the means are ordered as the paper says and the gap is larger than the
 spread of either side (max - min over seeds); "within the spread" otherwise; "contradicted" when
-the order is reversed by more than the spread.
+the order is reversed by more than the spread; with a single seed no claim is judged.
 """
 from __future__ import annotations
 
@@ -53,7 +53,9 @@ def judge(summary: dict, better: str, worse: str, metric: str) -> str:
     if better not in summary or worse not in summary or metric not in summary[better] \
             or metric not in summary[worse]:
         return "not measured"
-    (b, blo, bhi, _), (w, wlo, whi, _) = summary[better][metric], summary[worse][metric]
+    (b, blo, bhi, bn), (w, wlo, whi, wn) = summary[better][metric], summary[worse][metric]
+    if min(bn, wn) < 2:  # one seed gives no spread to judge a gap against
+        return f"one seed only ({b:.2f} vs {w:.2f}): not judged"
     spread = max(bhi - blo, whi - wlo)
     if b - w > spread:
         return "holds"

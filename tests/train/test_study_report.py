@@ -34,6 +34,8 @@ def test_claims_are_judged_against_the_spread():
     assert judge(s, "mae", "mixedae_naive", "finetune_top1") == "within the spread"  # 86 vs 86.25
     assert judge(s, "mlomae", "mae", "linear_probe_top1") == "contradicted"  # 71 vs 79: reversed by 8 > 2
     assert judge(s, "adpe", "maeplus", "finetune_top1") == "not measured"
+    one_seed = summarize([r for r in RESULTS if r["seed"] == 0])
+    assert judge(one_seed, "mixedae", "mae", "finetune_top1") == "one seed only (90.00 vs 85.00): not judged"
 
 
 def test_report_table_claims_and_method_figures(tmp_path):
