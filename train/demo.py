@@ -40,6 +40,24 @@ SHARDS = REPO / "runs" / "shards" / "fashion_mnist"
 RAW_PIXEL_BASELINES = {"logistic_regression": 84.5, "knn_5": 85.5}  # test split, raw pixels (see README)
 
 
+def fashion_mnist_shards() -> tuple[Path, Path]:
+    """(train index, test index) of the Fashion-MNIST shards, written once from the idx files."""
+    if not (SHARDS / "train.json").is_file() or not (SHARDS / "test.json").is_file():
+        if not FASHION_MNIST_DIR.is_dir():
+            sys.exit(f"Fashion-MNIST not found in {FASHION_MNIST_DIR}: run `apt-get install dataset-fashion-mnist`")
+        write_shards(["fashion-mnist", str(SHARDS), "--samples_per_shard", "2500"])
+    return SHARDS / "train.json", SHARDS / "test.json"
+
+
+def epoch_options(epochs: float, train_samples: int) -> list[str]:
+    """Pretraining options for a budget of `epochs` (warmup a third of it, as the presets); a
+    fraction of an epoch becomes one shorter nominal epoch, so the schedule still completes."""
+    if epochs == int(epochs):
+        return ["--optim.epochs", f"{epochs:g}", "--optim.warmup_epochs", str(epochs / 3)]
+    return ["--optim.epochs", "1", "--optim.warmup_epochs", str(1 / 3),
+            "--data.epoch_size", str(int(train_samples * epochs))]
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", choices=["mae", "mixedae", "maeplus", "mlomae", "energy"], default="mae")
@@ -64,21 +82,14 @@ def main(argv: list[str] | None = None) -> dict:
         ["demo", a.method] + ([a.ablation] if a.ablation else []) + ([f"{a.epochs:g}ep"] if a.epochs else []))
     run = REPO / "runs" / name
 
-    if not (SHARDS / "train.json").is_file() or not (SHARDS / "test.json").is_file():
-        if not FASHION_MNIST_DIR.is_dir():
-            sys.exit(f"Fashion-MNIST not found in {FASHION_MNIST_DIR}: run `apt-get install dataset-fashion-mnist`")
-        write_shards(["fashion-mnist", str(SHARDS), "--samples_per_shard", "2500"])
-    train, test = ShardSet.from_index(SHARDS / "train.json"), ShardSet.from_index(SHARDS / "test.json")
+    train, test = (ShardSet.from_index(index) for index in fashion_mnist_shards())
 
     t0 = time.perf_counter()
     cmd = [sys.executable, str(REPO / "train" / "pretrain.py"), "--ds_config", str(REPO / "ds_configs" / "cpu_demo.json"),
            *[arg for preset in presets for arg in ("--config", str(preset))], "--data.train_index",
            str(SHARDS / "train.json"), "--output_dir", str(run), "--resume", "auto"]
-    if a.epochs and a.epochs == int(a.epochs):
-        cmd += ["--optim.epochs", f"{a.epochs:g}", "--optim.warmup_epochs", str(a.epochs / 3)]  # the presets: 1 of 3
-    elif a.epochs:  # a fraction of an epoch: one shorter nominal epoch, so the schedule still completes
-        cmd += ["--optim.epochs", "1", "--optim.warmup_epochs", str(1 / 3),
-                "--data.epoch_size", str(int(train.num_samples * a.epochs))]
+    if a.epochs:
+        cmd += epoch_options(a.epochs, train.num_samples)
     if a.method == "mlomae":  # its level-II head is scored on the test split at the end (train/pretrain.py)
         cmd += ["--data.eval_index", str(SHARDS / "test.json")]
     subprocess.run(cmd, check=True, cwd=REPO)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from train import fault_injection
-from train.nonfinite import StepHealth, nan_if_not_finite
+from train.nonfinite import StepHealth, loss_scale_collapse, nan_if_not_finite
 
 
 @dataclass
@@ -81,10 +81,10 @@ def run(
             try:
                 engine.step()
             except Exception as e:  # DeepSpeed's fp16 scaler at its minimum: a collapse, said as such
-                translated = StepHealth.translate(e, engine, state.step + 1)
-                if translated is e:
+                collapse = loss_scale_collapse(e, engine, state.step + 1)
+                if collapse is None:
                     raise
-                raise translated from e
+                raise collapse from e
             if boundary:
                 health.step(engine, state.step + 1)
             for k, v in out.items():

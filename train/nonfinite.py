@@ -81,12 +81,13 @@ class StepHealth:
                 f"loss or gradients and were skipped (run.max_nonfinite_steps {self.limit}){fp16}. Training stopped "
                 f"without writing a checkpoint, so the last complete one is kept: {REMEDY}")
 
-    @staticmethod
-    def translate(error: Exception, engine, optimizer_step: int) -> Exception:
-        """DeepSpeed's fp16 scaler raises a bare Exception once the scale cannot go lower: say what it means."""
-        if "loss scale already at minimum" in str(error):
-            return NonFiniteError(
-                f"fp16 loss-scale collapse at step {optimizer_step}: the gradients still overflow at the minimum loss "
-                f"scale ({_loss_scale(engine):g}), so fp16 cannot represent this model's gradients any more. Training "
-                f"stopped without writing a checkpoint, so the last complete one is kept: {REMEDY}")
-        return error
+
+def loss_scale_collapse(error: Exception, engine, optimizer_step: int) -> NonFiniteError | None:
+    """DeepSpeed's fp16 scaler raises a bare Exception once the scale cannot go lower: the error
+    that says what it means, or None for any other exception."""
+    if "loss scale already at minimum" not in str(error):
+        return None
+    return NonFiniteError(
+        f"fp16 loss-scale collapse at step {optimizer_step}: the gradients still overflow at the minimum loss "
+        f"scale ({_loss_scale(engine):g}), so fp16 cannot represent this model's gradients any more. Training "
+        f"stopped without writing a checkpoint, so the last complete one is kept: {REMEDY}")

@@ -33,8 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from data.shards import ShardSet  # noqa: E402
-from data.write_shards import FASHION_MNIST_DIR  # noqa: E402
-from data.write_shards import main as write_shards  # noqa: E402
+from train.demo import epoch_options, fashion_mnist_shards  # noqa: E402
 from train.evaluate import evaluate, load_encoder  # noqa: E402
 from train.run_dir import read_metrics  # noqa: E402
 
@@ -63,15 +62,6 @@ STUDY = {
 }
 
 
-def shards(out: Path) -> tuple[Path, Path]:
-    """(train index, test index) of Fashion-MNIST shards, written once from the Debian package's idx files."""
-    if not (out / "train.json").is_file() or not (out / "test.json").is_file():
-        if not FASHION_MNIST_DIR.is_dir():
-            sys.exit(f"Fashion-MNIST not found in {FASHION_MNIST_DIR}: run `apt-get install dataset-fashion-mnist`")
-        write_shards(["fashion-mnist", str(out), "--samples_per_shard", "2500"])
-    return out / "train.json", out / "test.json"
-
-
 def _run(cmd: list[str]) -> float:
     """Run an entry point quietly; seconds taken. Its log goes to the run folder on failure."""
     t0 = time.perf_counter()
@@ -92,19 +82,11 @@ def _timed(run: Path, cmd: list[str]) -> float:
     return json.loads(record.read_text())["seconds"] if record.is_file() else float("nan")
 
 
-def _epochs(epochs: float, train_samples: int) -> list[str]:
-    """Options for a budget in epochs; a fraction shortens the nominal epoch so the schedule completes."""
-    if epochs == int(epochs):
-        return ["--optim.epochs", f"{epochs:g}", "--optim.warmup_epochs", f"{epochs / 3:g}"]
-    return ["--optim.epochs", "1", "--optim.warmup_epochs", f"{1 / 3:g}",
-            "--data.epoch_size", str(int(train_samples * epochs))]
-
-
 def pretrain(entry: Entry, run: Path, seed: int, epochs: float, train: Path, test: Path, n_train: int) -> dict:
     cmd = ["train/pretrain.py", "--ds_config", "ds_configs/cpu_demo.json",
            *[a for p in entry.presets for a in ("--config", str(CONFIGS / p))], "--data.train_index", str(train),
            "--output_dir", str(run), "--resume", "auto", "--seed", str(seed), "--run.progress", "false",
-           "--run.vis_every", str(10**9), *_epochs(epochs, n_train)]  # figures at the last step only
+           "--run.vis_every", str(10**9), *epoch_options(epochs, n_train)]  # figures at the last step only
     if "demo_mlomae.json" in entry.presets:  # its level-II head is scored on the test split at the end
         cmd += ["--data.eval_index", str(test)]
     seconds = _timed(run, cmd)
@@ -122,7 +104,7 @@ def finetune(run: Path, seed: int, epochs: float, samples: int, train: Path, tes
            "--data.crop_scale_min", "0.35", "--data.num_workers", "1", "--data.train_index", str(train),
            "--data.eval_index", str(test), "--optim.blr", "1e-3", "--optim.layer_decay", "0.75",
            "--run.log_every", "50", "--run.ckpt_every", "100000", "--run.progress", "false", "--run.export", "false",
-           "--output_dir", str(run), "--resume", "auto", "--seed", str(seed), *_epochs(epochs, samples)]
+           "--output_dir", str(run), "--resume", "auto", "--seed", str(seed), *epoch_options(epochs, samples)]
     if epochs == int(epochs):
         cmd += ["--data.epoch_size", str(samples)]
     if init is not None:
@@ -136,8 +118,13 @@ def finetune(run: Path, seed: int, epochs: float, samples: int, train: Path, tes
 def run_entry(name: str, seed: int, a, train: Path, test: Path) -> dict:
     entry, out = STUDY[name], a.out / name / f"seed{seed}"
     done = out / "result.json"
+    budget = {"pretrain_epochs": a.pretrain_epochs, "finetune_epochs": a.finetune_epochs,
+              "finetune_samples": a.finetune_samples}
     if done.is_file():
-        return json.loads(done.read_text())
+        result = json.loads(done.read_text())
+        if result["budget"] != budget:  # never mix budgets in one table
+            sys.exit(f"{done} was measured with {result['budget']}, this study asks for {budget}; use another --out")
+        return result
     out.mkdir(parents=True, exist_ok=True)
     train_set, test_set = ShardSet.from_index(train), ShardSet.from_index(test)
     result: dict = {"entry": name, "label": entry.label, "seed": seed, "pool": entry.pool}
@@ -158,8 +145,7 @@ def run_entry(name: str, seed: int, a, train: Path, test: Path) -> dict:
         init = out / "pretrain" / "encoder.safetensors" if entry.presets else None
         result |= finetune(out / "finetune", seed, a.finetune_epochs, a.finetune_samples, train, test, init, entry.rpe)
     result |= {"device": "cuda" if torch.cuda.is_available() else "cpu", "torch_threads": torch.get_num_threads(),
-               "budget": {"pretrain_epochs": a.pretrain_epochs, "finetune_epochs": a.finetune_epochs,
-                          "finetune_samples": a.finetune_samples}}
+               "budget": budget}
     done.write_text(json.dumps(result, indent=1))
     return result
 
@@ -178,7 +164,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     unknown = sorted(set(names) - set(STUDY))
     if unknown:
         p.error(f"unknown entries {unknown}; choose from {list(STUDY)}")
-    train, test = shards(REPO / "runs" / "shards" / "fashion_mnist")
+    train, test = fashion_mnist_shards()
     results = []
     for seed in (int(s) for s in a.seeds.split(",")):
         for name in names:
