@@ -55,7 +55,7 @@ def epoch_options(epochs: float, train_samples: int) -> list[str]:
     if epochs == int(epochs):
         return ["--optim.epochs", f"{epochs:g}", "--optim.warmup_epochs", str(epochs / 3)]
     return ["--optim.epochs", "1", "--optim.warmup_epochs", str(1 / 3),
-            "--data.epoch_size", str(int(train_samples * epochs))]
+            "--data.epoch_size", str(round(train_samples * epochs))]
 
 
 def main(argv: list[str] | None = None) -> dict:

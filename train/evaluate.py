@@ -16,6 +16,7 @@ import argparse
 import json
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -96,17 +97,40 @@ class EvalStream(torch.utils.data.IterableDataset):
             yield self.transform(img), label
 
 
+class DecodedSet(NamedTuple):
+    """A labeled shard set decoded and transformed once, for evaluating many encoders of one input
+    size (the study): decoding costs more than the mini ViT's forward pass."""
+
+    images: torch.Tensor  # (N, 3, H, W) float32, EvalTransform(H, crop_pct=1.0) applied
+    labels: torch.Tensor  # (N,) int64
+    classes: tuple[str, ...]
+
+
+def _eval_batches(shards: ShardSet, img_size: int, batch_size: int, num_workers: int):
+    return torch.utils.data.DataLoader(EvalStream(shards, EvalTransform(img_size, crop_pct=1.0)),
+                                       batch_size=batch_size, num_workers=num_workers,
+                                       generator=torch.Generator().manual_seed(0))  # leave the global RNG alone
+
+
+def decode_all(shards: ShardSet, img_size: int, num_workers: int = 1) -> DecodedSet:
+    images, labels = zip(*_eval_batches(shards, img_size, 1024, num_workers))
+    return DecodedSet(torch.cat(images), torch.cat(labels), tuple(shards.classes))
+
+
 @torch.no_grad()
-def extract_features(model: VisionTransformer, shards: ShardSet, batch_size: int = 256, num_workers: int = 1,
-                     pool: str = "cls") -> tuple[torch.Tensor, torch.Tensor]:
+def extract_features(model: VisionTransformer, source: ShardSet | DecodedSet, batch_size: int = 256,
+                     num_workers: int = 1, pool: str = "cls") -> tuple[torch.Tensor, torch.Tensor]:
     """(num_samples, D) features after the final norm: cls token or mean of patch tokens (a timm
     backbone: its own pooled features)."""
     model.eval()
-    loader = torch.utils.data.DataLoader(EvalStream(shards, EvalTransform(model.img_size, crop_pct=1.0)),
-                                         batch_size=batch_size, num_workers=num_workers,
-                                         generator=torch.Generator().manual_seed(0))  # leave the global RNG alone
+    if isinstance(source, DecodedSet):
+        if source.images.shape[-1] != model.img_size:
+            raise ValueError(f"decoded at {source.images.shape[-1]} px, the encoder takes {model.img_size} px")
+        batches = zip(source.images.split(batch_size), source.labels.split(batch_size))
+    else:
+        batches = _eval_batches(source, model.img_size, batch_size, num_workers)
     feats, labels = [], []
-    for images, y in loader:
+    for images, y in batches:
         feats.append(model.pooled_features(images, pool))  # (B, D)
         labels.append(y)
     return torch.cat(feats), torch.cat(labels)
@@ -173,7 +197,7 @@ def linear_probe_top1(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torc
         return 100.0 * (head(xte).argmax(1) == test_y).float().mean().item()
 
 
-def evaluate(model: VisionTransformer, train: ShardSet, test: ShardSet, pool: str = "cls",
+def evaluate(model: VisionTransformer, train: ShardSet | DecodedSet, test: ShardSet | DecodedSet, pool: str = "cls",
              num_workers: int = 1) -> dict[str, float]:
     train_f, train_y = extract_features(model, train, pool=pool, num_workers=num_workers)
     test_f, test_y = extract_features(model, test, pool=pool, num_workers=num_workers)

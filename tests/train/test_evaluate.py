@@ -4,7 +4,7 @@ import torch
 from data.shards import ShardSet
 from data.write_shards import main as write_shards
 from model import create_model
-from train.evaluate import extract_features, knn_top1, linear_probe_top1, load_encoder
+from train.evaluate import decode_all, evaluate, extract_features, knn_top1, linear_probe_top1, load_encoder
 
 
 def test_knn_hand_computed():
@@ -41,6 +41,18 @@ def test_features_cover_every_sample_once(shards, workers):
     assert f.shape == (24, 32) and sorted(y.tolist()) == sorted([0] * 8 + [1] * 8 + [2] * 8)
     f2, y2 = extract_features(model, shards, batch_size=7, num_workers=workers, pool="avg")
     assert f2.shape == (24, 32) and not torch.allclose(f, f2)
+
+
+def test_decoded_once_gives_the_features_and_scores_of_reading_the_shards(shards):
+    model = create_model("vit_debug_patch4")
+    decoded = decode_all(shards, model.img_size, num_workers=0)
+    assert decoded.images.shape == (24, 3, model.img_size, model.img_size) and decoded.classes == shards.classes
+    f, y = extract_features(model, shards, batch_size=7, num_workers=0)
+    f2, y2 = extract_features(model, decoded, batch_size=5)
+    assert torch.equal(y, y2) and torch.allclose(f, f2, atol=1e-6)
+    assert evaluate(model, decoded, decoded) == pytest.approx(evaluate(model, shards, shards, num_workers=0))
+    with pytest.raises(ValueError, match="decoded at 28 px"):
+        extract_features(create_model("vit_debug_patch4", img_size=16), decoded)
 
 
 def test_random_init_control_is_reproducible_and_sources_exclusive():
