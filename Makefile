@@ -26,7 +26,7 @@ demo: $(STAMP) $(FASHION_MNIST)
 	$(PY) train/demo.py
 
 # Every method on Fashion-MNIST with the same budget, 2 seeds, kNN / linear probe / fine-tuning
-# -> docs/RESULTS.md + docs/figures/ (train/study.py; about 70 min on 2 CPU cores). Reruns skip finished runs.
+# -> docs/RESULTS.md + docs/figures/ (train/study.py; about 90 min on 2 CPU cores). Reruns skip finished runs.
 study: $(STAMP) $(FASHION_MNIST)
 	$(PY) -m pip install -q -e ".[study]"
 	$(PY) train/study.py

@@ -19,7 +19,7 @@ Each run lives in runs/study/<entry>/seed<k>/ (pretraining resumes there; a fini
 not run again), its evaluations in result.json; train/study_report.py writes docs/RESULTS.md
 and the figures from them.
 
-The defaults (20k pretraining images, 10k fine-tuning images, seeds 0 and 1) take about 70 minutes
+The defaults (20k pretraining images, 10k fine-tuning images, seeds 0 and 1) take about 90 minutes
 on a 2-core CPU; a GPU runs the same command unchanged.
 
     python train/study.py [--seeds 0,1] [--pretrain_samples 20000] [--finetune_samples 10000] [--only mae,mixedae]
