@@ -4,18 +4,27 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Where torch and torchvision come from. Empty (default): PyPI, whose torch 2.14 wheels are CUDA 13
+# builds with kernels for sm_75 ... sm_120, none for V100 (sm_70). For V100s, PyTorch's own index
+# of CUDA 12.6 builds, which still ship sm_70 kernels, into a fresh venv (README, "GPUs"):
+#   rm -rf .venv && make install TORCH_INDEX=https://download.pytorch.org/whl/cu126
+TORCH_INDEX ?=
 
-.PHONY: install test demo study clean
+.PHONY: install test demo study clean kernel-sweep slurm gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e ".[test]"
+ifneq ($(TORCH_INDEX),)
+	$(PY) -m pip install torch torchvision --index-url $(TORCH_INDEX)
+endif
+	$(PY) -m pip install -e ".[test]" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(PY) -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'kernels for', *torch.cuda.get_arch_list())"
 	touch $(STAMP)
 
 install: $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) slurm
 	$(PY) -m pytest -q -ra
 
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
@@ -31,12 +40,45 @@ study: $(STAMP) $(FASHION_MNIST)
 	$(PY) -m pip install -q -e ".[study]"
 	$(PY) train/study.py
 
+# Compile the fused Triton kernels for sm_80 and sm_90 at every shape x dtype x mode, no GPU needed
+# (kernels/compile_check.py, about 15 min on 2 cores): shared memory, registers, spills ->
+# docs/kernel_sweep.md and .json, the table in docs/KERNELS.md. `make test` compiles a subset.
+kernel-sweep: $(STAMP)
+	$(PY) -m kernels.compile_check --sweep full --json docs/kernel_sweep.json --markdown docs/kernel_sweep.md
+
+# cp312 wheels of what the lent GPU machine lacks (Python 3.12, torch 2.11; no network there), at
+# the versions this venv runs, into the git-ignored .whl/ (~5 MB) for the device tool's `carry`;
+# there: pip install --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD
+GPU_WHEELS := deepspeed pydantic pydantic-core annotated-types typing-inspection webdataset braceexpand hjson
+gpu-wheels: $(STAMP)
+	rm -rf .whl && mkdir -p .whl/src
+	$(PY) -m pip freeze | tr _ - | grep -iE '^($(subst $() ,|,$(filter-out deepspeed,$(GPU_WHEELS))))==' > .whl/src/pins.txt
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl -r .whl/src/pins.txt
+	$(PY) -m pip download -q --no-deps --no-binary=:all: -d .whl/src "deepspeed==$$($(PY) -c 'from importlib.metadata import version; print(version("deepspeed"))')"
+	DS_BUILD_OPS=0 $(PY) -m pip wheel -q --no-deps --no-build-isolation -w .whl .whl/src/deepspeed-*.tar.gz
+	rm -rf .whl/src && ls .whl
+
 $(FASHION_MNIST):
 	@if [ "$$(id -u)" = 0 ]; then \
 		apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; \
 	else \
 		echo "Fashion-MNIST is missing: run 'sudo apt-get install dataset-fashion-mnist', then 'make demo' again"; \
 		exit 1; \
+	fi
+
+# Debian's Slurm and munge for tests/launchers/test_real_slurm.py, which starts a one-node cluster on
+# localhost. Installed only as root and only when missing; a failed install only makes those tests
+# skip, saying why.
+slurm:
+	@if [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && [ -x /usr/sbin/munged ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing slurm-wlm and munge for the real-Slurm tests"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			slurm-wlm munge >/dev/null) || echo "could not install slurm-wlm and munge: the real-Slurm tests will skip"; \
+	else \
+		echo "slurm-wlm and munge are missing (root installs them: make slurm): the real-Slurm tests will skip"; \
 	fi
 
 clean:

@@ -28,10 +28,19 @@ def nominal_epoch_size(data_cfg, split: LabeledSplit | None = None) -> int:
     return total if split is None else int(total * (1 - split.val_fraction))
 
 
-def check_source(data_cfg, world: int) -> None:
-    """Fail before training when the shards cannot feed every rank and worker."""
+def check_source(data_cfg, world: int, in_chans: int = 3) -> None:
+    """Fail before any process starts when the shards cannot feed every rank and worker, or the
+    model cannot take what they decode to; the evaluation index must be readable too."""
     if data_cfg.source == "shards":
+        if in_chans != 3:
+            raise ValueError(f"model.in_chans is {in_chans}, but shards decode to 3-channel RGB (grayscale is "
+                             f"replicated); set model.in_chans 3")
         check_split(train_shards(data_cfg), world, data_cfg.num_workers)
+    if data_cfg.eval_index:
+        try:
+            ShardSet.from_index(data_cfg.eval_index, data_cfg.allow_pipe_urls)
+        except (OSError, ValueError) as e:  # a missing file / ShardIndexError
+            raise ValueError(f"data.eval_index: {e}") from None
 
 
 def build_source(data_cfg, img_size: int, in_chans: int, batch_size: int, seed: int, rank: int, world: int,

@@ -14,7 +14,10 @@ enters the encoder) at about half the GPU, since the estimate leaves out tempora
 been measured on these GPUs yet. `python train/pretrain.py --dry-run --ds_config <file>
 [--config <preset>]` prints the estimate for a method and the largest micro-batch that fits.
 V100 has no bf16: fp16 with dynamic loss scaling. Every file states gradient_clipping 0.0 (the
-MAE recipes clip nothing; DeepSpeed >= 0.19.3 clips at 1.0 when the key is missing).
+MAE recipes clip nothing; DeepSpeed >= 0.19.3 clips at 1.0 when the key is missing) and turns
+DeepSpeed's throughput timer off (`timers.throughput.enabled`, on by default: it synchronizes the
+device at the start and end of every micro-batch, deepspeed/utils/timer.py; the loop measures
+throughput itself at log steps).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ MICRO = {
     ("finetune", "l"): {"v100": 32, "a100": 64, "h100": 64},
 }
 GLOBAL = {"pretrain": 4096, "pretrain_actckpt": 4096, "mlomae": 256, "energy": 256, "finetune": 1024}
+NO_THROUGHPUT_TIMER = {"throughput": {"enabled": False}}  # two device syncs per micro-batch otherwise
 BUCKET = {"b": 50_000_000, "l": 100_000_000, "h": 100_000_000}  # elements per reduce / allgather bucket
 
 
@@ -52,7 +56,7 @@ def config(group: str, model: str, gpu: str, stage: int) -> dict:
     out = {"train_batch_size": GLOBAL[group], "train_micro_batch_size_per_gpu": MICRO[group, model][gpu],
            "gradient_clipping": 0.0, "zero_optimization": zero,
            "bf16": {"enabled": prec == "bf16"}, "fp16": FP16 if prec == "fp16" else {"enabled": False},
-           "wall_clock_breakdown": False}
+           "wall_clock_breakdown": False, "timers": NO_THROUGHPUT_TIMER}
     if group == "pretrain_actckpt":
         out["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False}
     return out

@@ -6,19 +6,24 @@ tested against; `sdpa` (PyTorch's fused scaled_dot_product_attention, which itse
 flash / memory-efficient / math kernel for the device and dtype) is the default.
 
 A per-call `mask` (kernels.masked: SegmentMask, TopKMask) restricts which keys each query sees.
-Restricted attention runs the fused Triton kernels (kernels/restricted_triton.py) on sm80+ GPUs
-and the PyTorch paths elsewhere (CPU, V100, sequences over 1024 tokens); backend `math` always
-takes the plain references, which are the twice-differentiable path. `describe_paths` says
+TopK attention runs the fused Triton kernels (kernels/restricted_triton.py) on sm80+ GPUs and the
+PyTorch composition elsewhere (CPU, V100, sequences over 1024 tokens, head dims over 128; on a GPU
+with one warning per reason). Segment-masked attention runs SDPA with a boolean mask: on an H100
+its memory-efficient kernel took 0.80 ms forward+backward at ViT-B shapes in bf16 against 1.57 ms
+for the fused segment kernel (docs/KERNELS.md), which stays callable for benchmarks. Backend `math`
+always takes the plain references, which are the twice-differentiable path. `describe_paths` says
 which implementation each kind of call gets; the entry points log it once at start.
 """
 from __future__ import annotations
 
+import importlib.util
+import warnings
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from kernels.accelerators import has_flash_attn, has_triton_gpu
+from kernels.accelerators import has_flash_attn
 from kernels.masked import (
     SegmentMask,
     TopKMask,
@@ -45,11 +50,41 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     return F.scaled_dot_product_attention(q, k, v)
 
 
+# What flash-attn 2.x's flash_attn_func takes (its checks in csrc/flash_attn/flash_api.cpp, mha_fwd and
+# mha_bwd; the Python wrapper pads the head dim to a multiple of 8 itself): CUDA tensors of one dtype,
+# fp16 or bf16, head dim <= 256, on a GPU of compute capability >= 8.0. It has no double backward.
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_ATTN_MAX_HEAD_DIM = 256
+
+
+def _gpu_capability(t: torch.Tensor) -> tuple[int, int] | None:
+    """(major, minor) compute capability of the GPU holding `t`; None off the GPU."""
+    return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
+
+
+def flash_attn_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None when flash-attn takes these (B, H, N, d) inputs, else why not."""
+    if q.dtype not in FLASH_ATTN_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"{q.dtype}/{k.dtype}/{v.dtype} inputs (flash-attn takes fp16 or bf16)"
+    if q.shape[-1] > FLASH_ATTN_MAX_HEAD_DIM or v.shape[-1] > FLASH_ATTN_MAX_HEAD_DIM:
+        return f"head dim {max(q.shape[-1], v.shape[-1])} > {FLASH_ATTN_MAX_HEAD_DIM}"
+    capability = _gpu_capability(q)
+    if capability is None:
+        return "not on a GPU"
+    if capability < (8, 0):
+        return f"compute capability {capability[0]}.{capability[1]} < 8.0"
+    return None
+
+
 def flash_attn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The flash-attn package (fp16/bf16 on sm80+); it wants (B, N, H, d)."""
+    """The flash-attn package where it takes the inputs, SDPA for the rest: the backend is one
+    setting for the whole model, but some calls of an fp16/bf16 run are fp32 (MLO-MAE's level III
+    hypergradient runs on fp32 copies of the weights)."""
+    if flash_attn_refusal(q, k, v) is not None:
+        return sdpa_attention(q, k, v)
     from flash_attn import flash_attn_func
 
-    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # it wants (B, N, H, d)
     return out.transpose(1, 2)
 
 
@@ -71,9 +106,15 @@ def resolve_backend(name: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {['auto', *BACKENDS]}")
     if name == "flash_attn" and not has_flash_attn():
+        if not torch.cuda.is_available():
+            here = "there is no CUDA GPU here"
+        elif (capability := torch.cuda.get_device_capability()) < (8, 0):
+            here = f"this GPU is {torch.cuda.get_device_name()}, compute capability {capability[0]}.{capability[1]}"
+        else:
+            here = "flash_attn does not import (pip install -e '.[flash]')"
         raise ValueError(
-            "attention backend 'flash_attn' needs the flash-attn package and a GPU with compute "
-            "capability >= 8.0; use 'sdpa' (PyTorch's own flash kernels) instead"
+            f"attention backend 'flash_attn' needs the flash-attn package and a GPU with compute "
+            f"capability >= 8.0, but {here}; use 'sdpa' (PyTorch's own flash kernels) instead"
         )
     return name
 
@@ -105,16 +146,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = 
         return BACKENDS[backend](q, k, v)
     if not isinstance(mask, (SegmentMask, TopKMask)):
         raise TypeError(f"unknown attention mask {type(mask).__name__}; expected SegmentMask or TopKMask")
-    fused = backend != "math" and _fused_reason(q) is None
     if isinstance(mask, SegmentMask):
-        if fused:
-            from kernels.restricted_triton import segment_attention
-
-            return segment_attention(q, k, v, mask.segments)
         # flash kernels take no mask: SDPA's masked (memory-efficient) path, or the reference for math
         fn = segment_attention_reference if backend == "math" else segment_attention_sdpa
         return fn(q, k, v, mask.segments)
-    if fused:
+    if backend != "math" and _fused_or_warn(q):
         from kernels.restricted_triton import topk_attention
 
         B, _, T, _ = q.shape
@@ -126,24 +162,47 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = 
     return topk_attention_reference(q, k, v, mask)
 
 
-def _fused_reason(q: torch.Tensor) -> str | None:
-    """None when the fused restricted-attention kernels run these inputs, else why not."""
-    if not q.is_cuda:
-        return "not on a GPU"
-    if not has_triton_gpu():
-        return "needs Triton on an sm80+ GPU"
+def _fused_reason(q: torch.Tensor, capability: tuple[int, int] | None = None) -> str | None:
+    """None when the fused restricted-attention kernels run these inputs, else why not: device,
+    compute capability (sm80+), dtype, tokens, head dim and the plan's shared memory against the
+    device's limit (kernels.restricted_triton.supports). `capability` stands in for the GPU's
+    (tests fake sm_70 / sm_80 / sm_90 on CPU); without it q's own device decides."""
+    if capability is None:
+        if not q.is_cuda:
+            return "not on a GPU"
+        if importlib.util.find_spec("triton") is None:
+            return "Triton is not installed"
+        capability = torch.cuda.get_device_capability(q.device)
     from kernels.restricted_triton import supports
 
-    return supports(q)
+    return supports(q, capability)
 
 
-def describe_paths(backend: str, device: torch.device, dtype: torch.dtype, tokens: int, head_dim: int) -> dict[str, str]:
-    """Which implementation dense, segment-masked and TopK attention calls get on this setup."""
+_FALLBACKS_WARNED: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    """One warning per distinct reason the fused kernels were skipped on a GPU (not per call)."""
+    if reason not in _FALLBACKS_WARNED:
+        _FALLBACKS_WARNED.add(reason)
+        warnings.warn(f"restricted attention falls back to the PyTorch path on this GPU: {reason}", stacklevel=3)
+
+
+def _fused_or_warn(q: torch.Tensor) -> bool:
+    reason = _fused_reason(q)
+    if reason is not None and q.is_cuda:
+        _warn_once(reason)
+    return reason is None
+
+
+def describe_paths(backend: str, device: torch.device, dtype: torch.dtype, tokens: int, head_dim: int,
+                   capability: tuple[int, int] | None = None) -> dict[str, str]:
+    """Which implementation dense, segment-masked and TopK attention calls get on this setup
+    (`capability`: a GPU's compute capability to decide for, without one at hand)."""
     dense = {"sdpa": "torch SDPA (flash / memory-efficient / math, chosen by PyTorch)", "math": "math reference",
              "flash_attn": "flash-attn package"}[backend]
-    probe = torch.empty(1, 1, tokens, head_dim, dtype=dtype, device=device)
-    reason = "backend math" if backend == "math" else _fused_reason(probe)
-    if reason is None:
-        return {"dense": dense, "segment": "triton fused kernel", "topk": "triton fused kernel"}
+    probe = torch.empty(1, 1, tokens, head_dim, dtype=dtype, device="meta" if capability else device)
+    reason = "backend math" if backend == "math" else _fused_reason(probe, capability)
     segment = "math reference" if backend == "math" else "torch SDPA with a boolean mask"
-    return {"dense": dense, "segment": f"{segment} ({reason})", "topk": f"PyTorch reference composition ({reason})"}
+    topk = "triton fused kernel" if reason is None else f"PyTorch reference composition ({reason})"
+    return {"dense": dense, "segment": segment, "topk": topk}

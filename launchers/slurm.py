@@ -95,15 +95,18 @@ def gpus_on_node(env: Mapping[str, str]) -> int:
 
 def run_node(command: list[str], ranks_per_node: int, env: Mapping[str, str] = os.environ) -> int:
     """Start this node's ranks, pass stop signals on to them, wait; the first failure stops the rest."""
-    procs = [subprocess.Popen([sys.executable, *command], env={**env, **extra}) for extra in node_envs(env, ranks_per_node)]
+    procs: list[subprocess.Popen] = []
 
     def forward(signum, frame):
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
+    # before any rank starts, so that the launcher never dies of them (a signal in the few ms before
+    # the ranks exist reaches none: a rank that has not installed its handlers yet would die of it)
     for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
+    procs += [subprocess.Popen([sys.executable, *command], env={**env, **extra}) for extra in node_envs(env, ranks_per_node)]
     code = 0
     alive = list(procs)
     while alive:

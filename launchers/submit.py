@@ -1,25 +1,39 @@
 """Submit a multi-node pretraining job to Slurm, after checking it.
 
     python launchers/submit.py --nodes 2 --gpus_per_node 8 --gpu a100 [--mode task|node] \\
-        [--time 72:00:00] [--partition P] [--account A] [--job_name N] [--dry] \\
+        [--ranks_per_node N] [--cpus_per_task C] [--gres SPEC | --no_gpus_per_node] [--constraint C] \\
+        [--time 72:00:00] [--partition P] [--account A] [--qos Q] [--exclusive] [--job_name N] \\
+        [--sbatch=--mail-type=END ...] [--dry] \\
         -- --ds_config ds_configs/vit_l_8xa100_bf16_zero1.json --model.name vit_large_patch16 \\
            --data.train_index /data/in1k/train.json --output_dir runs/mae_vitl
 
-1. The pretraining options are checked for the job's world size (nodes x GPUs) and GPU with the
-   dry run (train/dry_run.py): a configuration that would fail, or not fit, is refused here with
-   the problems listed (exit 2) and nothing is submitted or written.
-2. `<output_dir>/launch/<UTC time>/` gets a snapshot of the code (the checkout's tracked files
-   as they are now), the ds_config and --config presets, the commit and `git diff HEAD`, and
-   submit.json (arguments, sbatch command, job id). The job runs from that snapshot with those
-   copies, so a requeued job runs the same code and configuration even if the checkout moved on.
-3. sbatch runs launchers/pretrain.sbatch from the snapshot with the nodes, tasks (one per GPU in
-   task mode, one per node in node mode), GPUs, time, partition and the log file in the launch
-   folder; --dry prints the command instead.
+    # CPU ranks (no GPU requested): 2 nodes x 4 ranks of 2 CPUs each
+    python launchers/submit.py --nodes 2 --gpus_per_node 0 --ranks_per_node 4 --cpus_per_task 2 -- \\
+        --ds_config ds_configs/cpu_debug.json --config train/configs/debug_mae.json --output_dir runs/cpu
+
+1. The pretraining options are checked for the job's world size (nodes x ranks per node) and GPU
+   with the dry run (train/dry_run.py; CPU ranks with --gpus_per_node 0): a configuration that
+   would fail, or not fit, is refused here with the problems listed (exit 2) and nothing is
+   submitted or written. So is a request Slurm itself refuses (`sbatch --test-only` first: an
+   unknown partition, GRES the cluster lacks, more CPUs per task than a node has).
+2. `<output_dir>/launch/<UTC time>/` gets a snapshot of the code (the checkout's files as they
+   are now, those git ignores left out), the ds_config and --config presets, the commit and
+   `git diff HEAD`, and submit.json (arguments, sbatch command, code hash, job id). The job runs
+   from that snapshot with those copies, so a requeued job runs the same code and configuration
+   even if the checkout moved on; the run folder's meta.json records the code that ran (its path and hash).
+   If sbatch fails anyway, the launch folder is removed again: nothing is left without a job.
+3. sbatch runs launchers/pretrain.sbatch (its resource lines left out) from the launch folder,
+   on the snapshot, with the nodes, tasks (one per rank;
+   in node mode one launcher per node starts them), CPUs per task (default: data.num_workers + 1,
+   the rank and its loader workers), GPUs (--gpus-per-node, or --gres, or none), time, partition,
+   account, QOS and the log file in the launch folder; --dry prints the command and writes nothing.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -27,6 +41,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+RESOURCE_DIRECTIVE = re.compile(r"#SBATCH\s+--(nodes|ntasks-per-node|gpus-per-node|cpus-per-task|time|job-name)\b")
 
 
 def split(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -43,11 +58,12 @@ def option(args: list[str], key: str) -> str | None:
 
 
 def snapshot(dest: Path) -> dict:
-    """Copy the checkout's tracked files (with uncommitted edits) to dest; record commit and diff."""
+    """Copy the checkout's files (tracked, with uncommitted edits, and new ones git does not ignore)
+    to dest; record commit and diff."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
 
-    for rel in git("ls-files", "-z").split("\0"):
+    for rel in git("ls-files", "-z", "--cached", "--others", "--exclude-standard").split("\0"):
         if rel and (REPO / rel).is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / rel, dest / rel)
@@ -56,39 +72,92 @@ def snapshot(dest: Path) -> dict:
     return {"commit": git("rev-parse", "HEAD").strip(), "dirty": bool(diff)}
 
 
-def sbatch_command(a, launch: Path, code: Path, pretrain_args: list[str]) -> list[str]:
-    tasks = a.gpus_per_node if a.mode == "task" else 1
-    cmd = ["sbatch", "--nodes", str(a.nodes), "--ntasks-per-node", str(tasks), "--gpus-per-node",
-           str(a.gpus_per_node), "--time", a.time, "--job-name", a.job_name, "--output", str(launch / "slurm-%j.out"),
-           "--export", f"ALL,VITPRETRAIN_CODE={code},PYTHON={sys.executable},LAUNCH_MODE={a.mode}"]
-    for flag, value in (("--partition", a.partition), ("--account", a.account)):
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node; 0: CPU ranks, no GPU requested")
+    p.add_argument("--gpu", help="v100 | a100 | h100 | ... (train/gpus.py): checked against; needed with GPUs")
+    p.add_argument("--ranks_per_node", type=int, help="ranks per node (default: --gpus_per_node, 1 without GPUs)")
+    p.add_argument("--cpus_per_task", type=int, help="CPUs per rank (default: data.num_workers + 1)")
+    p.add_argument("--mode", choices=["task", "node"], default="task")
+    p.add_argument("--gres", help="request GPUs as this GRES (e.g. gpu:a100:8) instead of --gpus-per-node")
+    p.add_argument("--no_gpus_per_node", action="store_true",
+                   help="request no GPUs (a partition that allocates them with the node), still check for --gpu")
+    p.add_argument("--constraint", help="node features (sbatch --constraint)")
+    p.add_argument("--time", default="72:00:00")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--qos")
+    p.add_argument("--exclusive", action="store_true", help="whole nodes")
+    p.add_argument("--job_name", default="vitpretrain")
+    p.add_argument("--sbatch", action="append", default=[], metavar="ARG",
+                   help="an extra sbatch argument, passed through (repeat; --sbatch=--mail-type=END)")
+    p.add_argument("--dry", action="store_true", help="check and print the sbatch command; submit and write nothing")
+    return p
+
+
+def request_problems(a) -> list[str]:
+    problems = []
+    if a.nodes < 1:
+        problems.append(f"--nodes {a.nodes}: give at least 1")
+    if a.gpus_per_node < 0:
+        problems.append(f"--gpus_per_node {a.gpus_per_node}: give 0 (CPU ranks) or more")
+    if a.ranks_per_node is not None and a.ranks_per_node < 1:
+        problems.append(f"--ranks_per_node {a.ranks_per_node}: give at least 1")
+    if a.cpus_per_task is not None and a.cpus_per_task < 1:
+        problems.append(f"--cpus_per_task {a.cpus_per_task}: give at least 1")
+    if a.gpus_per_node and not a.gpu:
+        problems.append("name the GPU to check against with --gpu (v100, a100, h100, ...), or use --gpus_per_node 0 "
+                        "for CPU ranks")
+    if a.gres and a.no_gpus_per_node:
+        problems.append("--gres and --no_gpus_per_node contradict each other: give one")
+    return problems
+
+
+def sbatch_options(a, ranks_per_node: int, cpus_per_task: int) -> list[str]:
+    """The job's resources (both modes ask for one task per rank: the node launcher reads the count)."""
+    cmd = ["--nodes", str(a.nodes), "--ntasks-per-node", str(ranks_per_node), "--cpus-per-task", str(cpus_per_task)]
+    if a.gres:
+        cmd += ["--gres", a.gres]
+    elif a.gpus_per_node and not a.no_gpus_per_node:
+        cmd += ["--gpus-per-node", str(a.gpus_per_node)]
+    cmd += ["--time", a.time, "--job-name", a.job_name]
+    for flag, value in (("--partition", a.partition), ("--account", a.account), ("--qos", a.qos),
+                        ("--constraint", a.constraint)):
         if value:
             cmd += [flag, value]
-    return [*cmd, str(code / "launchers" / "pretrain.sbatch"), *pretrain_args]
+    if a.exclusive:
+        cmd.append("--exclusive")
+    return [*cmd, *a.sbatch]
+
+
+def job_script() -> str:
+    """The template without its resource defaults (8 tasks and GPUs per node, 10 CPUs per task,
+    72 h): this script gives every resource on sbatch's command line, and no GPU request at all
+    where it asks for none (a cluster without GPU GRES refuses any)."""
+    lines = (REPO / "launchers" / "pretrain.sbatch").read_text().splitlines(keepends=True)
+    return "".join(line for line in lines if not RESOURCE_DIRECTIVE.match(line))
 
 
 def main(argv: list[str] | None = None) -> int:
     ours, pretrain_args = split(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus_per_node", type=int, default=8)
-    p.add_argument("--gpu", required=True, help="v100 | a100 | h100 | ... (train/gpus.py): checked against")
-    p.add_argument("--mode", choices=["task", "node"], default="task")
-    p.add_argument("--time", default="72:00:00")
-    p.add_argument("--partition")
-    p.add_argument("--account")
-    p.add_argument("--job_name", default="vitpretrain")
-    p.add_argument("--dry", action="store_true", help="print the sbatch command, submit nothing")
-    a = p.parse_args(ours)
+    a = parser().parse_args(ours)
+    problems = request_problems(a)
+    if problems:
+        print("not submitted:\n" + "\n".join(f"  {x}" for x in problems), file=sys.stderr)
+        return 2
+    ranks_per_node = a.ranks_per_node or a.gpus_per_node or 1
+    world = a.nodes * ranks_per_node
 
     sys.path.insert(0, str(REPO))
+    from launchers.code_version import source_hash
     from train.config import ConfigError, parse_args
     from train.dry_run import check
     from train.gpus import gpu_named
 
     try:
         cfg = parse_args(pretrain_args)
-        run = check(cfg, a.nodes * a.gpus_per_node, gpu_named(a.gpu))
+        run = check(cfg, world, gpu_named(a.gpu) if a.gpus_per_node else None)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"not submitted: {e}", file=sys.stderr)
         return 2
@@ -97,35 +166,54 @@ def main(argv: list[str] | None = None) -> int:
     if not run.ok:
         print("not submitted:\n" + "\n".join(f"  {x}" for x in run.problems), file=sys.stderr)
         return 2
+    cpus_per_task = a.cpus_per_task or cfg.data.num_workers + 1
 
     out = Path(cfg.output_dir).resolve()
     launch = out / "launch" / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     code = launch / "code"
-    code.mkdir(parents=True)
-    provenance = snapshot(code)
     args = list(pretrain_args)
+    copies = {}
     for i, arg in enumerate(args[:-1]):  # the job reads the copies, and writes to the absolute run folder
         if arg in ("--ds_config", "--config"):
-            copy = launch / f"{i:02d}_{Path(args[i + 1]).name}"  # presets of the same name may differ
-            shutil.copy2(args[i + 1], copy)
-            args[i + 1] = str(copy)
+            copies[launch / f"{i:02d}_{Path(args[i + 1]).name}"] = args[i + 1]  # presets of the same name may differ
+            args[i + 1] = str(launch / f"{i:02d}_{Path(args[i + 1]).name}")
         elif arg in ("--output_dir", "--data.train_index", "--data.eval_index", "--model.init_from"):
             args[i + 1] = str(Path(args[i + 1]).resolve())
     if option(args, "--output_dir") is None:
         args += ["--output_dir", str(out)]
-    cmd = sbatch_command(a, launch, code, args)
-    record = {"date": launch.name, "argv": ours, "pretrain_args": args, "world_size": a.nodes * a.gpus_per_node,
-              "gpu": a.gpu, "sbatch": cmd, **provenance}
+    resources = sbatch_options(a, ranks_per_node, cpus_per_task)
+    export = ["--export", f"ALL,VITPRETRAIN_CODE={code},PYTHON={sys.executable},LAUNCH_MODE={a.mode}"]
+    script = job_script()
+    cmd = ["sbatch", *resources, "--output", str(launch / "slurm-%j.out"), *export, str(launch / "pretrain.sbatch"),
+           *args]
     if a.dry:
-        print(" ".join(cmd))
-    else:
+        print(f"would snapshot the code into {code} and run:\n{shlex.join(cmd)}")
+        return 0
+
+    # Slurm's own verdict on the request before anything is written (the script on stdin)
+    test = subprocess.run(["sbatch", "--test-only", *resources, *export], input=script, capture_output=True, text=True)
+    if test.returncode:
+        print(f"not submitted: sbatch refuses the request ({test.returncode}): {test.stderr.strip()}", file=sys.stderr)
+        return 2
+    record = {"date": launch.name, "argv": ours, "pretrain_args": args, "world_size": world,
+              "ranks_per_node": ranks_per_node, "gpu": a.gpu if a.gpus_per_node else None, "sbatch": cmd}
+    try:
+        code.mkdir(parents=True)
+        record.update(snapshot(code), source_sha256=source_hash(code))
+        (launch / "pretrain.sbatch").write_text(script)
+        for copy, original in copies.items():
+            shutil.copy2(original, copy)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
-            print(f"sbatch failed ({proc.returncode}): {proc.stderr.strip()}", file=sys.stderr)
+            print(f"not submitted: sbatch failed ({proc.returncode}): {proc.stderr.strip()}", file=sys.stderr)
+            shutil.rmtree(launch)  # a snapshot without a job would only mislead
             return proc.returncode
-        record["job"] = proc.stdout.strip().split()[-1]
-        print(f"{proc.stdout.strip()}; run folder {out}, launch record {launch}")
+    except BaseException:
+        shutil.rmtree(launch, ignore_errors=True)
+        raise
+    record["job"] = proc.stdout.strip().split()[-1]
     (launch / "submit.json").write_text(json.dumps(record, indent=2))
+    print(f"{proc.stdout.strip()}; run folder {out}, launch record {launch}")
     return 0
 
 

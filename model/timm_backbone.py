@@ -6,11 +6,19 @@ state_dict carries exactly timm's names: an exported backbone loads into
 `timm.create_model(name, num_classes=0)` with no missing or unexpected keys. It offers what the
 entry points read from an encoder (img_size, embed_dim, num_patches, timm_kwargs) and
 `pooled_features(x)`, the model's pooled pre-logits features (B, num_features).
+
+Attention: timm's attention modules pick, when built, between torch's fused SDPA and the explicit
+softmax(q k^T / sqrt(d)) v (each module's `fused_attn` flag, from timm.layers.use_fused_attn()).
+SDPA's fused kernels have no double backward, so `attn_backend="math"` (the twice-differentiable
+backend that energy pretraining asks for) sets every module's flag off; any other backend keeps
+timm's choice.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kernels.attention import TWICE_DIFFERENTIABLE
 
 TIMM_PREFIX = "timm/"
 
@@ -27,7 +35,7 @@ class TimmBackbone(nn.Module):
     num_patches = 0  # not a patch-token model: no MAE-style masking, no attention maps
 
     def __init__(self, name: str, img_size: int = 224, in_chans: int = 3, drop_path_rate: float = 0.0,
-                 rpe: bool = False, **_vit_only):
+                 rpe: bool = False, attn_backend: str = "auto", **_vit_only):
         super().__init__()
         import timm
 
@@ -38,6 +46,10 @@ class TimmBackbone(nn.Module):
             model = timm.create_model(name, img_size=img_size, **kwargs)
         except TypeError:
             model = timm.create_model(name, **kwargs)
+        if attn_backend == TWICE_DIFFERENTIABLE:
+            for module in model.modules():
+                if hasattr(module, "fused_attn"):
+                    module.fused_attn = False
         if any(True for _ in model.named_buffers(recurse=False)):
             raise ValueError(f"timm model {name!r} has top-level buffers, which this adapter cannot share")
         self.__dict__["inner"] = model  # not a submodule: its children are adopted below
@@ -47,6 +59,25 @@ class TimmBackbone(nn.Module):
             self.register_parameter(param_name, param)
         self.name, self.img_size, self.in_chans = name, img_size, in_chans
         self.embed_dim = model.num_features
+
+    def attention_modules(self) -> dict[str, bool]:
+        """{module name: uses fused SDPA} for every timm attention module (empty for ConvNets)."""
+        return {name: bool(m.fused_attn) for name, m in self.inner.named_modules() if hasattr(m, "fused_attn")}
+
+    @property
+    def attn_backend(self) -> str:
+        """The attention backend in the dispatch's terms: sdpa if any module calls fused SDPA,
+        else math (explicit attention, or none at all), which is twice differentiable."""
+        return "sdpa" if any(self.attention_modules().values()) else TWICE_DIFFERENTIABLE
+
+    def describe_attention(self) -> str:
+        """One line for the run's log and meta.json."""
+        modules = self.attention_modules()
+        if not modules:
+            return f"timm {self.name}: no attention modules"
+        fused = self.attn_backend == "sdpa"
+        path = "torch SDPA (fused)" if fused else "explicit softmax(q k^T) v (twice differentiable)"
+        return f"timm {self.name}: {path} in {len(modules)} modules"
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.inner.set_grad_checkpointing(enable)

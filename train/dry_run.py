@@ -27,7 +27,7 @@ from train.memory import GIB, HEADROOM, MemoryEstimate, estimate
 @dataclass
 class DryRun:
     world: int
-    gpu: GPU
+    gpu: GPU | None  # None: CPU ranks
     lines: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     memory: MemoryEstimate | None = None
@@ -58,21 +58,25 @@ def default_gpu(ds_config: str) -> GPU:
     return here
 
 
-def check(cfg: PretrainConfig, world: int, gpu: GPU) -> DryRun:
+def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
+    """gpu None: CPU ranks (launchers/submit.py --gpus_per_node 0): no GPU checks, no memory estimate."""
     from train.pretrain import schedule_steps
 
     run = DryRun(world, gpu)
+    if world < 1:
+        run.problems.append(f"world size {world}: a run needs at least 1 rank")
+        return run
     try:
-        ds, plan = resolve(cfg, world, cuda=True, bf16_ok=gpu.bf16)
+        ds, plan = resolve(cfg, world, cuda=gpu is not None, bf16_ok=gpu.bf16 if gpu is not None else None)
     except ConfigError as e:
         run.problems.append(str(e))
         return run
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     prec = precision(ds)
-    run.lines.append(f"{world} x {gpu.name}: global batch {plan.global_batch} = micro {plan.micro} x accumulation "
+    run.lines.append(f"{world} x {gpu.name if gpu is not None else 'CPU'}: global batch {plan.global_batch} = micro {plan.micro} x accumulation "
                      f"{plan.accum} x {world} ranks; {prec}; ZeRO {stage}; activation checkpointing "
                      f"{'on' if activation_checkpointing(ds) else 'off'}")
-    if cfg.model.attn_backend == "flash_attn" and not gpu.sm80:
+    if gpu is not None and cfg.model.attn_backend == "flash_attn" and not gpu.sm80:
         run.problems.append(f"model.attn_backend flash_attn needs an sm80+ GPU (FlashAttention-2); {gpu.name} has "
                             f"none: use sdpa")
     try:
@@ -83,7 +87,7 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU) -> DryRun:
         try:
             from data.source import check_source
 
-            check_source(cfg.data, world)
+            check_source(cfg.data, world, cfg.model.in_chans)
             per_epoch, total, _ = schedule_steps(cfg, plan)
             run.lines.append(f"schedule: {per_epoch} steps per epoch, {total} steps; peak lr "
                              f"{cfg.optim.blr * plan.global_batch / 256:.3g} (blr {cfg.optim.blr:g} x "
@@ -92,7 +96,7 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU) -> DryRun:
             run.problems.append(str(e))
     else:
         run.lines.append(f"shards not checked: {cfg.data.train_index!r} is not readable here")
-    if run.problems:  # a configuration that cannot start has no memory to estimate
+    if run.problems or gpu is None:  # a configuration that cannot start has no memory to estimate; nor has a CPU
         return run
     try:
         mem = estimate(cfg, ds, plan, gpu)
@@ -108,6 +112,8 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU) -> DryRun:
     limit = HEADROOM * gpu.memory_gib
     run.lines.append(f"memory per GPU, estimate (GiB): {parts} of {gpu.memory_gib:g} (limit {limit:.0f}); "
                      f"largest micro-batch that fits: {mem.largest_micro(gpu)}")
+    run.lines.append(f"model states {mem.model_states / GIB:.2f} GiB: weights + gradients + optimizer, as DeepSpeed's "
+                     f"estimators count them (extra gradients: what they leave out; train/memory.py)")
     if not mem.fits(gpu):
         run.problems.append(f"the estimate {mem.total / GIB:.1f} GiB exceeds {limit:.0f} GiB of {gpu.name}: set "
                             f"train_micro_batch_size_per_gpu to at most {mem.largest_micro(gpu)} (with "

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from train.config import ConfigError, PretrainConfig
+from train.device_checks import check_kernels, this_device
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,11 @@ def activation_checkpointing(ds: dict) -> bool:
 
 def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
             bf16_ok: bool | None = None) -> tuple[dict, BatchPlan]:
-    """Return the final ds_config (batch triple filled in) and the batch plan, or raise ConfigError."""
+    """Return the final ds_config (batch triple filled in) and the batch plan, or raise ConfigError.
+
+    cuda None: this machine decides (its GPU, if any, must be one the torch build has kernels
+    for: train/device_checks.py); cuda / bf16_ok given: the dry run's named GPU instead.
+    """
     ds = load(cfg.ds_config)
     for section, owner in (("optimizer", "--optim.*"), ("scheduler", "--optim.* (warmup + cosine)")):
         if section in ds:
@@ -110,13 +115,19 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_optimization.stage must be 0-3, got {stage}")
     prec = precision(ds)
-    cuda = torch.cuda.is_available() if cuda is None else cuda
+    here = this_device() if cuda is None else None
+    if here is not None:
+        check_kernels(here)  # nothing else matters on a GPU the torch build cannot launch a kernel on
+    cuda = here is not None if cuda is None else cuda
     if prec == "fp16" and not cuda:
         raise ConfigError("ds_config enables fp16, which needs CUDA GPUs; use ds_configs/cpu_debug.json (fp32) on CPU")
     if prec == "bf16" and cuda:
-        bf16_ok = torch.cuda.is_bf16_supported() if bf16_ok is None else bf16_ok
+        if bf16_ok is None:  # emulated bf16 (torch's default answer on a V100) does not count
+            bf16_ok = here.native_bf16 if here is not None else torch.cuda.is_bf16_supported(including_emulation=False)
         if not bf16_ok:
-            raise ConfigError("ds_config enables bf16, which this GPU lacks (V100 has none); use an fp16 config")
+            gpu = f" (this GPU: {here.name}, compute capability {'.'.join(map(str, here.capability))})" if here else ""
+            raise ConfigError(f"ds_config enables bf16, which this GPU lacks (V100 has none); use an fp16 config, "
+                              f"e.g. ds_configs/*_8xv100_fp16_*.json{gpu}")
     if cfg.optim.name == "lars" and (stage != 0 or prec == "bf16"):
         raise ConfigError("optim.name lars needs whole per-layer tensors for its trust ratio, but ZeRO stages "
                           ">= 1 and DeepSpeed's bf16 optimizer hand it flat partitions; use a ds_config with ZeRO "
@@ -129,7 +140,11 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
                           "set run.vis_every 0 or use ZeRO stage <= 2")
     activation_checkpointing(ds)
     if cfg.model.attn_backend == "flash_attn" and prec == "fp32":
-        raise ConfigError("model.attn_backend flash_attn runs only in fp16/bf16, but the ds_config trains in fp32")
+        # flash-attn takes fp16/bf16 only; kernels/attention.py hands it nothing else (fp32 parts of an
+        # fp16/bf16 run, such as MLO-MAE's level III, go to SDPA), so in an fp32 run it would never run
+        raise ConfigError("model.attn_backend flash_attn runs only in fp16/bf16, but the ds_config trains in fp32 "
+                          "(every attention call would fall back to SDPA); use attn_backend sdpa, or an fp16/bf16 "
+                          "ds_config")
     plan = resolve_batch(ds, world)
     final = dict(ds)
     final.update(
@@ -138,4 +153,7 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
         gradient_accumulation_steps=plan.accum,
     )
     final.setdefault("steps_per_print", 10**9)  # our own logger reports progress
+    # DeepSpeed's throughput timer, on by default, synchronizes the device twice per micro-batch
+    # (deepspeed/utils/timer.py); the loop measures throughput itself at log steps
+    final.setdefault("timers", {"throughput": {"enabled": False}})
     return final, plan

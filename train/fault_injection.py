@@ -9,6 +9,8 @@ Points:
   checkpoint_write  SIGKILL after this rank's files of the checkpoint at step <steps> are
                     written, before the tag is declared complete
   nan_loss          the loss of the micro-batches of steps <steps> is NaN (a diverging model)
+  slow_step         each of steps <steps> takes SLOW_STEP_SECONDS longer (a slow node: the real-Slurm
+                    test of a short time limit needs a run that outlives slurmctld's 30 s check)
 
 `<steps>` counts optimizer steps from 1, as the logs do. Unset (every normal run), each check is
 one dict lookup. SIGKILL cannot be caught: nothing of the process runs after it, as when the
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 
 ENV = "PRETRAIN_FAULTS"
-POINTS = ("after_step", "checkpoint_write", "nan_loss")
+POINTS = ("after_step", "checkpoint_write", "nan_loss", "slow_step")
+SLOW_STEP_SECONDS = 0.3
 
 
 def parse(spec: str) -> dict[str, list[tuple[int, int, int | None]]]:
@@ -63,6 +67,12 @@ def at(point: str, step: int) -> None:
     """Kill this process (SIGKILL) if `point` is armed here."""
     if hit(point, step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow_down(step: int) -> None:
+    """Sleep SLOW_STEP_SECONDS after optimizer step `step` if `slow_step` is armed for it."""
+    if hit("slow_step", step):
+        time.sleep(SLOW_STEP_SECONDS)
 
 
 def poison_loss(loss: torch.Tensor, step: int) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """The one training loop: every objective, every precision and ZeRO stage go through here.
 
 Per optimizer step: `accum` micro-batches of objective(batch) -> engine.backward -> engine.step.
-Scalars stay on the device between log steps; the only host syncs are at log steps.
+Scalars stay on the device between log steps; our code syncs the host with the device once per
+log step (`read_window`) and never in between. DeepSpeed's own per-step syncs (its overflow
+check) are counted in tests/train/test_host_syncs.py.
 """
 from __future__ import annotations
 
@@ -37,6 +39,38 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device, dtype: torc
 def _fp32_grad_norm(module: torch.nn.Module) -> torch.Tensor:
     norms = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
     return torch.stack(norms).norm() if norms else torch.zeros(())
+
+
+def read_window(sums: dict[str, torch.Tensor], counts: dict[str, float], grad_norm, counters: dict[str, int],
+                device: torch.device) -> dict[str, float]:
+    """The log step's one host-device sync: the window's means of the logged 0-dim tensors
+    (averaged over ranks), the gradient norm (a device tensor, a host float or None) and the
+    data source's counters (host integers, summed over ranks) come back in one `.tolist()`;
+    with a process group, means and counters share one all-reduce."""
+    names = sorted(sums)
+    parts = [torch.stack([sums[k] / counts[k] for k in names]).double()] if names else []
+    reduce_counters = dist.is_initialized() and bool(counters)
+    if reduce_counters:  # copied to the device without waiting for it
+        parts.append(torch.tensor(list(counters.values()), dtype=torch.float64).to(device, non_blocking=True))
+    if dist.is_initialized() and parts:
+        reduced = torch.cat(parts)
+        dist.all_reduce(reduced)
+        reduced[:len(names)] /= dist.get_world_size()
+        parts = [reduced]
+    norm_on_device = isinstance(grad_norm, torch.Tensor)
+    if norm_on_device:  # the same on every rank: joins after the all-reduce
+        parts.append(grad_norm.detach().double().reshape(1).to(device, non_blocking=True))
+    read = torch.cat(parts).tolist() if parts else []  # the sync
+    metrics = dict(zip(names, read[:len(names)]))
+    if reduce_counters:
+        metrics.update(zip(counters, map(round, read[len(names):len(names) + len(counters)]), strict=True))
+    else:
+        metrics.update(counters)
+    if norm_on_device:
+        metrics["grad_norm"] = read[-1]
+    elif grad_norm is not None:
+        metrics["grad_norm"] = float(grad_norm)
+    return metrics
 
 
 def run(
@@ -98,28 +132,17 @@ def run(
         state.step += 1
         steps_since_log += 1
         fault_injection.at("after_step", state.step)
+        fault_injection.slow_down(state.step)
         if log_now:
-            names = sorted(sums)
-            stacked = torch.stack([sums[k] / counts[k] for k in names])
-            if dist.is_initialized():
-                dist.all_reduce(stacked)
-                stacked /= dist.get_world_size()
-            metrics = dict(zip(names, stacked.tolist()))
             norm = grad_norm if manual_norm else engine.get_global_grad_norm()
-            if norm is not None:
-                metrics["grad_norm"] = float(norm)
-            elapsed = time.perf_counter() - t_last  # after .tolist(): the device work is done
+            counters = data.counters() if hasattr(data, "counters") else {}  # host integers, this rank's
+            metrics = read_window(sums, counts, norm, counters, device)
+            elapsed = time.perf_counter() - t_last  # after the read: the device work is done
             metrics["lr"] = lr
             metrics["skipped_steps"] = engine.skipped_steps  # non-finite / overflow steps not applied, whole run
             metrics["step_time"] = elapsed / steps_since_log
             metrics["images_per_s"] = state.global_batch * steps_since_log / elapsed
-            if hasattr(data, "counters"):  # samples the data source skipped, summed over ranks
-                counters = data.counters()
-                totals = torch.tensor(list(counters.values()), dtype=torch.float64, device=device)
-                if dist.is_initialized():
-                    dist.all_reduce(totals)
-                metrics.update(zip(counters, map(int, totals.tolist()), strict=True))
-            if engine.fp16_enabled():
+            if engine.fp16_enabled():  # a host float in DeepSpeed's loss scaler
                 scale = getattr(engine.optimizer, "cur_scale", None) or getattr(engine.optimizer, "loss_scale", 0.0)
                 metrics["loss_scale"] = float(scale)
             on_log(state.step, metrics)

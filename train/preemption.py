@@ -23,6 +23,8 @@ import subprocess
 import torch
 import torch.distributed as dist
 
+from train import early_signals
+
 log = logging.getLogger("preemption")
 CODES = {signal.SIGTERM: 1, signal.SIGUSR1: 2}  # MAX over ranks: a requeue request wins
 
@@ -39,6 +41,8 @@ class StopSignal:
         # after a failed rank, a plain kill) it keeps its default: stop at once.
         for sig in (signal.SIGUSR1, signal.SIGTERM) if "SLURM_JOB_ID" in os.environ else (signal.SIGUSR1,):
             signal.signal(sig, self._handle)
+        for signum in early_signals.take():  # received during start-up (train/early_signals.py)
+            self._handle(signum, None)
 
     def _handle(self, signum, frame) -> None:
         self.received = max(self.received, CODES[signum])

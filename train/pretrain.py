@@ -11,6 +11,11 @@ final checkpoint, export.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the heavy imports below: a stop signal from now on waits for the loop
+    from train import early_signals
+
+    early_signals.catch_stop_signals()
+
 import json
 import logging
 import random
@@ -26,10 +31,12 @@ from data.shards import ShardSet
 from data.source import build_source, check_source, fixed_images, nominal_epoch_size, train_shards
 from data.split import LabeledSplit
 from kernels.accelerators import describe as describe_accelerators
+from launchers import code_version
 from kernels.attention import describe_paths
 from model.interop import load_into_objective
 from model.objectives import build_objective
 from model.registry import create_model
+from model.timm_backbone import TimmBackbone
 from train import checkpoint, distributed
 from train.config import (
     ConfigError,
@@ -154,6 +161,9 @@ def check_resume_compatible(meta: dict, cfg: PretrainConfig, plan: BatchPlan) ->
 
 
 def main(argv: list[str] | None = None) -> Path:
+    from train.early_signals import catch_stop_signals
+
+    catch_stop_signals()  # SIGUSR1 / SIGTERM during start-up: acted on at the loop's first stop check
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(__doc__ + "\n" + help_text())
@@ -167,7 +177,7 @@ def main(argv: list[str] | None = None) -> Path:
     ds_config, plan = resolve(cfg, distributed.world_size_from_env())
     check_objective_fits(cfg, plan.micro, plan.accum, ds_config.get("zero_optimization", {}).get("stage", 0))
     try:
-        check_source(cfg.data, plan.world)
+        check_source(cfg.data, plan.world, cfg.model.in_chans)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     per_epoch, total_steps, warmup_steps = schedule_steps(cfg, plan)
@@ -198,17 +208,20 @@ def main(argv: list[str] | None = None) -> Path:
     np.random.seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
     encoder = objective.encoder
-    attn = getattr(getattr(encoder, "blocks", [None])[0], "attn", None)  # our ViT; timm backbones bring their own
-    backend = attn.backend if attn is not None else f"timm ({cfg.model.name})"
-    attention_paths = describe_paths(backend, device, dtype, encoder.num_patches + 1,
-                                     encoder.embed_dim // attn.num_heads) if attn is not None else {"dense": backend}
+    if isinstance(encoder, TimmBackbone):  # timm's own attention modules (a timm ViT's blocks have no .backend)
+        backend, attention_paths = encoder.attn_backend, {"dense": encoder.describe_attention()}
+    else:
+        attn = encoder.blocks[0].attn
+        backend = attn.backend
+        attention_paths = describe_paths(backend, device, dtype, encoder.num_patches + 1,
+                                         encoder.embed_dim // attn.num_heads)
     if rank == 0:
         write_run_files(run_dir, to_dict(cfg), ds_config, {
             "world_size": world, "device": str(device), "precision": str(dtype).removeprefix("torch."),
             "batch": asdict(plan) | {"global": plan.global_batch}, "peak_lr": peak_lr,
             "steps_per_epoch": per_epoch, "total_steps": total_steps, "accelerators": describe_accelerators(),
             "attention_backend": backend, "attention_paths": attention_paths,
-            "param_split": split,
+            "param_split": split, "code": code_version.describe(),  # which code ran (a submit.py snapshot?)
         })
         log.info("world %d on %s, %s, global batch %d = %d x %d x %d, peak lr %.3g, %d steps (%d/epoch)",
                  world, device, dtype, plan.global_batch, plan.micro, plan.accum, world, peak_lr, total_steps, per_epoch)
@@ -311,4 +324,7 @@ def cli(main_fn) -> None:
 
 
 if __name__ == "__main__":
-    cli(main)
+    try:
+        cli(main)
+    finally:  # ending with its own status: a SIGTERM during Python's shutdown (srun --kill-on-bad-exit
+        early_signals.ignore_stop_signals()  # after another rank failed) must not turn exit 2 into 143

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from model.vit import VisionTransformer
 
 PAD = 2  # pixels between tiles
 MIN_TILE = 96  # small images are enlarged (nearest) to at least this many pixels
@@ -71,7 +72,7 @@ def write_figures(objective, images: torch.Tensor, noise: torch.Tensor, out_dir:
     if hasattr(objective, "visualizations"):
         for name, rows in objective.visualizations(images, noise).items():
             figures[name] = [to_uint8(r) for r in rows]
-    if hasattr(objective.encoder, "blocks"):  # our ViT (timm backbones: no cls attention map)
+    if isinstance(objective.encoder, VisionTransformer):  # our ViT (a timm ViT has blocks too, but not our cls API)
         pictures = to_uint8(images)
         figures["cls_attention"] = [pictures, heat_overlay(pictures, cls_attention(objective.encoder, images))]
     paths = []

@@ -13,7 +13,8 @@ the loss are fp32. Under fp16 the inner gradient is taken of E * `fp16_inner_sca
 back, so small input gradients do not flush to zero (DeepSpeed's loss scale only covers the
 outer backward). Attention must be twice differentiable: SDPA's flash and memory-efficient
 kernels and flash-attn are not, so the ViT is built with the dispatch's `math` backend
-(`encoder_overrides`); timm backbones use their own (non-fused) attention paths.
+(`encoder_overrides`), and timm backbones with it turn their fused attention off
+(model/timm_backbone.py); `check_twice_differentiable` refuses any other encoder.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from torch import nn
 
 from data import corruptions as C
 from kernels.attention import TWICE_DIFFERENTIABLE
+from model.timm_backbone import TimmBackbone
 
 CORRUPTIONS = ("grid", "blank_small", "blank_large", "sr", "denoise", "colorize")
 
@@ -75,7 +77,7 @@ class EnergyConfig:
         return self.mixture_parts() if self.corruption == "mixture" else [self.corruption]
 
     def encoder_overrides(self) -> dict:
-        """The ViT's attention must support double backward (timm backbones ignore this)."""
+        """Attention must support double backward: the ViT's dispatch backend, timm's explicit path."""
         return {"attn_backend": TWICE_DIFFERENTIABLE}
 
     def check_fits(self, img_size: int, patch_size: int, depth: int, micro_batch: int) -> None:
@@ -108,6 +110,24 @@ class EnergyConfig:
         return {name: fns[name] for name in self.used()}
 
 
+def check_twice_differentiable(encoder: nn.Module) -> None:
+    """Refuse an encoder whose attention has no double backward: our ViT on another backend than
+    the twice-differentiable one, or a timm backbone with a module still on fused SDPA (the error
+    would otherwise come from autograd in the first step, far from its cause)."""
+    fix = f"build it with attn_backend {TWICE_DIFFERENTIABLE!r} (create_model(..., attn_backend=...); pretrain.py does)"
+    if isinstance(encoder, TimmBackbone):
+        fused = [name for name, on in encoder.attention_modules().items() if on]
+        if fused:
+            raise ValueError(f"energy pretraining needs double backward through attention, but timm {encoder.name}'s "
+                             f"modules {fused[:3]}{' ...' if len(fused) > 3 else ''} use fused SDPA, which has none; "
+                             f"{fix}, which turns timm's fused attention off")
+        return
+    backends = {block.attn.backend for block in getattr(encoder, "blocks", [])}
+    if backends - {TWICE_DIFFERENTIABLE}:
+        raise ValueError(f"energy pretraining needs double backward through attention; {fix}, not "
+                         f"{sorted(backends)}")
+
+
 class EnergyObjective(nn.Module):
     double_backward = True  # the loss differentiates through input gradients (memory estimates: train/costs.py)
 
@@ -116,10 +136,7 @@ class EnergyObjective(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.encoder = encoder
-        backend = getattr(getattr(getattr(encoder, "blocks", [None])[0], "attn", None), "backend", TWICE_DIFFERENTIABLE)
-        if backend != TWICE_DIFFERENTIABLE:
-            raise ValueError(f"energy pretraining needs double backward through attention; build the ViT with "
-                             f"attn_backend {TWICE_DIFFERENTIABLE!r} (pretrain.py does), not {backend!r}")
+        check_twice_differentiable(encoder)
         self.head = nn.Linear(encoder.embed_dim, 1, bias=False)  # energy head h
         nn.init.xavier_uniform_(self.head.weight)
         # shape (1,), not 0-dim: DeepSpeed's initial broadcast views parameters as bytes

@@ -149,13 +149,27 @@ class Auxiliary:
         self.head = nn.Linear(dim, num_classes)  # the paper's single linear layer
         nn.init.trunc_normal_(self.head.weight, std=0.01)
         nn.init.zeros_(self.head.bias)
+        self.weight_decay, self.mask_eps = weight_decay, mask_eps
         self.mask_opt = _adamw(self.mask_net, weight_decay, mask_eps)
         self.head_opt = _adamw(self.head, weight_decay)
 
     def follow(self, device: torch.device) -> None:
-        if self.head.weight.device != device:  # Module.to keeps the Parameter objects (optimizers stay valid)
-            self.mask_net.to(device)
-            self.head.to(device)
+        """Put C and T and their AdamW moments on `device` (the first forward there; a no-op after).
+        Module.to moves only the parameters, and a resumed optimizer's moments were loaded onto the
+        parameters' device at the time (CPU: the engine never sees these modules), so the
+        optimizers are rebuilt from their own state_dict: it names parameters by position, and
+        Optimizer.load_state_dict casts each moment to its parameter's device (`step` stays a CPU
+        scalar, as AdamW keeps it). This also holds where Module.to replaces the Parameter objects
+        (e.g. the meta device) instead of keeping them (CUDA)."""
+        if self.head.weight.device == device:
+            return
+        mask_state, head_state = self.mask_opt.state_dict(), self.head_opt.state_dict()
+        self.mask_net.to(device)
+        self.head.to(device)
+        self.mask_opt = _adamw(self.mask_net, self.weight_decay, self.mask_eps)
+        self.head_opt = _adamw(self.head, self.weight_decay)
+        self.mask_opt.load_state_dict(mask_state)
+        self.head_opt.load_state_dict(head_state)
 
     @staticmethod
     def step(module: nn.Module, opt: torch.optim.Optimizer, grads: list[torch.Tensor], lr: float) -> None:

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from conftest import CPU_DS, DEBUG_PRESET, run_pretrain
+from fake_gpu import CU126_ARCHS, CU130_ARCHS, fake_gpu
 
 from train.pretrain import cli, main
 from train.run_dir import read_metrics
@@ -86,10 +87,18 @@ def test_too_few_shards_for_ranks_times_workers(tmp_path, capsys, monkeypatch):
 
 
 def test_bf16_asked_of_a_gpu_without_it(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # a V100
-    err = _reject(tmp_path, capsys, monkeypatch, ds=_ds(tmp_path, bf16={"enabled": True}))
+    with fake_gpu("v100", CU126_ARCHS):  # torch.cuda.is_bf16_supported() says True here: it counts emulation
+        err = _reject(tmp_path, capsys, monkeypatch, ds=_ds(tmp_path, bf16={"enabled": True}))
     assert "bf16, which this GPU lacks (V100 has none); use an fp16 config" in err
+
+
+def test_gpu_the_torch_build_has_no_kernels_for(tmp_path, capsys, monkeypatch):
+    """A V100 with the CUDA 13 wheels PyPI serves (sm_75 ... sm_120): refused whatever the precision."""
+    with fake_gpu("v100", CU130_ARCHS):
+        err = _reject(tmp_path, capsys, monkeypatch)
+    assert "has no kernels for this GPU, Tesla V100-SXM2-32GB (compute capability 7.0, sm_70)" in err
+    assert "its arch list is sm_75 sm_80 sm_86 sm_90 sm_100 sm_120" in err
+    assert "make install TORCH_INDEX=https://download.pytorch.org/whl/cu126" in err
 
 
 def _old_run(folder, config_changes: dict, checkpoint: bool):

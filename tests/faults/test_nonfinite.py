@@ -39,6 +39,7 @@ def test_zero0_fp32_optimizer_skips_and_flags_a_step_with_nonfinite_gradients():
 
 def test_fault_spec_parsing():
     assert parse("after_step@5:rank1, nan_loss@3-4") == {"after_step": [(5, 5, 1)], "nan_loss": [(3, 4, None)]}
+    assert parse("slow_step@1-100") == {"slow_step": [(1, 100, None)]}
     with pytest.raises(ValueError, match="cannot read 'explode@3'"):
         parse("explode@3")
 

@@ -120,4 +120,4 @@ def test_dispatch_reports_the_path_each_kind_of_call_takes():
     cpu = describe_paths("sdpa", torch.device("cpu"), torch.float32, 197, 64)
     assert cpu["topk"] == "PyTorch reference composition (not on a GPU)"
     assert cpu["segment"].startswith("torch SDPA with a boolean mask")
-    assert describe_paths("math", torch.device("cpu"), torch.float32, 197, 64)["segment"] == "math reference (backend math)"
+    assert describe_paths("math", torch.device("cpu"), torch.float32, 197, 64)["segment"] == "math reference"

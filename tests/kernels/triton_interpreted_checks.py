@@ -43,27 +43,35 @@ def _close(a, b, atol) -> bool:
     return torch.allclose(a.float(), b.float(), atol=atol, rtol=0)
 
 
+def _assert_topk_matches_reference(interpreted, q, k, v, ks, segments, num_global, grad_atol):
+    out, share = interpreted.topk_attention(q, k, v, ks, num_global, segments)
+    mask = TopKMask(ks, num_global=num_global, segments=segments)
+    ref = topk_attention_reference(q, k, v, mask)
+    assert _close(out, ref, 1e-5)
+    assert share.item() == pytest.approx(mask.same_source_share.item())
+    for a, b in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
+        assert _close(a, b, grad_atol)
+
+
+def _assert_segment_matches_reference(interpreted, q, k, v, segments, grad_atol):
+    out = interpreted.segment_attention(q, k, v, segments)
+    ref = segment_attention_reference(q, k, v, segments)
+    assert _close(out, ref, 1e-5)
+    for a, b in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
+        assert _close(a, b, grad_atol)
+
+
 @pytest.mark.parametrize("per_row", [False, True])
 def test_interpreted_topk_matches_reference(interpreted, per_row):
     (q, k, v), segments = _inputs()
     B, _, T, _ = q.shape
     ks = torch.randint(1, T + 1, (B, T), generator=torch.Generator().manual_seed(2)) if per_row else torch.full((B, T), 5)
-    out, share = interpreted.topk_attention(q, k, v, ks, 1, segments)
-    mask = TopKMask(ks, num_global=1, segments=segments)
-    ref = topk_attention_reference(q, k, v, mask)
-    assert _close(out, ref, 1e-5)
-    assert share.item() == pytest.approx(mask.same_source_share.item())
-    for a, b in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
-        assert _close(a, b, 1e-5)
+    _assert_topk_matches_reference(interpreted, q, k, v, ks, segments, num_global=1, grad_atol=1e-5)
 
 
 def test_interpreted_segment_attention_matches_reference(interpreted):
     (q, k, v), segments = _inputs(T=37, d=16)  # more than one query block, padded key row
-    out = interpreted.segment_attention(q, k, v, segments)
-    ref = segment_attention_reference(q, k, v, segments)
-    assert _close(out, ref, 1e-5)
-    for a, b in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
-        assert _close(a, b, 1e-5)
+    _assert_segment_matches_reference(interpreted, q, k, v, segments, grad_atol=1e-5)
 
 
 def test_interpreted_topk_ties_keep_the_whole_tie_deterministically(interpreted):
@@ -91,8 +99,26 @@ def test_interpreted_kernel_refuses_double_backward(interpreted):
     assert torch.isfinite(gq).all()
 
 
-def test_supports_names_the_limit(interpreted):
-    supports = interpreted.supports
-    assert supports(torch.empty(1, 1, 197, 64)) is None
-    assert "1024" in supports(torch.empty(1, 1, 1025, 64))
-    assert "head dim" in supports(torch.empty(1, 1, 197, 512))
+@pytest.mark.parametrize("T, d, slice_bytes", [(70, 8, None), (45, 40, 16 * 64 * 4)])
+def test_interpreted_streams_key_blocks_and_head_dim_chunks(interpreted, monkeypatch, T, d, slice_bytes):
+    # T = 70: 5 threshold blocks of 16 rows, 3 query and 3 key blocks of 32 in the other kernels.
+    # d = 40 with a 4 KiB threshold slice: the logits are summed over head-dim chunks of 16 (the
+    # way shapes up to 1024 tokens fit shared memory), padded from 40 to 64.
+    if slice_bytes is not None:
+        monkeypatch.setattr(interpreted, "THRESHOLD_SLICE_BYTES", slice_bytes)
+    cfg = interpreted.plan(T, d, torch.float32)
+    assert cfg.forward[1] < T and cfg.dkdv[1] < T and cfg.dq[1] < T
+    assert (cfg.d_chunk < cfg.block_d) == (slice_bytes is not None)
+    (q, k, v), segments = _inputs(B=1, H=2, T=T, d=d, seed=5)
+    ks = torch.randint(1, T + 1, (1, T), generator=torch.Generator().manual_seed(6))
+    _assert_topk_matches_reference(interpreted, q, k, v, ks, segments, num_global=2, grad_atol=1e-4)
+    _assert_segment_matches_reference(interpreted, q, k, v, segments, grad_atol=1e-4)
+
+
+def test_interpreted_gradients_are_deterministic(interpreted):
+    # The FlashAttention-2 split writes every gradient element from one program: no atomics.
+    (q, k, v), segments = _inputs(T=37, d=16, seed=7)
+    runs = [_grads(interpreted.topk_attention(q, k, v, torch.full((2, 37), 9), 1, segments)[0], (q, k, v))
+            for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

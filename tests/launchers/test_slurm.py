@@ -116,8 +116,9 @@ def test_submit_checks_snapshots_and_calls_sbatch(tmp_path, monkeypatch, capsys)
     record = json.loads((launch / "submit.json").read_text())
     assert record["job"] == "4242" and record["world_size"] == 16 and len(record["commit"]) == 40
     assert (launch / "code" / "train" / "pretrain.py").read_text() == (REPO / "train" / "pretrain.py").read_text()
-    sbatch = (tmp_path / "sbatch.log").read_text().split()
-    assert sbatch[:6] == ["--nodes", "2", "--ntasks-per-node", "8", "--gpus-per-node", "8"]
-    assert "--partition" in sbatch and str(launch / "code" / "launchers" / "pretrain.sbatch") in sbatch
+    test_only, sbatch = [line.split() for line in (tmp_path / "sbatch.log").read_text().splitlines()]
+    assert test_only[0] == "--test-only"  # Slurm's verdict first, then the submission
+    assert sbatch[:8] == ["--nodes", "2", "--ntasks-per-node", "8", "--cpus-per-task", "5", "--gpus-per-node", "8"]
+    assert "--partition" in sbatch and str(launch / "pretrain.sbatch") in sbatch
     ds_copy = sbatch[sbatch.index("--ds_config") + 1]
     assert ds_copy.startswith(str(launch)) and json.loads(open(ds_copy).read())["train_batch_size"] == 4096

@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
+from fake_gpu import CU126_ARCHS, fake_gpu
 
 from train.config import ConfigError, PretrainConfig
 from train.ds_config import resolve, resolve_batch
@@ -46,6 +47,19 @@ def test_v100_configs_have_no_bf16_and_reject_a100_config_on_v100():
         resolve(PretrainConfig(ds_config=str(a100)), world=8, cuda=True, bf16_ok=False)
 
 
+@pytest.mark.parametrize("gpu,allowed", [("v100", False), ("a100", True), ("h100", True)])
+def test_bf16_follows_the_gpu_capability_not_emulation(tmp_path, gpu, allowed):
+    """torch.cuda.is_bf16_supported() says True on a V100 (it counts emulation); bf16 needs sm80+."""
+    cfg = _cfg(tmp_path, {**BASE, "bf16": {"enabled": True}})
+    with fake_gpu(gpu, CU126_ARCHS):  # a torch build with kernels for all three
+        if allowed:
+            assert resolve(cfg, world=1)[0]["bf16"]["enabled"]
+        else:
+            with pytest.raises(ConfigError, match=r"bf16, which this GPU lacks .* \(this GPU: Tesla V100-SXM2-32GB, "
+                                                  r"compute capability 7.0\)"):
+                resolve(cfg, world=1)
+
+
 def test_batch_derivation_and_contradiction():
     assert resolve_batch({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, 2).accum == 8
     assert resolve_batch({"train_batch_size": 64, "gradient_accumulation_steps": 4}, 2).micro == 8
@@ -64,7 +78,7 @@ def test_batch_derivation_and_contradiction():
     ({**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, {}, True, "both fp16 and bf16"),
     ({**BASE, "fp16": {"enabled": True}}, {}, False, "needs CUDA"),
     ({**BASE, "zero_optimization": {"stage": 4}}, {}, False, "stage must be 0-3"),
-    (BASE, {"attn_backend": "flash_attn"}, True, "fp16/bf16"),
+    (BASE, {"attn_backend": "flash_attn"}, True, "runs only in fp16/bf16.*use attn_backend sdpa"),
 ])
 def test_contradictions_rejected(tmp_path, ds, model, cuda, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,6 +1,7 @@
 """Energy-based pretraining through train/pretrain.py: the ViT (resume, figures, export), a timm
 ConvNeXt exported under timm's names, and every single-corruption preset."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -51,6 +52,32 @@ def test_vit_and_convnext_train_resume_and_export(tmp_path):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(ours.pooled_features(x), reference(x))
+
+
+def test_timm_vit_backbone_trains_resumes_and_exports(tmp_path):
+    """A timm ViT (attention modules, which ConvNeXt lacks) from the command line: its fused SDPA
+    (no double backward) is turned off, the run says so, checkpoints, resumes exactly and exports."""
+    vit = [*COMMON, "--model.name", "timm/vit_tiny_patch16_224", "--model.img_size", "32", "--energy.grid_cell", "8"]
+    run, resumed = tmp_path / "run", tmp_path / "resumed"
+    run_pretrain_calls([
+        [*vit, "--output_dir", str(run), "--run.max_steps", "3", "--run.ckpt_every", "2"],
+        [*vit, "--output_dir", str(resumed), "--run.max_steps", "3", "--run.export", "false",
+         "--resume", str(run / "checkpoints" / "step00000002")],
+    ])
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 and r["grad_norm"] > 0 for r in rows)
+    assert rows[-1]["alpha"] != 1.0  # alpha learns through the double backward
+    assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == ["step00000002", "step00000003"]
+    again = read_metrics(resumed)
+    assert [r["step"] for r in again] == [3] and again[0]["loss"] == pytest.approx(rows[-1]["loss"], rel=1e-5)
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["attention_backend"] == "math"
+    assert meta["attention_paths"]["dense"].startswith("timm vit_tiny_patch16_224: explicit softmax")
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, img_size=32)
+    from safetensors.torch import load_file
+
+    reference.load_state_dict(load_file(str(run / "encoder.safetensors")), strict=True)  # timm's names
 
 
 def test_every_single_corruption_preset_trains(tmp_path):

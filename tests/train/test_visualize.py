@@ -56,3 +56,15 @@ def test_to_uint8_inverts_the_normalisation():
          / torch.tensor(IMAGENET_STD)[None, :, None, None])
     assert to_uint8(x)[0, 0, 0].tolist() == [0, 128, 255]
     assert grid([to_uint8(x)]).size == (PAD + MIN_TILE + PAD, PAD + MIN_TILE + PAD)
+
+
+def test_a_timm_vit_backbone_gets_its_objective_figures_without_the_cls_map(tmp_path):
+    """A timm ViT has `blocks` too, but none of our cls-token API: the cls attention map is ours only."""
+    from model.objectives.energy import EnergyConfig
+
+    cfg = EnergyConfig(grid_cell=8)
+    backbone = create_model("timm/vit_tiny_patch16_224", img_size=32, in_chans=3, **cfg.encoder_overrides())
+    paths = write_figures(build_objective("energy", backbone, cfg).eval(), torch.randn(2, 3, 32, 32),
+                          torch.rand(2, 4), tmp_path, step=1)
+    names = sorted(p.name.rsplit("_step", 1)[0] for p in paths)
+    assert names and "cls_attention" not in names

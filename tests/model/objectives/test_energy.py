@@ -110,17 +110,48 @@ def test_the_vit_must_use_a_twice_differentiable_attention():
         EnergyObjective(encoder, EnergyConfig(grid_cell=4, sr_scale=4))
 
 
-@pytest.mark.parametrize("name", ["convnext_atto", "swin_tiny_patch4_window7_224"])
+def test_a_timm_backbone_on_fused_attention_is_refused():
+    """timm builds its attention on fused SDPA, which has no double backward; pretrain.py passes
+    the objective's attn_backend (math), which turns it off in every module, and anything else is
+    refused before the first step."""
+    fused = create_model("timm/vit_tiny_patch16_224", img_size=32, in_chans=3)
+    assert fused.attn_backend == "sdpa" and all(fused.attention_modules().values())
+    with pytest.raises(ValueError, match="use fused SDPA, which has none; build it with attn_backend 'math'"):
+        EnergyObjective(fused, EnergyConfig(grid_cell=8, sr_scale=4))
+    explicit = create_model("timm/vit_tiny_patch16_224", img_size=32, in_chans=3, **EnergyConfig().encoder_overrides())
+    assert explicit.attn_backend == "math" and len(explicit.attention_modules()) == 12
+    assert not any(explicit.attention_modules().values())
+    explicit.load_state_dict(fused.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(explicit.eval()(x), fused.eval()(x), rtol=1e-5, atol=1e-5)  # the same function
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["swin_tiny_patch4_window7_224", "vit_tiny_patch16_224"])
+def test_timm_attention_backbones_double_backward_on_cuda_in_bf16(name):
+    """On CUDA, fused SDPA takes the flash / memory-efficient kernels (Swin's masked windows too),
+    none with a double backward; the backbone as pretrain.py builds it trains there in bf16."""
+    torch.manual_seed(0)
+    backbone = create_model(f"timm/{name}", img_size=32, in_chans=3, **EnergyConfig().encoder_overrides())
+    obj = EnergyObjective(backbone, EnergyConfig(grid_cell=8, sr_scale=4)).cuda().bfloat16()
+    out = obj({"image": torch.randn(4, 3, 32, 32, device="cuda", dtype=torch.bfloat16)})
+    out["loss"].backward()
+    assert torch.isfinite(out["loss"])
+    grads = [p.grad for p in backbone.parameters()]
+    assert sum(1 for g in grads if g is not None and g.float().abs().sum() > 0) > 0.9 * len(grads)
+
+
+@pytest.mark.parametrize("name", ["convnext_atto", "swin_tiny_patch4_window7_224", "vit_tiny_patch16_224"])
 def test_timm_backbones_train_through_the_same_objective(name):
     torch.manual_seed(0)
-    backbone = create_model(f"timm/{name}", img_size=32, in_chans=3)
+    backbone = create_model(f"timm/{name}", img_size=32, in_chans=3, **EnergyConfig().encoder_overrides())
     obj = EnergyObjective(backbone, EnergyConfig(grid_cell=8, sr_scale=4))
     torch.manual_seed(1)
     obj({"image": torch.randn(2, 3, 32, 32)})["loss"].backward()
     grads = [p.grad for p in backbone.parameters()]
     assert sum(1 for g in grads if g is not None and g.abs().sum() > 0) > 0.9 * len(grads)
     # timm's own names: the backbone's weights load into timm's model as they are
-    reference = timm.create_model(name, pretrained=False, num_classes=0, **({"img_size": 32} if "swin" in name else {}))
+    reference = timm.create_model(name, pretrained=False, num_classes=0, **({} if "convnext" in name else {"img_size": 32}))
     reference.load_state_dict(backbone.state_dict(), strict=True)
     x = torch.randn(2, 3, 32, 32)
     backbone.eval(), reference.eval()

@@ -160,6 +160,26 @@ def test_extra_state_round_trip():
     assert b.aux.mask_opt.state_dict()["state"][0]["step"] == a.aux.mask_opt.state_dict()["state"][0]["step"]
 
 
+def test_resumed_optimizers_follow_their_networks_to_the_device():
+    """A resume loads T's and C's AdamW moments while the networks are on CPU; the first forward
+    on the accelerator (meta stands in) must take the moments along and keep each optimizer bound to
+    its network's parameters (meta's .to() replaces the Parameter objects; CUDA's keeps them)."""
+    a = objective(seed=0)
+    a(batch())
+    a.after_optimizer_step(lr=1e-2)
+    b = objective(seed=1)
+    b.set_extra_state(a.get_extra_state())
+    b.aux.follow(torch.device("meta"))
+    for net, opt in ((b.aux.mask_net, b.aux.mask_opt), (b.aux.head, b.aux.head_opt)):
+        params = [p for group in opt.param_groups for p in group["params"]]
+        assert {id(p) for p in params} == {id(p) for p in net.parameters()}
+        for p in params:
+            state = opt.state[p]
+            assert state["exp_avg"].device.type == state["exp_avg_sq"].device.type == p.device.type == "meta"
+            assert state["step"] == 1  # the moments are the resumed ones, not fresh
+    assert b.aux.mask_opt.param_groups[0]["eps"] == a.aux.mask_opt.param_groups[0]["eps"] == 1e-16
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="ZeRO-3"):
         MLOMAEConfig().check_engine(3, 1)

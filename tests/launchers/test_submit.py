@@ -1,0 +1,125 @@
+"""launchers/submit.py against a faked sbatch: the resources it asks for, what it leaves behind,
+and what it refuses before anything is written (what a real cluster showed: issue 27)."""
+import json
+import os
+import re
+
+import pytest
+from conftest import CPU_DS, DEBUG_PRESET, REPO
+
+from launchers.submit import main
+
+
+def fake_sbatch(tmp_path, monkeypatch, fail: str = ""):
+    """An `sbatch` that records each call's arguments (one line per call) and, with `fail`, refuses
+    the submission (not the --test-only check) the way a cluster without GPU GRES does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    refuse = f'case "$*" in *--test-only*) ;; *) echo "sbatch: error: {fail}" >&2; exit 1;; esac\n' if fail else ""
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/sbatch.log\n{refuse}'
+                                    f'echo Submitted batch job 4242\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return tmp_path / "sbatch.log"
+
+
+def calls(log) -> list[list[str]]:
+    return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def cpu_job(run_dir, *extra: str) -> list[str]:
+    return ["--", "--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(run_dir), *extra]
+
+
+def test_cpu_ranks_ask_for_no_gpu_and_make_a_world(tmp_path, monkeypatch, capsys):
+    """--gpus_per_node 0: no --gpus-per-node anywhere (neither argument nor the script's #SBATCH
+    lines), a world of nodes x ranks, no ZeroDivisionError."""
+    log = fake_sbatch(tmp_path, monkeypatch)
+    assert main(["--nodes", "2", "--gpus_per_node", "0", "--ranks_per_node", "2", *cpu_job(tmp_path / "run")]) == 0
+    assert "4 x CPU: global batch 32" in capsys.readouterr().out
+    submit = calls(log)[-1]
+    assert "--gpus-per-node" not in submit and "--gres" not in submit
+    assert submit[:6] == ["--nodes", "2", "--ntasks-per-node", "2", "--cpus-per-task", "5"]  # 4 loader workers + 1
+    launch = next((tmp_path / "run" / "launch").iterdir())
+    script = (launch / "pretrain.sbatch").read_text()
+    assert str(launch / "pretrain.sbatch") in submit and not re.search(r"^#SBATCH\s+--gpus", script, re.M)
+    assert "#SBATCH --requeue" in script  # the template's other lines stay
+    assert json.loads((launch / "submit.json").read_text())["world_size"] == 4
+
+    # asked not to request GPUs (a partition that hands them out with the node): still checked for the GPU
+    assert main(["--nodes", "1", "--gpu", "a100", "--no_gpus_per_node", *cpu_job(tmp_path / "run2")]) == 0
+    assert "--gpus-per-node" not in calls(log)[-1]
+    assert main(["--nodes", "1", "--gpus_per_node", "0", *cpu_job(tmp_path / "run3")]) == 0  # one rank per node
+    assert calls(log)[-1][:4] == ["--nodes", "1", "--ntasks-per-node", "1"]
+
+
+def test_a_refused_submission_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
+    log = fake_sbatch(tmp_path, monkeypatch, fail="Invalid generic resource (gres) specification")
+    rc = main(["--nodes", "1", "--gpus_per_node", "8", "--gpu", "a100", "--",
+               "--ds_config", str(REPO / "ds_configs" / "vit_b_8xa100_bf16_zero1.json"), "--model.name",
+               "vit_base_patch16", "--data.source", "synthetic", "--output_dir", str(tmp_path / "run")])
+    assert rc != 0 and "Invalid generic resource" in capsys.readouterr().err
+    assert not any((tmp_path / "run").rglob("*.py"))  # no code snapshot without its submit.json and job
+    assert len(calls(log)) == 2  # checked, then refused
+
+
+def test_every_cluster_option_reaches_sbatch_and_dry_prints_the_command(tmp_path, monkeypatch, capsys):
+    log = fake_sbatch(tmp_path, monkeypatch)
+    opts = ["--nodes", "2", "--gpus_per_node", "0", "--ranks_per_node", "3", "--cpus_per_task", "2",
+            "--constraint", "avx512", "--time", "0:30:00", "--partition", "short", "--account", "proj",
+            "--qos", "high", "--exclusive", "--sbatch=--mail-type=END", "--sbatch=--reservation=r1"]
+    assert main([*opts, "--dry", *cpu_job(tmp_path / "run", "--data.epoch_size", "96")]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert not (tmp_path / "run").exists() and not log.exists()  # --dry: nothing written, nothing submitted
+    assert printed[0] == "sbatch"
+    for flag, value in (("--ntasks-per-node", "3"), ("--cpus-per-task", "2"), ("--constraint", "avx512"),
+                        ("--time", "0:30:00"), ("--partition", "short"), ("--account", "proj"), ("--qos", "high")):
+        assert printed[printed.index(flag) + 1] == value, flag
+    assert {"--exclusive", "--mail-type=END", "--reservation=r1"} <= set(printed)
+    assert "--gpus-per-node" not in printed
+
+    assert main([*opts, *cpu_job(tmp_path / "run", "--data.epoch_size", "96")]) == 0
+    assert calls(log)[-1][:len(printed) - 1] == printed[1:]  # what --dry printed is what ran
+    assert main(["--nodes", "1", "--gpus_per_node", "4", "--gpu", "a100", "--gres", "gpu:a100:4",
+                 *cpu_job(tmp_path / "run4")]) == 0  # GPUs as GRES: no --gpus-per-node besides
+    gres = calls(log)[-1]
+    assert gres[gres.index("--gres") + 1] == "gpu:a100:4" and "--gpus-per-node" not in gres
+    assert gres[gres.index("--ntasks-per-node") + 1] == "4"
+    assert main(["--nodes", "1", "--gpus_per_node", "4", *cpu_job(tmp_path / "run5")]) == 2  # which GPU?
+    assert "--gpu" in capsys.readouterr().err
+
+
+@pytest.fixture
+def rgb_shards(tmp_path, image_folder):
+    from data.write_shards import main as write_shards
+
+    [index] = write_shards(["imagefolder", str(image_folder), str(tmp_path / "shards"), "--samples_per_shard", "4"])
+    return tmp_path / "shards" / f"{index['name']}.json"
+
+
+def test_shards_that_do_not_fit_the_model_are_refused_before_any_process_starts(tmp_path, rgb_shards,
+                                                                                 monkeypatch, capsys):
+    """The debug preset's 1-channel model on RGB shards: refused by the dry run, by submit.py and
+    by train/pretrain.py before the process group starts (it used to die after it)."""
+    from train import distributed
+    from train.config import ConfigError, parse_args
+    from train.dry_run import check
+    from train.gpus import gpu_named
+    from train.pretrain import main as pretrain
+
+    args = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--data.source", "shards",
+            "--data.train_index", str(rgb_shards), "--data.num_workers", "0", "--output_dir", str(tmp_path / "run")]
+    run = check(parse_args(args), 2, gpu_named("a100"))
+    assert any("model.in_chans is 1" in p for p in run.problems), run.problems
+
+    log = fake_sbatch(tmp_path, monkeypatch)
+    assert main(["--nodes", "1", "--gpus_per_node", "0", "--", *args]) == 2
+    assert "model.in_chans is 1" in capsys.readouterr().err and not log.exists()
+
+    def started(*a, **k):
+        raise AssertionError("the process group started")
+
+    monkeypatch.setattr(distributed, "init", started)
+    with pytest.raises(ConfigError, match="model.in_chans is 1"):
+        pretrain(args)
+    assert main(["--nodes", "1", "--gpus_per_node", "0", "--", *args, "--model.in_chans", "3"]) == 0
