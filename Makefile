@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 #   rm -rf .venv && make install TORCH_INDEX=https://download.pytorch.org/whl/cu126
 TORCH_INDEX ?=
 
-.PHONY: install test demo study clean kernel-sweep slurm gpu-wheels
+.PHONY: install test demo study clean kernel-sweep slurm gpu-wheels gpu-smoke
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,11 @@ gpu-wheels: $(STAMP)
 	$(PY) -m pip download -q --no-deps --no-binary=:all: -d .whl/src "deepspeed==$$($(PY) -c 'from importlib.metadata import version; print(version("deepspeed"))')"
 	DS_BUILD_OPS=0 $(PY) -m pip wheel -q --no-deps --no-build-isolation -w .whl .whl/src/deepspeed-*.tar.gz
 	rm -rf .whl/src && ls .whl
+
+# Every phase of the GPU validation kit (tools/gpu_check.py) in its CPU smoke mode: debug model, a step
+# or two, CUDA-only parts skipped with the reason; JSONs + log in runs/gpu_smoke (the suite runs the same).
+gpu-smoke: $(STAMP)
+	$(PY) tools/gpu_check.py tests bench methods loader study --smoke --out runs/gpu_smoke
 
 $(FASHION_MNIST):
 	@if [ "$$(id -u)" = 0 ]; then \

@@ -31,8 +31,8 @@ from data.shards import ShardSet
 from data.source import build_source, check_source, fixed_images, nominal_epoch_size, train_shards
 from data.split import LabeledSplit
 from kernels.accelerators import describe as describe_accelerators
-from launchers import code_version
 from kernels.attention import describe_paths
+from launchers import code_version
 from model.interop import load_into_objective
 from model.objectives import build_objective
 from model.registry import create_model

@@ -1,0 +1,136 @@
+"""tools/gpu_check.py: every phase's CPU smoke mode in one call (the start-up is paid once), and the
+JSON each phase writes; the plain-PyTorch MAE baseline is the same model as ours."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+
+sys.path.insert(0, str(REPO))  # tools/ is run as scripts, not installed
+
+PHASES = ("tests", "bench", "methods", "loader", "study")
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "GPU_CHECK_COMMIT": ""}
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, "tools/gpu_check.py", *PHASES, "--smoke", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    jsons = {json.loads((out / f).read_text())["phase"]: json.loads((out / f).read_text())
+             for f in files if f.endswith(".json")}
+    return {"files": files, **jsons}
+
+
+def test_one_json_per_phase_and_one_log_at_most_eight_files(records):
+    files = records["files"]
+    assert len(files) == len(PHASES) + 1 <= 8  # what comes back from the device: 8 files at most
+    assert sum(f.endswith(".log") for f in files) == 1
+    for phase in PHASES:
+        r = records[phase]
+        assert r["mode"] == "smoke" and r["commit"] and r["versions"]["torch"] == torch.__version__
+        assert "cores" in r["device"] and r["seconds"] > 0 and r["items"] and "phase_error" not in r
+        assert not [k for k, v in r["items"].items() if "error" in v], r["items"]
+
+
+def test_tests_phase_runs_the_engine_and_resume_checks_and_skips_gpu_parts_with_reasons(records):
+    items, summary = records["tests"]["items"], records["tests"]["summary"]
+    for name in ("engine_fp16_zero2", "engine_bf16_zero1", "engine_bf16_zero2"):
+        assert "CUDA" in items[name]["skipped"]
+    engine = items["engine_fp32_cpu"]
+    assert engine["steps"] == 6 and engine["finite"] and engine["ok"] == (engine["decreasing"] and engine["finite"])
+    resume = items["resume_equality"]
+    assert resume["compared_steps"] == 2 and resume["max_rel_loss_diff"] < 1e-6 and resume["ok"]
+    pytest_gpu = items["pytest_gpu"]
+    assert pytest_gpu["skipped"] > 0 and pytest_gpu["passed"] == pytest_gpu["failed"] == pytest_gpu["errors"] == 0
+    assert pytest_gpu["skip_reasons"] == {"needs a CUDA GPU": pytest_gpu["skipped"]}
+    assert summary["resume_equality"]["ok"] and summary["pytest_gpu"]["skipped"] == pytest_gpu["skipped"]
+
+
+def test_bench_phase_alternates_ours_and_the_baseline_and_reports_their_ratio(records):
+    items, row = records["bench"]["items"], records["bench"]["summary"]["debug"]
+    order = list(items)
+    assert order[:4] == ["debug_ours_r0", "debug_baseline_r0", "debug_ours_r1", "debug_baseline_r1"]
+    for name in order[:4]:
+        r = items[name]
+        assert r["images_per_s"] > 0 and r["micro_batch"] == 8
+        assert r["images_per_s"] == pytest.approx(8 / r["step_time_s"], rel=1e-6)
+    assert row["ours_images_per_s"] == pytest.approx((items["debug_ours_r0"]["images_per_s"]
+                                                      + items["debug_ours_r1"]["images_per_s"]) / 2)
+    assert row["ours_over_baseline"] == pytest.approx(row["ours_images_per_s"] / row["baseline_images_per_s"])
+    assert items["debug_ours_activation_checkpointing"]["images_per_s"] > 0
+    assert row["activation_checkpointing_over_eager"] == pytest.approx(
+        items["debug_ours_activation_checkpointing"]["images_per_s"] / row["ours_images_per_s"])
+    assert "CUDA" in items["debug_largest_micro"]["skipped"] and "GPU" in items["debug_ours_compile"]["skipped"]
+    assert items["debug_baseline_r0"]["dtype"] == "float32" and row["tflops_per_gpu"] > 0
+
+
+def test_methods_phase_reports_every_step_ratio_from_its_own_timings(records):
+    r = records["methods"]
+    steps, ratios = r["summary"]["step_time_s"], r["summary"]["step_ratios"]
+    assert set(steps) == {"mae", "mixedae", "mixedae_torch_topk", "maeplus", "adpe", "mlomae", "energy"}
+    assert {r["items"][f"{m}_r0"]["objective"] for m in steps} == {"mae", "mixedae", "maeplus", "mlomae", "energy"}
+    for name, value in ratios.items():
+        method, ref = name.split("_over_")
+        assert value == pytest.approx(steps[method] / steps[ref])
+    assert {"mixedae_over_mae", "adpe_over_maeplus", "mlomae_over_mae", "energy_over_mae",
+            "mixedae_torch_topk_over_mixedae"} <= set(ratios)
+    kernels = r["summary"]["kernels_fp32"]["2,2,17,16"]
+    assert kernels["topk_torch_over_dense"] > 0 and "topk_fused_over_dense" not in kernels  # no Triton on CPU
+
+
+def test_loader_phase_makes_jpeg_shards_and_times_every_decode_path(records):
+    items, summary = records["loader"]["items"], records["loader"]["summary"]
+    assert items["make_shards"]["images"] == 16 and items["make_shards"]["shards"] == 4
+    for decode in ("cpu", "cpu_draft", "nvjpeg"):
+        assert summary[f"{decode}_images_per_s"] > 0
+    assert items["decode_cpu_draft"]["decode"] == "cpu_draft" and items["decode_cpu"]["num_workers"] == 2
+    assert items["decode_nvjpeg"]["batch_shape"] == [8, 3, 224, 224] and "smoke" in items["decode_nvjpeg"]["decoder"]
+
+
+def test_study_phase_writes_shards_runs_an_entry_and_summarises_it(records):
+    r = records["study"]
+    assert r["items"]["shards"]["train"] == 160
+    entry = r["summary"]["entries"]["random_init"]
+    assert 0 <= entry["knn_top1"] <= 100 and 0 <= entry["linear_probe_top1"] <= 100
+    assert 0 <= entry["finetune_top1"] <= 100
+    assert r["items"]["random_init"]["budget"]["pretrain_samples"] == r["summary"]["pretrain_samples"] == 128
+
+
+def test_without_cuda_a_gpu_phase_refuses_to_start(monkeypatch, tmp_path, capsys):
+    from tools.gpu_check import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--smoke" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_the_baseline_is_the_same_model_as_ours_and_learns():
+    from model.objectives import build_objective
+    from model.objectives.mae import MAEConfig
+    from model.registry import create_model
+    from tools.mae_baseline import BaselineMAE, optimizer
+
+    ours = build_objective("mae", create_model("vit_debug_patch4", in_chans=1),
+                           MAEConfig(decoder_dim=32, decoder_depth=1, decoder_heads=2))
+    torch.manual_seed(0)
+    base = BaselineMAE(28, 4, 1, 32, 2, 2, 32, 1, 2)
+    assert sum(p.numel() for p in base.parameters()) == sum(p.numel() for p in ours.parameters() if p.requires_grad)
+    images = torch.randn(4, 1, 28, 28)
+    opt = optimizer(base, lr=1e-2)
+    losses = []
+    for _ in range(15):
+        torch.manual_seed(1)  # the same masking every step: the loss on one batch must fall
+        loss = base(images)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0]

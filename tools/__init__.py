@@ -1,0 +1,1 @@
+"""The GPU validation kit (tools/gpu_check.py) and its helpers."""

@@ -1,0 +1,197 @@
+"""GPU validation kit (issue 20): one phase of measurements per call, run from the repo root on a
+lent GPU machine, one compact JSON (+ one log per call) into $OUT when set, else benchmarks/results/.
+
+    python tools/gpu_check.py PHASE [PHASE ...] [--budget_s 480] [--smoke] [--out DIR]
+
+Phases (tools/gpu_phases.py; each reuses the project's own entry points):
+  tests    engine checks through train/pretrain.py (fp16 dynamic loss scale 50 MAE steps, bf16
+           ZeRO-1/2, checkpoint + resume equality), then `pytest -m gpu`
+  bench    MAE ViT-B/16 and ViT-L/16 at 224, bf16, through train/bench.py, alternating with the
+           plain-PyTorch MAE (tools/mae_baseline.py); images/s, TFLOP/s, MFU, peak memory vs the
+           dry-run estimate, activation checkpointing and compile on, the largest micro-batch
+  methods  step time of every method against MAE at ViT-B/224 through train/bench.py, MixedAE with
+           and without the fused TopK kernel; kernels/bench.py fp16 + bf16
+  loader   decode + RandomResizedCrop 224 images/s with cpu, cpu_draft (train/bench.py
+           --loader_only) and nvjpeg, on JPEG shards made by benchmarks/photo_shards.py
+  study    train/study.py on Fashion-MNIST, 1 seed, one entry at a time (--study_pretrain_samples,
+           default one epoch: 60000)
+
+--smoke: the same phase on the CPU with tiny models and few steps (the test suite runs it); what
+needs CUDA is skipped with the reason in the JSON. Without CUDA and without --smoke: exit 2.
+--budget_s: wall-clock seconds for the whole call; an item whose estimate no longer fits is
+recorded as skipped, and the JSON is rewritten after every item, so a killed call still leaves
+what it measured. Installs nothing: the device command puts the carried wheels on PYTHONPATH
+(README, "GPU validation"). The commit is $GPU_CHECK_COMMIT, else git's, else "unknown".
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import redirect_stderr, redirect_stdout
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+PHASES = ("tests", "bench", "methods", "loader", "study")
+
+
+class Tee(io.TextIOBase):
+    """Writes to the console and the call's log file."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, s: str) -> int:
+        for st in self.streams:
+            st.write(s)
+            st.flush()
+        return len(s)
+
+    def flush(self) -> None:
+        for st in self.streams:
+            st.flush()
+
+
+def commit() -> str:
+    if os.environ.get("GPU_CHECK_COMMIT"):
+        return os.environ["GPU_CHECK_COMMIT"]
+    from train.run_dir import git_commit
+
+    c = git_commit()
+    return c["commit"] + ("+dirty" if c.get("dirty") else "") if c["commit"] != "unknown" else "unknown"
+
+
+class Check:
+    """One phase's record: items measured in order, each under the call's time budget."""
+
+    def __init__(self, phase: str, out_dir: Path, smoke: bool, deadline: float, work: Path, log: Path):
+        from train.bench import cpu_name, versions
+
+        self.phase, self.smoke, self.deadline, self.work, self.log = phase, smoke, deadline, work, log
+        self.cuda = torch.cuda.is_available() and not smoke
+        self.device = torch.device("cuda") if self.cuda else torch.device("cpu")
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+        self.path = out_dir / f"gpu_check_{phase}_{'cuda' if self.cuda else 'cpu_smoke'}_{stamp}.json"
+        self.record: dict = {
+            "phase": phase, "mode": "smoke" if smoke else "gpu",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
+            "device": torch.cuda.get_device_name() if self.cuda else cpu_name(),
+            "versions": versions(), "items": {}, "summary": {},
+        }
+        self.started = time.monotonic()
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def item(self, name: str, estimate_s: float, fn: Callable[[], dict]) -> dict | None:
+        """Run fn unless `estimate_s` (seconds on the GPU; ignored in smoke) no longer fits the budget."""
+        if not self.smoke and self.remaining() < estimate_s:
+            return self.skip(name, f"budget: about {estimate_s:.0f} s needed, {self.remaining():.0f} s left")
+        print(f"[gpu_check] {self.phase}/{name}", flush=True)
+        t0 = time.monotonic()
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - one failing measurement must not lose the others
+            result = {"error": f"{type(e).__name__}: {str(e)[:600]}",
+                      "traceback": traceback.format_exc()[-1500:]}
+            print(result["traceback"], flush=True)
+        free_memory()  # outside the handler, whose traceback would keep a failed run's tensors alive
+        result["seconds"] = round(time.monotonic() - t0, 1)
+        self.record["items"][name] = result
+        self.save()
+        return result
+
+    def skip(self, name: str, reason: str) -> None:
+        print(f"[gpu_check] {self.phase}/{name} skipped: {reason}", flush=True)
+        self.record["items"][name] = {"skipped": reason}
+        self.save()
+        return None
+
+    def save(self) -> None:
+        self.record["seconds"] = round(time.monotonic() - self.started, 1)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.record, indent=1, default=str))
+
+    def run(self, cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+        """A command of the project (cwd: repo root) with its output appended to the log."""
+        drop_process_group_env()
+        with open(self.log, "a") as f:
+            f.write(f"$ {' '.join(cmd)}\n")
+            f.flush()
+            return subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True,
+                                  timeout=max(5.0, timeout), env={**os.environ, **(env or {})})
+
+
+def drop_process_group_env() -> None:
+    """In-process runs (train/bench.py, train/pretrain.py) make this process rank 0 of a world of 1
+    through these variables; a child process inheriting them would try to bind the same port. The
+    next in-process run sets them afresh (train/distributed.py)."""
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+
+
+def free_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("phases", nargs="+", choices=PHASES)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny models, few steps (the test suite's mode)")
+    p.add_argument("--budget_s", type=float, default=480.0, help="seconds for the whole call (default 8 min)")
+    p.add_argument("--out", type=Path, default=None, help="default: $OUT, else benchmarks/results")
+    p.add_argument("--fashion_mnist", type=Path, default=None,
+                   help="study: folder of the Fashion-MNIST idx files (default: runs/fashion-mnist, then "
+                        "/usr/share/datasets/fashion-mnist)")
+    p.add_argument("--study_pretrain_samples", type=int, default=60000,
+                   help="study: pretraining images per method (whole epochs of 60k, or under one)")
+    a = p.parse_args(argv)
+    if not a.smoke and not torch.cuda.is_available():
+        print("error: no CUDA device here; pass --smoke for the CPU smoke mode", file=sys.stderr)
+        raise SystemExit(2)
+    out = a.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "benchmarks" / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + a.budget_s
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    log = out / f"gpu_check_{'+'.join(a.phases)}_{'cpu_smoke' if a.smoke else 'cuda'}_{stamp}.log"
+    from tools import gpu_phases
+
+    paths = []
+    with open(log, "a") as logf, tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        tee = Tee(sys.__stdout__, logf)
+        with redirect_stdout(tee), redirect_stderr(tee):
+            for phase in a.phases:
+                check = Check(phase, out, a.smoke, deadline, Path(tmp) / phase, log)
+                check.work.mkdir(parents=True)
+                check.save()
+                try:
+                    getattr(gpu_phases, phase)(check, a)
+                except Exception:  # noqa: BLE001 - keep what the phase measured, go on to the next phase
+                    check.record["phase_error"] = traceback.format_exc()[-2000:]
+                    print(check.record["phase_error"], flush=True)
+                check.save()
+                print(f"[gpu_check] {phase}: wrote {check.path}", flush=True)
+                print(json.dumps(check.record["summary"], indent=1, default=str), flush=True)
+                paths.append(check.path)
+                free_memory()
+    return paths
+
+
+if __name__ == "__main__":
+    main()
