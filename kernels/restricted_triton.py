@@ -30,6 +30,7 @@ Not twice differentiable: a backward with create_graph=True raises; use the `mat
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -265,10 +266,11 @@ class LaunchPlan:
         return max(threshold, forward, dkdv, dq)
 
 
+@functools.lru_cache(maxsize=None)  # asked by every restricted-attention call (dispatch, launch): no per-call work
 def plan(tokens: int, head_dim: int, dtype: torch.dtype) -> LaunchPlan:
     """The launch plan for (B, H, tokens, head_dim) inputs of `dtype` (tile sizes chosen by the
     compiled registers, spills and shared memory in docs/KERNELS.md)."""
-    element_bytes = torch.empty(0, dtype=dtype).element_size()
+    element_bytes = dtype.itemsize
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_row = max(16, triton.next_power_of_2(tokens))
     # fp32 logit dots run on FMA units, which hold their operand slices in registers: a quarter of

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     world = a.nodes * ranks_per_node
 
     sys.path.insert(0, str(REPO))
-    from launchers.code_version import source_hash
+    from train.code_version import source_hash
     from train.config import ConfigError, parse_args
     from train.dry_run import check
     from train.gpus import gpu_named

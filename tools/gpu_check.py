@@ -3,7 +3,7 @@ lent GPU machine, one compact JSON (+ one log per call) into $OUT when set, else
 
     python tools/gpu_check.py PHASE [PHASE ...] [--budget_s 480] [--smoke] [--out DIR]
 
-Phases (tools/gpu_phases.py; each reuses the project's own entry points):
+Phases (tools/phases/, one module each; each reuses the project's own entry points):
   tests    engine checks through train/pretrain.py (fp16 dynamic loss scale 50 MAE steps, bf16
            ZeRO-1/2, checkpoint + resume equality), then `pytest -m gpu`
   bench    MAE ViT-B/16 and ViT-L/16 at 224, bf16, through train/bench.py, alternating with the
@@ -26,6 +26,7 @@ what it measured. Installs nothing: the device command puts the carried wheels o
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import json
 import os
@@ -45,6 +46,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 PHASES = ("tests", "bench", "methods", "loader", "study")
+PHASE_MODULES = {"tests": "gpu_tests", "bench": "bench", "methods": "methods", "loader": "loader", "study": "study"}
 
 
 class Tee(io.TextIOBase):
@@ -170,8 +172,6 @@ def main(argv: list[str] | None = None) -> list[Path]:
     deadline = time.monotonic() + a.budget_s
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     log = out / f"gpu_check_{'+'.join(a.phases)}_{'cpu_smoke' if a.smoke else 'cuda'}_{stamp}.log"
-    from tools import gpu_phases
-
     paths = []
     with open(log, "a") as logf, tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         tee = Tee(sys.__stdout__, logf)
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
                 check.work.mkdir(parents=True)
                 check.save()
                 try:
-                    getattr(gpu_phases, phase)(check, a)
+                    importlib.import_module(f"tools.phases.{PHASE_MODULES[phase]}").run(check, a)
                 except Exception:  # noqa: BLE001 - keep what the phase measured, go on to the next phase
                     check.record["phase_error"] = traceback.format_exc()[-2000:]
                     print(check.record["phase_error"], flush=True)

@@ -39,7 +39,7 @@ class StopSignal:
         self._result = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")  # read before reuse
         # SIGTERM means preemption only inside Slurm; elsewhere (the deepspeed launcher cleaning up
         # after a failed rank, a plain kill) it keeps its default: stop at once.
-        for sig in (signal.SIGUSR1, signal.SIGTERM) if "SLURM_JOB_ID" in os.environ else (signal.SIGUSR1,):
+        for sig in early_signals.stop_signals():
             signal.signal(sig, self._handle)
         for signum in early_signals.take():  # received during start-up (train/early_signals.py)
             self._handle(signum, None)

@@ -32,12 +32,11 @@ from data.source import build_source, check_source, fixed_images, nominal_epoch_
 from data.split import LabeledSplit
 from kernels.accelerators import describe as describe_accelerators
 from kernels.attention import describe_paths
-from launchers import code_version
 from model.interop import load_into_objective
 from model.objectives import build_objective
 from model.registry import create_model
 from model.timm_backbone import TimmBackbone
-from train import checkpoint, distributed
+from train import checkpoint, code_version, distributed
 from train.config import (
     ConfigError,
     PretrainConfig,

@@ -100,12 +100,14 @@ def test_interpreted_kernel_refuses_double_backward(interpreted):
 
 
 @pytest.mark.parametrize("T, d, slice_bytes", [(70, 8, None), (45, 40, 16 * 64 * 4)])
-def test_interpreted_streams_key_blocks_and_head_dim_chunks(interpreted, monkeypatch, T, d, slice_bytes):
+def test_interpreted_streams_key_blocks_and_head_dim_chunks(interpreted, monkeypatch, request, T, d, slice_bytes):
     # T = 70: 5 threshold blocks of 16 rows, 3 query and 3 key blocks of 32 in the other kernels.
     # d = 40 with a 4 KiB threshold slice: the logits are summed over head-dim chunks of 16 (the
     # way shapes up to 1024 tokens fit shared memory), padded from 40 to 64.
     if slice_bytes is not None:
         monkeypatch.setattr(interpreted, "THRESHOLD_SLICE_BYTES", slice_bytes)
+        interpreted.plan.cache_clear()  # plans are cached per shape: none made with the other slice
+        request.addfinalizer(interpreted.plan.cache_clear)
     cfg = interpreted.plan(T, d, torch.float32)
     assert cfg.forward[1] < T and cfg.dkdv[1] < T and cfg.dq[1] < T
     assert (cfg.d_chunk < cfg.block_d) == (slice_bytes is not None)

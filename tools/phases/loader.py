@@ -1,0 +1,91 @@
+"""Phase `loader`: decode + RandomResizedCrop 224 images/s on JPEGs drawn on the machine, cpu /
+cpu_draft / nvjpeg."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from tools.gpu_check import Check, free_memory
+from tools.phases.common import CPU_DEBUG_DS, TARGETS, ds_config
+
+
+def run(check: Check, a) -> None:
+    from benchmarks.photo_shards import main as photo_shards
+    from tools.photos import write_photos
+
+    summary = check.record["summary"]
+    summary["targets"] = {"nvjpeg_images_per_s": TARGETS["nvjpeg_images_per_s"]}
+    cores = os.cpu_count() or 1
+    if check.cuda:
+        photos, size, count, per_shard, short = 24, (1600, 1200), 1600, 50, "333,500"
+        workers, micro, batches, warm = cores, 256, 40, 8
+    else:
+        photos, size, count, per_shard, short = 3, (160, 120), 16, 4, "40,60"
+        workers, micro, batches, warm = 2, 8, 3, 1  # micro: cpu_debug.json's
+    shards = check.work / "shards"
+
+    def make() -> dict:
+        write_photos(check.work / "photos", photos, size)
+        photo_shards([str(check.work / "photos"), str(shards), "--count", str(count), "--samples_per_shard",
+                      str(per_shard), "--short_side", short])
+        files = list((shards / "images").rglob("*.jpg"))
+        return {"images": len(files), "mean_kb": sum(f.stat().st_size for f in files) / len(files) / 1024,
+                "shards": len(list(shards.glob("*.tar")))}
+
+    made = check.item("make_shards", 90, make)
+    if not made or "images" not in made:
+        return
+    ds = ds_config(check, "loader", micro) if check.cuda else CPU_DEBUG_DS
+    common = ["--ds_config", str(ds), "--data.source", "shards", "--data.train_index", str(shards / "train.json"),
+              "--model.name", "vit_base_patch16", "--model.in_chans", "3", "--data.num_workers", str(workers),
+              "--data.train_transform", "crop_flip",
+              "--steps", str(batches), "--warmup", str(warm)]
+
+    def cpu_loader(decode: str) -> dict:
+        from train import bench
+
+        path = bench.main(["--loader_only", *common, "--data.decode", decode, "--out_dir", str(check.work / "rec")])
+        return json.loads(Path(path).read_text())["loader"]
+
+    for decode in ("cpu", "cpu_draft"):
+        check.item(f"decode_{decode}", 40, lambda d=decode: cpu_loader(d))
+    check.item("decode_nvjpeg", 40, lambda: device_loader(check, common, batches, warm))
+    for decode in ("cpu", "cpu_draft", "nvjpeg"):
+        v = check.record["items"].get(f"decode_{decode}", {})
+        if "images_per_s" in v:
+            summary[f"{decode}_images_per_s"] = v["images_per_s"]
+    summary.update(workers=workers, cpu_count=cores, jpeg_mean_kb=made["mean_kb"])
+    check.save()
+
+def device_loader(check: Check, common: list[str], batches: int, warmup: int) -> dict:
+    """nvjpeg: the workers send JPEG bytes, the batch is decoded on the training device (CPU smoke:
+    torchvision's libjpeg decode stands in; the same code path otherwise)."""
+    import time
+
+    from data.source import build_source
+    from train.bench import split_argv
+    from train.config import parse_args
+    from train.ds_config import resolve
+
+    _, rest = split_argv(common)
+    cfg = parse_args([*rest, "--data.decode", "nvjpeg"])
+    micro = resolve(cfg, 1)[1].micro
+    data = build_source(cfg.data, 224, 3, micro, cfg.seed, 0, 1, check.device)
+    for _ in range(warmup):
+        next(data)
+    sync = torch.cuda.synchronize if check.cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(batches):
+        batch = next(data)
+    sync()
+    elapsed = time.perf_counter() - start
+    shape = list(batch["image"].shape)
+    del data
+    free_memory()
+    return {"images_per_s": batches * micro / elapsed, "batches": batches, "micro_batch": micro,
+            "num_workers": cfg.data.num_workers, "batch_shape": shape, "batch_device": str(check.device),
+            "decoder": "nvJPEG (torchvision decode_jpeg on CUDA)" if check.cuda else "libjpeg on CPU (smoke stand-in)"}

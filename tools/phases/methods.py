@@ -1,0 +1,74 @@
+"""Phase `methods`: step-time ratios of every method to MAE at ViT-B/224, and kernels/bench.py."""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from tools.gpu_check import Check, free_memory
+from tools.phases.common import CONFIGS, CPU_DEBUG_DS, TARGETS, ds_config, our_bench
+
+
+def run(check: Check, a) -> None:
+    summary = check.record["summary"]
+    summary["targets"] = {k: TARGETS[k] for k in ("mixedae_over_mae_step", "adpe_over_maeplus_step",
+                                                  "topk_fused_speedup_vs_topk_torch", "topk_fused_over_dense")}
+    if check.cuda:
+        base = ["--ds_config", "", "--data.source", "synthetic", "--steps", "10", "--warmup", "3"]
+        base[1] = str(ds_config(check, "methods_64", 64))
+        preset = {"mae": ["--model.name", "vit_base_patch16"], "mixedae": ["mixedae_vit_b.json"],
+                  "maeplus": ["maeplus_vit_b.json", "adpe/maeplus_rpe.json"],
+                  "adpe": ["maeplus_vit_b.json", "adpe/rpe_coord.json"], "mlomae": ["mlomae_vit_b.json"],
+                  "energy": ["energy_vit_b.json"]}
+        rounds, est = 2, 30
+    else:
+        base = ["--ds_config", str(CPU_DEBUG_DS), "--data.source", "synthetic", "--steps", "1", "--warmup", "0"]
+        # every debug preset goes on top of debug_mae.json (the debug model and data), as the tests use them
+        preset = {"mae": ["debug_mae.json"], "mixedae": ["debug_mae.json", "debug_mixedae.json"],
+                  "maeplus": ["debug_mae.json", "debug_maeplus.json", "adpe/maeplus_rpe.json"],
+                  "adpe": ["debug_mae.json", "debug_maeplus.json", "adpe/rpe_coord.json"],
+                  "mlomae": ["debug_mae.json", "debug_mlomae.json"], "energy": ["debug_mae.json", "debug_energy.json"]}
+        rounds, est = 1, 0
+
+    def argv(method: str) -> list[str]:
+        opts = preset[method]
+        if opts[0].startswith("--"):
+            return [*base, *opts]
+        return [*base, *[x for p in opts for x in ("--config", str(CONFIGS / p))]]
+
+    order = ["mae", "mixedae", "mixedae_torch_topk", "maeplus", "adpe", "mlomae", "energy"]
+    for r in range(rounds):
+        for method in (order if r % 2 == 0 else order[::-1]):  # alternate, so drift cancels between rounds
+            name = method.replace("_torch_topk", "")
+            check.item(f"{method}_r{r}", est, lambda m=method, n=name: our_bench(check, argv(n), m.endswith("torch_topk")))
+    steps = {}
+    for method in order:
+        times = [v["step_time_s"] for k, v in check.record["items"].items()
+                 if k.rsplit("_r", 1)[0] == method and "step_time_s" in v]
+        if times:
+            steps[method] = statistics.fmean(times)
+    summary["step_time_s"] = steps
+    ratios = {}
+    for method, ref in [("mixedae", "mae"), ("mixedae_torch_topk", "mae"), ("adpe", "maeplus"), ("maeplus", "mae"),
+                        ("mlomae", "mae"), ("energy", "mae"), ("mixedae_torch_topk", "mixedae")]:
+        if method in steps and ref in steps:
+            ratios[f"{method}_over_{ref}"] = steps[method] / steps[ref]
+    summary["step_ratios"] = ratios
+    check.save()
+
+    def kernel_bench(dtype: str) -> dict:
+        from kernels.bench import main as kbench
+
+        opts = (["--dtype", dtype, "--shapes", "vit_b", "vit_l", "--iters", "20", "--warmup", "5"] if check.cuda else
+                ["--device", "cpu", "--dtype", "fp32", "--shapes", "2,2,17,16", "--iters", "2", "--warmup", "1"])
+        record = json.loads(Path(kbench([*opts, "--out_dir", str(check.work / "kernels")])).read_text())
+        free_memory()
+        return {"dtype": record["dtype"], "triton": record.get("triton"),
+                "shapes": {k: {"ms": {n: r["ms"] for n, r in v["results"].items()}, "ratios": v["ratios"]}
+                           for k, v in record["shapes"].items()}}
+
+    for dtype in (("bf16", "fp16") if check.cuda else ("fp32",)):
+        result = check.item(f"kernels_{dtype}", 60, lambda d=dtype: kernel_bench(d))
+        if result and "shapes" in result:
+            summary[f"kernels_{dtype}"] = {k: v["ratios"] for k, v in result["shapes"].items()}
+    check.save()
