@@ -1,5 +1,6 @@
 # `make test` and `make demo` do all set-up on a fresh machine: a virtual env in .venv with the
-# package (editable) and its dependencies, then the suite / the demo run.
+# dependencies (pyproject.toml installs no packages: the code runs from this folder, `python -m ...`),
+# then the suite / the demo run.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -30,15 +31,16 @@ test: $(STAMP) slurm
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
 
 # Fashion-MNIST shards -> MAE pretraining of the mini ViT on CPU -> kNN / linear probe vs random
-# init (train/demo.py). Installs the Debian data package when it is missing and we are root.
+# init (experiments/fashion_mnist/demo.py). Installs the Debian data package when it is missing and we are root.
 demo: $(STAMP) $(FASHION_MNIST)
-	$(PY) train/demo.py
+	$(PY) -m experiments.fashion_mnist.demo
 
 # Every method on Fashion-MNIST with the same budget, 2 seeds, kNN / linear probe / fine-tuning
-# -> docs/RESULTS.md + docs/figures/ (train/study.py; about 90 min on 2 CPU cores). Reruns skip finished runs.
+# -> docs/RESULTS.md + docs/figures/ (experiments/fashion_mnist/study.py; about 90 min on 2 CPU cores).
+# Reruns skip finished runs.
 study: $(STAMP) $(FASHION_MNIST)
 	$(PY) -m pip install -q -e ".[study]"
-	$(PY) train/study.py
+	$(PY) -m experiments.fashion_mnist.study
 
 # Compile the fused Triton kernels for sm_80 and sm_90 at every shape x dtype x mode, no GPU needed
 # (kernels/compile_check.py, about 15 min on 2 cores): shared memory, registers, spills ->
@@ -63,7 +65,7 @@ gpu-wheels: $(STAMP)
 # Every phase of the GPU validation kit (tools/gpu_check.py) in its CPU smoke mode: debug model, a step
 # or two, CUDA-only parts skipped with the reason; JSONs + log in runs/gpu_smoke (the suite runs the same).
 gpu-smoke: $(STAMP)
-	$(PY) tools/gpu_check.py tests bench methods loader study --smoke --out runs/gpu_smoke
+	$(PY) -m tools.gpu_check tests bench methods loader study --smoke --out runs/gpu_smoke
 
 $(FASHION_MNIST):
 	@if [ "$$(id -u)" = 0 ]; then \

@@ -1,8 +1,8 @@
 """ImageNet-like JPEG shards for loader benchmarks, made from any folder of photographs.
 
     apt-get download mate-backgrounds && dpkg -x mate-backgrounds_*.deb /tmp/photos   # Debian's wallpapers
-    python benchmarks/photo_shards.py /tmp/photos/usr/share/backgrounds/mate runs/shards/photos --count 2000
-    python train/bench.py --loader_only --ds_config ds_configs/cpu_demo.json --data.source shards \\
+    python -m benchmarks.photo_shards /tmp/photos/usr/share/backgrounds/mate runs/shards/photos --count 2000
+    python -m train.bench --loader_only --ds_config ds_configs/cpu_demo.json --data.source shards \\
         --data.train_index runs/shards/photos/train.json --model.name vit_base_patch16 --data.num_workers 2
 
 Each image is a random crop of a source photo, resized to an ImageNet-like size (shorter side

@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import torchvision.transforms.functional as TF
 from PIL import Image
+from timm.data.constants import IMAGENET_DEFAULT_MEAN as IMAGENET_MEAN  # one copy, shared with model/
+from timm.data.constants import IMAGENET_DEFAULT_STD as IMAGENET_STD
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as F2
 
@@ -44,8 +46,6 @@ try:  # deprecated in torchvision 0.29 in favour of TorchCodec; PIL decodes when
 except ImportError:  # pragma: no cover
     decode_jpeg = None
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 DECODES = ("cpu", "cpu_draft", "nvjpeg")
 
 

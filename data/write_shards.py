@@ -1,7 +1,7 @@
 """Write webdataset .tar shards with an index.
 
-    python data/write_shards.py imagefolder SRC_DIR OUT_DIR --name train [--samples_per_shard 1000]
-    python data/write_shards.py fashion-mnist OUT_DIR [--src /usr/share/datasets/fashion-mnist]
+    python -m data.write_shards imagefolder SRC_DIR OUT_DIR --name train [--samples_per_shard 1000]
+    python -m data.write_shards fashion-mnist OUT_DIR [--src /usr/share/datasets/fashion-mnist]
 
 Each sample is `<key>.jpg` or `<key>.png` (the original encoded bytes; other decodable formats
 are re-encoded to PNG) plus `<key>.cls` (the class index as text). Samples are shuffled with a

@@ -11,7 +11,7 @@ derived from the world size, so the same file serves 8 GPUs, 2 nodes (16) or a r
 world size, always at the method's global batch. Micro-batches are sized by the memory estimate
 (train/memory.py) of the hungriest method of the file's group (MAE+: every token of four crops
 enters the encoder) at about half the GPU, since the estimate leaves out temporaries; none has
-been measured on these GPUs yet. `python train/pretrain.py --dry-run --ds_config <file>
+been measured on these GPUs yet. `python -m train.pretrain --dry-run --ds_config <file>
 [--config <preset>]` prints the estimate for a method and the largest micro-batch that fits.
 V100 has no bf16: fp16 with dynamic loss scaling. Every file states gradient_clipping 0.0 (the
 MAE recipes clip nothing; DeepSpeed >= 0.19.3 clips at 1.0 when the key is missing) and turns

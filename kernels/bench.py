@@ -1,9 +1,11 @@
 """Attention benchmark: forward+backward time and peak memory of restricted attention against
 named baselines measured in the same run, written as JSON to benchmarks/results/.
 
-    python kernels/bench.py                      # GPU: ViT-B and ViT-L shapes, bf16
-    python kernels/bench.py --dtype fp16 --e2e mixedae adpe   # + training-step ratios (ViT-B)
-    python kernels/bench.py --device cpu --shapes 2,2,17,16 --iters 3   # CPU (PyTorch paths only)
+    python -m kernels.bench                      # GPU: ViT-B and ViT-L shapes, bf16
+    python -m kernels.bench --dtype fp16
+    python -m kernels.bench --device cpu --shapes 2,2,17,16 --iters 3   # CPU (PyTorch paths only)
+
+(Training-step ratios of MixedAE / AdPE to their baselines: train/bench_objectives.py.)
 
 Variants (each on the same q, k, v):
   dense_sdpa      F.scaled_dot_product_attention, no mask (flash on sm80+): the floor
@@ -41,7 +43,7 @@ SHAPES = {"vit_b": (128, 12, 197, 64), "vit_l": (128, 16, 197, 64)}  # (B, H, T,
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _commit() -> str:
+def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -49,7 +51,27 @@ def _commit() -> str:
         return "unknown"
 
 
-def _sync(device: torch.device) -> None:
+def record_header(device: torch.device, dtype: str, iters: int, warmup: int) -> dict:
+    """What every benchmark record starts with: commit, date, device, dtype, torch, timing counts."""
+    return {
+        "commit": commit(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "dtype": dtype, "torch": torch.__version__, "iters": iters, "warmup": warmup,
+    }
+
+
+def write_record(record: dict, out_dir: Path, prefix: str, device: torch.device, dtype: str) -> Path:
+    """<out_dir>/<prefix>_<device type>_<dtype>_<UTC stamp>.json; prints where."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    path = out_dir / f"{prefix}_{device.type}_{dtype}_{stamp}.json"
+    path.write_text(json.dumps(record, indent=2))
+    print(f"wrote {path}")
+    return path
+
+
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -67,7 +89,7 @@ def measure(fn: Callable[[], torch.Tensor], inputs: list[torch.Tensor], iters: i
 
     for _ in range(warmup):
         step()
-    _sync(device)
+    sync(device)
     result: dict[str, float] = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -78,7 +100,7 @@ def measure(fn: Callable[[], torch.Tensor], inputs: list[torch.Tensor], iters: i
     start = time.perf_counter()
     for _ in range(iters):
         step()
-    _sync(device)
+    sync(device)
     result["ms"] = (time.perf_counter() - start) * 1000 / iters
     return result
 
@@ -139,106 +161,32 @@ def bench_shape(name: str, shape: tuple[int, int, int, int], dtype: torch.dtype,
             "ratios": ratios}
 
 
-def _time_training_step(objective, images: torch.Tensor, dtype: torch.dtype, device: torch.device, iters: int,
-                        warmup: int) -> float:
-    """Mean milliseconds of forward (autocast), backward and a fused AdamW step."""
-    opt = torch.optim.AdamW(objective.parameters(), lr=1e-4, fused=device.type == "cuda")
-
-    def step():
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = objective({"image": images})["loss"]
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if hasattr(objective, "after_optimizer_step"):  # AdPE's PGD step, as the loop does it
-            objective.after_optimizer_step(1e-4)
-
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        step()
-    _sync(device)
-    return (time.perf_counter() - start) * 1000 / iters
-
-
-def bench_e2e(pair: str, dtype: torch.dtype, device: torch.device, batch: int, iters: int, warmup: int,
-              model: str = "vit_base_patch16") -> dict:
-    """Training step (forward, backward, AdamW) of a method against its baseline, same batch, one run:
-    mixedae: MAE vs MixedAE (224 px); adpe: MAE+ with iRPE vs AdPE RPE-coord (4 crops of 112 px)."""
-    from model.objectives import build_objective
-    from model.objectives.mae import MAEConfig
-    from model.objectives.maeplus import MAEPlusConfig
-    from model.objectives.mixedae import MixedAEConfig
-    from model.registry import create_model, model_arch
-
-    size = model_arch(model)["img_size"]
-    if pair == "mixedae":
-        runs = {"mae": ("mae", MAEConfig(), {}), "mixedae": ("mixedae", MixedAEConfig(cell_size=2 * model_arch(model)["patch_size"]), {})}
-        images = torch.randn(batch, 3, size, size, device=device)
-    else:
-        size //= 2
-        runs = {"maeplus_rpe": ("maeplus", MAEPlusConfig(rpe=True), {"rpe": True, "img_size": size}),
-                "adpe_rpe_coord": ("maeplus", MAEPlusConfig(rpe=True, adversary="rpe_coord"), {"rpe": True, "img_size": size})}
-        images = torch.randn(batch, 4, 3, size, size, device=device)
-    out: dict = {}
-    for label, (objective_name, cfg, overrides) in runs.items():
-        torch.manual_seed(0)
-        objective = build_objective(objective_name, create_model(model, **overrides), cfg).to(device)
-        out[label] = {"ms": _time_training_step(objective, images, dtype, device, iters, warmup)}
-        print(f"e2e {label} {out[label]}")
-        del objective
-    base, method = list(runs)
-    out[f"{method}_over_{base}"] = out[method]["ms"] / out[base]["ms"]
-    return {"model": model, "batch": batch, "images": list(images.shape), "results": out}
-
-
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--shapes", nargs="*", default=list(SHAPES),
-                   help="vit_b, vit_l, or B,H,T,d (T counts the cls token); none: only --e2e")
+                   help="vit_b, vit_l, or B,H,T,d (T counts the cls token)")
     p.add_argument("--mix_ratio", type=float, default=0.25, help="K = round(r * patches), r = 1/groups")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--e2e", nargs="*", choices=["mixedae", "adpe"], default=[],
-                   help="also time training steps: MixedAE vs MAE, AdPE (RPE-coord) vs MAE+ (RPE)")
-    p.add_argument("--e2e_batch", type=int, default=128)
-    p.add_argument("--e2e_model", default="vit_base_patch16")
     p.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results"))
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device; pass --device cpu for the PyTorch paths on small shapes")
     dtype = DTYPES[a.dtype]
-    record = {
-        "commit": _commit(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "dtype": a.dtype, "torch": torch.__version__, "iters": a.iters, "warmup": a.warmup,
-        "shapes": {},
-    }
+    record = {**record_header(device, a.dtype, a.iters, a.warmup), "shapes": {}}
     try:
         import triton
 
         record["triton"] = triton.__version__
     except ImportError:
         record["triton"] = None
-    for spec in a.shapes if a.shapes != ["none"] else []:
+    for spec in a.shapes:
         shape = SHAPES[spec] if spec in SHAPES else tuple(int(x) for x in spec.split(","))
         record["shapes"][spec] = bench_shape(spec, shape, dtype, device, a.mix_ratio, a.iters, a.warmup)
-    for pair in a.e2e:
-        record.setdefault("e2e", {})[pair] = bench_e2e(pair, dtype, device, a.e2e_batch, max(3, a.iters // 2),
-                                                       a.warmup, a.e2e_model)
-    out_dir = Path(a.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    path = out_dir / f"attention_{device.type}_{a.dtype}_{stamp}.json"
-    path.write_text(json.dumps(record, indent=2))
-    print(f"wrote {path}")
-    return path
+    return write_record(record, Path(a.out_dir), "attention", device, a.dtype)
 
 
 if __name__ == "__main__":

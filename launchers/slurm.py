@@ -2,12 +2,12 @@
 
 Two ways to start the ranks of a multi-node job (launchers/pretrain.sbatch uses either):
 
-- one task per GPU (`srun --ntasks-per-node 8 python train/pretrain.py ...`): every task is a
-  rank; train/distributed.py calls `task_env` when RANK is unset: RANK = SLURM_PROCID,
+- one task per GPU (`srun --ntasks-per-node 8 python -m train.pretrain ...`): every task is a
+  rank; train/distributed.py calls `task_env` (train/slurm_env.py) when RANK is unset: RANK = SLURM_PROCID,
   LOCAL_RANK = SLURM_LOCALID, WORLD_SIZE = SLURM_STEP_NUM_TASKS, MASTER_ADDR = the step's first
   node. Only inside an srun step with more than one task (SLURM_STEP_NUM_TASKS), so a plain
   `python` in the batch script or an salloc shell stays a world of one.
-- one task per node (`srun --ntasks-per-node 1 python -m launchers.slurm node -- train/pretrain.py ...`):
+- one task per node (`srun --ntasks-per-node 1 python -m launchers.slurm node -- -m train.pretrain ...`):
   this module starts the node's ranks itself (RANK = SLURM_NODEID x ranks per node + local
   rank), passes SIGUSR1 / SIGTERM / SIGINT on to them, and exits with the first failure (the
   other ranks are then stopped).
@@ -24,53 +24,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import subprocess
 import sys
 from typing import Mapping
 
-
-def hostnames(nodelist: str) -> list[str]:
-    """Expand a Slurm hostlist: 'gpu[01-03,07],login-a' -> ['gpu01', 'gpu02', 'gpu03', 'gpu07', 'login-a']."""
-    hosts = []
-    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", nodelist):
-        parts = re.split(r"\[([^\]]*)\]", item)  # prefix, range list, middle, range list, ..., suffix
-        expanded = [""]
-        for k, part in enumerate(parts):
-            if k % 2 == 0:
-                expanded = [e + part for e in expanded]
-                continue
-            values = []
-            for rng in part.split(","):
-                lo, _, hi = rng.partition("-")
-                values += [str(v).zfill(len(lo)) for v in range(int(lo), int(hi or lo) + 1)]
-            expanded = [e + v for e in expanded for v in values]
-        hosts += expanded
-    return hosts
-
-
-def master(env: Mapping[str, str]) -> tuple[str, str]:
-    """(MASTER_ADDR, MASTER_PORT) of the job step: its first node, a port derived from the job id."""
-    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    if not nodes:
-        raise ValueError("no SLURM_STEP_NODELIST / SLURM_JOB_NODELIST: not inside a Slurm job")
-    port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
-    return env.get("MASTER_ADDR") or hostnames(nodes)[0], port
-
-
-def in_task_step(env: Mapping[str, str]) -> bool:
-    """A task of an srun step that has several tasks: each task is a rank."""
-    return "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1
-
-
-def task_env(env: Mapping[str, str]) -> dict[str, str]:
-    """torch.distributed variables for one task of a one-task-per-GPU step."""
-    addr, port = master(env)
-    tasks = int(env["SLURM_STEP_NUM_TASKS"])
-    nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")))
-    return {"RANK": env["SLURM_PROCID"], "LOCAL_RANK": env.get("SLURM_LOCALID", "0"), "WORLD_SIZE": str(tasks),
-            "LOCAL_WORLD_SIZE": str(tasks // nodes), "MASTER_ADDR": addr, "MASTER_PORT": port}
+# the task-environment mapping lives in train/ (train/distributed.py needs it; launchers sit above train)
+from train.slurm_env import hostnames, master, task_env
 
 
 def node_envs(env: Mapping[str, str], ranks_per_node: int) -> list[dict[str, str]]:
@@ -126,7 +86,7 @@ def run_node(command: list[str], ranks_per_node: int, env: Mapping[str, str] = o
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    node = sub.add_parser("node", help="start this node's ranks: node [--ranks N] -- SCRIPT ARGS...")
+    node = sub.add_parser("node", help="start this node's ranks: node [--ranks N] -- -m train.pretrain ARGS...")
     node.add_argument("--ranks", type=int, default=0, help="ranks on this node (default: the node's GPUs)")
     node.add_argument("command", nargs=argparse.REMAINDER)
     sub.add_parser("env", help="print this task's variables (one task per GPU) as shell exports")
@@ -146,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
-        p.error("node needs the script to run: node -- train/pretrain.py ...")
+        p.error("node needs the script to run: node -- -m train.pretrain ...")
     return run_node(command, a.ranks or gpus_on_node(os.environ))
 
 

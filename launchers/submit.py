@@ -1,6 +1,6 @@
 """Submit a multi-node pretraining job to Slurm, after checking it.
 
-    python launchers/submit.py --nodes 2 --gpus_per_node 8 --gpu a100 [--mode task|node] \\
+    python -m launchers.submit --nodes 2 --gpus_per_node 8 --gpu a100 [--mode task|node] \\
         [--ranks_per_node N] [--cpus_per_task C] [--gres SPEC | --no_gpus_per_node] [--constraint C] \\
         [--time 72:00:00] [--partition P] [--account A] [--qos Q] [--exclusive] [--job_name N] \\
         [--sbatch=--mail-type=END ...] [--dry] \\
@@ -8,8 +8,8 @@
            --data.train_index /data/in1k/train.json --output_dir runs/mae_vitl
 
     # CPU ranks (no GPU requested): 2 nodes x 4 ranks of 2 CPUs each
-    python launchers/submit.py --nodes 2 --gpus_per_node 0 --ranks_per_node 4 --cpus_per_task 2 -- \\
-        --ds_config ds_configs/cpu_debug.json --config train/configs/debug_mae.json --output_dir runs/cpu
+    python -m launchers.submit --nodes 2 --gpus_per_node 0 --ranks_per_node 4 --cpus_per_task 2 -- \\
+        --ds_config ds_configs/cpu_debug.json --config train/configs/mae/debug.json --output_dir runs/cpu
 
 1. The pretraining options are checked for the job's world size (nodes x ranks per node) and GPU
    with the dry run (train/dry_run.py; CPU ranks with --gpus_per_node 0): a configuration that
@@ -149,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     ranks_per_node = a.ranks_per_node or a.gpus_per_node or 1
     world = a.nodes * ranks_per_node
 
-    sys.path.insert(0, str(REPO))
     from train.code_version import source_hash
     from train.config import ConfigError, parse_args
     from train.dry_run import check

@@ -18,6 +18,7 @@ every pair that involves the cls token.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -90,17 +91,13 @@ def bilinear_corners(rel: torch.Tensor, beta: float = BETA, alpha: float = ALPHA
     return corners, weights
 
 
-class RPEAdversary:
-    """Per-call perturbation of one block's relative positions, for masked query rows only.
-
-    masked (B, N) bool marks the patch tokens whose query rows are perturbed (every key, cls too);
-    delta (2,) is added to their (row, col) offsets (coordinate mode, through g~ and bilinear
-    lookup); embed (buckets, H, d), the shape of the table, is added to the table rows r_ij they
-    use (embedding mode; one shared vector for all rows would shift each query's logits by a
-    constant, which the softmax ignores)."""
-
-    def __init__(self, masked: torch.Tensor, delta: torch.Tensor | None = None, embed: torch.Tensor | None = None):
-        self.masked, self.delta, self.embed = masked, delta, embed
+# A per-call edit of one block's relative-position bias, given by the caller of the ViT's
+# forward_tokens (the backbone passes it through untouched):
+#   hook(rpe, q, scores, bias) -> bias
+# rpe: the ContextualRPE module (its table, buckets, rel, num_cls, index_args); q (B, H, T, d);
+# scores (B, H, T, buckets) = q . r_n / sqrt(d) for every table row n; bias (B, H, T, T) the looked-up
+# score bias, returned edited.
+BiasHook = Callable[["ContextualRPE", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class ContextualRPE(torch.nn.Module):
@@ -122,8 +119,8 @@ class ContextualRPE(torch.nn.Module):
     def no_weight_decay(self) -> set[str]:
         return {"table"}
 
-    def forward(self, q: torch.Tensor, adversary: RPEAdversary | None = None) -> torch.Tensor:
-        """q (B, H, T, d) -> additive score bias (B, H, T, T)."""
+    def forward(self, q: torch.Tensor, hook: BiasHook | None = None) -> torch.Tensor:
+        """q (B, H, T, d) -> additive score bias (B, H, T, T), edited by `hook` when given."""
         B, H, T, d = q.shape
         if T != self.buckets.shape[0]:
             raise ValueError(f"relative positions are set up for {self.buckets.shape[0]} tokens, got {T}")
@@ -131,21 +128,4 @@ class ContextualRPE(torch.nn.Module):
         table = self.table.to(q.dtype)
         qr = torch.einsum("bhtd,nhd->bhtn", q, table) * scale  # (B, H, T, buckets)
         bias = qr.gather(-1, self.buckets.expand(B, H, T, T))
-        if adversary is None:
-            return bias
-        c = self.num_cls
-        rows = adversary.masked[:, None, :, None]  # (B, 1, N, 1): perturbed query rows
-        if adversary.delta is not None:
-            N = T - c
-            corners, weights = bilinear_corners(self.rel + adversary.delta.to(self.rel.dtype), **self.index_args)
-            patch_qr = qr[:, :, c:]  # (B, H, N, buckets)
-            picked = patch_qr.gather(-1, corners.reshape(1, 1, N, N * 4).expand(B, H, N, N * 4))
-            continuous = (picked.reshape(B, H, N, N, 4) * weights.to(q.dtype)).sum(-1)  # (B, H, N, N)
-            patch = torch.where(rows, continuous, bias[:, :, c:, c:])
-            bias = torch.cat([bias[:, :, :c], torch.cat([bias[:, :, c:, :c], patch], dim=3)], dim=2)
-        if adversary.embed is not None:
-            qa = torch.einsum("bhtd,nhd->bhtn", q[:, :, c:], adversary.embed.to(q.dtype)) * scale  # (B, H, N, buckets)
-            extra = qa.gather(-1, self.buckets[c:].expand(B, H, T - c, T))  # (B, H, N, T)
-            shift = torch.where(rows, extra, torch.zeros_like(extra))
-            bias = bias + torch.cat([torch.zeros_like(bias[:, :, :c]), shift], dim=2)
-        return bias
+        return bias if hook is None else hook(self, q, qr, bias)

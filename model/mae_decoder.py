@@ -5,10 +5,13 @@ decoder_pos_embed, decoder_blocks, decoder_norm, decoder_pred) so its checkpoint
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
 from model.init import mae_init_
+from model.irpe import BiasHook
 from model.pos_embed import sincos_2d
 from model.vit import Block, default_norm, run_block
 
@@ -80,11 +83,14 @@ class MAEDecoder(nn.Module):
         out = self.decode(torch.cat([cls, patches], dim=2).reshape(B * P, 1 + N, Dd))
         return out.reshape(B, P, N, -1)
 
-    def decode(self, x: torch.Tensor, rpe_adversaries=None) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, bias_hooks: Sequence[BiasHook | None] | None = None) -> torch.Tensor:
         """(B, 1+N, Dd) decoder tokens in patch order -> (B, N, p*p*C) predictions (cls dropped).
-        `rpe_adversaries`: one RPEAdversary (or None) per block when built with rpe=True."""
+        `bias_hooks`: one edit of the relative-position bias (or None) per block, as the encoder's
+        forward_tokens takes them (built with rpe=True)."""
+        if bias_hooks is not None and len(bias_hooks) != len(self.decoder_blocks):
+            raise ValueError(f"bias_hooks has {len(bias_hooks)} entries for {len(self.decoder_blocks)} blocks")
         x = x + self.decoder_pos_embed
         for i, block in enumerate(self.decoder_blocks):
-            x = run_block(block, x, None, rpe_adversaries[i] if rpe_adversaries is not None else None,
+            x = run_block(block, x, None, bias_hooks[i] if bias_hooks is not None else None,
                           recompute=self.grad_checkpointing)
         return self.decoder_pred(self.decoder_norm(x))[:, 1:]

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels import AttentionMask, attention, resolve_backend
 from model.init import mae_init_
-from model.irpe import ContextualRPE, RPEAdversary
+from model.irpe import BiasHook, ContextualRPE
 from model.pos_embed import sincos_2d
 
 
@@ -45,7 +45,7 @@ class PatchEmbed(nn.Module):
 
 class Attention(nn.Module):
     """Multi-head self-attention; `rpe_grid` adds iRPE relative positions (contextual, on keys)
-    for a fixed sequence of 1 cls + gh*gw tokens."""
+    for a fixed sequence of 1 cls + gh*gw tokens, whose score bias a per-call `bias_hook` may edit."""
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, backend: str = "sdpa",
                  rpe_grid: tuple[int, int] | None = None):
@@ -59,11 +59,13 @@ class Attention(nn.Module):
         self.rpe = ContextualRPE(num_heads, dim // num_heads, rpe_grid) if rpe_grid is not None else None
 
     def forward(self, x: torch.Tensor, mask: AttentionMask | None = None,
-                rpe_adversary: RPEAdversary | None = None) -> torch.Tensor:
+                bias_hook: BiasHook | None = None) -> torch.Tensor:
         B, N, D = x.shape
+        if bias_hook is not None and self.rpe is None:
+            raise ValueError("a bias_hook edits the relative-position bias: build the model with rpe=True")
         # (B, N, 3D) -> (3, B, H, N, d)
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
-        bias = self.rpe(qkv[0], rpe_adversary) if self.rpe is not None else None  # (B, H, N, N)
+        bias = self.rpe(qkv[0], bias_hook) if self.rpe is not None else None  # (B, H, N, N)
         out = attention(qkv[0], qkv[1], qkv[2], backend=self.backend, mask=mask, bias=bias)  # (B, H, N, d)
         return self.proj(out.transpose(1, 2).reshape(B, N, D))
 
@@ -108,19 +110,19 @@ class Block(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, attn_mask: AttentionMask | None = None,
-                rpe_adversary: RPEAdversary | None = None) -> torch.Tensor:
-        extra = {"rpe_adversary": rpe_adversary} if rpe_adversary is not None else {}
+                bias_hook: BiasHook | None = None) -> torch.Tensor:
+        extra = {"bias_hook": bias_hook} if bias_hook is not None else {}  # attn_layer classes without hooks work
         x = x + self.drop_path(self.attn(self.norm1(x), attn_mask, **extra))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
 def run_block(block: Block, x: torch.Tensor, attn_mask: AttentionMask | None = None,
-              rpe_adversary: RPEAdversary | None = None, recompute: bool = False) -> torch.Tensor:
+              bias_hook: BiasHook | None = None, recompute: bool = False) -> torch.Tensor:
     """block(x, ...), or with activation checkpointing (non-reentrant: the recomputation sees the
     same drop-path draws, and gradients of any order flow through it)."""
     if recompute and torch.is_grad_enabled():
-        return checkpoint(block, x, attn_mask, rpe_adversary, use_reentrant=False)
-    return block(x, attn_mask, rpe_adversary)
+        return checkpoint(block, x, attn_mask, bias_hook, use_reentrant=False)
+    return block(x, attn_mask, bias_hook)
 
 
 class VisionTransformer(nn.Module):
@@ -216,23 +218,24 @@ class VisionTransformer(nn.Module):
         x: torch.Tensor,
         block_input: torch.Tensor | None = None,
         attn_masks: Sequence[AttentionMask | None] | None = None,
-        rpe_adversaries: Sequence[RPEAdversary | None] | None = None,
+        bias_hooks: Sequence[BiasHook | None] | None = None,
     ) -> torch.Tensor:
         """(B, T, D) -> (B, T, D) through all blocks and the final norm.
 
         Hooks for objectives (none by default): `block_input` (B, T, D) is added to the input of
         every block (e.g. MixedAE's segment embeddings); `attn_masks` gives each block's
         attention a per-call restriction (kernels.SegmentMask / TopKMask, or None = dense);
-        `rpe_adversaries` perturbs each block's relative positions (AdPE; needs rpe=True).
+        `bias_hooks` gives each block's relative-position bias a per-call edit (model.irpe.BiasHook,
+        or None; needs rpe=True), e.g. an objective's perturbation of the positions.
         """
-        for name, per_block in (("attn_masks", attn_masks), ("rpe_adversaries", rpe_adversaries)):
+        for name, per_block in (("attn_masks", attn_masks), ("bias_hooks", bias_hooks)):
             if per_block is not None and len(per_block) != len(self.blocks):
                 raise ValueError(f"{name} has {len(per_block)} entries for {len(self.blocks)} blocks")
         for i, block in enumerate(self.blocks):
             if block_input is not None:
                 x = x + block_input
             x = run_block(block, x, attn_masks[i] if attn_masks is not None else None,
-                          rpe_adversaries[i] if rpe_adversaries is not None else None,
+                          bias_hooks[i] if bias_hooks is not None else None,
                           recompute=self.grad_checkpointing)
         return self.norm(x)
 

@@ -11,7 +11,11 @@ import torch
 from PIL import Image
 
 REPO = Path(__file__).resolve().parent.parent
-DEBUG_PRESET = REPO / "train" / "configs" / "debug_mae.json"
+# The code runs from the repository root and is not installed (pyproject.toml): pytest puts the
+# root on sys.path (pythonpath), and every process a test starts (python train/X.py, the deepspeed
+# launcher's ranks, python -c) finds it through PYTHONPATH.
+os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+DEBUG_PRESET = REPO / "train" / "configs" / "mae/debug.json"
 CPU_DS = REPO / "ds_configs" / "cpu_debug.json"
 
 

@@ -1,7 +1,7 @@
 """GPU validation kit (issue 20): one phase of measurements per call, run from the repo root on a
 lent GPU machine, one compact JSON (+ one log per call) into $OUT when set, else benchmarks/results/.
 
-    python tools/gpu_check.py PHASE [PHASE ...] [--budget_s 480] [--smoke] [--out DIR]
+    python -m tools.gpu_check PHASE [PHASE ...] [--budget_s 480] [--smoke] [--out DIR]
 
 Phases (tools/phases/, one module each; each reuses the project's own entry points):
   tests    engine checks through train/pretrain.py (fp16 dynamic loss scale 50 MAE steps, bf16
@@ -13,7 +13,7 @@ Phases (tools/phases/, one module each; each reuses the project's own entry poin
            and without the fused TopK kernel; kernels/bench.py fp16 + bf16
   loader   decode + RandomResizedCrop 224 images/s with cpu, cpu_draft (train/bench.py
            --loader_only) and nvjpeg, on JPEG shards made by benchmarks/photo_shards.py
-  study    train/study.py on Fashion-MNIST, 1 seed, one entry at a time (--study_pretrain_samples,
+  study    experiments/fashion_mnist/study.py on Fashion-MNIST, 1 seed, one entry at a time (--study_pretrain_samples,
            default one epoch: 60000)
 
 --smoke: the same phase on the CPU with tiny models and few steps (the test suite runs it); what
@@ -41,9 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
+import torch
 
 PHASES = ("tests", "bench", "methods", "loader", "study")
 PHASE_MODULES = {"tests": "gpu_tests", "bench": "bench", "methods": "methods", "loader": "loader", "study": "study"}

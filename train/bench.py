@@ -1,7 +1,7 @@
 """Throughput benchmark of any method / model / ds_config, through the real engine and loop.
 
-    python    train/bench.py --ds_config FILE [--config PRESET] [--key value ...] [bench options]
-    deepspeed train/bench.py ...                        # several GPUs: images/s of the whole job
+    python -m train.bench --ds_config FILE [--config PRESET] [--key value ...] [bench options]
+    deepspeed --module train.bench ...                        # several GPUs: images/s of the whole job
 
 Bench options (the rest are train/pretrain.py options; data.source synthetic or shards):
     --steps N (20)            optimizer steps timed, after
@@ -35,30 +35,24 @@ from pathlib import Path
 import torch
 
 from train import distributed
+from train.build import build_engine, compute_dtype, peak_lr, profile_config, schedule_steps, training_source
+from train.cli import cli, pop_flags
 from train.config import ConfigError, encoder_img_size, parse_args, to_dict
 from train.ds_config import resolve
 from train.gpus import current_gpu, gpu_named
+from train.loop import LoopSettings, LoopState, run
 from train.run_dir import REPO, git_commit
 
-BENCH_FLAGS = {"--steps": int, "--warmup": int, "--activation_checkpointing": str, "--gpu": str, "--out_dir": str}
+BENCH_FLAGS = {"--steps": int, "--warmup": int, "--activation_checkpointing": str, "--gpu": str, "--out_dir": str,
+               "--loader_only": None}
 
 
 def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
     """(bench options, pretrain options)."""
     opts = {"steps": 20, "warmup": 5, "activation_checkpointing": None, "gpu": None, "loader_only": False,
             "out_dir": str(REPO / "benchmarks" / "results")}
-    rest, i = [], 0
-    while i < len(argv):
-        if argv[i] == "--loader_only":
-            opts["loader_only"], i = True, i + 1
-        elif argv[i] in BENCH_FLAGS:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"{argv[i]} needs a value")
-            opts[argv[i][2:]] = BENCH_FLAGS[argv[i]](argv[i + 1])
-            i += 2
-        else:
-            rest.append(argv[i])
-            i += 1
+    found, rest = pop_flags(argv, BENCH_FLAGS)
+    opts.update(found)
     if opts["activation_checkpointing"] not in (None, "on", "off"):
         raise ConfigError("--activation_checkpointing takes on or off")
     if opts["steps"] < 1 or opts["warmup"] < 0:
@@ -110,10 +104,6 @@ def loader_throughput(cfg, opts: dict, img_size: int, rank: int, world: int) -> 
 
 
 def main(argv: list[str] | None = None) -> Path:
-    from data.source import build_source
-    from train.loop import LoopState, run
-    from train.pretrain import build_engine, labeled_split, profile_config, schedule_steps
-
     opts, rest = split_argv(sys.argv[1:] if argv is None else argv)
     cfg = parse_args([*rest, "--run.tensorboard", "false", "--run.progress", "false", "--run.export", "false"])
     img_size = encoder_img_size(cfg)
@@ -134,19 +124,15 @@ def main(argv: list[str] | None = None) -> Path:
         ds_config.pop("activation_checkpointing", None)
     rank, world, device = distributed.init()
     per_epoch, total, warmup_steps = schedule_steps(cfg, plan)
-    engine, objective, _ = build_engine(cfg, ds_config, device, cfg.optim.blr * plan.global_batch / 256,
-                                        warmup_steps, total)
-    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
-    split = labeled_split(cfg)
-    section = getattr(cfg, cfg.objective)
-    data = build_source(cfg.data, img_size, cfg.model.in_chans, plan.micro, cfg.seed, rank, world, device, split,
-                        section.val_every(plan.accum) if split is not None else 1)
+    engine, objective, _ = build_engine(cfg, ds_config, device, peak_lr(cfg, plan), warmup_steps, total)
+    dtype = compute_dtype(engine)
+    data = training_source(cfg, img_size, plan, rank, world, device)
     windows: list[dict] = []
     noop = lambda step: None  # noqa: E731
 
     def timed(first: int, steps: int) -> None:
-        run(engine, data, LoopState(first, first + steps, steps, 10**12, plan.global_batch), device, dtype,
-            lambda step, metrics: windows.append(metrics), noop)
+        run(engine, data, LoopSettings(first + steps, steps, 10**12, plan.global_batch), LoopState(first), device,
+            dtype, lambda step, metrics: windows.append(metrics), noop)
 
     if opts["warmup"]:
         timed(0, opts["warmup"])
@@ -191,6 +177,4 @@ def write(record: dict, opts: dict, label: str) -> Path:
 
 
 if __name__ == "__main__":
-    from train.pretrain import cli
-
     cli(main)

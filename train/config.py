@@ -4,6 +4,11 @@ One source of truth per setting: batch sizes, precision, ZeRO stage and gradient
 in the DeepSpeed JSON (`--ds_config`); everything else lives here. Values come from the
 dataclass defaults, then an optional JSON preset (`--config FILE`), then `--section.key value`
 command-line overrides, in that order. Unknown keys are errors naming the closest valid key.
+
+The common sections are the fields of PretrainConfig; each registered objective adds its own
+section under its name (`cfg.mae`, `--mae.mask_ratio`), built from the registry when the config
+is made, so a method registered anywhere (model/objectives/base.py) gets its options, its
+`--help` lines and its preset keys without an edit here.
 """
 from __future__ import annotations
 
@@ -18,14 +23,7 @@ from typing import Any, Union
 
 from data.transforms import DECODES
 from kernels import resolve_backend
-from model.objectives import OBJECTIVES
-from model.objectives.energy import EnergyConfig
-from model.objectives.finetune import FinetuneConfig
-from model.objectives.linear_probe import LinearProbeConfig
-from model.objectives.mae import MAEConfig
-from model.objectives.maeplus import MAEPlusConfig
-from model.objectives.mixedae import MixedAEConfig
-from model.objectives.mlomae import MLOMAEConfig
+from model.objectives import OBJECTIVES, ObjectiveConfig, list_objectives
 from model.registry import list_models, model_arch
 from model.timm_backbone import is_timm_name
 
@@ -97,8 +95,19 @@ class RunConfig:
     overwrite: bool = False  # start afresh in an output_dir that holds another run (its checkpoints and logs are deleted)
 
 
+def _registered_sections() -> dict[str, ObjectiveConfig]:
+    """Every registered objective's config at its defaults, in registration order."""
+    common = {f.name for f in dataclasses.fields(PretrainConfig)}
+    clash = sorted(common & set(OBJECTIVES))
+    if clash:
+        raise ConfigError(f"objectives {clash} are named like common config sections; register them under other names")
+    return {name: config_cls() for name, (config_cls, _) in OBJECTIVES.items()}
+
+
 @dataclass
 class PretrainConfig:
+    """Common sections as fields; the objectives' sections (`cfg.<objective name>`) in `sections`."""
+
     ds_config: str = ""  # DeepSpeed JSON: batch, precision, ZeRO, clipping
     output_dir: str = "runs/pretrain"
     resume: str = ""  # '' | 'auto' (latest complete checkpoint in output_dir) | path to a checkpoint
@@ -108,19 +117,28 @@ class PretrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    mae: MAEConfig = field(default_factory=MAEConfig)
-    mixedae: MixedAEConfig = field(default_factory=MixedAEConfig)
-    maeplus: MAEPlusConfig = field(default_factory=MAEPlusConfig)
-    mlomae: MLOMAEConfig = field(default_factory=MLOMAEConfig)
-    energy: EnergyConfig = field(default_factory=EnergyConfig)
-    linprobe: LinearProbeConfig = field(default_factory=LinearProbeConfig)
-    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    # objective name -> its config, one per objective registered when this config was made
+    sections: dict[str, ObjectiveConfig] = field(default_factory=_registered_sections, repr=False)
+
+    def __getattr__(self, name: str) -> Any:
+        """cfg.<objective name> is that objective's section (only called for names not found otherwise)."""
+        sections = self.__dict__.get("sections")
+        if sections is not None and name in sections:
+            return sections[name]
+        raise AttributeError(f"{type(self).__name__} has no section or field {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        sections = self.__dict__.get("sections")
+        if sections is not None and name in sections:
+            sections[name] = value
+        else:
+            super().__setattr__(name, value)
 
     def validate(self) -> None:
         if not self.ds_config:
             raise ConfigError("--ds_config is required (e.g. ds_configs/cpu_debug.json)")
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"objective {self.objective!r} is unknown; choose one of {sorted(OBJECTIVES)}")
+        if self.objective not in OBJECTIVES or self.objective not in self.sections:
+            raise ConfigError(f"objective {self.objective!r} is unknown; choose one of {list_objectives()}")
         if self.optim.name not in ("adamw", "lars"):
             raise ConfigError(f"optim.name must be adamw or lars, got {self.optim.name!r}")
         if self.data.train_transform not in ("crop_flip", "randaug", "multicrop"):
@@ -139,15 +157,16 @@ class PretrainConfig:
             raise ConfigError(f"optim.layer_decay must be in (0, 1], got {self.optim.layer_decay}")
         if self.model.global_pool not in ("token", "avg"):
             raise ConfigError(f"model.global_pool must be token or avg, got {self.model.global_pool!r}")
-        if self.data.eval_index and not hasattr(OBJECTIVES[self.objective][1], "predict"):
+        objective_cls = OBJECTIVES[self.objective][1]
+        if self.data.eval_index and not objective_cls.has_classifier():
             raise ConfigError(f"data.eval_index is for objectives with a classifier; objective {self.objective!r} "
                               f"has none (evaluate its encoder with train/evaluate.py)")
-        split_objective = hasattr(getattr(self, self.objective), "data_split")  # MLO-MAE: levels I-III read train_index
+        split_objective = section(self).data_split() is not None  # MLO-MAE: levels I-III read train_index
         if split_objective and self.data.eval_index and \
                 Path(self.data.eval_index).resolve() == Path(self.data.train_index).resolve():
             raise ConfigError("data.eval_index is the training index, which every MLO-MAE level reads: the reported "
                               "accuracy would be measured on training samples; point it at the held-out test split")
-        if self.run.compile and getattr(OBJECTIVES[self.objective][1], "double_backward", False):
+        if self.run.compile and objective_cls.double_backward:
             raise ConfigError(f"run.compile: objective {self.objective} differentiates through input gradients, "
                               f"which compiled graphs do not support; set run.compile false")
         if self.run.stop_check_every < 1:
@@ -186,9 +205,14 @@ class PretrainConfig:
                               f"or a timm model as 'timm/<name>' (e.g. timm/convnext_atto)")
         try:
             resolve_backend(self.model.attn_backend)
-            getattr(self, self.objective).validate()
+            section(self).validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def section(cfg: PretrainConfig) -> ObjectiveConfig:
+    """The selected objective's config section (cfg.<cfg.objective>)."""
+    return cfg.sections[cfg.objective]
 
 
 def encoder_img_size(cfg: PretrainConfig) -> int:
@@ -199,30 +223,31 @@ def encoder_img_size(cfg: PretrainConfig) -> int:
 def check_objective_fits(cfg: PretrainConfig, micro_batch: int, accum: int = 1, zero_stage: int = 0) -> None:
     """Objective-vs-model/batch/engine/data checks (e.g. MixedAE's group size and mixing cells,
     MLO-MAE's ZeRO stage and class count), before any process starts."""
-    section = getattr(cfg, cfg.objective)
+    checks = section(cfg)
     arch = model_arch(cfg.model.name, **({"img_size": cfg.model.img_size} if cfg.model.img_size else {}))
+    # the shard index is read only for objectives that check the class count
+    reads_labels = type(checks).check_labels is not ObjectiveConfig.check_labels
     try:
-        if hasattr(section, "check_fits"):
-            section.check_fits(arch["img_size"], arch["patch_size"], arch["depth"], micro_batch)
-        if hasattr(section, "check_engine"):
-            section.check_engine(zero_stage, accum)
-        if hasattr(section, "check_input"):
-            section.check_input(cfg.model.in_chans)
-        if hasattr(section, "check_labels") and cfg.data.source == "shards" and Path(cfg.data.train_index).is_file():
+        checks.check_fits(arch["img_size"], arch["patch_size"], arch["depth"], micro_batch)
+        checks.check_engine(zero_stage, accum)
+        checks.check_input(cfg.model.in_chans)
+        if reads_labels and cfg.data.source == "shards" and Path(cfg.data.train_index).is_file():
             from data.shards import ShardSet
 
-            section.check_labels(len(ShardSet.from_index(cfg.data.train_index, cfg.data.allow_pipe_urls).classes))
+            checks.check_labels(len(ShardSet.from_index(cfg.data.train_index, cfg.data.allow_pipe_urls).classes))
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
 
 
 # --- parsing ---------------------------------------------------------------------------------
 
-def _leaves(cls: type, prefix: str = "") -> dict[str, Any]:
+def _leaves(cls: type, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """Dotted key -> type annotation for every leaf field of a config dataclass."""
     out: dict[str, Any] = {}
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
             out.update(_leaves(tp, f"{prefix}{f.name}."))
@@ -231,11 +256,16 @@ def _leaves(cls: type, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-VALID_KEYS = _leaves(PretrainConfig)
+def valid_keys() -> dict[str, Any]:
+    """Every option (dotted key -> type): the common sections, then each registered objective's."""
+    keys = _leaves(PretrainConfig, skip=("sections",))
+    for name, (config_cls, _) in OBJECTIVES.items():
+        keys.update(_leaves(config_cls, f"{name}."))
+    return keys
 
 
 def _unknown(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, VALID_KEYS, n=1, cutoff=0.5)
+    close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.5)
     hint = f"; did you mean {close[0]!r}?" if close else "; run with --help to list the options"
     return ConfigError(f"unknown option {key!r}{hint}")
 
@@ -272,21 +302,21 @@ def _convert(key: str, tp: Any, value: Any) -> Any:
         raise ConfigError(f"option {key!r}: cannot read {value!r} as {getattr(tp, '__name__', tp)} ({e})") from None
 
 
-def _set(cfg: PretrainConfig, key: str, value: Any) -> None:
-    if key not in VALID_KEYS:
+def _set(cfg: PretrainConfig, key: str, value: Any, keys: dict[str, Any]) -> None:
+    if key not in keys:
         raise _unknown(key)
     *path, leaf = key.split(".")
     target = cfg
     for part in path:
         target = getattr(target, part)
-    setattr(target, leaf, _convert(key, VALID_KEYS[key], value))
+    setattr(target, leaf, _convert(key, keys[key], value))
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+def _flatten(d: dict, keys: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
-        if isinstance(v, dict) and f"{prefix}{k}" not in VALID_KEYS:
-            out.update(_flatten(v, f"{prefix}{k}."))
+        if isinstance(v, dict) and f"{prefix}{k}" not in keys:
+            out.update(_flatten(v, keys, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -295,7 +325,7 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 def help_text() -> str:
     default = to_dict(PretrainConfig())
     lines = ["options (--key value; --config FILE.json loads a preset first):"]
-    for key in VALID_KEYS:
+    for key in valid_keys():
         value: Any = default
         for part in key.split("."):
             value = value[part]
@@ -321,18 +351,22 @@ def parse_args(argv: list[str]) -> PretrainConfig:
             i += 2
         if key != "local_rank":
             pairs.append((key, value))
-    cfg = PretrainConfig()
+    cfg, keys = PretrainConfig(), valid_keys()
     for key, value in pairs:
         if key == "config":
             preset = json.loads(Path(value).read_text())
-            for k, v in _flatten(preset).items():
-                _set(cfg, k, v)
+            for k, v in _flatten(preset, keys).items():
+                _set(cfg, k, v, keys)
     for key, value in pairs:
         if key != "config":
-            _set(cfg, key, value)
+            _set(cfg, key, value, keys)
     cfg.validate()
     return cfg
 
 
 def to_dict(cfg: PretrainConfig) -> dict:
-    return dataclasses.asdict(cfg)
+    """Plain nested dict, as run folders and checkpoints store it: the common sections, then each
+    objective's section as a top-level key (in registration order)."""
+    out = dataclasses.asdict(cfg)
+    out.update(out.pop("sections"))
+    return out

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from kernels.masked import SegmentMask, TopKMask
+from model.objectives.base import Objective
 
 
 DOUBLE_BACKWARD_FACTOR = 2.2
@@ -83,13 +84,13 @@ def _kept_matrix_bytes(attn: nn.Module, mask, rpe: bool, fused_kernels: bool, va
     return kept
 
 
-def profile(objective: nn.Module, batch: dict[str, torch.Tensor], fused_kernels: bool = True,
+def profile(objective: Objective, batch: dict[str, torch.Tensor], fused_kernels: bool = True,
             value_bytes: int = 2) -> Profile:
     """Run `objective(batch)` with hooks; tensors may live on the meta device. `fused_kernels`:
     whether restricted attention would run the Triton kernels (sm80+ GPUs)."""
     from model.vit import Attention, Block
 
-    out = Profile(double_backward=bool(getattr(objective, "double_backward", False)))
+    out = Profile(double_backward=objective.double_backward)
     in_block: set[int] = set()
     for block in objective.modules():
         if isinstance(block, Block):

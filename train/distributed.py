@@ -8,7 +8,7 @@ import socket
 
 import torch
 
-from launchers import slurm
+from train import slurm_env
 
 if not torch.cuda.is_available():
     # DeepSpeed otherwise probes for accelerators and warns; say CPU outright.
@@ -17,9 +17,9 @@ if not torch.cuda.is_available():
 
 def world_size_from_env() -> int:
     """Known before the process group exists: WORLD_SIZE (deepspeed / torchrun / our node
-    launcher), else the task count of a one-task-per-GPU Slurm step (launchers/slurm.py)."""
-    if "WORLD_SIZE" not in os.environ and slurm.in_task_step(os.environ):
-        return int(slurm.task_env(os.environ)["WORLD_SIZE"])
+    launcher), else the task count of a one-task-per-GPU Slurm step (train/slurm_env.py)."""
+    if "WORLD_SIZE" not in os.environ and slurm_env.in_task_step(os.environ):
+        return int(slurm_env.task_env(os.environ)["WORLD_SIZE"])
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -36,8 +36,8 @@ def init() -> tuple[int, int, torch.device]:
     """
     import deepspeed
 
-    if "RANK" not in os.environ and slurm.in_task_step(os.environ):  # srun: one task per GPU
-        os.environ.update(slurm.task_env(os.environ))  # DeepSpeed's init does not read SLURM_*
+    if "RANK" not in os.environ and slurm_env.in_task_step(os.environ):  # srun: one task per GPU
+        os.environ.update(slurm_env.task_env(os.environ))  # DeepSpeed's init does not read SLURM_*
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))

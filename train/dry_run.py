@@ -1,7 +1,7 @@
 """Check a pretraining configuration for a world size and a GPU, and estimate per-GPU memory,
 without starting any process or touching a GPU.
 
-    python train/pretrain.py --dry-run [--world_size N] [--gpu a100] --ds_config FILE [--config PRESET] [--key value ...]
+    python -m train.pretrain --dry-run [--world_size N] [--gpu a100] --ds_config FILE [--config PRESET] [--key value ...]
 
 Checks everything train/pretrain.py checks before it starts (options, batch arithmetic against
 the world size, the objective against model, batch and ZeRO stage, shards against ranks x
@@ -18,8 +18,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from train.build import peak_lr, schedule_steps
+from train.cli import pop_flags
 from train.config import ConfigError, PretrainConfig, check_objective_fits, parse_args
-from train.ds_config import activation_checkpointing, load, precision, resolve
+from train.ds_config import activation_checkpointing, load, precision, resolve, zero_stage
 from train.gpus import GPU, current_gpu, gpu_in_filename, gpu_named
 from train.memory import GIB, HEADROOM, MemoryEstimate, estimate
 
@@ -60,8 +62,6 @@ def default_gpu(ds_config: str) -> GPU:
 
 def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
     """gpu None: CPU ranks (launchers/submit.py --gpus_per_node 0): no GPU checks, no memory estimate."""
-    from train.pretrain import schedule_steps
-
     run = DryRun(world, gpu)
     if world < 1:
         run.problems.append(f"world size {world}: a run needs at least 1 rank")
@@ -71,7 +71,7 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
     except ConfigError as e:
         run.problems.append(str(e))
         return run
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    stage = zero_stage(ds)
     prec = precision(ds)
     run.lines.append(f"{world} x {gpu.name if gpu is not None else 'CPU'}: global batch {plan.global_batch} = micro {plan.micro} x accumulation "
                      f"{plan.accum} x {world} ranks; {prec}; ZeRO {stage}; activation checkpointing "
@@ -90,7 +90,7 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
             check_source(cfg.data, world, cfg.model.in_chans)
             per_epoch, total, _ = schedule_steps(cfg, plan)
             run.lines.append(f"schedule: {per_epoch} steps per epoch, {total} steps; peak lr "
-                             f"{cfg.optim.blr * plan.global_batch / 256:.3g} (blr {cfg.optim.blr:g} x "
+                             f"{peak_lr(cfg, plan):.3g} (blr {cfg.optim.blr:g} x "
                              f"{plan.global_batch} / 256)")
         except (ConfigError, ValueError) as e:
             run.problems.append(str(e))
@@ -123,19 +123,8 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
 
 
 def main(argv: list[str]) -> int:
-    rest, world, gpu_name = [], None, None
-    i = 0
-    while i < len(argv):
-        if argv[i] == "--dry-run":
-            i += 1
-        elif argv[i] in ("--world_size", "--gpu"):
-            if i + 1 >= len(argv):
-                raise ConfigError(f"{argv[i]} needs a value")
-            world, gpu_name = (int(argv[i + 1]), gpu_name) if argv[i] == "--world_size" else (world, argv[i + 1])
-            i += 2
-        else:
-            rest.append(argv[i])
-            i += 1
+    flags, rest = pop_flags(argv, {"--dry-run": None, "--world_size": int, "--gpu": str})
+    world, gpu_name = flags.get("world_size"), flags.get("gpu")
     cfg = parse_args(rest)
     try:
         gpu = gpu_named(gpu_name) if gpu_name else default_gpu(cfg.ds_config)

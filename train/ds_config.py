@@ -27,6 +27,11 @@ class BatchPlan:
         return self.micro * self.accum * self.world
 
 
+def zero_stage(ds: dict) -> int:
+    """The ZeRO stage a DeepSpeed JSON asks for (0 when it has no zero_optimization section)."""
+    return ds.get("zero_optimization", {}).get("stage", 0)
+
+
 def load(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
@@ -111,7 +116,7 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
             "ds_config must state gradient_clipping explicitly (0.0 for the MAE recipe): DeepSpeed >= 0.19.3 "
             "clips at 1.0 when the key is missing"
         )
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    stage = zero_stage(ds)
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_optimization.stage must be 0-3, got {stage}")
     prec = precision(ds)

@@ -1,6 +1,6 @@
 """Evaluation on frozen features: weighted kNN and a linear probe, on any labeled shard set.
 
-    python train/evaluate.py --train_index shards/train.json --test_index shards/test.json \
+    python -m train.evaluate --train_index shards/train.json --test_index shards/test.json \
         (--encoder runs/x/encoder.safetensors | --encoder mae_pretrain_vit_base.pth | --checkpoint runs/x
          | --random_init vit_mini_patch4 [--img_size 32]) \
         [--pool cls|avg] [--out eval.json]

@@ -1,7 +1,7 @@
 """Export a pretrained encoder to timm: `<out>.safetensors` (fp32 weights, timm names) and
 `<out>.json` (the timm VisionTransformer kwargs that rebuild it).
 
-    python train/export.py --checkpoint runs/x [--out runs/x/encoder.safetensors]
+    python -m train.export --checkpoint runs/x [--out runs/x/encoder.safetensors]
 
 --checkpoint takes a run folder (its latest complete checkpoint) or one checkpoint tag folder.
 Rebuild in timm:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from train import pretrain
+from train import trainer
+from train.cli import cli
 
 # AdamW (0.9, 0.999), blr 5e-4, wd 0.05, layer decay 0.65, 100 epochs with 5 warmup, drop path
 # 0.1, global average pool + fc_norm, RandAug(9, 0.5) + random erasing 0.25, mixup 0.8,
@@ -28,8 +29,8 @@ RECIPE = ["--objective", "finetune", "--optim.blr", "5e-4", "--optim.betas", "0.
 
 
 def main(argv: list[str] | None = None) -> Path:
-    return pretrain.main(RECIPE + (sys.argv[1:] if argv is None else argv))
+    return trainer.main(RECIPE + (sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":
-    pretrain.cli(main)
+    cli(main)

@@ -1,7 +1,7 @@
 """Linear probe with the MAE protocol: the pretraining entry point with the linprobe objective and
 the recipe's defaults (METHODS.md section 0). Any option can still be overridden.
 
-    python train/linprobe.py --ds_config ds_configs/<stage-0 file>.json \\
+    python -m train.linprobe --ds_config ds_configs/<stage-0 file>.json \\
         --model.name vit_base_patch16 --model.init_from runs/mae_vitb/encoder.safetensors \\
         --data.train_index shards/in1k/train.json --data.eval_index shards/in1k/val.json \\
         --linprobe.num_classes 1000 --output_dir runs/linprobe_vitb
@@ -13,7 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from train import pretrain
+from train import trainer
+from train.cli import cli
 
 # cls feature + BN(no affine) + Linear, LARS (momentum 0.9, trust 0.001), no weight decay,
 # blr 0.1 (lr = blr x batch / 256; the recipe's batch is 16384), 90 epochs with 10 warmup,
@@ -24,8 +25,8 @@ RECIPE = ["--objective", "linprobe", "--optim.name", "lars", "--optim.blr", "0.1
 
 
 def main(argv: list[str] | None = None) -> Path:
-    return pretrain.main(RECIPE + (sys.argv[1:] if argv is None else argv))
+    return trainer.main(RECIPE + (sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":
-    pretrain.cli(main)
+    cli(main)

@@ -15,19 +15,25 @@ import torch
 import torch.distributed as dist
 
 from train import fault_injection
-from train.nonfinite import StepHealth, loss_scale_collapse, nan_if_not_finite
+from train.nonfinite import StepHealth, loss_scale, loss_scale_collapse, nan_if_not_finite
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What one call of run() does: where it stops, its cadences (in optimizer steps)."""
+    stop_step: int  # exclusive end of this invocation
+    log_every: int
+    ckpt_every: int
+    global_batch: int  # samples per optimizer step over all ranks (images/s)
+    vis_every: int = 0  # 0 = no figures
+    eval_every: int = 0  # 0 = evaluate only at the end (when an evaluation is given)
+    max_nonfinite_steps: int = 0  # consecutive skipped (non-finite) steps that stop the run; 0 = never
 
 
 @dataclass
 class LoopState:
-    step: int  # optimizer steps completed
-    stop_step: int  # exclusive end of this invocation
-    log_every: int
-    ckpt_every: int
-    global_batch: int
-    vis_every: int = 0  # 0 = no figures
-    eval_every: int = 0  # 0 = evaluate only at the end (when an evaluation is given)
-    max_nonfinite_steps: int = 0  # consecutive skipped (non-finite) steps that stop the run; 0 = never
+    """The loop's progress, owned by its caller (which resumes it and reads it after run())."""
+    step: int = 0  # optimizer steps completed
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -76,6 +82,7 @@ def read_window(sums: dict[str, torch.Tensor], counts: dict[str, float], grad_no
 def run(
     engine,
     data: Iterator[dict[str, torch.Tensor]],
+    settings: LoopSettings,
     state: LoopState,
     device: torch.device,
     dtype: torch.dtype,
@@ -85,25 +92,28 @@ def run(
     on_evaluate: Callable[[int], None] | None = None,
     should_stop: Callable[[int], bool] = lambda step: False,
 ) -> bool:
-    """Train until state.stop_step; True when `should_stop` (a collective: train/preemption.py)
-    ended it early, after a checkpoint of the step reached."""
+    """Train from state.step until settings.stop_step, counting steps in state.step; True when
+    `should_stop` (a collective: train/preemption.py) ended it early, after a checkpoint of the
+    step reached."""
     accum = engine.gradient_accumulation_steps()
     # ZeRO stages 1-3 and the mixed-precision optimizers report the norm they computed; a plain
     # fp32 stage-0 engine without clipping does not, so we measure it on log steps.
     manual_norm = engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled())
     # An objective may own state the optimizer does not update (AdPE's adversaries, MLO-MAE's
-    # masking network and head): it gets the step's lr after every optimizer step and may return
-    # 0-dim tensors to log for that step.
-    after_step = getattr(engine.module, "after_optimizer_step", None)
+    # masking network and head): after every optimizer step it gets the step's lr and micro-batches
+    # and may return 0-dim tensors to log for that step.
+    after_step = engine.module.after_optimizer_step
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, float] = {}  # optimizer steps each logged value covers in this window
     t_last, steps_since_log = time.perf_counter(), 0
-    health = StepHealth(state.max_nonfinite_steps)
-    while state.step < state.stop_step:
-        log_now = (state.step + 1) % state.log_every == 0 or state.step + 1 == state.stop_step
+    health = StepHealth(settings.max_nonfinite_steps)
+    while state.step < settings.stop_step:
+        log_now = (state.step + 1) % settings.log_every == 0 or state.step + 1 == settings.stop_step
         grad_norm, lr = None, 0.0
+        batches: list[dict[str, torch.Tensor]] = []  # this step's micro-batches, as the objective saw them
         for micro in range(accum):
-            out = engine(_to_device(next(data), device, dtype))
+            batches.append(_to_device(next(data), device, dtype))
+            out = engine(batches[-1])
             out["loss"] = fault_injection.poison_loss(out["loss"], state.step + 1)
             # a non-finite loss gives NaN gradients: the engine then skips the step (train/nonfinite.py)
             engine.backward(nan_if_not_finite(out["loss"]))
@@ -125,8 +135,8 @@ def run(
                 if v.ndim == 0:
                     sums[k] = sums.get(k, 0) + v.detach().float() / accum
                     counts[k] = counts.get(k, 0) + 1 / accum
-            if boundary and after_step is not None:  # objective state outside the optimizer
-                for k, v in (after_step(lr) or {}).items():
+            if boundary:  # objective state outside the optimizer
+                for k, v in after_step(lr, batches).items():
                     sums[k] = sums.get(k, 0) + v.detach().float()
                     counts[k] = counts.get(k, 0) + 1
         state.step += 1
@@ -141,18 +151,18 @@ def run(
             metrics["lr"] = lr
             metrics["skipped_steps"] = engine.skipped_steps  # non-finite / overflow steps not applied, whole run
             metrics["step_time"] = elapsed / steps_since_log
-            metrics["images_per_s"] = state.global_batch * steps_since_log / elapsed
-            if engine.fp16_enabled():  # a host float in DeepSpeed's loss scaler
-                scale = getattr(engine.optimizer, "cur_scale", None) or getattr(engine.optimizer, "loss_scale", 0.0)
-                metrics["loss_scale"] = float(scale)
+            metrics["images_per_s"] = settings.global_batch * steps_since_log / elapsed
+            scale = loss_scale(engine)  # fp16 only: a host float in DeepSpeed's loss scaler
+            if scale is not None:
+                metrics["loss_scale"] = scale
             on_log(state.step, metrics)
             sums, counts, t_last, steps_since_log = {}, {}, time.perf_counter(), 0
-        last = state.step == state.stop_step
-        if on_evaluate is not None and (last or (state.eval_every and state.step % state.eval_every == 0)):
+        last = state.step == settings.stop_step
+        if on_evaluate is not None and (last or (settings.eval_every and state.step % settings.eval_every == 0)):
             on_evaluate(state.step)
-        if state.vis_every and (state.step % state.vis_every == 0 or last):
+        if settings.vis_every and (state.step % settings.vis_every == 0 or last):
             on_visualize(state.step)
-        saved = state.step % state.ckpt_every == 0 or last
+        saved = state.step % settings.ckpt_every == 0 or last
         if saved:
             on_checkpoint(state.step)
             t_last = time.perf_counter()  # checkpoint time is not training throughput

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
+from train.build import profile_config
 from train.costs import Profile
-from train.ds_config import BatchPlan, precision
+from train.ds_config import BatchPlan, precision, zero_stage
 from train.gpus import GPU
 
 GIB = 2**30
@@ -116,7 +117,7 @@ def largest_layer(module: torch.nn.Module) -> int:
 
 def comm_buffers(ds: dict, trainable: int, prec: str) -> float:
     z = ds.get("zero_optimization", {})
-    stage = z.get("stage", 0)
+    stage = zero_stage(ds)
     if stage == 0:
         return 0.0
     w = 2 if prec in ("fp16", "bf16") else 4
@@ -128,10 +129,8 @@ def comm_buffers(ds: dict, trainable: int, prec: str) -> float:
 
 def estimate(cfg, ds: dict, plan: BatchPlan, gpu: GPU) -> MemoryEstimate:
     """The estimate for a configuration (its objective runs on the meta device)."""
-    from train.pretrain import profile_config
-
     prec = precision(ds)
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    stage = zero_stage(ds)
     value_bytes = 4 if prec == "fp32" else 2
     objective, prof = profile_config(cfg, ds, plan.micro, gpu.sm80, value_bytes)
     params = sum(p.numel() for p in objective.parameters())

@@ -50,7 +50,8 @@ def skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimi
     return optimizer
 
 
-def _loss_scale(engine) -> float | None:
+def loss_scale(engine) -> float | None:
+    """DeepSpeed's current fp16 loss scale (a host float); None when the engine is not fp16."""
     if not engine.fp16_enabled():
         return None
     return float(getattr(engine.optimizer, "cur_scale", None) or getattr(engine.optimizer, "loss_scale", 0.0))
@@ -74,7 +75,7 @@ class StepHealth:
         if self.streak == 1:
             self.first_bad = optimizer_step
         if self.limit and self.streak >= self.limit:
-            scale = _loss_scale(engine)
+            scale = loss_scale(engine)
             fp16 = f"; the fp16 loss scale is {scale:g}" if scale is not None else ""
             raise NonFiniteError(
                 f"{self.streak} consecutive optimizer steps ({self.first_bad}-{optimizer_step}) had a non-finite "
@@ -89,5 +90,5 @@ def loss_scale_collapse(error: Exception, engine, optimizer_step: int) -> NonFin
         return None
     return NonFiniteError(
         f"fp16 loss-scale collapse at step {optimizer_step}: the gradients still overflow at the minimum loss "
-        f"scale ({_loss_scale(engine):g}), so fp16 cannot represent this model's gradients any more. Training "
+        f"scale ({loss_scale(engine):g}), so fp16 cannot represent this model's gradients any more. Training "
         f"stopped without writing a checkpoint, so the last complete one is kept: {REMEDY}")

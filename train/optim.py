@@ -8,10 +8,12 @@ from torch import nn
 
 
 def no_weight_decay_names(module: nn.Module) -> set[str]:
-    """Full names listed by any submodule's `no_weight_decay()` (tokens, position tables)."""
+    """Full names listed by any submodule's `no_weight_decay()` (tokens, position tables): every
+    Objective has the method, and so may any module inside it (the encoder, a decoder, an iRPE
+    table, a timm backbone: timm's convention), so each module is asked if it defines one."""
     names: set[str] = set()
     for prefix, sub in module.named_modules():
-        if hasattr(sub, "no_weight_decay"):
+        if hasattr(sub, "no_weight_decay"):  # plain torch layers (Linear, LayerNorm) have none
             names |= {f"{prefix}.{n}" if prefix else n for n in sub.no_weight_decay()}
     return names
 

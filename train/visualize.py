@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from model.objectives.base import Objective
 from model.vit import VisionTransformer
 
 PAD = 2  # pixels between tiles
@@ -65,13 +66,12 @@ def heat_overlay(images: np.ndarray, heat: torch.Tensor) -> np.ndarray:
     return (0.5 * images + 0.5 * color).astype(np.uint8)
 
 
-def write_figures(objective, images: torch.Tensor, noise: torch.Tensor, out_dir: Path, step: int) -> list[Path]:
+def write_figures(objective: Objective, images: torch.Tensor, noise: torch.Tensor, out_dir: Path, step: int) -> list[Path]:
     """Every figure for one step; returns the written paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     figures: dict[str, list[np.ndarray]] = {}
-    if hasattr(objective, "visualizations"):
-        for name, rows in objective.visualizations(images, noise).items():
-            figures[name] = [to_uint8(r) for r in rows]
+    for name, rows in objective.visualizations(images, noise).items():
+        figures[name] = [to_uint8(r) for r in rows]
     if isinstance(objective.encoder, VisionTransformer):  # our ViT (a timm ViT has blocks too, but not our cls API)
         pictures = to_uint8(images)
         figures["cls_attention"] = [pictures, heat_overlay(pictures, cls_attention(objective.encoder, images))]

@@ -6,10 +6,10 @@ sys.path.insert(0, os.getcwd())
 from train.pretrain import main
 ROOT = os.getcwd() + "/"
 objective, ds, steps, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-extra = {"mae": [], "mixedae": ["--config", "train/configs/debug_mixedae.json"],
-         "maeplus": ["--config", "train/configs/debug_maeplus.json"],
-         "mlomae": ["--config", "train/configs/debug_mlomae.json"],
-         "energy": ["--config", "train/configs/debug_energy.json"]}[objective]
+extra = {"mae": [], "mixedae": ["--config", "train/configs/mixedae/debug.json"],
+         "maeplus": ["--config", "train/configs/maeplus/debug.json"],
+         "mlomae": ["--config", "train/configs/mlomae/debug.json"],
+         "energy": ["--config", "train/configs/energy/debug.json"]}[objective]
 counts = collections.Counter()
 def hook(message, category, filename, lineno, file=None, line=None):
     if "synchroniz" not in str(message):
@@ -26,7 +26,7 @@ warnings.showwarning = hook
 warnings.simplefilter("always")
 torch.cuda.set_sync_debug_mode("warn")
 with tempfile.TemporaryDirectory() as d:
-    main(["--ds_config", ds, "--config", "train/configs/debug_mae.json", *extra, "--output_dir", d,
+    main(["--ds_config", ds, "--config", "train/configs/mae/debug.json", *extra, "--output_dir", d,
           "--data.source", "synthetic", "--run.max_steps", str(steps), "--run.log_every", "5",
           "--run.ckpt_every", "1000", "--run.progress", "false", "--run.tensorboard", "false",
           "--run.export", "false", "--data.epoch_size", str(16 * 1000)])

@@ -8,7 +8,8 @@ echo "== gpu-marked kernel tests"
 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels -ra 2>&1 | tail -25
 echo "== old vs new A/B"
 timeout 200 python3 benchmarks/h100_20261124/kernel_ab.py $OUT/kernel_ab_h100.json .gpu/old_restricted_triton.py 2>&1 | tail -20
-echo "== kernels/bench.py bf16 + e2e"
-timeout 150 python3 kernels/bench.py --dtype bf16 --e2e mixedae adpe --out_dir $OUT 2>&1 | tail -30
+echo "== kernels/bench.py bf16, train/bench_objectives.py mixedae adpe"
+timeout 60 python3 -m kernels.bench --dtype bf16 --out_dir $OUT 2>&1 | tail -20
+timeout 120 python3 -m train.bench_objectives --dtype bf16 --pairs mixedae adpe --out_dir $OUT 2>&1 | tail -10
 } > $L 2>&1
 tail -c 9000 $L

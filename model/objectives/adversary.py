@@ -4,8 +4,8 @@ updated by projected gradient ascent from the model's own backward (parallel mod
 The perturbations are plain fp32 leaf tensors held outside the module's parameters and buffers,
 so DeepSpeed neither casts them to fp16/bf16, nor partitions them, nor keeps a master copy
 that would undo the projection; they reach checkpoints through `get_extra_state`. After each
-optimizer step the objective's `after_optimizer_step(lr)` hook (called by the loop for any
-objective that defines it) averages their gradients over ranks and takes one PGD step:
+optimizer step the objective's `after_optimizer_step` hook (called by the loop for every
+objective) averages their gradients over ranks and takes one PGD step:
 
     l_inf:  a <- clip(a + lr_t * scale * sign(g), -eps, eps)
     l_2:    a <- Pi_eps(a + lr_t * scale * g / ||g||),  Pi_eps(v) = v * min(1, eps / ||v||)
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from model.irpe import ContextualRPE, bilinear_corners
 
 NORMS = ("linf", "l2")
 
@@ -88,3 +90,38 @@ class Adversaries:
                 raise ValueError(f"adversary {name!r} of shape {tuple(value.shape)} does not match this objective")
             device = self.tensors[name].device
             self.tensors[name] = value.to(device, torch.float32).clone().requires_grad_()
+
+
+class RPEPerturbation:
+    """One block's relative-position perturbation for one forward pass, for masked query rows only;
+    a model.irpe.BiasHook, passed per block through the ViT's forward_tokens (`bias_hooks`).
+
+    masked (B, N) bool marks the patch tokens whose query rows are perturbed (every key, cls too);
+    delta (2,) is added to their (row, col) offsets (coordinate mode, through g~ and bilinear
+    lookup); embed (buckets, H, d), the shape of the table, is added to the table rows r_ij they
+    use (embedding mode; one shared vector for all rows would shift each query's logits by a
+    constant, which the softmax ignores)."""
+
+    def __init__(self, masked: torch.Tensor, delta: torch.Tensor | None = None, embed: torch.Tensor | None = None):
+        self.masked, self.delta, self.embed = masked, delta, embed
+
+    def __call__(self, rpe: ContextualRPE, q: torch.Tensor, qr: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """q (B, H, T, d), qr (B, H, T, buckets) scaled per-bucket scores, bias (B, H, T, T) -> perturbed bias."""
+        B, H, T, d = q.shape
+        scale = d**-0.5
+        c = rpe.num_cls
+        rows = self.masked[:, None, :, None]  # (B, 1, N, 1): perturbed query rows
+        if self.delta is not None:
+            N = T - c
+            corners, weights = bilinear_corners(rpe.rel + self.delta.to(rpe.rel.dtype), **rpe.index_args)
+            patch_qr = qr[:, :, c:]  # (B, H, N, buckets)
+            picked = patch_qr.gather(-1, corners.reshape(1, 1, N, N * 4).expand(B, H, N, N * 4))
+            continuous = (picked.reshape(B, H, N, N, 4) * weights.to(q.dtype)).sum(-1)  # (B, H, N, N)
+            patch = torch.where(rows, continuous, bias[:, :, c:, c:])
+            bias = torch.cat([bias[:, :, :c], torch.cat([bias[:, :, c:, :c], patch], dim=3)], dim=2)
+        if self.embed is not None:
+            qa = torch.einsum("bhtd,nhd->bhtn", q[:, :, c:], self.embed.to(q.dtype)) * scale  # (B, H, N, buckets)
+            extra = qa.gather(-1, rpe.buckets[c:].expand(B, H, T - c, T))  # (B, H, N, T)
+            shift = torch.where(rows, extra, torch.zeros_like(extra))
+            bias = bias + torch.cat([torch.zeros_like(bias[:, :, :c]), shift], dim=2)
+        return bias

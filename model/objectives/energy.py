@@ -27,15 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data import corruptions as C
 from kernels.attention import TWICE_DIFFERENTIABLE
+from model.objectives import corruptions as C
+from model.objectives.base import Objective, ObjectiveConfig, register_objective
 from model.timm_backbone import TimmBackbone
 
 CORRUPTIONS = ("grid", "blank_small", "blank_large", "sr", "denoise", "colorize")
 
 
 @dataclass
-class EnergyConfig:
+class EnergyConfig(ObjectiveConfig):
     steps: int = 2  # N restoration steps
     alpha_init: float = 1.0  # initial step size (alpha = exp(log_alpha), learnable)
     corruption: str = "mixture"  # mixture | grid | blank_small | blank_large | sr | denoise | colorize
@@ -128,14 +129,13 @@ def check_twice_differentiable(encoder: nn.Module) -> None:
                          f"{sorted(backends)}")
 
 
-class EnergyObjective(nn.Module):
+@register_objective("energy", EnergyConfig)
+class EnergyObjective(Objective):
     double_backward = True  # the loss differentiates through input gradients (memory estimates: train/costs.py)
 
     def __init__(self, encoder: nn.Module, cfg: EnergyConfig):
-        super().__init__()
         cfg.validate()
-        self.cfg = cfg
-        self.encoder = encoder
+        super().__init__(encoder, cfg)
         check_twice_differentiable(encoder)
         self.head = nn.Linear(encoder.embed_dim, 1, bias=False)  # energy head h
         nn.init.xavier_uniform_(self.head.weight)

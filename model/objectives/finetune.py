@@ -11,11 +11,12 @@ from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import nn
 
+from model.objectives.base import Objective, ObjectiveConfig, register_objective
 from model.vit import VisionTransformer
 
 
 @dataclass
-class FinetuneConfig:
+class FinetuneConfig(ObjectiveConfig):
     num_classes: int = 1000
     mixup: float = 0.8  # mixup alpha (0 = off)
     cutmix: float = 1.0  # cutmix alpha (0 = off)
@@ -28,12 +29,11 @@ class FinetuneConfig:
             raise ValueError("finetune.mixup, finetune.cutmix and finetune.smoothing must be >= 0")
 
 
-class FinetuneObjective(nn.Module):
+@register_objective("finetune", FinetuneConfig)
+class FinetuneObjective(Objective):
     def __init__(self, encoder: VisionTransformer, cfg: FinetuneConfig):
-        super().__init__()
         cfg.validate()
-        self.cfg = cfg
-        self.encoder = encoder
+        super().__init__(encoder, cfg)
         encoder.reset_head(cfg.num_classes)
         nn.init.trunc_normal_(encoder.head.weight, std=2e-5)  # MAE's head init for fine-tuning
         nn.init.zeros_(encoder.head.bias)

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.objectives.base import Objective, ObjectiveConfig, register_objective
 from model.vit import VisionTransformer
 
 
 @dataclass
-class LinearProbeConfig:
+class LinearProbeConfig(ObjectiveConfig):
     num_classes: int = 1000
     pool: str = "cls"  # cls | avg (mean of patch tokens)
 
@@ -24,12 +25,11 @@ class LinearProbeConfig:
             raise ValueError(f"linprobe.pool must be cls or avg, got {self.pool!r}")
 
 
-class LinearProbeObjective(nn.Module):
+@register_objective("linprobe", LinearProbeConfig)
+class LinearProbeObjective(Objective):
     def __init__(self, encoder: VisionTransformer, cfg: LinearProbeConfig):
-        super().__init__()
         cfg.validate()
-        self.cfg = cfg
-        self.encoder = encoder.requires_grad_(False)
+        super().__init__(encoder.requires_grad_(False), cfg)
         self.head = nn.Sequential(nn.BatchNorm1d(encoder.embed_dim, affine=False, eps=1e-6),
                                   nn.Linear(encoder.embed_dim, cfg.num_classes))
         nn.init.trunc_normal_(self.head[1].weight, std=0.01)

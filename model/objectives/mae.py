@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from model.mae_decoder import MAEDecoder
+from model.objectives.base import Objective, ObjectiveConfig, register_objective
 from model.objectives.masking import (
     Masking,
     gather_tokens,
@@ -23,7 +23,7 @@ from model.vit import VisionTransformer
 
 
 @dataclass
-class MAEConfig:
+class MAEConfig(ObjectiveConfig):
     mask_ratio: float = 0.75
     norm_pix_loss: bool = True
     decoder_dim: int = 512
@@ -50,12 +50,11 @@ def masked_patch_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tens
     return (per_patch_mse(pred, target) * mask).sum() / mask.sum()
 
 
-class MAEObjective(nn.Module):
+@register_objective("mae", MAEConfig)
+class MAEObjective(Objective):
     def __init__(self, encoder: VisionTransformer, cfg: MAEConfig):
-        super().__init__()
         cfg.validate()
-        self.cfg = cfg
-        self.encoder = encoder
+        super().__init__(encoder, cfg)
         pe = encoder.patch_embed
         self.patch_size = pe.patch_size
         self.decoder = MAEDecoder(

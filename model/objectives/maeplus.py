@@ -23,12 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from timm.data.constants import IMAGENET_DEFAULT_STD
 from torch import nn
 
-from data.transforms import IMAGENET_STD
-from model.irpe import RPEAdversary, grid_coords
+from model.irpe import grid_coords
 from model.mae_decoder import MAEDecoder
-from model.objectives.adversary import NORMS, Adversaries
+from model.objectives.adversary import NORMS, Adversaries, RPEPerturbation
+from model.objectives.base import Objective, ObjectiveConfig, register_objective
 from model.objectives.mae import masked_patch_loss
 from model.objectives.masking import random_masking
 from model.objectives.patches import normalized_pixels, patchify
@@ -39,7 +40,7 @@ ADVERSARIES = ("none", "ape_embed", "ape_coord", "rpe_embed", "rpe_coord", "fgsm
 
 
 @dataclass
-class MAEPlusConfig:
+class MAEPlusConfig(ObjectiveConfig):
     mask_ratio: float = 0.75  # per crop
     norm_pix_loss: bool = True
     decoder_dim: int = 512
@@ -72,15 +73,14 @@ class MAEPlusConfig:
         return {"rpe": self.rpe}
 
 
-class MAEPlusObjective(nn.Module):
+@register_objective("maeplus", MAEPlusConfig)
+class MAEPlusObjective(Objective):
     def __init__(self, encoder: VisionTransformer, cfg: MAEPlusConfig):
-        super().__init__()
         cfg.validate()
         if cfg.rpe != encoder.rpe:
             raise ValueError(f"maeplus.rpe {cfg.rpe} but the encoder was built with rpe={encoder.rpe}: "
                              f"build it with the same setting (pretrain.py does)")
-        self.cfg = cfg
-        self.encoder = encoder
+        super().__init__(encoder, cfg)
         pe = encoder.patch_embed
         self.patch_size = pe.patch_size
         D = encoder.embed_dim
@@ -111,8 +111,10 @@ class MAEPlusObjective(nn.Module):
         return {}
 
     # --- the generic hooks the loop and checkpoints use --------------------------------------
-    def after_optimizer_step(self, lr: float) -> None:
+    def after_optimizer_step(self, lr: float, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """One PGD ascent step of the adversaries from the gradients of this step's backward."""
         self.adversaries.step(lr)
+        return {}
 
     def get_extra_state(self) -> dict:
         return {"adversaries": self.adversaries.state_dict()}
@@ -138,14 +140,16 @@ class MAEPlusObjective(nn.Module):
             return fixed.expand(masked.shape[0], -1, -1)
         return torch.where(masked[..., None], perturbed, fixed)
 
-    def rpe_adversaries(self, masked: torch.Tensor, dtype: torch.dtype, prefix: str, depth: int):
+    def rpe_perturbations(self, masked: torch.Tensor, dtype: torch.dtype, prefix: str,
+                          depth: int) -> list[RPEPerturbation] | None:
+        """One bias hook per block (the `bias_hooks` of forward_tokens / decode), or None without an RPE adversary."""
         kind = self.cfg.adversary
         if kind not in ("rpe_embed", "rpe_coord"):
             return None
         advs = []
         for i in range(depth):
             value = self.adversaries.get(f"rpe_{prefix}{i}", masked.device, torch.float32 if kind == "rpe_coord" else dtype)
-            advs.append(RPEAdversary(masked, delta=value) if kind == "rpe_coord" else RPEAdversary(masked, embed=value))
+            advs.append(RPEPerturbation(masked, delta=value) if kind == "rpe_coord" else RPEPerturbation(masked, embed=value))
         return advs
 
     def reconstruct(self, crops: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
@@ -154,9 +158,9 @@ class MAEPlusObjective(nn.Module):
         tokens = torch.where(masked[..., None], self.mask_token.to(tokens.dtype), tokens)
         x = self.encoder.add_cls_token(tokens + self.positions(masked, tokens.dtype))
         latent = self.encoder.forward_tokens(
-            x, rpe_adversaries=self.rpe_adversaries(masked, x.dtype, "enc", len(self.encoder.blocks)))
+            x, bias_hooks=self.rpe_perturbations(masked, x.dtype, "enc", len(self.encoder.blocks)))
         return self.decoder.decode(self.decoder.decoder_embed(latent),
-                                   self.rpe_adversaries(masked, x.dtype, "dec", len(self.decoder.decoder_blocks)))
+                                   self.rpe_perturbations(masked, x.dtype, "dec", len(self.decoder.decoder_blocks)))
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         images = batch["image"]
@@ -179,5 +183,5 @@ class MAEPlusObjective(nn.Module):
             loss = masked_patch_loss(self.reconstruct(probe, masked), target, masked.float())
             (grad,) = torch.autograd.grad(loss, probe)
         C = crops.shape[1]
-        std = torch.tensor(IMAGENET_STD if C == 3 else [1.0] * C, device=crops.device, dtype=crops.dtype)
+        std = torch.tensor(IMAGENET_DEFAULT_STD if C == 3 else [1.0] * C, device=crops.device, dtype=crops.dtype)
         return (crops + self.cfg.fgsm_eps * grad.sign() / std[:, None, None]).detach()

@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from kernels import GLOBAL, AttentionMask, SegmentMask, TopKMask
 from model.mae_decoder import MAEDecoder
+from model.objectives.base import Objective, ObjectiveConfig, register_objective
 from model.objectives.homocon import ProjectionHead, homologous_contrastive_loss
 from model.objectives.mae import masked_patch_loss
 from model.objectives.masking import gather_tokens, random_masking
@@ -32,7 +32,7 @@ from model.vit import VisionTransformer
 
 
 @dataclass
-class MixedAEConfig:
+class MixedAEConfig(ObjectiveConfig):
     mix_ratio: float = 0.25  # r: each image's share of a mixed image; groups of g = 1/r images
     mixing: str = "compose"  # compose (one mixed image per group) | full (g per group) | none (ablation)
     cell_size: int = 32  # mixing cell side in pixels, a multiple of the patch size (2x2 patches at p=16)
@@ -111,14 +111,13 @@ class MixedAEConfig:
             raise ValueError(f"mixedae.topk {self.topk} exceeds the {N + 1} tokens of a mixed image")
 
 
-class MixedAEObjective(nn.Module):
+@register_objective("mixedae", MixedAEConfig)
+class MixedAEObjective(Objective):
     def __init__(self, encoder: VisionTransformer, cfg: MixedAEConfig):
-        super().__init__()
         cfg.validate()
         pe = encoder.patch_embed
         cfg.check_fits(pe.img_size, pe.patch_size, len(encoder.blocks))
-        self.cfg = cfg
-        self.encoder = encoder
+        super().__init__(encoder, cfg)
         self.g = cfg.group_size
         self.patch_size = pe.patch_size
         self.cell = cfg.cell_size // pe.patch_size  # in patches

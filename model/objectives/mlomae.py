@@ -12,14 +12,14 @@ MAE loss on the learned mask and T receives l_j for every patch.
 T's input is taken as data (computed from E without a gradient), as in Eq. 1 where sigma
 depends on (X, T) only.
 
-Levels II and III run in `after_optimizer_step` (the loop's generic hook), outside DeepSpeed:
-the linear head C (on the frozen encoder's cls feature) and T are fp32 modules replicated on
-every rank, with their own AdamW, gradients all-reduced, lrs following the encoder's schedule
-times `head_lr_scale` / `mask_lr_scale`. Every `level1_steps` optimizer steps, C takes
-`level2_steps` steps on the latest D_tr batches; every `mask_every`-th such cycle T takes one
-step along the hypergradient of the validation loss (model/objectives/hypergrad.py), whose
-passes run in fp32 with TF32 off: the finite-difference perturbation (||eps v|| = 0.01 over all
-encoder weights) is far below bf16 / fp16 / TF32 resolution.
+Levels II and III run in `after_optimizer_step` (the loop's generic hook, which hands over the
+step's micro-batches), outside DeepSpeed: the linear head C (on the frozen encoder's cls feature)
+and T are fp32 modules replicated on every rank, with their own AdamW, gradients all-reduced, lrs
+following the encoder's schedule times `head_lr_scale` / `mask_lr_scale`. Every `level1_steps`
+optimizer steps, C takes `level2_steps` steps on the latest D_tr batches (which may span steps);
+every `mask_every`-th such cycle T takes one step along the hypergradient of the validation loss
+(model/objectives/hypergrad.py), whose passes run in fp32 with TF32 off: the finite-difference
+perturbation (||eps v|| = 0.01 over all encoder weights) is far below bf16 / fp16 / TF32 resolution.
 
 Batches carry the level-I/II data (`image`, `label`: D_tr) and, on the micro-batch that closes a
 mask cycle, `val_image` / `val_label` (D_val); data/split.py builds that stream.
@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from model.objectives.base import ObjectiveConfig, register_objective
 from model.objectives.hypergrad import Points, call_with, full_fp32, mask_hypergradient
 from model.objectives.mae import MAEObjective, per_patch_mse
 from model.objectives.masking import Masking
@@ -53,7 +54,7 @@ VARIANTS = ("mlo", "blo")
 
 
 @dataclass
-class MLOMAEConfig:
+class MLOMAEConfig(ObjectiveConfig):
     mask_ratio: float = 0.75
     norm_pix_loss: bool = True
     decoder_dim: int = 512
@@ -198,6 +199,7 @@ class Auxiliary:
         self.head_opt.load_state_dict(state["head_opt"])
 
 
+@register_objective("mlomae", MLOMAEConfig)
 class MLOMAEObjective(MAEObjective):
     """MAE (encoder, decoder, target, figures) with T's mask and weighting in level I."""
 
@@ -207,9 +209,10 @@ class MLOMAEObjective(MAEObjective):
                              cfg.aux_weight_decay, cfg.mask_adam_eps)
         self.level1_done = 0  # optimizer steps of E/D (level I) so far
         self.cycles_done = 0  # head (level II) cycles so far
-        self._tr_batches: deque = deque(maxlen=cfg.level2_steps)  # (image, label) of the latest micro-batches
-        self._l1_images: torch.Tensor | None = None
-        self._val: tuple[torch.Tensor, torch.Tensor] | None = None
+        # What levels II and III read, kept from the steps' micro-batches (after_optimizer_step):
+        self._tr_batches: deque = deque(maxlen=cfg.level2_steps)  # (image, label) of the latest micro-batches, across steps
+        self._l1_images: torch.Tensor | None = None  # the last level-I micro-batch's images
+        self._val: tuple[torch.Tensor, torch.Tensor] | None = None  # the cycle's D_val batch, until level III uses it
 
     # --- the generic hooks the loop and checkpoints use --------------------------------------
     def get_extra_state(self) -> dict:
@@ -219,9 +222,16 @@ class MLOMAEObjective(MAEObjective):
         self.aux.load_state_dict(state["aux"])
         self.level1_done, self.cycles_done = int(state["level1_done"]), int(state["cycles_done"])
 
-    def after_optimizer_step(self, lr: float) -> dict[str, torch.Tensor]:
-        """Levels II and III on the schedule of the config; `lr` is the encoder's lr of this step.
-        Returns the scalars of the levels that ran (logged for this step)."""
+    def after_optimizer_step(self, lr: float, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Levels II and III on the schedule of the config; `lr` is the encoder's lr of this step,
+        `batches` its micro-batches (D_tr `image` / `label`, and `val_image` / `val_label` on the
+        one that closes a mask cycle). Returns the scalars of the levels that ran (logged for this step)."""
+        for batch in batches:
+            self._tr_batches.append((batch["image"], batch["label"]))
+            if "val_image" in batch:
+                self._val = (batch["val_image"], batch["val_label"])
+        if batches:
+            self._l1_images = batches[-1]["image"]
         self.level1_done += 1
         if self.level1_done % self.cfg.level1_steps:
             return {}
@@ -261,10 +271,6 @@ class MLOMAEObjective(MAEObjective):
     # --- level I ---------------------------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         images = batch["image"]
-        self._tr_batches.append((images, batch["label"]))
-        self._l1_images = images
-        if "val_image" in batch:
-            self._val = (batch["val_image"], batch["val_label"])
         tokens, probs = self.mask_probabilities(images)
         masking = top_masking(probs, self.cfg.mask_ratio)
         per_patch = self.reconstruct(images, masking, tokens)

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from train import checkpoint, distributed
+from train.build import build_engine
 from train.config import parse_args
 from train.ds_config import resolve
-from train.pretrain import build_engine
 
 REPO = Path(__file__).resolve().parents[2]
 GLOBAL, MICRO, STEPS, SAVE_AT = 16, 8, 5, 3
@@ -31,7 +31,7 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main(out: Path, phase: str) -> None:
     ds_file = out / "ds.json"
-    cfg = parse_args(["--ds_config", str(ds_file), "--config", str(REPO / "train/configs/debug_mae.json"),
+    cfg = parse_args(["--ds_config", str(ds_file), "--config", str(REPO / "train/configs/mae/debug.json"),
                       "--output_dir", str(out / "run")])
     ds, plan = resolve(cfg, distributed.world_size_from_env())
     tag = out / "run" / "checkpoints" / checkpoint.tag_for(SAVE_AT)

@@ -7,7 +7,8 @@ import torch
 from conftest import CPU_DS, DEBUG_PRESET, run_pretrain
 from fake_gpu import CU126_ARCHS, CU130_ARCHS, fake_gpu
 
-from train.pretrain import cli, main
+from train.cli import cli
+from train.pretrain import main
 from train.run_dir import read_metrics
 
 
@@ -49,7 +50,7 @@ def test_batch_arithmetic_that_does_not_match_the_world_size(tmp_path, capsys, m
 
 
 def test_zero3_with_a_method_that_cannot_run_under_it(tmp_path, capsys, monkeypatch):
-    energy = str(DEBUG_PRESET.parent / "debug_energy.json")
+    energy = str(DEBUG_PRESET.parent.parent / "energy" / "debug.json")
     err = _reject(tmp_path, capsys, monkeypatch, "--config", energy, ds=_ds(tmp_path, zero_optimization={"stage": 3}))
     assert "energy pretraining cannot run under ZeRO-3" in err
 

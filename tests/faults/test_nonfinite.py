@@ -7,7 +7,7 @@ import torch
 from conftest import CPU_DS, run_pretrain
 
 from train.fault_injection import parse
-from train.loop import LoopState, run
+from train.loop import LoopSettings, LoopState, run
 from train.nonfinite import NonFiniteError, nan_if_not_finite, skip_nonfinite_steps
 from train.run_dir import read_metrics
 
@@ -79,6 +79,7 @@ class FakeFp16Engine:
                                         consecutive_hysteresis=False)
         self.optimizer = self.scaler  # `cur_scale`, as DeepSpeed's fp16 optimizers expose it
         self.module = torch.nn.Linear(2, 1)
+        self.module.after_optimizer_step = lambda lr, batches: {}  # the objective hook the loop calls
         self.skipped_steps, self.applied = 0, True
 
     def __call__(self, batch):
@@ -119,8 +120,8 @@ class FakeFp16Engine:
 def _run_fake(engine, limit: int) -> list[int]:
     saved: list[int] = []
     data = iter(lambda: {"image": torch.ones(4, 2)}, None)
-    state = LoopState(0, 40, log_every=100, ckpt_every=2, global_batch=4, max_nonfinite_steps=limit)
-    run(engine, data, state, torch.device("cpu"), torch.float32, lambda step, metrics: None, saved.append)
+    settings = LoopSettings(40, log_every=100, ckpt_every=2, global_batch=4, max_nonfinite_steps=limit)
+    run(engine, data, settings, LoopState(0), torch.device("cpu"), torch.float32, lambda step, metrics: None, saved.append)
     return saved
 
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 from conftest import CPU_DS, DEBUG_PRESET
 
+from train.cli import cli
 from train.config import parse_args, to_dict
-from train.pretrain import cli, main
+from train.pretrain import main
 
 
 class RunsCode:

@@ -72,7 +72,7 @@ def test_mlomae_bf16_run_with_flash_attn_survives_its_fp32_level3(monkeypatch):
     obj(batch)["loss"].float().backward()
     assert calls and set(calls) == {torch.bfloat16}
     calls.clear()
-    stats = obj.after_optimizer_step(lr=1e-2)  # levels II and III
+    stats = obj.after_optimizer_step(lr=1e-2, batches=[batch])  # levels II and III
     assert all(torch.isfinite(stats[key]) for key in ("level2_loss", "level3_loss", "hypergrad_norm"))
     assert stats["hypergrad_norm"] > 0
     assert torch.float32 not in calls  # level III's fp32 calls went to SDPA

@@ -45,9 +45,10 @@ class Jobs:
 
     def submit(self, name: str, *options: str, train: tuple = ("--run.stop_check_every", "1"),
                env: dict | None = None) -> None:
-        """Through launchers/submit.py, as a user would (`env`: added to the job's environment)."""
+        """Through `python -m launchers.submit` from the checkout, as a user would (`env`: added to the
+        job's environment)."""
         run_dir = self.root / name
-        proc = subprocess.run([sys.executable, str(REPO / "launchers" / "submit.py"), *options, "--",
+        proc = subprocess.run([sys.executable, "-m", "launchers.submit", *options, "--",
                                *TRAIN, *train, "--output_dir", str(run_dir)], cwd=REPO,
                               env={**self.cluster.env, **(env or {})},
                               capture_output=True, text=True, timeout=120)

@@ -6,11 +6,11 @@ import subprocess
 import sys
 import time
 
-import pytest
 from conftest import CPU_DS, DEBUG_PRESET, REPO, _free_port
 
-from launchers.slurm import hostnames, in_task_step, node_envs, task_env
+from launchers.slurm import node_envs
 from train.run_dir import read_metrics
+from train.slurm_env import hostnames, in_task_step, task_env
 
 
 def test_hostlists_expand():

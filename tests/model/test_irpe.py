@@ -65,3 +65,35 @@ def test_bilinear_weights_are_differentiable_in_the_offset():
     value = (table[corners] * weights[..., None]).sum()
     (grad,) = torch.autograd.grad(value, delta)
     assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_bias_hooks_reach_each_blocks_relative_position_bias():
+    """forward_tokens passes each block's hook to its iRPE bias, with the module, q, the per-bucket
+    scores and the bias; what the hook returns is the bias used. Without rpe a hook is refused."""
+    from model.registry import create_model
+
+    torch.manual_seed(0)
+    enc = create_model("vit_debug_patch4", in_chans=1, rpe=True).eval()
+    for block in enc.blocks:
+        torch.nn.init.normal_(block.attn.rpe.table, std=0.5)
+    x = enc.add_cls_token(enc.embed_patches(torch.randn(2, 1, 28, 28)))  # (B, T, D), T = 50
+    seen = []
+
+    def identity(rpe, q, scores, bias):
+        seen.append((rpe, q.shape, scores.shape, bias.shape))
+        return bias
+
+    def no_positions(rpe, q, scores, bias):
+        return torch.zeros_like(bias)
+
+    heads, d = enc.blocks[0].attn.num_heads, enc.embed_dim // enc.blocks[0].attn.num_heads
+    plain = enc.forward_tokens(x)
+    assert torch.equal(enc.forward_tokens(x, bias_hooks=[identity] * len(enc.blocks)), plain)
+    assert [s[0] for s in seen] == [b.attn.rpe for b in enc.blocks]
+    assert seen[0][1:] == ((2, heads, 50, d), (2, heads, 50, num_buckets()), (2, heads, 50, 50))
+    hooked = enc.forward_tokens(x, bias_hooks=[None] * (len(enc.blocks) - 1) + [no_positions])
+    assert not torch.allclose(hooked, plain)
+    with pytest.raises(ValueError, match="entries for"):
+        enc.forward_tokens(x, bias_hooks=[identity])
+    with pytest.raises(ValueError, match="rpe=True"):
+        create_model("vit_debug_patch4", in_chans=1).forward_tokens(x, bias_hooks=[identity] * len(enc.blocks))

@@ -9,8 +9,6 @@ import pytest
 import torch
 from conftest import REPO
 
-sys.path.insert(0, str(REPO))  # tools/ is run as scripts, not installed
-
 PHASES = ("tests", "bench", "methods", "loader", "study")
 
 

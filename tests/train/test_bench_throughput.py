@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import CPU_DS, DEBUG_PRESET, REPO
 
-from train.pretrain import apply_execution_options
+from train.build import apply_execution_options
 
 
 @pytest.fixture(scope="module")

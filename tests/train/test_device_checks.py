@@ -10,10 +10,12 @@ import torch
 from fake_gpu import CU126_ARCHS, CU130_ARCHS, GPUS, fake_flash_attn, fake_gpu
 
 from model.objectives import build_objective
-from train import pretrain
+from train import distributed
+from train.build import build_encoder
+from train.cli import cli
 from train.config import parse_args
 from train.device_checks import CudaDevice, kernels_cover, runs_on, this_device
-from train.pretrain import build_encoder, cli, main
+from train.pretrain import main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,10 +61,10 @@ def test_this_device_reads_torch_and_ignores_emulated_bf16(gpu):
 # objective -> (preset in train/configs, stem of its shipped ds_configs)
 OBJECTIVES = {
     "mae": (None, "vit_b"),
-    "mixedae": ("mixedae_vit_b.json", "vit_b"),
-    "maeplus": ("maeplus_vit_b.json", "vit_b"),
-    "mlomae": ("mlomae_vit_b.json", "mlomae_vit_b"),
-    "energy": ("energy_vit_b.json", "energy_vit_b"),
+    "mixedae": ("mixedae/vit_b.json", "vit_b"),
+    "maeplus": ("maeplus/vit_b.json", "vit_b"),
+    "mlomae": ("mlomae/vit_b.json", "mlomae_vit_b"),
+    "energy": ("energy/vit_b.json", "energy_vit_b"),
 }
 # precision -> the shipped ds_config a user of it takes (fp32: the bf16 file with bf16 switched off)
 DS_FILES = {"fp16": "8xv100_fp16_zero1", "bf16": "8xa100_bf16_zero1", "fp32": "8xa100_bf16_zero1"}
@@ -113,7 +115,7 @@ def test_pre_start_decision(tmp_path, capsys, monkeypatch, machine, precision, b
     def started():
         raise Started
 
-    monkeypatch.setattr(pretrain.distributed, "init", started)
+    monkeypatch.setattr(distributed, "init", started)
     want = expected_refusal(gpu, archs, precision, backend)
     with fake_gpu(gpu, archs), pytest.raises((SystemExit, Started)) as outcome:
         cli(lambda: main(_argv(tmp_path, objective, precision, backend)))

@@ -20,10 +20,10 @@ def methods_for(name: str) -> list[list[str]]:
     if name.startswith("vit_"):
         model = ["--model.name", MODELS[name[4]]]
         cell = ["--mixedae.cell_size", "28"] if name[4] == "h" else []  # 2 x 2 patches of 14 px
-        others = [model, ["--config", str(PRESETS / "mixedae_vit_b.json"), *model, *cell]] if "zero1" in name else []
-        return [["--config", str(PRESETS / "maeplus_vit_b.json"), *model], *others]
+        others = [model, ["--config", str(PRESETS / "mixedae/vit_b.json"), *model, *cell]] if "zero1" in name else []
+        return [["--config", str(PRESETS / "maeplus/vit_b.json"), *model], *others]
     if name.startswith(("mlomae_", "energy_")):
-        return [["--config", str(PRESETS / f"{name.split('_')[0]}_vit_b.json")]]
+        return [["--config", str(PRESETS / name.split('_')[0] / "vit_b.json")]]
     if name.startswith("finetune_"):
         from train.finetune import RECIPE
 
@@ -33,8 +33,8 @@ def methods_for(name: str) -> list[list[str]]:
 
         return [[*RECIPE, "--model.name", "vit_base_patch16", "--linprobe.num_classes", "1000"]]
     if name == "cpu_demo.json":
-        return [["--config", str(PRESETS / "demo_mae.json"), "--data.epoch_size", "60000"]]  # Fashion-MNIST's train split
-    return [["--config", str(PRESETS / "debug_mae.json")]]  # the tests' config
+        return [["--config", str(PRESETS / "mae/demo.json"), "--data.epoch_size", "60000"]]  # Fashion-MNIST's train split
+    return [["--config", str(PRESETS / "mae/debug.json")]]  # the tests' config
 
 
 @pytest.mark.parametrize("path", sorted(DS.glob("*.json")), ids=lambda p: p.stem)
@@ -75,8 +75,8 @@ def test_rejections_name_the_problem():
     assert "V100 has none" in _check("vit_b_8xa100_bf16_zero1.json", gpu="v100").problems[0]
     assert "not divisible by micro batch 256 x 24 ranks" in _check("vit_b_8xa100_bf16_zero1.json", world=24).problems[0]
     zero3 = "vit_h_8xa100_bf16_zero3_actckpt.json"
-    assert "ZeRO-3" in _check(zero3, "--config", str(PRESETS / "mlomae_vit_b.json")).problems[0]
-    assert "ZeRO-3" in _check(zero3, "--config", str(PRESETS / "energy_vit_b.json")).problems[0]
+    assert "ZeRO-3" in _check(zero3, "--config", str(PRESETS / "mlomae/vit_b.json")).problems[0]
+    assert "ZeRO-3" in _check(zero3, "--config", str(PRESETS / "energy/vit_b.json")).problems[0]
     assert "ZeRO-3" in _check(zero3, "--model.name", "vit_huge_patch14", "--run.vis_every", "100").problems[0]
 
 

@@ -14,8 +14,8 @@ from conftest import CPU_DS, DEBUG_PRESET, REPO, run_pretrain_calls
 from train.evaluate import load_encoder
 from train.run_dir import read_metrics
 
-PRESET = REPO / "train" / "configs" / "debug_energy.json"
-VARIANTS = REPO / "train" / "configs" / "energy_variants"
+PRESET = REPO / "train" / "configs" / "energy/debug.json"
+VARIANTS = REPO / "train" / "configs" / "energy" / "variants"
 CORRUPTIONS = ["grid", "blank_small", "blank_large", "sr", "denoise", "colorize"]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 COMMON = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--config", str(PRESET), "--run.progress", "false"]

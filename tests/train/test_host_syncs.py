@@ -40,8 +40,8 @@ STEP_DONE_LINE = next(i for i, line in enumerate((REPO / "train" / "loop.py").re
                       if line.strip() == "state.step += 1")
 # Not the training step: the callbacks the loop makes after it, and the data source (host work;
 # its device part is non_blocking copies)
-PHASES = {("train/loop.py", "read_window"): "log", ("train/pretrain.py", "on_checkpoint"): "checkpoint",
-          ("train/pretrain.py", "on_visualize"): "visualize", ("train/pretrain.py", "on_evaluate"): "evaluate"}
+PHASES = {("train/loop.py", "read_window"): "log", ("train/trainer.py", "on_checkpoint"): "checkpoint",
+          ("train/trainer.py", "on_visualize"): "visualize", ("train/trainer.py", "on_evaluate"): "evaluate"}
 
 
 # torch.optim's read of AdamW's `step`, a host tensor unless the optimizer is capturable or fused
@@ -203,11 +203,11 @@ def _train(objective: str, options: list[str], out: Path, ds_config: Path = CPU_
 
 OBJECTIVES = {
     "mae": [],
-    "mixedae": ["--config", str(CONFIGS / "debug_mixedae.json")],
-    "maeplus": ["--config", str(CONFIGS / "debug_maeplus.json")],
-    "adpe": ["--config", str(CONFIGS / "debug_maeplus.json"), "--config", str(CONFIGS / "adpe" / "rpe_embed.json")],
-    "mlomae": ["--config", str(CONFIGS / "debug_mlomae.json")],
-    "energy": ["--config", str(CONFIGS / "debug_energy.json")],
+    "mixedae": ["--config", str(CONFIGS / "mixedae/debug.json")],
+    "maeplus": ["--config", str(CONFIGS / "maeplus/debug.json")],
+    "adpe": ["--config", str(CONFIGS / "maeplus/debug.json"), "--config", str(CONFIGS / "maeplus" / "variants" / "rpe_embed.json")],
+    "mlomae": ["--config", str(CONFIGS / "mlomae/debug.json")],
+    "energy": ["--config", str(CONFIGS / "energy/debug.json")],
 }
 
 

@@ -11,8 +11,8 @@ from conftest import CPU_DS, REPO, run_pretrain
 from data.write_shards import main as write_shards
 from train.run_dir import read_metrics
 
-PRESET = REPO / "train" / "configs" / "debug_maeplus.json"
-ADPE = REPO / "train" / "configs" / "adpe"
+PRESET = REPO / "train" / "configs" / "maeplus/debug.json"
+ADPE = REPO / "train" / "configs" / "maeplus" / "variants"
 
 
 def test_default_adpe_moves_its_adversaries_and_resumes_them_exactly(tmp_path):

@@ -9,11 +9,11 @@ from deepspeed.runtime.zero import stage3
 from deepspeed.runtime.zero import stage_1_and_2 as stage12
 
 from model.objectives import build_objective
+from train.build import build_encoder
 from train.config import parse_args
 from train.ds_config import resolve
 from train.gpus import gpu_named
 from train.memory import estimate
-from train.pretrain import build_encoder
 
 GPUS = 8  # one node, no offload
 

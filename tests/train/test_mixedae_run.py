@@ -9,8 +9,8 @@ from conftest import CPU_DS, REPO, run_pretrain
 
 from train.run_dir import read_metrics
 
-PRESET = REPO / "train" / "configs" / "debug_mixedae.json"
-ABLATIONS = REPO / "train" / "configs" / "mixedae_ablations"
+PRESET = REPO / "train" / "configs" / "mixedae/debug.json"
+ABLATIONS = REPO / "train" / "configs" / "mixedae" / "variants"
 
 # ablation overlay -> (losses logged, TopK accuracy logged)
 EXPECTED = {

@@ -20,7 +20,7 @@ from conftest import (
 from data.write_shards import main as write_shards
 from train.run_dir import read_metrics
 
-PRESET = REPO / "train" / "configs" / "debug_mlomae.json"
+PRESET = REPO / "train" / "configs" / "mlomae/debug.json"
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
@@ -74,8 +74,9 @@ REPLICATION = textwrap.dedent("""
     obj = objective(seed=0)
     init = torch.cat([p.detach().flatten().clone() for p in [*obj.aux.mask_net.parameters(), *obj.aux.head.parameters()]])
     for step in range(3):
-        obj(batch(seed=100 * rank + step))  # different data on each rank
-        obj.after_optimizer_step(lr=1e-2)
+        b = batch(seed=100 * rank + step)  # different data on each rank
+        obj(b)
+        obj.after_optimizer_step(lr=1e-2, batches=[b])
     flat = torch.cat([p.detach().flatten() for p in [*obj.aux.mask_net.parameters(), *obj.aux.head.parameters()]])
     gathered = [torch.zeros_like(flat) for _ in range(2)]
     dist.all_gather(gathered, flat)

@@ -134,9 +134,9 @@ def test_continued_pretraining_from_an_official_mae_checkpoint(straight, tmp_pat
 def test_resume_accepts_options_added_since_the_checkpoint_at_their_defaults():
     """A checkpoint written before an option existed (e.g. model.rpe) resumes when the option is
     at its default, and is refused when the run sets it otherwise."""
-    from train.config import PretrainConfig, to_dict
+    from train.build import check_resume_compatible
+    from train.config import ConfigError, PretrainConfig, to_dict
     from train.ds_config import BatchPlan
-    from train.pretrain import ConfigError, check_resume_compatible
 
     cfg, plan = PretrainConfig(ds_config="x.json"), BatchPlan(8, 1, 1)
     saved = json.loads(json.dumps(to_dict(cfg)))
@@ -148,9 +148,9 @@ def test_resume_accepts_options_added_since_the_checkpoint_at_their_defaults():
 
 
 def test_resume_on_another_world_size_needs_the_same_global_batch():
-    from train.config import PretrainConfig, to_dict
+    from train.build import check_resume_compatible
+    from train.config import ConfigError, PretrainConfig, to_dict
     from train.ds_config import BatchPlan
-    from train.pretrain import ConfigError, check_resume_compatible
 
     cfg = PretrainConfig(ds_config="x.json")
     saved = json.loads(json.dumps(to_dict(cfg)))

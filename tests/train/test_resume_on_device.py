@@ -19,22 +19,22 @@ from torch import nn
 
 from data.source import build_source
 from model.objectives import OBJECTIVES, build_objective
+from train.build import build_encoder, labeled_split
 from train.config import encoder_img_size, parse_args
 from train.ds_config import resolve
-from train.pretrain import build_encoder, labeled_split
 
 CONFIGS = REPO / "train" / "configs"
 # (objective, extra arguments): every registered objective with its debug preset, plus the
 # variants whose extra state the presets leave off
 CASES = [(name, []) for name in sorted(OBJECTIVES)] + [
-    ("maeplus", ["--config", str(CONFIGS / "adpe" / "ape_embed.json")]),  # AdPE: adversarial position embedding
-    ("maeplus", ["--config", str(CONFIGS / "adpe" / "rpe_coord.json")]),  # AdPE: adversarial relative coordinates
+    ("maeplus", ["--config", str(CONFIGS / "maeplus" / "variants" / "ape_embed.json")]),  # AdPE: adversarial position embedding
+    ("maeplus", ["--config", str(CONFIGS / "maeplus" / "variants" / "rpe_coord.json")]),  # AdPE: adversarial relative coordinates
     ("mlomae", ["--mlomae.variant", "blo"]),
 ]
 
 
 def tiny_config(name: str, extra: list[str]):
-    preset = CONFIGS / f"debug_{name}.json"
+    preset = CONFIGS / name / "debug.json"
     presets = ["--config", str(preset)] if preset.is_file() else []
     return parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--objective", name, *presets,
                        *extra])
@@ -61,8 +61,7 @@ def train_step(objective: nn.Module, batch: dict, lr: float = 1e-2) -> None:
     opt = torch.optim.AdamW(params, lr=lr)
     objective(batch)["loss"].backward()
     opt.step()
-    if hasattr(objective, "after_optimizer_step"):
-        objective.after_optimizer_step(lr)
+    objective.after_optimizer_step(lr, [batch])
 
 
 def checkpointed(objective: nn.Module) -> dict:

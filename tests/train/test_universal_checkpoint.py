@@ -12,8 +12,8 @@ def test_conversion_keeps_extra_state_and_every_trained_parameter(tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.0,
                               "zero_optimization": {"stage": 2}, "bf16": {"enabled": False}}))
-    run_pretrain(tmp_path / "run", "--config", str(REPO / "train/configs/debug_maeplus.json"), "--config",
-                 str(REPO / "train/configs/adpe/rpe_coord.json"), "--run.max_steps", "2", ds_config=ds)
+    run_pretrain(tmp_path / "run", "--config", str(REPO / "train/configs/maeplus/debug.json"), "--config",
+                 str(REPO / "train/configs/maeplus/variants/rpe_coord.json"), "--run.max_steps", "2", ds_config=ds)
     tag = tmp_path / "run" / "checkpoints" / "step00000002"
     out = to_universal(tag)
     assert out == tag / UNIVERSAL and not list(tag.glob(".universal*"))  # temporary folders are gone

@@ -9,7 +9,7 @@ import torch
 
 from tools.gpu_check import REPO, Check, free_memory
 
-DEBUG_PRESET = REPO / "train" / "configs" / "debug_mae.json"
+DEBUG_PRESET = REPO / "train" / "configs" / "mae/debug.json"
 
 CPU_DEBUG_DS = REPO / "ds_configs" / "cpu_debug.json"
 

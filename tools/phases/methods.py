@@ -16,18 +16,18 @@ def run(check: Check, a) -> None:
     if check.cuda:
         base = ["--ds_config", "", "--data.source", "synthetic", "--steps", "10", "--warmup", "3"]
         base[1] = str(ds_config(check, "methods_64", 64))
-        preset = {"mae": ["--model.name", "vit_base_patch16"], "mixedae": ["mixedae_vit_b.json"],
-                  "maeplus": ["maeplus_vit_b.json", "adpe/maeplus_rpe.json"],
-                  "adpe": ["maeplus_vit_b.json", "adpe/rpe_coord.json"], "mlomae": ["mlomae_vit_b.json"],
-                  "energy": ["energy_vit_b.json"]}
+        preset = {"mae": ["--model.name", "vit_base_patch16"], "mixedae": ["mixedae/vit_b.json"],
+                  "maeplus": ["maeplus/vit_b.json", "maeplus/variants/maeplus_rpe.json"],
+                  "adpe": ["maeplus/vit_b.json", "maeplus/variants/rpe_coord.json"], "mlomae": ["mlomae/vit_b.json"],
+                  "energy": ["energy/vit_b.json"]}
         rounds, est = 2, 30
     else:
         base = ["--ds_config", str(CPU_DEBUG_DS), "--data.source", "synthetic", "--steps", "1", "--warmup", "0"]
-        # every debug preset goes on top of debug_mae.json (the debug model and data), as the tests use them
-        preset = {"mae": ["debug_mae.json"], "mixedae": ["debug_mae.json", "debug_mixedae.json"],
-                  "maeplus": ["debug_mae.json", "debug_maeplus.json", "adpe/maeplus_rpe.json"],
-                  "adpe": ["debug_mae.json", "debug_maeplus.json", "adpe/rpe_coord.json"],
-                  "mlomae": ["debug_mae.json", "debug_mlomae.json"], "energy": ["debug_mae.json", "debug_energy.json"]}
+        # every debug preset goes on top of mae/debug.json (the debug model and data), as the tests use them
+        preset = {"mae": ["mae/debug.json"], "mixedae": ["mae/debug.json", "mixedae/debug.json"],
+                  "maeplus": ["mae/debug.json", "maeplus/debug.json", "maeplus/variants/maeplus_rpe.json"],
+                  "adpe": ["mae/debug.json", "maeplus/debug.json", "maeplus/variants/rpe_coord.json"],
+                  "mlomae": ["mae/debug.json", "mlomae/debug.json"], "energy": ["mae/debug.json", "energy/debug.json"]}
         rounds, est = 1, 0
 
     def argv(method: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""Phase `study`: the Fashion-MNIST study (train/study.py), one entry per budget step."""
+"""Phase `study`: the Fashion-MNIST study (experiments/fashion_mnist/study.py), one entry per budget step."""
 from __future__ import annotations
 
 import json
@@ -60,7 +60,7 @@ def run(check: Check, a) -> None:
 
     if not (check.item("shards", 60, make_shards) or {}).get("train"):
         return
-    import train.study as study_module
+    import experiments.fashion_mnist.study as study_module
 
     drop_process_group_env()  # the study's subprocesses must not join this process's group (its port is taken)
     original = study_module.fashion_mnist_shards

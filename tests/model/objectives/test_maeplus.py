@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from model import create_model
-from model.irpe import RPEAdversary
+from model.objectives.adversary import RPEPerturbation
 from model.objectives import build_objective
 from model.objectives.adversary import Adversaries
 from model.objectives.maeplus import MAEPlusConfig
@@ -61,7 +61,7 @@ def test_rpe_adversary_leaves_visible_query_rows_untouched(mode):
     value = torch.tensor([0.4, -1.3], dtype=torch.float64) if mode == "delta" else torch.randn(50, 2, 16, dtype=torch.float64)
     value.requires_grad_()
     clean = rpe(q)
-    attacked = rpe(q, RPEAdversary(masked, **{mode: value}))
+    attacked = rpe(q, RPEPerturbation(masked, **{mode: value}))
     rows = torch.cat([torch.zeros(2, 1, dtype=torch.bool), masked], 1)  # (B, T) perturbed query rows
     assert torch.equal(attacked.transpose(1, 2)[~rows], clean.transpose(1, 2)[~rows])  # cls and visible rows
     assert not torch.allclose(attacked.transpose(1, 2)[rows], clean.transpose(1, 2)[rows])
@@ -77,12 +77,12 @@ def test_a_pgd_step_increases_the_loss_and_stays_within_eps(adversary, rpe, norm
     images = torch.randn(2, 2, 3, 28, 28, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     before = _loss(obj, images)
     before.backward()
-    obj.after_optimizer_step(1e-3)  # PGD step of 1e-3 in the constraint's steepest-ascent direction
+    obj.after_optimizer_step(1e-3, [{"image": images}])  # PGD step of 1e-3 in the constraint's steepest-ascent direction
     after = _loss(obj, images)
     assert after.item() > before.item()
     for _ in range(3):  # steps larger than eps: the projection keeps every adversary inside the ball / box
         _loss(obj, images).backward()
-        obj.after_optimizer_step(0.2)
+        obj.after_optimizer_step(0.2, [{"image": images}])
     for name, t in obj.adversaries.tensors.items():
         size = t.detach().abs().max() if norm == "linf" else t.detach().norm()
         assert size <= 0.05 * (1 + 1e-6), name  # fp32 adversaries

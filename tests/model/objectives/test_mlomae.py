@@ -99,8 +99,9 @@ def test_schedule_of_levels_two_and_three():
     head, mask = snapshot(obj.aux.head), snapshot(obj.aux.mask_net)
     moves = []
     for step in range(1, 9):
-        obj(batch(step, val=step % 4 == 0))
-        obj.after_optimizer_step(lr=1e-2)
+        b = batch(step, val=step % 4 == 0)
+        obj(b)
+        obj.after_optimizer_step(lr=1e-2, batches=[b])
         moves.append((changed(obj.aux.head, head), changed(obj.aux.mask_net, mask)))
         head, mask = snapshot(obj.aux.head), snapshot(obj.aux.mask_net)
     assert moves == [(False, False), (True, False), (False, False), (True, True)] * 2
@@ -109,16 +110,18 @@ def test_schedule_of_levels_two_and_three():
 
 def test_a_mask_cycle_without_val_batch_is_an_error():
     obj = objective()
-    obj(batch(val=False))
+    b = batch(val=False)
+    obj(b)
     with pytest.raises(RuntimeError, match="val_image"):
-        obj.after_optimizer_step(lr=1e-2)
+        obj.after_optimizer_step(lr=1e-2, batches=[b])
 
 
 def test_level3_restores_the_weights_and_logs():
     obj = objective()
-    obj(batch())
+    b = batch()
+    obj(b)
     before = {n: p.detach().clone() for n, p in obj.named_parameters()}
-    stats = obj.after_optimizer_step(lr=1e-2)
+    stats = obj.after_optimizer_step(lr=1e-2, batches=[b])
     assert all(torch.equal(p, before[n]) for n, p in obj.named_parameters())
     for key in ("level2_loss", "level2_train_top1", "level3_loss", "hypergrad_norm", "val_grad_norm"):
         assert key in stats and torch.isfinite(stats[key])
@@ -133,7 +136,7 @@ def test_half_precision_weights_are_untouched_and_hypergradient_is_fp32():
     obj(b)
     before = {n: p.detach().clone() for n, p in obj.named_parameters()}
     mask_before = snapshot(obj.aux.mask_net)
-    obj.after_optimizer_step(lr=1e-2)
+    obj.after_optimizer_step(lr=1e-2, batches=[b])
     assert all(torch.equal(p, before[n]) for n, p in obj.named_parameters())
     assert obj.aux.mask_net.net[1].weight.dtype == torch.float32 and changed(obj.aux.mask_net, mask_before)
 
@@ -149,8 +152,9 @@ def test_blo_lower_level_adds_the_classification_loss():
 
 def test_extra_state_round_trip():
     a = objective(seed=0)
-    a(batch())
-    a.after_optimizer_step(lr=1e-2)
+    b = batch()
+    a(b)
+    a.after_optimizer_step(lr=1e-2, batches=[b])
     b = objective(seed=1)
     b.set_extra_state(a.get_extra_state())
     for x, y in zip([*a.aux.mask_net.parameters(), *a.aux.head.parameters()],
@@ -165,8 +169,9 @@ def test_resumed_optimizers_follow_their_networks_to_the_device():
     on the accelerator (meta stands in) must take the moments along and keep each optimizer bound to
     its network's parameters (meta's .to() replaces the Parameter objects; CUDA's keeps them)."""
     a = objective(seed=0)
-    a(batch())
-    a.after_optimizer_step(lr=1e-2)
+    b = batch()
+    a(b)
+    a.after_optimizer_step(lr=1e-2, batches=[b])
     b = objective(seed=1)
     b.set_extra_state(a.get_extra_state())
     b.aux.follow(torch.device("meta"))

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from data import corruptions as C
 from data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from model.objectives import corruptions as C
 
 
 def images(b=64, c=3, s=32, seed=0):

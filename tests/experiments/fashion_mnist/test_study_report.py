@@ -1,9 +1,9 @@
 """docs/RESULTS.md from per-run results: mean and range over seeds, the claims judged against the
-spread, each method's own figures copied (train/study_report.py)."""
+spread, each method's own figures copied (experiments/fashion_mnist/report.py)."""
 import pytest
 
-from train.study import restoration
-from train.study_report import judge, judge_restoration, summarize, write_report
+from experiments.fashion_mnist.report import judge, judge_restoration, summarize, write_report
+from experiments.fashion_mnist.study import restoration
 
 
 def _result(entry, seed, knn, linear, finetune, **extra):

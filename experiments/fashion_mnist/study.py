@@ -1,7 +1,7 @@
 """The Fashion-MNIST study (`make study`): every method pretrained with the same budget on the
 mini ViT, then evaluated three ways on the test split, over several seeds; docs/RESULTS.md.
 
-Per seed, each entry of STUDY (train/configs/demo_<method>.json + its variant preset):
+Per seed, each entry of STUDY (a method's train/configs/<method>/demo.json + one of its variants/):
   1. pretrain on `--pretrain_samples` of the 60k training images (train/pretrain.py; a fraction of an
      epoch or whole epochs);
   2. weighted kNN (k = 20) and a linear probe on frozen features (train/evaluate.py);
@@ -17,13 +17,16 @@ fine-tuning see together, in one schedule: the ceiling). Nothing is tuned on the
 uses the demo presets unchanged, and fine-tuning's one departure (FINETUNE_BLR) was chosen on training loss.
 
 Each run lives in runs/study/<entry>/seed<k>/ (pretraining resumes there; a finished entry is
-not run again), its evaluations in result.json; train/study_report.py writes docs/RESULTS.md
-and the figures from them.
+not run again), its evaluations in result.json; report.py beside this file writes docs/RESULTS.md
+and the figures from them. How a run is evaluated comes from the run itself (common.py): its
+objective's `pool` option (energy: patch mean), its encoder's iRPE (MAE+ / AdPE keep it when
+fine-tuning), its objective's own classifier (MLO-MAE's level-II head, scored on the test split).
 
 The defaults (20k pretraining images, 10k fine-tuning images, seeds 0 and 1) take about 90 minutes
 on a 2-core CPU; a GPU runs the same command unchanged.
 
-    python train/study.py [--seeds 0,1] [--pretrain_samples 20000] [--finetune_samples 10000] [--only mae,mixedae]
+    python -m experiments.fashion_mnist.study [--seeds 0,1] [--pretrain_samples 20000] [--finetune_samples 10000] \\
+        [--only mae,mixedae]
 """
 from __future__ import annotations
 
@@ -37,37 +40,43 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from data.shards import ShardSet
+from experiments.fashion_mnist.common import (
+    FINETUNE_BLR,
+    REPO,
+    encoder_has_rpe,
+    epoch_options,
+    fashion_mnist_shards,
+    feature_pool,
+    has_classifier,
+    presets,
+)
+from experiments.fashion_mnist.report import write_report
+from train.evaluate import DecodedSet, decode_all, evaluate, load_encoder
+from train.run_dir import read_metrics
 
-from data.shards import ShardSet  # noqa: E402
-from train.demo import epoch_options, fashion_mnist_shards  # noqa: E402
-from train.evaluate import DecodedSet, decode_all, evaluate, load_encoder  # noqa: E402
-from train.run_dir import read_metrics  # noqa: E402
-
-CONFIGS = REPO / "train" / "configs"
 EVAL_SIZE = 32  # every encoder is evaluated and fine-tuned at the mini ViT's 32 px (MAE+ pretrains on 16 px crops)
-FINETUNE_BLR = 5e-3  # see the module docstring: why not the paper's 5e-4
 
 
 @dataclass(frozen=True)
 class Entry:
     label: str  # as the tables say it
-    presets: tuple[str, ...]  # under train/configs/; empty: no pretraining (a control)
-    pool: str = "cls"  # frozen features: cls token (MAE protocol) or the patch mean (energy: its cls is untrained)
-    rpe: bool = False  # the encoder has iRPE in every block (fine-tuning keeps it)
+    method: str = ""  # a registered objective with a demo preset; "": no pretraining (a control)
+    variant: str = ""  # one of train/configs/<method>/variants/, over the demo preset
 
 
+# The study's design: which methods and variants it compares, and the labels of its tables. The
+# paper claims report.py checks name these entries.
 STUDY = {
-    "mae": Entry("MAE", ("demo_mae.json",)),
-    "mixedae": Entry("MixedAE", ("demo_mixedae.json",)),
-    "mixedae_naive": Entry("MixedAE naive mixing", ("demo_mixedae.json", "mixedae_ablations/naive_mixing.json")),
-    "maeplus": Entry("MAE+ (RPE)", ("demo_maeplus.json", "adpe/maeplus_rpe.json"), rpe=True),
-    "adpe": Entry("AdPE (RPE-coord, default)", ("demo_maeplus.json", "adpe/rpe_coord.json"), rpe=True),
-    "mlomae": Entry("MLO-MAE", ("demo_mlomae.json",)),
-    "energy": Entry("Energy (mixture)", ("demo_energy.json",), pool="avg"),
-    "random_init": Entry("random init (control)", ()),
-    "supervised": Entry("supervised from scratch (ceiling)", ()),
+    "mae": Entry("MAE", "mae"),
+    "mixedae": Entry("MixedAE", "mixedae"),
+    "mixedae_naive": Entry("MixedAE naive mixing", "mixedae", "naive_mixing"),
+    "maeplus": Entry("MAE+ (RPE)", "maeplus", "maeplus_rpe"),
+    "adpe": Entry("AdPE (RPE-coord, default)", "maeplus", "rpe_coord"),
+    "mlomae": Entry("MLO-MAE", "mlomae"),
+    "energy": Entry("Energy (mixture)", "energy"),
+    "random_init": Entry("random init (control)"),
+    "supervised": Entry("supervised from scratch (ceiling)"),
 }
 
 
@@ -76,7 +85,7 @@ def _run(cmd: list[str]) -> float:
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, *cmd], cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:1])} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{' '.join(cmd[:2])} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return time.perf_counter() - t0
 
 
@@ -101,11 +110,12 @@ def restoration(rows: list[dict]) -> dict:
 
 
 def pretrain(entry: Entry, run: Path, seed: int, epochs: float, train: Path, test: Path, n_train: int) -> dict:
-    cmd = ["train/pretrain.py", "--ds_config", "ds_configs/cpu_demo.json",
-           *[a for p in entry.presets for a in ("--config", str(CONFIGS / p))], "--data.train_index", str(train),
+    configs = presets(entry.method, entry.variant)
+    cmd = ["-m", "train.pretrain", "--ds_config", "ds_configs/cpu_demo.json",
+           *[a for p in configs for a in ("--config", str(p))], "--data.train_index", str(train),
            "--output_dir", str(run), "--resume", "auto", "--seed", str(seed), "--run.progress", "false",
            "--run.vis_every", str(10**9), *epoch_options(epochs, n_train)]  # figures at the last step only
-    if "demo_mlomae.json" in entry.presets:  # its level-II head is scored on the test split at the end
+    if has_classifier(entry.method):  # its own head (MLO-MAE's level II) is scored on the test split at the end
         cmd += ["--data.eval_index", str(test)]
     seconds = _timed(run, cmd)
     rows = [r for r in read_metrics(run) if "loss" in r]
@@ -117,7 +127,7 @@ def pretrain(entry: Entry, run: Path, seed: int, epochs: float, train: Path, tes
 def finetune(run: Path, seed: int, epochs: float, samples: int, train: Path, test: Path, init: Path | None,
              rpe: bool) -> dict:
     """Top-1 on the test split after fine-tuning `init` (None: from scratch)."""
-    cmd = ["train/finetune.py", "--ds_config", "ds_configs/cpu_demo.json", "--model.name", "vit_mini_patch4",
+    cmd = ["-m", "train.finetune", "--ds_config", "ds_configs/cpu_demo.json", "--model.name", "vit_mini_patch4",
            "--model.img_size", str(EVAL_SIZE), "--model.rpe", str(rpe).lower(), "--finetune.num_classes", "10",
            "--finetune.mixup", "0", "--finetune.cutmix", "0", "--data.train_transform", "crop_flip",
            "--data.crop_scale_min", "0.35", "--data.num_workers", "1", "--data.train_index", str(train),
@@ -159,23 +169,26 @@ def run_entry(name: str, seed: int, a, train: Path, test: Path, decoded: Decoded
     out.mkdir(parents=True, exist_ok=True)
     train_set = decoded.train_set
     pretrain_epochs = a.pretrain_samples / train_set.num_samples
-    result: dict = {"entry": name, "label": entry.label, "seed": seed, "pool": entry.pool}
+    result: dict = {"entry": name, "label": entry.label, "seed": seed, "pool": "cls"}
     if name == "supervised":  # as many training images as pretraining + fine-tuning see, in one schedule
         images = int(a.pretrain_samples + a.finetune_epochs * a.finetune_samples)
         result |= finetune(out / "finetune", seed, 1, images, train, test, None, rpe=False)
     else:
-        if entry.presets:
+        rpe = False
+        if entry.method:
             result |= pretrain(entry, out / "pretrain", seed, pretrain_epochs, train, test, train_set.num_samples)
             encoder = load_encoder(encoder=str(out / "pretrain" / "encoder.safetensors"), img_size=EVAL_SIZE)
             if (out / "pretrain" / "eval.json").is_file():  # MLO-MAE's level-II head on the test split
                 result["level2_head_top1"] = json.loads((out / "pretrain" / "eval.json").read_text())["eval_top1"]
+            result["pool"] = feature_pool(out / "pretrain")
+            rpe = encoder_has_rpe(out / "pretrain")
         else:
             encoder = load_encoder(random_init="vit_mini_patch4", img_size=EVAL_SIZE, seed=seed)
         t0 = time.perf_counter()
-        result |= evaluate(encoder, *decoded.get(), entry.pool)
+        result |= evaluate(encoder, *decoded.get(), result["pool"])
         result["eval_seconds"] = round(time.perf_counter() - t0, 1)
-        init = out / "pretrain" / "encoder.safetensors" if entry.presets else None
-        result |= finetune(out / "finetune", seed, a.finetune_epochs, a.finetune_samples, train, test, init, entry.rpe)
+        init = out / "pretrain" / "encoder.safetensors" if entry.method else None
+        result |= finetune(out / "finetune", seed, a.finetune_epochs, a.finetune_samples, train, test, init, rpe)
     result |= {"device": "cuda" if torch.cuda.is_available() else "cpu", "torch_threads": torch.get_num_threads(),
                "budget": budget}
     done.write_text(json.dumps(result, indent=1))
@@ -207,8 +220,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for name in names:
             print(f"[study] {name} seed {seed}", flush=True)
             results.append(run_entry(name, seed, a, train, test, decoded))
-    from train.study_report import write_report
-
     write_report(results, a.out, a.report, a.report.parent / "study_discussion.md")
     print(f"[study] wrote {a.report}")
     return results

@@ -26,7 +26,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from timm.data.constants import IMAGENET_DEFAULT_MEAN as IMAGENET_MEAN
+from timm.data.constants import IMAGENET_DEFAULT_STD as IMAGENET_STD
 
 Generator = torch.Generator | None
 

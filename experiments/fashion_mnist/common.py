@@ -1,0 +1,83 @@
+"""What the Fashion-MNIST demo, study and report share: the shards, the epoch budget, the preset
+convention, what a finished pretraining run says about how to evaluate it, and the fixed numbers
+the report quotes.
+
+Presets by path convention: a method's demo preset is train/configs/<method>/demo.json and its
+variants are train/configs/<method>/variants/<variant>.json (applied over the demo preset). A
+registered objective with a demo preset is a demo method; nothing here names a method.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from data.write_shards import FASHION_MNIST_DIR
+from data.write_shards import main as write_shards
+from model.objectives import OBJECTIVES, list_objectives
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "train" / "configs"
+SHARDS = REPO / "runs" / "shards" / "fashion_mnist"
+RAW_PIXEL_BASELINES = {"logistic_regression": 84.5, "knn_5": 85.5}  # test split, raw pixels (see README)
+FINETUNE_BLR = 5e-3  # the study's fine-tuning blr; study.py's docstring says why not the paper's 5e-4
+
+
+def fashion_mnist_shards() -> tuple[Path, Path]:
+    """(train index, test index) of the Fashion-MNIST shards, written once from the idx files."""
+    if not (SHARDS / "train.json").is_file() or not (SHARDS / "test.json").is_file():
+        if not FASHION_MNIST_DIR.is_dir():
+            sys.exit(f"Fashion-MNIST not found in {FASHION_MNIST_DIR}: run `apt-get install dataset-fashion-mnist`")
+        write_shards(["fashion-mnist", str(SHARDS), "--samples_per_shard", "2500"])
+    return SHARDS / "train.json", SHARDS / "test.json"
+
+
+def epoch_options(epochs: float, train_samples: int) -> list[str]:
+    """Pretraining options for a budget of `epochs` (warmup a third of it, as the presets); a
+    fraction of an epoch becomes one shorter nominal epoch, so the schedule still completes."""
+    if epochs == int(epochs):
+        return ["--optim.epochs", f"{epochs:g}", "--optim.warmup_epochs", str(epochs / 3)]
+    return ["--optim.epochs", "1", "--optim.warmup_epochs", str(1 / 3),
+            "--data.epoch_size", str(round(train_samples * epochs))]
+
+
+def demo_methods() -> list[str]:
+    """Registered objectives that have a demo preset (fine-tuning and the linear probe start from
+    a pretrained encoder and have none)."""
+    return [name for name in list_objectives() if (CONFIGS / name / "demo.json").is_file()]
+
+
+def variants(method: str) -> list[str]:
+    """Names of the method's variant presets (train/configs/<method>/variants/*.json)."""
+    return sorted(f.stem for f in (CONFIGS / method / "variants").glob("*.json"))
+
+
+def presets(method: str, variant: str = "") -> list[Path]:
+    """The method's demo preset, then its variant preset when one is named; ValueError names the choices."""
+    if not (CONFIGS / method / "demo.json").is_file():
+        raise ValueError(f"no demo preset for {method!r}; methods with one: {demo_methods()}")
+    if not variant:
+        return [CONFIGS / method / "demo.json"]
+    path = CONFIGS / method / "variants" / f"{variant}.json"
+    if not path.is_file():
+        raise ValueError(f"no variant preset {path}; {method} has {variants(method) or 'none'}")
+    return [CONFIGS / method / "demo.json", path]
+
+
+def has_classifier(method: str) -> bool:
+    """The objective trains its own classifier (MLO-MAE's level-II head): pretraining scores it on
+    the test split when given data.eval_index, and writes <run>/eval.json."""
+    return OBJECTIVES[method][1].has_classifier()
+
+
+def feature_pool(run: Path) -> str:
+    """Frozen features to evaluate a finished run on: the objective's own `pool` option when it has
+    one (energy reads average-pooled ViT features; its cls token is never trained), else the cls
+    token, MAE's protocol. From the run's config.json, so no method is named here."""
+    config = json.loads((run / "config.json").read_text())
+    return config.get(config["objective"], {}).get("pool", "cls")
+
+
+def encoder_has_rpe(run: Path) -> bool:
+    """The exported encoder has iRPE in every block (MAE+ / AdPE): fine-tuning keeps it."""
+    return bool(json.loads((run / "encoder.json").read_text())["timm_kwargs"].get("rpe", False))

@@ -1,0 +1,144 @@
+"""The objective contract: what the loop, the entry points and the checkpoints may call on a method.
+
+A method is an `Objective` (an nn.Module built from `(encoder, config)`) and its config, a
+dataclass deriving from `ObjectiveConfig`, registered together under one name:
+
+    @dataclass
+    class PixelConfig(ObjectiveConfig):
+        scale: float = 1.0
+
+    @register_objective("pixel", PixelConfig)
+    class PixelObjective(Objective):
+        def forward(self, batch):
+            return {"loss": ...}
+
+The name selects it (`--objective pixel`) and names its command-line section (`--pixel.scale`);
+the config's fields, defaults and comments are that section's `--help`. Every hook below has a
+default here, so the loop never asks whether a method has it; a method overrides what it needs.
+
+Checkpoints: extra state the optimizer does not own (AdPE's adversaries, MLO-MAE's masking
+network and its AdamW state) goes through nn.Module's own `get_extra_state` / `set_extra_state`,
+which the objective defines only when it has such state.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+class ObjectiveConfig:
+    """Base of every objective's config dataclass. The checks run before any process starts
+    (train/config.py); they raise ValueError with a message naming the option and the fix."""
+
+    def validate(self) -> None:
+        """Checks of this section's values alone."""
+
+    def encoder_overrides(self) -> dict[str, Any]:
+        """Encoder constructor arguments this objective needs, applied over model.* (e.g. MAE+'s
+        iRPE in every block, energy's twice-differentiable attention)."""
+        return {}
+
+    def check_fits(self, img_size: int, patch_size: int, depth: int, micro_batch: int) -> None:
+        """Against the encoder's geometry and the micro-batch (e.g. MixedAE's mixing group)."""
+
+    def check_engine(self, zero_stage: int, accum: int) -> None:
+        """Against the engine: ZeRO stage and gradient accumulation steps."""
+
+    def check_input(self, in_chans: int) -> None:
+        """Against the input's channel count."""
+
+    def check_labels(self, num_classes: int) -> None:
+        """Against the class count of the labeled training shards (only objectives reading labels)."""
+
+    def data_split(self) -> tuple[float, int] | None:
+        """(share of the training samples held out as a validation split, split seed) for an
+        objective that trains on two disjoint splits of the labeled shards (MLO-MAE); None = no split."""
+        return None
+
+    def val_every(self, accum: int) -> int:
+        """With a data split: micro-batches between two validation batches in the stream."""
+        return 1
+
+
+class Objective(nn.Module):
+    """Base of every objective. `forward(batch)` is the training step's loss:
+
+    batch: "image" (B, C, H, W) in the compute dtype (or (B, k, C, s, s) multi-crop), "label" (B,)
+           when the shards carry labels, and what the data source attaches (e.g. "val_image").
+    returns: a dict with "loss" (a 0-dim tensor, the one the engine differentiates) plus named
+           0-dim tensors, averaged over the log window and logged; other entries (non-0-dim)
+           are outputs for inspection and are not logged.
+    """
+
+    name: ClassVar[str] = ""  # set by @register_objective
+    # The loss differentiates through input gradients (energy restoration): memory estimates count
+    # a second backward (train/costs.py) and run.compile is refused.
+    double_backward: ClassVar[bool] = False
+
+    def __init__(self, encoder: nn.Module, cfg: ObjectiveConfig):
+        super().__init__()
+        self.encoder = encoder
+        self.cfg = cfg
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} must define forward(batch) -> {{'loss': ...}}")
+
+    def predict(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> class logits (B, num_classes), for objectives with a classifier
+        (fine-tuning, linear probe, MLO-MAE's level-II head): data.eval_index scores it."""
+        raise NotImplementedError(f"objective {self.name!r} has no classifier")
+
+    @classmethod
+    def has_classifier(cls) -> bool:
+        return cls.predict is not Objective.predict
+
+    def no_weight_decay(self) -> set[str]:
+        """Names of this module's own parameters kept out of weight decay (tokens, position
+        tables), beside 1-d tensors, which never decay. Submodules list theirs the same way."""
+        return set()
+
+    def after_optimizer_step(self, lr: float, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """After every optimizer step: update state the optimizer does not own (AdPE's adversary
+        ascent, MLO-MAE's levels II-III). `lr` is this step's encoder lr, `batches` the step's
+        micro-batches as forward saw them. Returns 0-dim tensors to log for this step."""
+        return {}
+
+    def visualizations(self, images: torch.Tensor, noise: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """Figures for the run folder (train/visualize.py): name -> rows of (B, C, H, W) images
+        in the input's normalisation. `noise` (B, N) in [0, 1) fixes the masks across steps."""
+        return {}
+
+
+# name -> (config class, objective class), filled by @register_objective
+OBJECTIVES: dict[str, tuple[type[ObjectiveConfig], type[Objective]]] = {}
+
+
+def register_objective(name: str, config: type[ObjectiveConfig]):
+    """Class decorator: make `cls` selectable as `--objective name` with `config` as `--name.*`."""
+    if not name.isidentifier():
+        raise ValueError(f"objective name {name!r} must be a Python identifier (it names a config section)")
+    if not issubclass(config, ObjectiveConfig):
+        raise TypeError(f"{config.__name__} must derive from ObjectiveConfig")
+
+    def decorate(cls: type[Objective]) -> type[Objective]:
+        if not issubclass(cls, Objective):
+            raise TypeError(f"{cls.__name__} must derive from Objective")
+        if name in OBJECTIVES and OBJECTIVES[name][1] is not cls:
+            raise ValueError(f"objective {name!r} is already registered by {OBJECTIVES[name][1].__qualname__}")
+        cls.name = name
+        OBJECTIVES[name] = (config, cls)
+        return cls
+
+    return decorate
+
+
+def list_objectives() -> list[str]:
+    return sorted(OBJECTIVES)
+
+
+def build_objective(name: str, encoder: nn.Module, cfg: ObjectiveConfig) -> Objective:
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; choose one of {list_objectives()}")
+    return OBJECTIVES[name][1](encoder, cfg)

@@ -1,0 +1,104 @@
+"""Training-step time of a method against its baseline, same batch, same run: forward (autocast),
+backward, a fused AdamW step and the objective's after_optimizer_step, on one device without the
+engine (kernels/bench.py times the attention kernels alone; train/bench.py the whole engine).
+
+    python -m train.bench_objectives                         # GPU: ViT-B/16, batch 128, bf16, both pairs
+    python -m train.bench_objectives --dtype fp16 --pairs mixedae
+    python -m train.bench_objectives --device cpu --dtype fp32 --pairs adpe --model vit_mini_patch4 --batch 64
+
+Pairs:
+  mixedae   MAE vs MixedAE (full-size images)
+  adpe      MAE+ with iRPE vs AdPE RPE-coord (4 crops of half the model's image size)
+Ratio: "<method>_over_<baseline>" = time(method) / time(baseline). JSON to benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.bench import DTYPES, REPO, record_header, sync, write_record
+from model.objectives import build_objective
+from model.objectives.mae import MAEConfig
+from model.objectives.maeplus import MAEPlusConfig
+from model.objectives.mixedae import MixedAEConfig
+from model.registry import create_model, model_arch
+
+PAIRS = ("mixedae", "adpe")
+
+
+def time_training_step(objective, images: torch.Tensor, dtype: torch.dtype, device: torch.device, iters: int,
+                       warmup: int) -> float:
+    """Mean milliseconds of forward (autocast), backward, a fused AdamW step and the objective's
+    after_optimizer_step (AdPE's PGD step), as the loop runs them for one micro-batch per step."""
+    opt = torch.optim.AdamW(objective.parameters(), lr=1e-4, fused=device.type == "cuda")
+    batch = {"image": images}
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = objective(batch)["loss"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        objective.after_optimizer_step(1e-4, [batch])
+
+    for _ in range(warmup):
+        step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    sync(device)
+    return (time.perf_counter() - start) * 1000 / iters
+
+
+def bench_pair(pair: str, dtype: torch.dtype, device: torch.device, batch: int, iters: int, warmup: int,
+               model: str = "vit_base_patch16") -> dict:
+    """Step time of the pair's baseline and method on the same images, and their ratio."""
+    size = model_arch(model)["img_size"]
+    if pair == "mixedae":
+        runs = {"mae": ("mae", MAEConfig(), {}),
+                "mixedae": ("mixedae", MixedAEConfig(cell_size=2 * model_arch(model)["patch_size"]), {})}
+        images = torch.randn(batch, 3, size, size, device=device)
+    else:
+        size //= 2
+        runs = {"maeplus_rpe": ("maeplus", MAEPlusConfig(rpe=True), {"rpe": True, "img_size": size}),
+                "adpe_rpe_coord": ("maeplus", MAEPlusConfig(rpe=True, adversary="rpe_coord"),
+                                   {"rpe": True, "img_size": size})}
+        images = torch.randn(batch, 4, 3, size, size, device=device)
+    out: dict = {}
+    for label, (objective_name, cfg, overrides) in runs.items():
+        torch.manual_seed(0)
+        objective = build_objective(objective_name, create_model(model, **overrides), cfg).to(device)
+        out[label] = {"ms": time_training_step(objective, images, dtype, device, iters, warmup)}
+        print(f"{pair} {label} {out[label]}")
+        del objective
+    base, method = list(runs)
+    out[f"{method}_over_{base}"] = out[method]["ms"] / out[base]["ms"]
+    return {"model": model, "batch": batch, "images": list(images.shape), "results": out}
+
+
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--pairs", nargs="+", choices=PAIRS, default=list(PAIRS))
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--model", default="vit_base_patch16")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results"))
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device; pass --device cpu (with a small --model)")
+    dtype = DTYPES[a.dtype]
+    record = {**record_header(device, a.dtype, a.iters, a.warmup),
+              "e2e": {pair: bench_pair(pair, dtype, device, a.batch, a.iters, a.warmup, a.model) for pair in a.pairs}}
+    return write_record(record, Path(a.out_dir), "objective_steps", device, a.dtype)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Builders of a pretraining run, shared by the entry points (train/trainer.py runs them;
+train/bench.py times them; train/dry_run.py and train/memory.py check and profile them):
+the encoder and objective, the DeepSpeed engine, the schedule's step counts, the training
+data stream, and the checks a checkpoint must pass to be resumed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from data.source import build_source, nominal_epoch_size
+from data.split import LabeledSplit
+from model.interop import load_into_objective
+from model.objectives import build_objective
+from model.registry import create_model
+from train import checkpoint
+from train.config import ConfigError, PretrainConfig, encoder_img_size, section, to_dict
+from train.ds_config import BatchPlan, activation_checkpointing, precision, zero_stage
+from train.nonfinite import skip_nonfinite_steps
+from train.optim import WarmupCosineSchedule, build_optimizer, build_param_groups
+
+log = logging.getLogger("pretrain")
+
+
+def build_encoder(cfg: PretrainConfig):
+    overrides = {"in_chans": cfg.model.in_chans, "attn_backend": cfg.model.attn_backend, "rpe": cfg.model.rpe,
+                 "global_pool": cfg.model.global_pool, "drop_path_rate": cfg.model.drop_path_rate}
+    if cfg.model.img_size:
+        overrides["img_size"] = cfg.model.img_size
+    overrides.update(section(cfg).encoder_overrides())  # e.g. MAE+/AdPE: iRPE in every block
+    return create_model(cfg.model.name, **overrides)
+
+
+def labeled_split(cfg: PretrainConfig) -> LabeledSplit | None:
+    """The objective's split of the labeled training shards (MLO-MAE's D_tr / D_val), if it has one."""
+    split = section(cfg).data_split()
+    return None if split is None else LabeledSplit(*split)
+
+
+def peak_lr(cfg: PretrainConfig, plan: BatchPlan) -> float:
+    """The schedule's peak lr: blr x global batch / 256 (the MAE recipe's scaling rule)."""
+    return cfg.optim.blr * plan.global_batch / 256
+
+
+def schedule_steps(cfg: PretrainConfig, plan: BatchPlan) -> tuple[int, int, float]:
+    """(steps per epoch, total schedule steps, warmup steps), all in optimizer steps."""
+    epoch_size = nominal_epoch_size(cfg.data, labeled_split(cfg))
+    per_epoch = epoch_size // plan.global_batch
+    if per_epoch < 1:
+        raise ConfigError(f"the epoch ({epoch_size} samples) is smaller than the global batch {plan.global_batch}")
+    return per_epoch, per_epoch * cfg.optim.epochs, per_epoch * cfg.optim.warmup_epochs
+
+
+def training_source(cfg: PretrainConfig, img_size: int, plan: BatchPlan, rank: int, world: int,
+                    device: torch.device):
+    """This rank's training batches (micro-batches of `plan.micro` samples): the objective's labeled
+    split, when it has one, interleaves a validation batch every `val_every(accum)` micro-batches."""
+    split = labeled_split(cfg)
+    return build_source(cfg.data, img_size, cfg.model.in_chans, plan.micro, cfg.seed, rank, world, device, split,
+                        section(cfg).val_every(plan.accum) if split is not None else 1)
+
+
+def apply_execution_options(objective: torch.nn.Module, recompute: bool, compile_blocks: bool) -> None:
+    """Activation checkpointing (the ds_config's section: every transformer block recomputed in
+    backward) and run.compile (torch.compile of every ViT block: one graph per block shape)."""
+    from model.vit import Block
+
+    for module in objective.modules():
+        if recompute and hasattr(module, "set_grad_checkpointing"):
+            module.set_grad_checkpointing(True)
+        if compile_blocks and isinstance(module, Block):
+            module.compile()
+
+
+def profile_config(cfg: PretrainConfig, ds_config: dict, micro: int, fused_kernels: bool, value_bytes: int = 2):
+    """(the configured objective built on the meta device with the ds_config's activation
+    checkpointing, the profile of one micro-batch: FLOPs and activations from its token counts)."""
+    from train.costs import example_batch, profile
+
+    with torch.device("meta"):
+        objective = build_objective(cfg.objective, build_encoder(cfg), section(cfg))
+        apply_execution_options(objective, activation_checkpointing(ds_config), compile_blocks=False)
+        batch = example_batch(cfg.data, micro, encoder_img_size(cfg), cfg.model.in_chans)
+        return objective, profile(objective, batch, fused_kernels, value_bytes)
+
+
+def compute_dtype(engine) -> torch.dtype:
+    """The dtype the engine's module computes in (what the loop casts images to)."""
+    return torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
+
+
+def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, peak_lr: float,
+                 warmup_steps: float, total_steps: int):
+    """Encoder + objective (identical initial weights on every rank), AdamW, schedule, engine.
+    Returns (engine, objective, param_split: how the parameters split between decay / no decay)."""
+    import deepspeed
+
+    torch.manual_seed(cfg.seed)
+    objective = build_objective(cfg.objective, build_encoder(cfg), section(cfg))
+    if cfg.model.init_from:
+        try:
+            state = None
+            if Path(cfg.model.init_from).is_dir():  # a run folder / checkpoint tag of ours: encoder (+ MAE decoder)
+                from train.export import pretrained_state
+
+                state = pretrained_state(checkpoint.find_resume(cfg.model.init_from, Path(cfg.model.init_from)))
+            log.info(load_into_objective(objective, cfg.model.init_from, state))
+        except ValueError as e:
+            raise ConfigError(f"model.init_from: {e}") from None
+    apply_execution_options(objective, activation_checkpointing(ds_config), cfg.run.compile)
+    groups, param_split = build_param_groups(objective, cfg.optim.weight_decay, cfg.optim.layer_decay)
+    optimizer = build_optimizer(groups, cfg.optim, device.type == "cuda")
+    if zero_stage(ds_config) == 0 and precision(ds_config) == "fp32":
+        optimizer = skip_nonfinite_steps(optimizer)  # the one engine without DeepSpeed's own check
+    scheduler = WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, warmup_steps, total_steps)
+    engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    return engine, objective, param_split
+
+
+def check_resume_compatible(meta: dict, cfg: PretrainConfig, plan: BatchPlan) -> None:
+    """The checkpoint (its complete.json) must come from the same model and objective; on another
+    world size it must have trained with the same global batch (the schedule counts its steps)."""
+    if meta["world_size"] != plan.world:
+        was = meta.get("global_batch")
+        if was is None:
+            raise ConfigError(f"--resume: the checkpoint was written by {meta['world_size']} ranks, this run has "
+                              f"{plan.world}, and it predates world-size changes; resume with {meta['world_size']} ranks")
+        if was != plan.global_batch:
+            raise ConfigError(
+                f"--resume: the checkpoint trained with global batch {was} on {meta['world_size']} ranks, this run "
+                f"has {plan.global_batch} on {plan.world}; keep the global batch (give train_batch_size and "
+                f"train_micro_batch_size_per_gpu in the ds_config, so the accumulation follows the world size)")
+    saved, now = meta["config"], json.loads(json.dumps(to_dict(cfg)))  # as stored: tuples become lists
+    default = json.loads(json.dumps(to_dict(PretrainConfig())))
+    for key in ("objective", "model", cfg.objective):
+        was, is_ = saved.get(key), now[key]
+        if isinstance(was, dict) and isinstance(is_, dict):
+            # an option added to the code after the checkpoint was written counts as its default
+            was = {**{k: v for k, v in default[key].items() if k not in was}, **was}
+        if was != is_:
+            raise ConfigError(f"--resume: the checkpoint was trained with {key}={saved.get(key)}, this run has {now[key]}")

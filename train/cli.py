@@ -1,0 +1,46 @@
+"""What the command-line entry points share: their exit statuses and the extraction of an entry
+point's own flags (--dry-run, --world_size, --loader_only, ...) from the run options."""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+from data.faults import CorruptDataError, ShardIndexError
+from train.config import ConfigError
+from train.nonfinite import NonFiniteError
+
+
+def cli(main_fn) -> None:
+    """Run an entry point; a configuration problem exits with status 2 and a one-line message; a
+    run stopped by what it detected (diverged: train/nonfinite.py; too much corrupt data:
+    data/faults.py) with status 3, its last checkpoint kept."""
+    try:
+        main_fn()
+    except (ConfigError, FileNotFoundError, ShardIndexError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (NonFiniteError, CorruptDataError) as e:
+        print(f"training stopped: {e}", file=sys.stderr)
+        raise SystemExit(3) from None
+
+
+def pop_flags(argv: list[str], flags: dict[str, Callable[[str], Any] | None]) -> tuple[dict[str, Any], list[str]]:
+    """(the entry point's flags found in argv, the other arguments in their order). `flags` maps
+    each flag to the type of its value, or None for a switch; a flag found is keyed by its name
+    without the leading dashes (--world_size -> "world_size"; a switch's value is True)."""
+    found: dict[str, Any] = {}
+    rest, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in flags and flags[arg] is None:
+            found[arg.lstrip("-")] = True
+            i += 1
+        elif arg in flags:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{arg} needs a value")
+            found[arg.lstrip("-")] = flags[arg](argv[i + 1])
+            i += 2
+        else:
+            rest.append(arg)
+            i += 1
+    return found, rest

@@ -1,0 +1,268 @@
+"""The pretraining command and one run of it (train/pretrain.py runs it; finetune.py and
+linprobe.py run it with their recipes as defaults).
+
+`main(argv)`: --help, --dry-run (train/dry_run.py) or a run. A run is `check_before_start`
+(every check that can reject the input, before any process group starts), then a `Trainer`:
+process group, engine, seeded RNGs, run folder, data, resume; the loop (train/loop.py) with the
+trainer's checkpoint, figure and evaluation callbacks; stop and requeue on a signal; export.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.shards import ShardSet
+from data.source import check_source, fixed_images, train_shards
+from kernels.accelerators import describe as describe_accelerators
+from kernels.attention import describe_paths
+from model.timm_backbone import TimmBackbone
+from train import checkpoint, code_version, distributed, dry_run
+from train.build import (
+    build_engine,
+    check_resume_compatible,
+    compute_dtype,
+    labeled_split,
+    peak_lr,
+    schedule_steps,
+    training_source,
+)
+from train.cli import pop_flags
+from train.config import ConfigError, PretrainConfig, check_objective_fits, help_text, parse_args, to_dict
+from train.ds_config import BatchPlan, resolve, zero_stage
+from train.early_signals import catch_stop_signals
+from train.evaluate import classification_accuracy
+from train.export import export_checkpoint
+from train.loop import LoopSettings, LoopState
+from train.loop import run as run_loop
+from train.preemption import StopSignal, requeue_job
+from train.run_dir import Reporter, check_run_folder, write_run_files
+from train.visualize import write_figures
+
+log = logging.getLogger("pretrain")
+
+USAGE = """Pretraining entry point.
+
+    deepspeed --module train.pretrain --ds_config ds_configs/<file>.json [--key value ...]
+    python -m train.pretrain --ds_config ds_configs/cpu_debug.json [--key value ...]
+
+Options: `python -m train.pretrain --help`; `--dry-run [--world_size N] [--gpu a100]` checks a
+configuration for another world size and GPU and estimates memory (train/dry_run.py). Everything
+is checked before the process group starts; then: build encoder + objective, DeepSpeed engine,
+resume (also on another world size), loop (stopping with a checkpoint on SIGUSR1: requeue),
+final checkpoint, export.
+"""
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """The pretraining command: the run folder of a finished (or stopped) run."""
+    catch_stop_signals()  # SIGUSR1 / SIGTERM during start-up: acted on at the loop's first stop check
+    argv = sys.argv[1:] if argv is None else argv
+    flags, _ = pop_flags(argv, {"--help": None, "-h": None, "--dry-run": None})
+    if flags.get("help") or flags.get("h"):
+        print(USAGE + "\n" + help_text())
+        raise SystemExit(0)
+    if flags.get("dry-run"):  # check for a world size and GPU, estimate memory; start nothing
+        raise SystemExit(dry_run.main(argv))
+    cfg = parse_args(argv)
+    return Trainer(cfg, check_before_start(cfg)).run()
+
+
+@dataclass
+class CheckedRun:
+    """What the checks before start settled."""
+    ds_config: dict  # final, as the engine gets it
+    plan: BatchPlan
+    per_epoch: int  # optimizer steps
+    total_steps: int
+    warmup_steps: float
+    run_dir: Path
+    resume_from: Path | None  # a checkpoint tag, checked
+
+
+def check_before_start(cfg: PretrainConfig) -> CheckedRun:
+    """Everything that rejects bad input (ConfigError) before any process group starts."""
+    ds_config, plan = resolve(cfg, distributed.world_size_from_env())
+    check_objective_fits(cfg, plan.micro, plan.accum, zero_stage(ds_config))
+    try:
+        check_source(cfg.data, plan.world, cfg.model.in_chans)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    per_epoch, total_steps, warmup_steps = schedule_steps(cfg, plan)
+    run_dir = Path(cfg.output_dir)
+    resume_from = checkpoint.find_resume(cfg.resume, run_dir)
+    if resume_from is not None and check_resume(resume_from, cfg, plan):
+        ds_config["checkpoint"] = {"load_universal": True}  # partitioned optimizer state, re-laid out
+    try:
+        check_run_folder(run_dir, to_dict(cfg), resuming=resume_from is not None, overwrite=cfg.run.overwrite)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return CheckedRun(ds_config, plan, per_epoch, total_steps, warmup_steps, run_dir, resume_from)
+
+
+def check_resume(resume_from: Path, cfg: PretrainConfig, plan: BatchPlan) -> bool:
+    """The checkpoint is safe to load and fits this run; True when it must load as a universal
+    checkpoint (written by another world size with partitioned optimizer state)."""
+    try:  # DeepSpeed's loader unpickles without restriction: scan the files before anything starts
+        checkpoint.verify_safe(resume_from)
+    except ValueError as e:
+        raise ConfigError(f"--resume: {e}") from None
+    meta = checkpoint.read_meta(resume_from)
+    check_resume_compatible(meta, cfg, plan)
+    return meta["world_size"] != plan.world and checkpoint.needs_universal(resume_from)
+
+
+def seed_global_rngs(seed: int) -> None:
+    """Every global RNG the objectives draw from (masking noise, drop path: torch; timm's mixup:
+    numpy) starts from `seed` (the run's seed + rank: different across ranks); all are checkpointed."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def describe_attention(encoder, device: torch.device, dtype: torch.dtype) -> tuple[str, dict[str, str]]:
+    """(the encoder's attention backend, the implementation each kind of attention call gets)."""
+    if isinstance(encoder, TimmBackbone):  # timm's own attention modules (a timm ViT's blocks have no .backend)
+        return encoder.attn_backend, {"dense": encoder.describe_attention()}
+    attn = encoder.blocks[0].attn
+    return attn.backend, describe_paths(attn.backend, device, dtype, encoder.num_patches + 1,
+                                        encoder.embed_dim // attn.num_heads)
+
+
+def loop_settings(cfg: PretrainConfig, checked: CheckedRun) -> LoopSettings:
+    """The loop's stop step (run.max_steps caps the schedule) and cadences."""
+    stop_step = min(checked.total_steps, cfg.run.max_steps) if cfg.run.max_steps else checked.total_steps
+    return LoopSettings(stop_step, cfg.run.log_every, cfg.run.ckpt_every, checked.plan.global_batch,
+                        cfg.run.vis_every, cfg.run.eval_every, cfg.run.max_nonfinite_steps)
+
+
+class Trainer:
+    """One run, after check_before_start: set up in the constructor, trained by `run()`."""
+
+    def __init__(self, cfg: PretrainConfig, checked: CheckedRun):
+        self.cfg, self.checked, self.run_dir = cfg, checked, checked.run_dir
+        plan = checked.plan
+        self.rank, self.world, self.device = distributed.init()
+        logging.basicConfig(level=logging.INFO if self.rank == 0 else logging.WARNING, format="[%(name)s] %(message)s")
+        self.peak_lr = peak_lr(cfg, plan)
+        self.engine, objective, param_split = build_engine(cfg, checked.ds_config, self.device, self.peak_lr,
+                                                           checked.warmup_steps, checked.total_steps)
+        self.dtype = compute_dtype(self.engine)
+        seed_global_rngs(cfg.seed + self.rank)
+        self.encoder = objective.encoder
+        backend, attention_paths = describe_attention(self.encoder, self.device, self.dtype)
+        if self.rank == 0:
+            self.write_run_files(param_split, backend, attention_paths)
+            self.record_labeled_split()
+        self.data = training_source(cfg, self.encoder.img_size, plan, self.rank, self.world, self.device)
+        self.state = LoopState(self.resume())
+        self.settings = loop_settings(cfg, checked)
+        self.ckpt_meta = {"zero_stage": self.engine.zero_optimization_stage(), "objective": cfg.objective,
+                          "config": to_dict(cfg), "global_batch": plan.global_batch,
+                          "encoder_timm_kwargs": self.encoder.timm_kwargs(), "model_name": cfg.model.name}
+        self.last_saved: Path | None = None  # the newest checkpoint tag this run wrote
+        self.vis_images = self.vis_noise = None  # rank 0: the same images and masks at every figure step
+        if self.rank == 0 and cfg.run.vis_every:
+            self.vis_images, self.vis_noise = self.figure_inputs()
+        self.reporter = Reporter(self.run_dir, self.state.step, self.settings.stop_step, cfg.run.tensorboard,
+                                 cfg.run.progress) if self.rank == 0 else None
+        # classification objectives: top-1/top-5 on every rank's share of the shards
+        self.eval_shards = ShardSet.from_index(cfg.data.eval_index, cfg.data.allow_pipe_urls) \
+            if cfg.data.eval_index else None
+
+    def figure_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fixed images (B, C, H, W) in the compute dtype, mask noise (B, N)), drawn from their own
+        generators: the global RNGs are left as they are."""
+        images = fixed_images(self.cfg.data, self.encoder.img_size, self.cfg.model.in_chans).to(self.device, self.dtype)
+        noise = torch.rand(len(images), self.encoder.num_patches, generator=torch.Generator().manual_seed(0))
+        return images, noise.to(self.device)
+
+    def write_run_files(self, param_split: dict, backend: str, attention_paths: dict[str, str]) -> None:
+        """Rank 0: config, final ds_config and meta.json in the run folder; the run's shape in the log."""
+        cfg, checked, plan = self.cfg, self.checked, self.checked.plan
+        write_run_files(self.run_dir, to_dict(cfg), checked.ds_config, {
+            "world_size": self.world, "device": str(self.device), "precision": str(self.dtype).removeprefix("torch."),
+            "batch": asdict(plan) | {"global": plan.global_batch}, "peak_lr": self.peak_lr,
+            "steps_per_epoch": checked.per_epoch, "total_steps": checked.total_steps,
+            "accelerators": describe_accelerators(), "attention_backend": backend, "attention_paths": attention_paths,
+            "param_split": param_split, "code": code_version.describe(),  # which code ran (a submit.py snapshot?)
+        })
+        log.info("world %d on %s, %s, global batch %d = %d x %d x %d, peak lr %.3g, %d steps (%d/epoch)",
+                 self.world, self.device, self.dtype, plan.global_batch, plan.micro, plan.accum, self.world,
+                 self.peak_lr, checked.total_steps, checked.per_epoch)
+        log.info("attention: %s", "; ".join(f"{kind}: {path}" for kind, path in attention_paths.items()))
+        log.info("weight decay on %d tensors (%d params), none on %d tensors (%d params)",
+                 param_split["decay_tensors"], param_split["decay_params"], param_split["no_decay_tensors"],
+                 param_split["no_decay_params"])
+
+    def record_labeled_split(self) -> None:
+        """Rank 0: the record of the objective's D_tr / D_val split of the shards (split.json)."""
+        split = labeled_split(self.cfg)
+        if split is None or self.cfg.data.source != "shards":
+            return
+        record = split.describe(train_shards(self.cfg.data), self.cfg.data.train_index)
+        (self.run_dir / "split.json").write_text(json.dumps(record, indent=2))
+        log.info("labeled split: %d D_tr / %d D_val samples (run folder: split.json)", record["num_train"],
+                 record["num_val"])
+
+    def resume(self) -> int:
+        """Engine, RNG and data position from the checked checkpoint, if any: the step to start from."""
+        resume_from = self.checked.resume_from
+        if resume_from is None:
+            return 0
+        client = checkpoint.load(self.engine, resume_from, self.rank, self.world, self.cfg.seed)
+        self.data.resume_from(client["data"])
+        log.info("resumed from %s at step %d%s", resume_from, client["step"],
+                 f" (written by {len(client['data'])} ranks, continued on {self.world})"
+                 if len(client["data"]) != self.world else "")
+        return client["step"]
+
+    def on_checkpoint(self, step: int) -> None:
+        client = {"step": step, "data": distributed.all_gather_object(self.data.state_dict())}
+        self.last_saved = checkpoint.save(self.engine, self.run_dir / "checkpoints", step, client, self.rank,
+                                          self.world, self.ckpt_meta, self.cfg.run.keep_checkpoints)
+
+    def on_visualize(self, step: int) -> None:  # rank 0 only; no collectives, no global RNG draws
+        if self.rank != 0:
+            return
+        module = self.engine.module
+        module.eval()
+        with torch.no_grad():
+            write_figures(module, self.vis_images, self.vis_noise, self.run_dir / "vis", step)
+        module.train()
+
+    def on_evaluate(self, step: int) -> None:
+        module = self.engine.module
+        module.eval()
+        result = classification_accuracy(module.predict, self.eval_shards, self.encoder.img_size,
+                                         self.cfg.data.eval_crop_pct, self.rank, self.world, self.device, self.dtype,
+                                         num_workers=self.cfg.data.num_workers)
+        module.train()
+        if self.reporter is not None:
+            self.reporter.log_eval(step, result)
+            (self.run_dir / "eval.json").write_text(json.dumps({"step": step, **result}, indent=2))
+
+    def run(self) -> Path:
+        """Train to the stop step (or a stop signal: checkpoint, requeue), export; the run folder."""
+        stop = StopSignal(self.cfg.run.stop_check_every, self.device)  # SIGUSR1 / SIGTERM: checkpoint, (requeue), exit
+        on_log = self.reporter.log if self.reporter else lambda step, metrics: None
+        stopped = run_loop(self.engine, self.data, self.settings, self.state, self.device, self.dtype, on_log,
+                           self.on_checkpoint, self.on_visualize,
+                           self.on_evaluate if self.eval_shards is not None else None, stop.should_stop)
+        if self.reporter is not None:
+            self.reporter.close()
+        if stopped:
+            log.info("stopped on a signal at step %d after writing %s", self.state.step, self.last_saved)
+            if self.rank == 0 and stop.requeue:
+                log.info(requeue_job())
+        elif self.rank == 0 and self.cfg.run.export and self.last_saved is not None:
+            out = export_checkpoint(self.last_saved, self.run_dir / "encoder.safetensors")
+            log.info("exported encoder to %s", out)
+        distributed.barrier()
+        return self.run_dir
