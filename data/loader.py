@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import os
 import signal
 import time
 import weakref
@@ -20,9 +21,43 @@ from data.transforms import PretrainTransform, normalize_uint8
 def _init_worker(_: int) -> None:
     torch.set_num_threads(1)  # decode workers must not compete with the training process's threads
     # Stop requests are the training process's to act on (train/preemption.py); a worker that
-    # died of one first would take the batch stream, and the checkpoint, with it.
+    # died of one first would take the batch stream, and the checkpoint, with it. SIGINT too: a
+    # Ctrl-C reaches every process of the terminal's foreground group.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+AUTO_WORKERS = -1  # data.num_workers default: fit the machine (resolve_num_workers)
+MAX_AUTO_WORKERS = 4
+
+
+def cores_per_rank() -> int:
+    """CPU cores this rank may use: the process's affinity set (Slurm / taskset / a container's
+    cpuset) divided among the ranks of this node (LOCAL_WORLD_SIZE: torchrun, our Slurm mode;
+    LOCAL_SIZE: the deepspeed launcher). Ranks bound to their own cores get a share of their share:
+    fewer workers than they could run, never more than the cores."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count() or 1
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1))
+    return max(1, usable // local)
+
+
+def resolve_num_workers(requested: int, num_shards: int | None = None, world: int = 1) -> int:
+    """data.num_workers as the DataLoader takes it: a count >= 0 is kept; AUTO_WORKERS (-1) is
+    min(4, cores per rank - 1, shards per rank), at least 0: one core stays with the training
+    process (so the DataLoader's "more workers than cores" warning never fires), and every worker
+    gets a shard. 0 decodes in the training process."""
+    if requested < AUTO_WORKERS:
+        raise ValueError(f"data.num_workers must be >= 0, or -1 for auto, got {requested}")
+    if requested >= 0:
+        return requested
+    auto = min(MAX_AUTO_WORKERS, cores_per_rank() - 1)
+    if num_shards is not None:
+        auto = min(auto, num_shards // max(1, world))
+    return max(0, auto)
 
 
 _LIVE_LOADERS: weakref.WeakSet = weakref.WeakSet()  # loaders whose workers may be running
@@ -63,6 +98,7 @@ class ShardLoader:
                  num_workers: int, shuffle_buffer: int, crop_scale_min: float = 0.2, pin_memory: bool = False,
                  transform=None, keep=None, device: torch.device | str = "cpu", max_bad_fraction: float = 1.0,
                  max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+        num_workers = resolve_num_workers(num_workers, len(shards.files), world)
         check_split(shards, world, num_workers)
         self.shards, self.batch_size, self.seed, self.rank, self.world = shards, batch_size, seed, rank, world
         self.num_workers, self.shuffle_buffer, self.pin_memory = num_workers, shuffle_buffer, pin_memory

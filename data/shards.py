@@ -147,7 +147,10 @@ def _shard_file(index: Path, entry: str, allow_pipe_urls: bool) -> Path | PipeSh
 
 
 def check_split(shards: ShardSet, world: int, num_workers: int) -> None:
-    """Every (rank, worker) pair needs at least one shard per epoch, or it would wait forever."""
+    """Every (rank, worker) pair needs at least one shard per epoch, or it would wait forever.
+    num_workers -1 (auto, data/loader.py) never asks for more workers than there are shards."""
+    if num_workers < -1:
+        raise ValueError(f"data.num_workers must be >= 0, or -1 for auto, got {num_workers}")
     readers = world * max(1, num_workers)
     if len(shards.files) < readers:
         raise ValueError(

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import torch
 
 from data.loader import ShardLoader
-from data.shards import ShardSet, check_split
+from data.shards import ShardSet, check_split, open_sample, shard_samples
 from data.split import LabeledSplit, SplitSource
 from data.synthetic import SyntheticImages
 from data.transforms import PretrainTransform
@@ -28,14 +29,39 @@ def nominal_epoch_size(data_cfg, split: LabeledSplit | None = None) -> int:
     return total if split is None else int(total * (1 - split.val_fraction))
 
 
+DECODED_CHANNELS = 3  # every shard image is decoded to 8-bit RGB (grayscale replicated; data/shards.py)
+
+
+def stored_image(shards: ShardSet, max_samples: int = 8) -> tuple[str, int] | None:
+    """(PIL mode, channel count) of the first image of the first shard whose header reads, read
+    without decoding its pixels; None when the shard is a pipe: command or no such image comes
+    within `max_samples` samples (the loader's own checks deal with those)."""
+    first = shards.files[0] if shards.files else None
+    if not isinstance(first, Path) or not first.is_file():
+        return None
+    for i, raw in enumerate(shard_samples(first, Counter())):
+        try:
+            img = open_sample(raw)[0]
+            return img.mode, len(img.getbands())
+        except ValueError:  # SampleError: this sample is unusable; try the next
+            if i + 1 >= max_samples:
+                return None
+    return None
+
+
 def check_source(data_cfg, world: int, in_chans: int = 3) -> None:
     """Fail before any process starts when the shards cannot feed every rank and worker, or the
     model cannot take what they decode to; the evaluation index must be readable too."""
     if data_cfg.source == "shards":
-        if in_chans != 3:
-            raise ValueError(f"model.in_chans is {in_chans}, but shards decode to 3-channel RGB (grayscale is "
-                             f"replicated); set model.in_chans 3")
-        check_split(train_shards(data_cfg), world, data_cfg.num_workers)
+        shards = train_shards(data_cfg)
+        if in_chans != DECODED_CHANNELS:
+            stored = stored_image(shards)
+            held = f"hold PIL mode {stored[0]} images ({stored[1]} channel{'s' * (stored[1] > 1)}), which the " \
+                f"loader decodes" if stored else "decode"
+            raise ValueError(f"model.in_chans is {in_chans}, but the data has {DECODED_CHANNELS} channels: the shards "
+                             f"of {data_cfg.train_index} {held} to {DECODED_CHANNELS}-channel RGB (grayscale is "
+                             f"replicated); set --model.in_chans {DECODED_CHANNELS}")
+        check_split(shards, world, data_cfg.num_workers)
     if data_cfg.eval_index:
         try:
             ShardSet.from_index(data_cfg.eval_index, data_cfg.allow_pipe_urls)

@@ -172,16 +172,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="kind", required=True)
     folder = sub.add_parser("imagefolder", help="class sub-folders of JPEG/PNG files")
-    folder.add_argument("src", type=Path)
-    folder.add_argument("out", type=Path)
-    folder.add_argument("--name", default="train")
+    folder.add_argument("src", type=Path, help="the image folder: one sub-folder per class")
+    folder.add_argument("out", type=Path, help="output folder of the shards and their <name>.json index")
+    folder.add_argument("--name", default="train", help="shard and index name (default %(default)s)")
     folder.add_argument("--skip_bad", action="store_true", help="write the readable files, record the rest")
     fm = sub.add_parser("fashion-mnist", help="the idx files of the Debian package dataset-fashion-mnist")
-    fm.add_argument("out", type=Path)
-    fm.add_argument("--src", type=Path, default=FASHION_MNIST_DIR)
+    fm.add_argument("out", type=Path, help="output folder of train.json / test.json and their shards")
+    fm.add_argument("--src", type=Path, default=FASHION_MNIST_DIR, help="the idx files (default %(default)s)")
     for p in (folder, fm):
-        p.add_argument("--samples_per_shard", type=int, default=1000)
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--samples_per_shard", type=int, default=1000, help="samples per .tar (default %(default)s)")
+        p.add_argument("--seed", type=int, default=0, help="seed of the sample order (default %(default)s)")
     args = parser.parse_args(argv)
     try:
         if args.kind == "imagefolder":

@@ -161,16 +161,18 @@ def bench_shape(name: str, shape: tuple[int, int, int, int], dtype: torch.dtype,
             "ratios": ratios}
 
 
+D = " (default: %(default)s)"  # argparse fills in each option's default
+
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--device", default="cuda", help="cuda or cpu" + D)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="compute dtype" + D)
     p.add_argument("--shapes", nargs="*", default=list(SHAPES),
-                   help="vit_b, vit_l, or B,H,T,d (T counts the cls token)")
-    p.add_argument("--mix_ratio", type=float, default=0.25, help="K = round(r * patches), r = 1/groups")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results"))
+                   help="vit_b, vit_l, or B,H,T,d (T counts the cls token)" + D)
+    p.add_argument("--mix_ratio", type=float, default=0.25, help="K = round(r * patches), r = 1/groups" + D)
+    p.add_argument("--iters", type=int, default=20, help="timed calls" + D)
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls first" + D)
+    p.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results"), help="where the JSON record goes" + D)
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():

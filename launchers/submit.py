@@ -27,6 +27,9 @@
    in node mode one launcher per node starts them), CPUs per task (default: data.num_workers + 1,
    the rank and its loader workers), GPUs (--gpus-per-node, or --gres, or none), time, partition,
    account, QOS and the log file in the launch folder; --dry prints the command and writes nothing.
+
+`--help` lists the options; without sbatch on PATH (not a Slurm login node) a submit is refused
+(exit 2) before anything is written, while --dry needs no sbatch.
 """
 from __future__ import annotations
 
@@ -44,9 +47,13 @@ REPO = Path(__file__).resolve().parent.parent
 RESOURCE_DIRECTIVE = re.compile(r"#SBATCH\s+--(nodes|ntasks-per-node|gpus-per-node|cpus-per-task|time|job-name)\b")
 
 
-def split(argv: list[str]) -> tuple[list[str], list[str]]:
+USAGE = "python -m launchers.submit [options] -- PRETRAINING_OPTIONS (--ds_config FILE ... --output_dir DIR)"
+
+
+def split(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """(submit.py's options, the pretraining options after `--`, or None without a `--`)."""
     if "--" not in argv:
-        raise SystemExit("give the pretraining options after --: submit.py [options] -- --ds_config ... --output_dir ...")
+        return argv, None
     k = argv.index("--")
     return argv[:k], argv[k + 1:]
 
@@ -72,27 +79,46 @@ def snapshot(dest: Path) -> dict:
     return {"commit": git("rev-parse", "HEAD").strip(), "dirty": bool(diff)}
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, each option that has a default with it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, [], argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return f"{action.help} (default: {action.default})"
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node; 0: CPU ranks, no GPU requested")
-    p.add_argument("--gpu", help="v100 | a100 | h100 | ... (train/gpus.py): checked against; needed with GPUs")
-    p.add_argument("--ranks_per_node", type=int, help="ranks per node (default: --gpus_per_node, 1 without GPUs)")
-    p.add_argument("--cpus_per_task", type=int, help="CPUs per rank (default: data.num_workers + 1)")
-    p.add_argument("--mode", choices=["task", "node"], default="task")
+    """submit.py's own options (those before `--`); `--help` lists them with type and default."""
+    from train.gpus import GPUS
+
+    p = argparse.ArgumentParser(prog="python -m launchers.submit", usage=USAGE, description=__doc__,
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--nodes", type=int, required=True, help="nodes (int >= 1; required)")
+    p.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node (int); 0: CPU ranks, no GPU requested")
+    p.add_argument("--gpu", metavar="NAME",
+                   help=f"the GPU the run is checked against (train/gpus.py: {', '.join(sorted(GPUS))}); "
+                        "needed with GPUs")
+    p.add_argument("--ranks_per_node", type=int, help="ranks per node (int; default: --gpus_per_node, 1 without GPUs)")
+    p.add_argument("--cpus_per_task", type=int,
+                   help="CPUs per rank (int; default: data.num_workers + 1, 5 with data.num_workers -1: auto)")
+    p.add_argument("--mode", choices=["task", "node"], default="task",
+                   help="task: srun starts one task per rank; node: one launcher per node starts its ranks "
+                        "(launchers/slurm.py)")
     p.add_argument("--gres", help="request GPUs as this GRES (e.g. gpu:a100:8) instead of --gpus-per-node")
     p.add_argument("--no_gpus_per_node", action="store_true",
                    help="request no GPUs (a partition that allocates them with the node), still check for --gpu")
     p.add_argument("--constraint", help="node features (sbatch --constraint)")
-    p.add_argument("--time", default="72:00:00")
-    p.add_argument("--partition")
-    p.add_argument("--account")
-    p.add_argument("--qos")
+    p.add_argument("--time", default="72:00:00", help="time limit, [D-]HH:MM:SS (sbatch --time)")
+    p.add_argument("--partition", help="Slurm partition (sbatch --partition; default: the cluster's)")
+    p.add_argument("--account", help="Slurm account (sbatch --account)")
+    p.add_argument("--qos", help="quality of service (sbatch --qos)")
     p.add_argument("--exclusive", action="store_true", help="whole nodes")
-    p.add_argument("--job_name", default="vitpretrain")
+    p.add_argument("--job_name", default="vitpretrain", help="job name (sbatch --job-name)")
     p.add_argument("--sbatch", action="append", default=[], metavar="ARG",
                    help="an extra sbatch argument, passed through (repeat; --sbatch=--mail-type=END)")
-    p.add_argument("--dry", action="store_true", help="check and print the sbatch command; submit and write nothing")
+    p.add_argument("--dry", action="store_true",
+                   help="check and print the sbatch command; submit nothing, write nothing (no sbatch needed)")
     return p
 
 
@@ -141,14 +167,22 @@ def job_script() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ours, pretrain_args = split(sys.argv[1:] if argv is None else argv)
-    a = parser().parse_args(ours)
+    p = parser()
+    a = p.parse_args(ours)  # --help: the options, exit 0
+    if pretrain_args is None:
+        p.error("give the pretraining options after --: submit.py [options] -- --ds_config ... --output_dir ...")
     problems = request_problems(a)
+    if "--dry" in pretrain_args:
+        problems.append("--dry is submit.py's: give it before the --")
+    if not a.dry and shutil.which("sbatch") is None:
+        problems.append("sbatch is not on PATH: submit from a Slurm login node (or check the job with --dry)")
     if problems:
         print("not submitted:\n" + "\n".join(f"  {x}" for x in problems), file=sys.stderr)
         return 2
     ranks_per_node = a.ranks_per_node or a.gpus_per_node or 1
     world = a.nodes * ranks_per_node
 
+    from data.loader import MAX_AUTO_WORKERS
     from train.code_version import source_hash
     from train.config import ConfigError, parse_args
     from train.dry_run import check
@@ -165,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     if not run.ok:
         print("not submitted:\n" + "\n".join(f"  {x}" for x in run.problems), file=sys.stderr)
         return 2
-    cpus_per_task = a.cpus_per_task or cfg.data.num_workers + 1
+    # the rank and its loader workers (data.num_workers -1, auto: as many as the rank's CPUs allow, up to 4)
+    cpus_per_task = a.cpus_per_task or (cfg.data.num_workers if cfg.data.num_workers >= 0 else MAX_AUTO_WORKERS) + 1
 
     out = Path(cfg.output_dir).resolve()
     launch = out / "launch" / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
@@ -185,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     script = job_script()
     cmd = ["sbatch", *resources, "--output", str(launch / "slurm-%j.out"), *export, str(launch / "pretrain.sbatch"),
            *args]
-    if a.dry:
-        print(f"would snapshot the code into {code} and run:\n{shlex.join(cmd)}")
+    if a.dry:  # nothing written: the paths below are where a submit would write
+        print(f"--dry: nothing written or submitted; a submit would snapshot the code into {code} and run:\n"
+              f"{shlex.join(cmd)}")
         return 0
 
     # Slurm's own verdict on the request before anything is written (the script on stdin)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from model.objectives.mae import MAEConfig, MAEObjective
+from model.pos_embed import sincos_2d
 from model.vit import VisionTransformer
 
 DECODER_PREFIXES = ("mask_token", "decoder_")
@@ -94,6 +95,21 @@ def mae_from_official(path: str | Path, num_heads: int | None = None, decoder_he
     return objective
 
 
+def resize_pos_embed(table: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """(1, 1+n*n, D) position table of a square grid -> (1, 1+gh*gw, D) for `grid`. The fixed sin-cos
+    table of pretraining becomes the target grid's own sin-cos table (exact); a learned one (after
+    fine-tuning, which trains it) is interpolated bicubically with the cls entry kept, as MAE's
+    util/pos_embed.py interpolate_pos_embed does."""
+    n, dim = round((table.shape[1] - 1) ** 0.5), table.shape[2]
+    if n * n != table.shape[1] - 1:
+        raise ValueError(f"pos_embed of {table.shape[1]} entries is not 1 + a square grid")
+    if torch.allclose(table.float(), sincos_2d(dim, (n, n), cls_token=True)[None], atol=5e-3):  # bf16 copies too
+        return sincos_2d(dim, grid, cls_token=True)[None].to(table.dtype)
+    patches = table[:, 1:].reshape(1, n, n, dim).permute(0, 3, 1, 2).float()  # (1, D, n, n)
+    patches = torch.nn.functional.interpolate(patches, size=grid, mode="bicubic", align_corners=False)
+    return torch.cat([table[:, :1], patches.permute(0, 2, 3, 1).flatten(1, 2).to(table.dtype)], dim=1)
+
+
 def load_into_objective(objective: torch.nn.Module, path: str | Path,
                         state: dict[str, torch.Tensor] | None = None) -> str:
     """Initialise an objective from an official MAE checkpoint, a timm/exported encoder state_dict
@@ -110,10 +126,9 @@ def load_into_objective(objective: torch.nn.Module, path: str | Path,
         fresh |= {"fc_norm.weight", "fc_norm.bias"}
     pos = encoder_state.get("pos_embed")
     if pos is not None and pos.shape != encoder.pos_embed.shape:
-        # Another resolution (MAE+ pretrains on 112 px crops, fine-tunes at 224): the sin-cos table
-        # is fixed, not learned, so the target grid's own table is kept.
-        encoder_state = {k: v for k, v in encoder_state.items() if k != "pos_embed"}
-        fresh.add("pos_embed")
+        # Another resolution (MAE+ pretrains on 112 px crops, fine-tunes at 224): a sin-cos table
+        # becomes the target grid's own, a fine-tuned (learned) one is interpolated.
+        encoder_state = {**encoder_state, "pos_embed": resize_pos_embed(pos, encoder.patch_embed.grid_size)}
     try:
         missing, unexpected = encoder.load_state_dict(encoder_state, strict=False)
     except RuntimeError as e:  # shape mismatches

@@ -3,7 +3,8 @@
 `VisionTransformer(...).state_dict()` loads with strict=True into
 `timm.models.vision_transformer.VisionTransformer` built from `timm_kwargs()`, and produces
 the same features. Differences from timm are in behaviour only: the position embedding is the
-fixed 2-D sin-cos table (a frozen Parameter, so it is saved under timm's name `pos_embed`),
+fixed 2-D sin-cos table (a frozen Parameter, so it is saved under timm's name `pos_embed`; the
+finetune objective unfreezes it, as MAE's fine-tuning recipe trains it),
 attention goes through `kernels.attention`, and the token pipeline is split into steps
 (`embed_patches` -> [objective edits tokens] -> `add_cls_token` -> `forward_tokens`) so
 objectives can mask or rearrange tokens without any method-specific code in here.
@@ -161,7 +162,8 @@ class VisionTransformer(nn.Module):
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
         self.num_patches = self.patch_embed.num_patches
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
-        # Fixed table, saved under timm's name; requires_grad=False keeps it out of the optimizer.
+        # Fixed table, saved under timm's name; requires_grad=False keeps it out of the optimizer
+        # (pretraining, linear probe); model/objectives/finetune.py turns it on.
         self.pos_embed = nn.Parameter(
             sincos_2d(embed_dim, self.patch_embed.grid_size, cls_token=True)[None], requires_grad=False
         )  # (1, 1+N, D)

@@ -97,9 +97,9 @@ def loader_throughput(cfg, opts: dict, img_size: int, rank: int, world: int) -> 
         next(data)
     elapsed = time.perf_counter() - start
     images = opts["steps"] * micro
-    workers = max(1, cfg.data.num_workers)
-    return {"images_per_s": images / elapsed, "images_per_s_per_worker": images / elapsed / workers,
-            "batches": opts["steps"], "micro_batch": micro, "num_workers": cfg.data.num_workers,
+    workers = getattr(data, "num_workers", 0)  # resolved (data.num_workers -1 = auto); 0 for synthetic
+    return {"images_per_s": images / elapsed, "images_per_s_per_worker": images / elapsed / max(1, workers),
+            "batches": opts["steps"], "micro_batch": micro, "num_workers": workers,
             "decode": cfg.data.decode, "cpu_count": os.cpu_count()}
 
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> Path:
         record["device"] = cpu_name()
         record["loader"] = loader_throughput(cfg, opts, img_size, 0, 1)
         print(f"loader: {record['loader']['images_per_s']:.0f} images/s, "
-              f"{record['loader']['images_per_s_per_worker']:.0f} per worker ({cfg.data.num_workers} workers, "
+              f"{record['loader']['images_per_s_per_worker']:.0f} per worker ({record['loader']['num_workers']} workers, "
               f"decode {cfg.data.decode})")
         return write(record, opts, f"loader_{cfg.data.train_transform}_{img_size}px_{cfg.data.decode}")
 

@@ -121,10 +121,14 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
 
 
 def check_resume_compatible(meta: dict, cfg: PretrainConfig, plan: BatchPlan) -> None:
-    """The checkpoint (its complete.json) must come from the same model and objective; on another
-    world size it must have trained with the same global batch (the schedule counts its steps)."""
+    """The checkpoint (its complete.json) must come from the same model and objective and have
+    trained with the same global batch (the schedule counts its steps; the data position is in
+    samples of it)."""
+    was = meta.get("global_batch")
+    if meta["world_size"] == plan.world and was is not None and was != plan.global_batch:
+        raise ConfigError(f"--resume: the checkpoint trained with global batch {was}, this run has {plan.global_batch} "
+                          f"(same {plan.world} ranks); keep the ds_config's batch sizes, or start a new run")
     if meta["world_size"] != plan.world:
-        was = meta.get("global_batch")
         if was is None:
             raise ConfigError(f"--resume: the checkpoint was written by {meta['world_size']} ranks, this run has "
                               f"{plan.world}, and it predates world-size changes; resume with {meta['world_size']} ranks")
@@ -142,3 +146,21 @@ def check_resume_compatible(meta: dict, cfg: PretrainConfig, plan: BatchPlan) ->
             was = {**{k: v for k, v in default[key].items() if k not in was}, **was}
         if was != is_:
             raise ConfigError(f"--resume: the checkpoint was trained with {key}={saved.get(key)}, this run has {now[key]}")
+
+
+def _dotted(d: dict, prefix: str = "") -> dict:
+    """Nested config dict -> {'optim.blr': value, ...} (leaves only)."""
+    out: dict = {}
+    for k, v in d.items():
+        out.update(_dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def resume_changes(saved: dict, cfg: PretrainConfig) -> dict[str, list]:
+    """Options this run sets differently from the checkpoint it resumes ({'optim.blr': [old, new]}),
+    after check_resume_compatible refused those that break a resume. An option added to the code
+    after the checkpoint was written counts as its default; `resume` itself is left out."""
+    default = _dotted(json.loads(json.dumps(to_dict(PretrainConfig()))))
+    was = {**default, **_dotted(saved)}
+    now = _dotted(json.loads(json.dumps(to_dict(cfg))))  # as stored: tuples become lists
+    return {key: [was.get(key), value] for key, value in now.items() if key != "resume" and was.get(key) != value}

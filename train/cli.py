@@ -8,14 +8,20 @@ from typing import Any, Callable
 from data.faults import CorruptDataError, ShardIndexError
 from train.config import ConfigError
 from train.nonfinite import NonFiniteError
+from train.preemption import Interrupted
 
 
 def cli(main_fn) -> None:
     """Run an entry point; a configuration problem exits with status 2 and a one-line message; a
     run stopped by what it detected (diverged: train/nonfinite.py; too much corrupt data:
-    data/faults.py) with status 3, its last checkpoint kept."""
+    data/faults.py) with status 3, its last checkpoint kept; a run stopped by Ctrl-C or kill outside
+    Slurm (train/preemption.py) with 130 / 143 and one line naming its checkpoint and how to resume."""
     try:
         main_fn()
+    except Interrupted as e:
+        if e.message:  # rank 0's
+            print(e.message, file=sys.stderr)
+        raise SystemExit(e.status) from None
     except (ConfigError, FileNotFoundError, ShardIndexError) as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -36,7 +36,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     name: str = "vit_base_patch16"  # a key of model.registry.list_models(), or timm/<timm model name> (energy)
     img_size: int = 0  # 0 = the registry entry's default (224 for standard sizes)
-    in_chans: int = 3
+    in_chans: int = 3  # input channels (3 = RGB; the shards decode to RGB)
     attn_backend: str = "auto"  # auto (= sdpa) | sdpa | math | flash_attn
     global_pool: str = "token"  # token (cls) | avg (patch mean + fc_norm, MAE fine-tuning)
     drop_path_rate: float = 0.0  # stochastic depth, grows linearly to this value over the blocks
@@ -51,7 +51,7 @@ class DataConfig:
     eval_index: str = ""  # labeled shards for top-1/top-5 of classification objectives ('' = none)
     eval_crop_pct: float = 0.875  # evaluation resize = img_size / eval_crop_pct, then center crop
     epoch_size: int = 0  # nominal samples per epoch; 0 = the shard index's count (synthetic: 1,281,167)
-    num_workers: int = 4  # DataLoader workers per rank
+    num_workers: int = -1  # DataLoader workers per rank; -1 = auto: min(4, cores per rank - 1, shards per rank); 0 = decode in the training process
     shuffle_buffer: int = 1000  # samples held by each worker's shuffle buffer
     crop_scale_min: float = 0.2  # RandomResizedCrop scale range (crop_scale_min, 1)
     train_transform: str = "crop_flip"  # crop_flip (MAE pretraining / linprobe) | randaug (fine-tuning) | multicrop (MAE+)
@@ -63,16 +63,17 @@ class DataConfig:
     max_bad_fraction: float = 0.01  # stop when more of a reader's samples are unusable (data/faults.py; 1.0 = never)
     max_image_pixels: int = 89_478_485  # larger images are skipped from their header (PIL's default limit)
     allow_pipe_urls: bool = False  # let index entries 'pipe:<shell command>' run commands to read shards
+    verify_shards: bool = False  # before start, check every shard's tar and image headers (python -m data.verify); refuse bad ones
 
 
 @dataclass
 class OptimConfig:
     blr: float = 1.5e-4  # lr = blr * global_batch / 256
-    weight_decay: float = 0.05
-    betas: tuple[float, float] = (0.9, 0.95)
-    epochs: int = 800
-    warmup_epochs: float = 40.0
-    min_lr: float = 0.0
+    weight_decay: float = 0.05  # AdamW decay of weight matrices (none on biases, norms, tokens, position tables)
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas, comma-separated
+    epochs: int = 800  # schedule length in epochs of data.epoch_size samples
+    warmup_epochs: float = 40.0  # linear warmup, then half-cycle cosine to min_lr
+    min_lr: float = 0.0  # the cosine schedule's floor
     fused: str = "auto"  # auto (fused AdamW on CUDA, foreach on CPU) | yes | no
     name: str = "adamw"  # adamw | lars (momentum 0.9, trust 0.001; needs ZeRO stage 0)
     layer_decay: float = 1.0  # layer-wise lr decay of the encoder (1.0 = none; MAE fine-tuning 0.65 B / 0.75 L)
@@ -84,8 +85,8 @@ class RunConfig:
     ckpt_every: int = 1000  # optimizer steps between checkpoints (one is always written at the end)
     keep_checkpoints: int = 3  # newest complete checkpoints kept on disk (0 = all)
     max_steps: int = 0  # stop after this many optimizer steps (0 = the full schedule); the schedule is unchanged
-    tensorboard: bool = True
-    progress: bool = True
+    tensorboard: bool = True  # TensorBoard events in <output_dir>/tb beside metrics.jsonl
+    progress: bool = True  # a progress bar on rank 0 (tqdm)
     export: bool = True  # write encoder.safetensors + encoder.json at the end
     vis_every: int = 0  # optimizer steps between PNG figures in <output_dir>/vis (0 = none)
     eval_every: int = 0  # optimizer steps between evaluations on data.eval_index (0 = only at the end)
@@ -109,10 +110,10 @@ class PretrainConfig:
     """Common sections as fields; the objectives' sections (`cfg.<objective name>`) in `sections`."""
 
     ds_config: str = ""  # DeepSpeed JSON: batch, precision, ZeRO, clipping
-    output_dir: str = "runs/pretrain"
+    output_dir: str = "runs/pretrain"  # the run folder: config, metrics, checkpoints, figures, export
     resume: str = ""  # '' | 'auto' (latest complete checkpoint in output_dir) | path to a checkpoint
-    seed: int = 0
-    objective: str = "mae"
+    seed: int = 0  # initial weights (every rank); masks, augmentation and data order draw from seed + rank
+    objective: str = "mae"  # a registered objective: one of the sections below after run
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -175,6 +176,13 @@ class PretrainConfig:
             raise ConfigError("run.max_nonfinite_steps must be >= 0 (0 never stops)")
         if self.run.overwrite and self.resume:
             raise ConfigError("run.overwrite starts afresh and --resume continues: give one of them")
+        if not self.optim.blr > 0:  # also NaN; a negative lr trains by gradient ascent
+            raise ConfigError(f"optim.blr must be > 0, got {self.optim.blr} (lr = blr x global batch / 256; "
+                              f"MAE's recipe: 1.5e-4)")
+        if not self.optim.min_lr >= 0:
+            raise ConfigError(f"optim.min_lr (the lr the cosine ends at) must be >= 0, got {self.optim.min_lr}")
+        if not self.optim.weight_decay >= 0:
+            raise ConfigError(f"optim.weight_decay must be >= 0 (0 = none), got {self.optim.weight_decay}")
         if self.optim.fused not in ("auto", "yes", "no"):
             raise ConfigError(f"optim.fused must be auto, yes or no, got {self.optim.fused!r}")
         if self.optim.warmup_epochs > self.optim.epochs:
@@ -188,7 +196,10 @@ class PretrainConfig:
             raise ConfigError(f"data.source {self.data.source!r} is unknown; choose 'shards' or 'synthetic'")
         if self.data.source == "shards" and not self.data.train_index:
             raise ConfigError("data.train_index is required with data.source shards (the JSON written by "
-                              "data/write_shards.py), or set --data.source synthetic")
+                              "data/write_shards.py); to try the code without data, start from a debug preset "
+                              "(--config train/configs/<method>/debug.json: the debug ViT on synthetic images, "
+                              "32 steps), not --data.source synthetic alone (ImageNet-sized epochs of the model "
+                              f"{self.model.name})")
         if not 0.0 <= self.data.max_bad_fraction <= 1.0:
             raise ConfigError(f"data.max_bad_fraction must be in [0, 1] (1.0 disables the check), got "
                               f"{self.data.max_bad_fraction}")
@@ -323,14 +334,21 @@ def _flatten(d: dict, keys: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def help_text() -> str:
-    default = to_dict(PretrainConfig())
-    lines = ["options (--key value; --config FILE.json loads a preset first):"]
-    for key in valid_keys():
-        value: Any = default
-        for part in key.split("."):
-            value = value[part]
-        lines.append(f"  --{key} (default: {value})")
-    return "\n".join(lines)
+    """Every option, one line each, grouped by section: type, default, description (train/options_help.py)."""
+    from train.options_help import option_lines
+
+    cfg = PretrainConfig()
+    sections = {"": cfg, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                            if dataclasses.is_dataclass(getattr(cfg, f.name))}, **cfg.sections}
+    head = ["command options:",
+            "  --config FILE         a JSON preset (train/configs/<method>/*.json), loaded before the --key value options;",
+            "                        may be given several times (later files win)",
+            "  --dry-run             check the configuration for --world_size N ranks on --gpu NAME (a100, h100, v100, ...)",
+            "                        and estimate memory; starts nothing (train/dry_run.py)",
+            "  --help, -h            this text",
+            "",
+            "options (--key value or --key=value; booleans true|false):"]
+    return "\n".join(head + option_lines(sections))
 
 
 def parse_args(argv: list[str]) -> PretrainConfig:

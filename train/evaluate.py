@@ -3,7 +3,10 @@
     python -m train.evaluate --train_index shards/train.json --test_index shards/test.json \
         (--encoder runs/x/encoder.safetensors | --encoder mae_pretrain_vit_base.pth | --checkpoint runs/x
          | --random_init vit_mini_patch4 [--img_size 32]) \
-        [--pool cls|avg] [--out eval.json]
+        [--pool cls|avg] [--max_train N] [--max_test N] [--subset_seed S] [--out eval.json]
+
+--max_train / --max_test evaluate on a seeded subset of that many samples (0 = all): the same
+samples for every encoder and every run with the same seed; only those are decoded.
 
 kNN: cosine similarity, k = 20 nearest training features, votes weighted by exp(sim / 0.07)
 (DINO's protocol). Linear probe: features standardised with the training mean/std, one linear
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -22,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from data.shards import ShardSet, decode, raw_samples
+from data.loader import resolve_num_workers
+from data.shards import ShardSet, decode, raw_samples, shard_samples
 from data.transforms import EvalTransform
+from model.interop import resize_pos_embed
 from model.timm_backbone import TimmBackbone
 from model.vit import VisionTransformer
 
@@ -38,14 +44,11 @@ def encoder_from_timm_kwargs(kwargs: dict, img_size: int = 0) -> VisionTransform
 
 
 def load_state_any_size(model: VisionTransformer, state: dict) -> None:
-    """Strict load; an encoder trained at another resolution (MAE+ crops) keeps this model's own
-    fixed sin-cos `pos_embed` for its grid (the table is not learned, so nothing is lost)."""
+    """Strict load; an encoder trained at another resolution (MAE+ crops) gets this model's own
+    sin-cos `pos_embed` for its grid, or, when its table was learned (fine-tuned), that table
+    interpolated (model/interop.py resize_pos_embed)."""
     if "pos_embed" in state and state["pos_embed"].shape != model.pos_embed.shape:
-        state = {k: v for k, v in state.items() if k != "pos_embed"}
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing != ["pos_embed"] or unexpected:
-            raise ValueError(f"encoder weights do not match: missing {missing}, unexpected {unexpected}")
-        return
+        state = {**state, "pos_embed": resize_pos_embed(state["pos_embed"], model.patch_embed.grid_size)}
     model.load_state_dict(state, strict=True)
 
 
@@ -79,17 +82,57 @@ def load_encoder(encoder: str | None = None, checkpoint: str | None = None, rand
     return model
 
 
+@dataclass(frozen=True)
+class ShardSubset(ShardSet):
+    """Some samples of a shard set: `keep[i]` holds the positions (sample order in the tar) read
+    from `files[i]`; `counts[i]` = len(keep[i])."""
+
+    keep: tuple[frozenset[int], ...] = ()
+
+
+def subsample(shards: ShardSet, max_samples: int, seed: int) -> ShardSet:
+    """A seeded subset of `max_samples` samples (all of them when max_samples is 0 or covers the
+    set): positions drawn without replacement over the index's sample counts, so the subset
+    depends only on (index, max_samples, seed), not on the encoder or the number of workers."""
+    total = shards.num_samples
+    if max_samples < 0:
+        raise ValueError(f"the subset size must be >= 0 (0 = all samples), got {max_samples}")
+    if max_samples == 0 or max_samples >= total:
+        return shards
+    chosen = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:max_samples].sort().values
+    ends = torch.tensor(shards.counts).cumsum(0)  # (num_shards,) first global index after each shard
+    shard_of = torch.searchsorted(ends, chosen, right=True)  # (max_samples,)
+    starts = ends - torch.tensor(shards.counts)
+    positions: dict[int, set[int]] = {}
+    for i, g in zip(shard_of.tolist(), chosen.tolist()):
+        positions.setdefault(i, set()).add(g - int(starts[i]))
+    ids = sorted(positions)
+    return ShardSubset(tuple(shards.files[i] for i in ids), tuple(len(positions[i]) for i in ids), shards.classes,
+                       tuple(frozenset(positions[i]) for i in ids))
+
+
 class EvalStream(torch.utils.data.IterableDataset):
-    """Every sample of a shard set once, in shard order, split by worker; corrupt ones skipped."""
+    """Every sample of a shard set (of a ShardSubset: its kept samples) once, in shard order,
+    split by worker; corrupt ones skipped."""
 
     def __init__(self, shards: ShardSet, transform: EvalTransform):
         super().__init__()
         self.shards, self.transform = shards, transform
 
+    def _raw(self, worker: int, workers: int):
+        files = list(self.shards.files[worker::workers])
+        if not isinstance(self.shards, ShardSubset):
+            yield from raw_samples(files, Counter())  # eval skips silently
+            return
+        for f, keep in zip(files, self.shards.keep[worker::workers], strict=True):
+            for pos, raw in enumerate(shard_samples(f, Counter())):
+                if pos in keep:
+                    yield raw
+
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for raw in raw_samples(list(self.shards.files[worker::workers]), Counter()):  # eval skips silently
+        for raw in self._raw(worker, workers):
             try:
                 img, label = decode(raw)
             except (KeyError, OSError, ValueError, SyntaxError):
@@ -141,7 +184,9 @@ def classification_accuracy(predict, shards: ShardSet, img_size: int, crop_pct: 
                             device: torch.device, dtype: torch.dtype, batch_size: int = 256,
                             num_workers: int = 1) -> dict[str, float]:
     """Top-1 / top-5 (%) of `predict(images) -> logits` over a labeled shard set; rank r reads
-    shards r, r + world, ...; counts are summed over ranks. Uses no global RNG."""
+    shards r, r + world, ...; counts are summed over ranks. Uses no global RNG. num_workers -1:
+    data.num_workers' auto (data/loader.py)."""
+    num_workers = resolve_num_workers(num_workers)
     mine = ShardSet(shards.files[rank::world], shards.counts[rank::world], shards.classes)
     loader = torch.utils.data.DataLoader(EvalStream(mine, EvalTransform(img_size, crop_pct)), batch_size=batch_size,
                                          num_workers=num_workers if mine.files else 0,
@@ -167,7 +212,7 @@ def knn_top1(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torch.Tensor,
     correct = 0
     for i in range(0, len(test_f), chunk):
         sim = test_f[i : i + chunk] @ train_f.T  # (b, n_train)
-        top_sim, top_idx = sim.topk(k, dim=1)  # (b, k)
+        top_sim, top_idx = sim.topk(min(k, len(train_f)), dim=1)  # (b, k); a small subset may hold fewer
         votes = torch.zeros(len(top_sim), num_classes)
         votes.scatter_add_(1, train_y[top_idx], (top_sim / temperature).exp())
         correct += (votes.argmax(1) == test_y[i : i + chunk]).sum().item()
@@ -210,20 +255,27 @@ def evaluate(model: VisionTransformer, train: ShardSet | DecodedSet, test: Shard
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--train_index", required=True)
-    p.add_argument("--test_index", required=True)
-    p.add_argument("--encoder")
-    p.add_argument("--checkpoint")
+    p.add_argument("--train_index", required=True, help="labeled shard index the kNN / probe fit on")
+    p.add_argument("--test_index", required=True, help="labeled shard index scored")
+    p.add_argument("--encoder", help="exported encoder.safetensors (+ .json), official MAE or timm checkpoint")
+    p.add_argument("--checkpoint", help="run folder or checkpoint tag folder")
     p.add_argument("--random_init", help="registry name: the same architecture at random init (control)")
-    p.add_argument("--img_size", type=int, default=0, help="evaluation resolution (0 = the encoder's own)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pool", choices=["cls", "avg"], default="cls")
-    p.add_argument("--num_workers", type=int, default=1)
-    p.add_argument("--out")
+    p.add_argument("--img_size", type=int, default=0, help="evaluation resolution; 0 = the encoder's own (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random_init (default %(default)s)")
+    p.add_argument("--pool", choices=["cls", "avg"], default="cls", help="feature: cls token or patch mean (default %(default)s)")
+    p.add_argument("--num_workers", type=int, default=1, help="decode workers (default %(default)s)")
+    p.add_argument("--max_train", type=int, default=0, help="evaluate on this many training samples; 0 = all (default %(default)s)")
+    p.add_argument("--max_test", type=int, default=0, help="evaluate on this many test samples; 0 = all (default %(default)s)")
+    p.add_argument("--subset_seed", type=int, default=0, help="seed of the --max_train / --max_test subsets (default %(default)s)")
+    p.add_argument("--out", help="also write the result JSON here")
     a = p.parse_args(argv)
+    if min(a.max_train, a.max_test) < 0:
+        p.error("--max_train and --max_test must be >= 0 (0 = all samples)")
+    train = subsample(ShardSet.from_index(a.train_index), a.max_train, a.subset_seed)
+    test = subsample(ShardSet.from_index(a.test_index), a.max_test, a.subset_seed + 1)  # not the train positions
     model = load_encoder(a.encoder, a.checkpoint, a.random_init, a.img_size, a.seed)
-    result = evaluate(model, ShardSet.from_index(a.train_index), ShardSet.from_index(a.test_index), a.pool,
-                      a.num_workers)
+    result = evaluate(model, train, test, a.pool, a.num_workers)
+    result |= {"train_samples": train.num_samples, "test_samples": test.num_samples}
     print(json.dumps(result))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2))

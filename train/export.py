@@ -4,15 +4,20 @@
     python -m train.export --checkpoint runs/x [--out runs/x/encoder.safetensors]
 
 --checkpoint takes a run folder (its latest complete checkpoint) or one checkpoint tag folder.
-Rebuild in timm:
-    kw = json.load(open("encoder.json"))["timm_kwargs"]
-    m = timm.models.vision_transformer.VisionTransformer(**kw)
-    m.load_state_dict(safetensors.torch.load_file("encoder.safetensors"))
+The command prints, and `encoder.json` holds under "timm_snippet", the lines that rebuild the
+encoder in timm and load it strictly, e.g. for a pretrained ViT-B/16 at 224 px (no classifier:
+timm's default num_classes=1000 would add a `head` the file does not have):
+    model = timm.create_model("vit_base_patch16_224", num_classes=0, global_pool="token", in_chans=3)
+    model.load_state_dict(safetensors.torch.load_file("runs/x/encoder.safetensors"))  # strict
+Other sizes build timm's VisionTransformer from the recorded kwargs ("timm_kwargs"); timm
+backbones (model.name timm/<name>) create their timm model with num_classes=0. Export checks the
+snippet's model against the file's names and shapes; an encoder timm cannot hold (iRPE) gets none.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -71,6 +76,57 @@ def pretrained_state(tag_dir: Path) -> dict[str, torch.Tensor]:
     return {**encoder, **_strip(_module_state(tag_dir, meta["zero_stage"]), "decoder.")}
 
 
+def _arguments(kwargs: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+
+
+def _timm_model(name: str | None, kwargs: dict):
+    """timm's model as the snippet builds it, on the meta device (no memory, no init cost)."""
+    import timm
+    from timm.models.vision_transformer import VisionTransformer
+
+    with torch.device("meta"):
+        return timm.create_model(name, pretrained=False, **kwargs) if name else VisionTransformer(**kwargs)
+
+
+def timm_loading(kwargs: dict, model_name: str, state: dict[str, torch.Tensor], path: Path) -> dict:
+    """How timm rebuilds this encoder: {"timm_model_name", "timm_create_kwargs", "timm_snippet"}
+    (None for an encoder timm cannot hold). The snippet's model is built here (meta device) and
+    must have exactly the file's names and shapes, so what it tells users loads with strict=True."""
+    if kwargs.get("rpe"):  # iRPE tables: our VisionTransformer only (train.evaluate --encoder)
+        return {"timm_model_name": None, "timm_create_kwargs": None, "timm_snippet": None}
+    if "timm_model" in kwargs:  # a timm backbone: its own name, without a classifier
+        name, create = kwargs["timm_model"], {"num_classes": 0, "in_chans": kwargs["in_chans"]}
+        try:  # resolution-dependent models (ViT, Swin) take img_size, convolutional ones do not
+            sized = {**create, "img_size": kwargs["img_size"]}
+            model, create = _timm_model(name, sized), sized
+        except TypeError:
+            model = _timm_model(name, create)
+        build = f"timm.create_model({name!r}, {_arguments(create)})"
+    else:
+        name = TIMM_NAMES.get(model_name) if kwargs["img_size"] == 224 else None
+        if name:  # timm's defaults: num_classes=1000 (a head this file may not have), token pooling, RGB
+            create = {"num_classes": kwargs["num_classes"], "global_pool": kwargs["global_pool"],
+                      "in_chans": kwargs["in_chans"]}
+            build = f"timm.create_model({name!r}, {_arguments(create)})"
+        else:
+            create = dict(kwargs)
+            build = f"timm.models.vision_transformer.VisionTransformer({_arguments(create)})"
+        model = _timm_model(name, create)
+    theirs = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    ours = {k: tuple(v.shape) for k, v in state.items()}
+    if theirs != ours:  # a bug here or a timm version that names things otherwise: no snippet that fails
+        warnings.warn(f"{build} does not match the exported weights (missing {sorted(set(theirs) - set(ours))[:5]}, "
+                      f"unexpected {sorted(set(ours) - set(theirs))[:5]}); encoder.json gets no timm snippet")
+        return {"timm_model_name": None, "timm_create_kwargs": None, "timm_snippet": None}
+    snippet = "\n".join([
+        "import safetensors.torch, timm",
+        f"model = {build}",
+        f"model.load_state_dict(safetensors.torch.load_file({str(path)!r}))  # strict",
+    ])
+    return {"timm_model_name": name, "timm_create_kwargs": create, "timm_snippet": snippet}
+
+
 def export_checkpoint(tag_dir: Path, out: Path) -> Path:
     encoder, meta = encoder_state(tag_dir)
     out = Path(out)
@@ -80,7 +136,7 @@ def export_checkpoint(tag_dir: Path, out: Path) -> Path:
     info = {
         "timm_kwargs": kwargs,
         "model_name": meta["model_name"],
-        "timm_model_name": TIMM_NAMES.get(meta["model_name"]) if kwargs["img_size"] == 224 else None,
+        **timm_loading(kwargs, meta["model_name"], encoder, out),
         "objective": meta["objective"],
         "step": meta["step"],
         "source": str(tag_dir),
@@ -109,6 +165,9 @@ def main(argv: list[str] | None = None) -> Path:
     out = Path(args.out) if args.out else tag_dir.parent.parent / "encoder.safetensors"
     path = export_checkpoint(tag_dir, out)
     print(f"wrote {path} and {path.with_suffix('.json')} from {tag_dir}")
+    snippet = json.loads(path.with_suffix(".json").read_text())["timm_snippet"]
+    print(f"load it in timm (strict):\n{snippet}" if snippet else
+          "this encoder has iRPE tables, which timm's models lack: load it with train.evaluate.load_encoder")
     return path
 
 

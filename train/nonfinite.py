@@ -14,13 +14,31 @@ closed here:
 `StepHealth` counts the skipped steps and stops the run after `limit` consecutive ones, or at
 once when fp16's dynamic loss scale collapses (DeepSpeed raises once it would go below its
 minimum); the run stops without writing a checkpoint, so the last complete one stays newest.
+When no step of the run was ever finite, the message blames the objective's configuration and
+input rather than the lr: a diverging lr first trains, then breaks.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from model.objectives import OBJECTIVES, Objective
 
 REMEDY = ("lower optim.blr, set gradient_clipping in the ds_config (e.g. 1.0), or train in bf16/fp32; then "
           "continue from the last checkpoint with --resume auto")
+
+
+def describe_objective(module: torch.nn.Module) -> str:
+    """'objective mae (mae.mask_ratio 0.9, mae.decoder_dim 32 set)': the engine's module with its
+    options away from their defaults; a module that is no registered objective is 'the objective'."""
+    if not isinstance(module, Objective):
+        return "the objective"
+    name = next((n for n, (_, cls) in OBJECTIVES.items() if cls is type(module)), type(module).__name__)
+    cfg, default = module.cfg, type(module.cfg)()
+    changed = [f"{name}.{f.name} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+               if getattr(cfg, f.name) != getattr(default, f.name)]
+    return f"objective {name} ({', '.join(changed) + ' set' if changed else 'every option at its default'})"
 
 
 class NonFiniteError(RuntimeError):
@@ -65,11 +83,13 @@ class StepHealth:
         self.limit = limit  # consecutive skipped steps that stop the run (0 = never)
         self.streak = 0
         self.first_bad = 0
+        self.any_applied = False  # whether a step of this run (this process) was ever applied
 
     def step(self, engine, optimizer_step: int) -> None:
         """After the engine.step() that ended optimizer step `optimizer_step` (counted from 1)."""
         if engine.was_step_applied():
             self.streak = 0
+            self.any_applied = True
             return
         self.streak += 1
         if self.streak == 1:
@@ -77,10 +97,16 @@ class StepHealth:
         if self.limit and self.streak >= self.limit:
             scale = loss_scale(engine)
             fp16 = f"; the fp16 loss scale is {scale:g}" if scale is not None else ""
+            skipped = (f"{self.streak} consecutive optimizer steps ({self.first_bad}-{optimizer_step}) had a "
+                       f"non-finite loss or gradients and were skipped (run.max_nonfinite_steps {self.limit}){fp16}")
+            if not self.any_applied:  # non-finite from this run's first step: nothing trained that an lr could break
+                raise NonFiniteError(
+                    f"{skipped}. No step of this run had a finite loss, so the lr is an unlikely cause: the likely "
+                    f"one is the configuration or the input of the {describe_objective(engine.module)}, e.g. a "
+                    f"mask ratio that leaves nothing to reconstruct, or images that do not fit the model (model.*, "
+                    f"data.*). Training stopped without writing a checkpoint; fix the option and start again")
             raise NonFiniteError(
-                f"{self.streak} consecutive optimizer steps ({self.first_bad}-{optimizer_step}) had a non-finite "
-                f"loss or gradients and were skipped (run.max_nonfinite_steps {self.limit}){fp16}. Training stopped "
-                f"without writing a checkpoint, so the last complete one is kept: {REMEDY}")
+                f"{skipped}. Training stopped without writing a checkpoint, so the last complete one is kept: {REMEDY}")
 
 
 def loss_scale_collapse(error: Exception, engine, optimizer_step: int) -> NonFiniteError | None:

@@ -9,6 +9,7 @@ if __name__ == "__main__":  # before the heavy imports below: a stop signal from
     from train import early_signals
 
     early_signals.catch_stop_signals()
+    early_signals.quiet_interrupts()  # Ctrl-C / kill outside Slurm before the loop: end at once, no traceback
 
 from train.cli import cli
 from train.trainer import main

@@ -5,6 +5,7 @@ Only rank 0 writes. metrics.jsonl has one JSON object per logged step.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 from train.checkpoint import is_complete
 
 REPO = Path(__file__).resolve().parent.parent
+log = logging.getLogger("pretrain")
 
 
 def git_commit() -> dict:
@@ -29,7 +31,7 @@ def git_commit() -> dict:
 
 # What a run writes into its folder (launchers/submit.py's `launch/` snapshots are not the run's own)
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "vis", "config.json", "ds_config.json", "meta.json",
-               "encoder.safetensors", "encoder.json", "eval.json", "split.json")
+               "encoder.safetensors", "encoder.json", "eval.json", "split.json", "resumes.jsonl")
 
 
 def _experiment(config: dict) -> dict:
@@ -38,14 +40,27 @@ def _experiment(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in ("output_dir", "resume", "run")}
 
 
+def never_trained(run_dir: Path, checkpoints: list[Path]) -> bool:
+    """No complete checkpoint and no line in metrics.jsonl: a start that failed before (or during)
+    its first logged step left the folder, and nothing in it can be resumed or is worth keeping."""
+    metrics = run_dir / "metrics.jsonl"
+    return not checkpoints and (not metrics.is_file() or not metrics.read_text().strip())
+
+
 def check_run_folder(run_dir: Path, config: dict, resuming: bool, overwrite: bool) -> None:
     """A run that does not resume must not mix into another run's folder: refuse one that holds
     checkpoints, or a config.json of another experiment, unless `overwrite` (then delete the old
-    run's outputs). Raises ValueError naming the way out; runs before any process group starts."""
+    run's outputs). A folder whose run never trained (`never_trained`) is no other run: its
+    outputs are deleted and the folder reused. Raises ValueError naming the way out; runs before
+    any process group starts."""
     if resuming or not run_dir.is_dir():
         return
     old_config = run_dir / "config.json"
     checkpoints = sorted(p for p in (run_dir / "checkpoints").glob("step*") if is_complete(p))
+    if never_trained(run_dir, checkpoints):
+        if old_config.is_file():  # a failed start's config.json, meta.json, empty logs, partial checkpoint
+            clear_run_outputs(run_dir)
+        return
     problem = ""
     if checkpoints:
         problem = f"holds the checkpoints of a run ({checkpoints[-1].name} ...)"
@@ -60,6 +75,11 @@ def check_run_folder(run_dir: Path, config: dict, resuming: bool, overwrite: boo
     if not overwrite:
         raise ValueError(f"output_dir {run_dir} {problem}; continue it with --resume auto, choose another "
                          f"--output_dir, or start afresh with --run.overwrite true (deletes its checkpoints and logs)")
+    clear_run_outputs(run_dir)
+
+
+def clear_run_outputs(run_dir: Path) -> None:
+    """Delete what a run wrote into `run_dir` (RUN_OUTPUTS; not launchers/submit.py's `launch/`)."""
     for name in RUN_OUTPUTS:
         path = run_dir / name
         if path.is_dir():
@@ -74,6 +94,16 @@ def write_run_files(run_dir: Path, config: dict, ds_config: dict, extra: dict) -
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
     meta = {"git": git_commit(), "argv": sys.argv, "torch": torch.__version__, **extra}
     (run_dir / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def record_resume(run_dir: Path, step: int, tag: Path, changes: dict[str, list]) -> None:
+    """Rank 0 at a resume: log the options changed since the checkpoint, one line each, and append
+    the resume to resumes.jsonl ({"step", "from", "changes": {option: [old, new]}}), so that a
+    reader of the run knows e.g. that the lr changed at step N (config.json holds the newest)."""
+    for key, (old, new) in changes.items():
+        log.info("resumed with %s changed: %s -> %s", key, json.dumps(old), json.dumps(new))
+    with open(run_dir / "resumes.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "from": str(tag), "changes": changes}) + "\n")
 
 
 class Reporter:

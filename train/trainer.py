@@ -12,7 +12,7 @@ import json
 import logging
 import random
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ import torch
 
 from data.shards import ShardSet
 from data.source import check_source, fixed_images, train_shards
+from data.verify import verify_before_start
 from kernels.accelerators import describe as describe_accelerators
 from kernels.attention import describe_paths
 from model.timm_backbone import TimmBackbone
@@ -30,6 +31,7 @@ from train.build import (
     compute_dtype,
     labeled_split,
     peak_lr,
+    resume_changes,
     schedule_steps,
     training_source,
 )
@@ -41,8 +43,8 @@ from train.evaluate import classification_accuracy
 from train.export import export_checkpoint
 from train.loop import LoopSettings, LoopState
 from train.loop import run as run_loop
-from train.preemption import StopSignal, requeue_job
-from train.run_dir import Reporter, check_run_folder, write_run_files
+from train.preemption import Interrupted, StopSignal, requeue_job, resume_hint
+from train.run_dir import Reporter, check_run_folder, record_resume, write_run_files
 from train.visualize import write_figures
 
 log = logging.getLogger("pretrain")
@@ -84,6 +86,7 @@ class CheckedRun:
     warmup_steps: float
     run_dir: Path
     resume_from: Path | None  # a checkpoint tag, checked
+    resume_changes: dict[str, list] = field(default_factory=dict)  # option -> [checkpoint's value, this run's]
 
 
 def check_before_start(cfg: PretrainConfig) -> CheckedRun:
@@ -92,6 +95,7 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     check_objective_fits(cfg, plan.micro, plan.accum, zero_stage(ds_config))
     try:
         check_source(cfg.data, plan.world, cfg.model.in_chans)
+        verify_before_start(cfg.data)  # data.verify_shards: every shard's headers, before the run folder
     except ValueError as e:
         raise ConfigError(str(e)) from None
     per_epoch, total_steps, warmup_steps = schedule_steps(cfg, plan)
@@ -99,11 +103,13 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     resume_from = checkpoint.find_resume(cfg.resume, run_dir)
     if resume_from is not None and check_resume(resume_from, cfg, plan):
         ds_config["checkpoint"] = {"load_universal": True}  # partitioned optimizer state, re-laid out
+    # options that do not break the resume (e.g. the lr) may change: said at start, kept in resumes.jsonl
+    changes = resume_changes(checkpoint.read_meta(resume_from)["config"], cfg) if resume_from is not None else {}
     try:
         check_run_folder(run_dir, to_dict(cfg), resuming=resume_from is not None, overwrite=cfg.run.overwrite)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return CheckedRun(ds_config, plan, per_epoch, total_steps, warmup_steps, run_dir, resume_from)
+    return CheckedRun(ds_config, plan, per_epoch, total_steps, warmup_steps, run_dir, resume_from, changes)
 
 
 def check_resume(resume_from: Path, cfg: PretrainConfig, plan: BatchPlan) -> bool:
@@ -162,6 +168,8 @@ class Trainer:
             self.record_labeled_split()
         self.data = training_source(cfg, self.encoder.img_size, plan, self.rank, self.world, self.device)
         self.state = LoopState(self.resume())
+        if self.rank == 0 and checked.resume_from is not None:
+            record_resume(self.run_dir, self.state.step, checked.resume_from, checked.resume_changes)
         self.settings = loop_settings(cfg, checked)
         self.ckpt_meta = {"zero_stage": self.engine.zero_optimization_stage(), "objective": cfg.objective,
                           "config": to_dict(cfg), "global_batch": plan.global_batch,
@@ -250,19 +258,27 @@ class Trainer:
 
     def run(self) -> Path:
         """Train to the stop step (or a stop signal: checkpoint, requeue), export; the run folder."""
-        stop = StopSignal(self.cfg.run.stop_check_every, self.device)  # SIGUSR1 / SIGTERM: checkpoint, (requeue), exit
+        # Slurm's SIGUSR1 / SIGTERM: checkpoint, (requeue), exit 0; SIGINT / SIGTERM elsewhere: checkpoint, exit 130 / 143
+        stop = StopSignal(self.cfg.run.stop_check_every, self.device)
         on_log = self.reporter.log if self.reporter else lambda step, metrics: None
-        stopped = run_loop(self.engine, self.data, self.settings, self.state, self.device, self.dtype, on_log,
-                           self.on_checkpoint, self.on_visualize,
-                           self.on_evaluate if self.eval_shards is not None else None, stop.should_stop)
+        try:
+            stopped = run_loop(self.engine, self.data, self.settings, self.state, self.device, self.dtype, on_log,
+                               self.on_checkpoint, self.on_visualize,
+                               self.on_evaluate if self.eval_shards is not None else None, stop.should_stop)
+        finally:
+            stop.close()
         if self.reporter is not None:
             self.reporter.close()
-        if stopped:
+        if stopped and not stop.exit_status:
             log.info("stopped on a signal at step %d after writing %s", self.state.step, self.last_saved)
             if self.rank == 0 and stop.requeue:
                 log.info(requeue_job())
-        elif self.rank == 0 and self.cfg.run.export and self.last_saved is not None:
+        elif not stopped and self.rank == 0 and self.cfg.run.export and self.last_saved is not None:
             out = export_checkpoint(self.last_saved, self.run_dir / "encoder.safetensors")
             log.info("exported encoder to %s", out)
         distributed.barrier()
+        if stopped and stop.exit_status:  # a person's Ctrl-C / kill: one line (train/cli.py) on where and how to resume
+            raise Interrupted(stop.exit_status, f"stopped by {stop.agreed_signal.name} after step {self.state.step}: "
+                              f"checkpoint {self.last_saved}; to continue: {resume_hint(self.world)}"
+                              if self.rank == 0 else "")
         return self.run_dir

@@ -46,14 +46,17 @@ from train.run_dir import read_metrics
 DEFAULT_METHOD = "mae"  # its run folder is runs/demo
 
 
+D = " (default: %(default)s)"  # argparse fills in each option's default
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     methods = demo_methods()
-    p.add_argument("--method", choices=methods, default=DEFAULT_METHOD)
+    p.add_argument("--method", choices=methods, default=DEFAULT_METHOD,
+                   help="a registered objective with a demo preset (train/configs/<method>/demo.json)" + D)
     p.add_argument("--variant", "--ablation", dest="variant", default="",
                    help="a preset of train/configs/<method>/variants/ over the demo preset: " +
                         "; ".join(f"{m}: {', '.join(variants(m))}" for m in methods if variants(m)))
-    p.add_argument("--epochs", type=float, default=0, help="pretraining epochs (0 = the preset's)")
+    p.add_argument("--epochs", type=float, default=0, help="pretraining epochs (0 = the preset's)" + D)
     p.add_argument("--skip_control", action="store_true", help="do not evaluate the random-init control")
     a = p.parse_args(argv)
     try:

@@ -195,16 +195,18 @@ def run_entry(name: str, seed: int, a, train: Path, test: Path, decoded: Decoded
     return result
 
 
+D = " (default: %(default)s)"  # argparse fills in each option's default
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--seeds", default="0,1", help="comma-separated seeds, one run of every entry each" + D)
     p.add_argument("--pretrain_samples", type=int, default=20000,
-                   help="training images each method pretrains on: under one epoch (60000) or whole epochs")
-    p.add_argument("--finetune_epochs", type=float, default=1.0)
-    p.add_argument("--finetune_samples", type=int, default=10000, help="training images per fine-tuning epoch")
+                   help="training images each method pretrains on: under one epoch (60000) or whole epochs" + D)
+    p.add_argument("--finetune_epochs", type=float, default=1.0, help="fine-tuning epochs of --finetune_samples images" + D)
+    p.add_argument("--finetune_samples", type=int, default=10000, help="training images per fine-tuning epoch" + D)
     p.add_argument("--only", default="", help="comma-separated entries (default: all of " + ", ".join(STUDY) + ")")
-    p.add_argument("--out", type=Path, default=REPO / "runs" / "study")
-    p.add_argument("--report", type=Path, default=REPO / "docs" / "RESULTS.md")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "study", help="run folders and results.json" + D)
+    p.add_argument("--report", type=Path, default=REPO / "docs" / "RESULTS.md", help="the report written from the results" + D)
     a = p.parse_args(argv)
     names = [n for n in a.only.split(",") if n] or list(STUDY)
     unknown = sorted(set(names) - set(STUDY))

@@ -43,9 +43,9 @@ class EnergyConfig(ObjectiveConfig):
     mixture: str = "grid,sr,denoise,colorize"  # the mixture's parts (the paper's main setting: masking, SR, denoising, colorization)
     grid_cell: int = 16  # px per grid cell (paper: 16, 24, 32)
     grid_ratio: float = 0.75  # share of cells blanked [project default: MAE's ratio]
-    small_blanks: int = 75
+    small_blanks: int = 75  # blanks per image in the small-blank corruption
     small_area: tuple[float, float] = (0.01, 0.025)  # of the image area, per blank
-    large_blanks: int = 25
+    large_blanks: int = 25  # blanks per image in the large-blank corruption
     large_area: tuple[float, float] = (0.02, 0.08)  # U(0.5, 2.0) / 25 of the area [project interpretation]
     sr_scale: int = 16  # super-resolution factor (paper: 14, 16, 24, 32 at 224 px)
     pool: str = "avg"  # ViT features: avg (patch tokens) | cls

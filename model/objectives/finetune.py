@@ -1,7 +1,13 @@
 """Supervised fine-tuning (MAE protocol, METHODS.md section 0): the whole encoder trains with a
 fresh Linear head on the pooled feature (configure model.global_pool avg for MAE's patch mean +
 fc_norm); mixup / cutmix with label smoothing through timm's Mixup and SoftTargetCrossEntropy,
-plain label-smoothed cross-entropy when both are off."""
+plain label-smoothed cross-entropy when both are off.
+
+`pos_embed` trains, as in the official recipe (its models_vit keeps timm's learnable table,
+initialised from the pretrained one; util/lr_decay.py gives it layer id 0 and no weight decay):
+the ViT creates the sin-cos table frozen for pretraining, so this objective unfreezes it. The
+parameter groups (train/optim.py) then give it lr scale layer_decay^(depth + 1) and no decay,
+through the encoder's no_weight_decay()."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,7 +23,7 @@ from model.vit import VisionTransformer
 
 @dataclass
 class FinetuneConfig(ObjectiveConfig):
-    num_classes: int = 1000
+    num_classes: int = 1000  # classifier outputs (the labeled shards' class count)
     mixup: float = 0.8  # mixup alpha (0 = off)
     cutmix: float = 1.0  # cutmix alpha (0 = off)
     smoothing: float = 0.1  # label smoothing
@@ -34,6 +40,8 @@ class FinetuneObjective(Objective):
     def __init__(self, encoder: VisionTransformer, cfg: FinetuneConfig):
         cfg.validate()
         super().__init__(encoder, cfg)
+        if isinstance(encoder, VisionTransformer):  # timm backbones' own tables already train
+            encoder.pos_embed.requires_grad_(True)  # (1, 1+N, D), starts from the loaded / sin-cos table
         encoder.reset_head(cfg.num_classes)
         nn.init.trunc_normal_(encoder.head.weight, std=2e-5)  # MAE's head init for fine-tuning
         nn.init.zeros_(encoder.head.bias)

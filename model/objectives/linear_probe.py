@@ -15,7 +15,7 @@ from model.vit import VisionTransformer
 
 @dataclass
 class LinearProbeConfig(ObjectiveConfig):
-    num_classes: int = 1000
+    num_classes: int = 1000  # classifier outputs (the labeled shards' class count)
     pool: str = "cls"  # cls | avg (mean of patch tokens)
 
     def validate(self) -> None:

@@ -13,6 +13,7 @@ from model.mae_decoder import MAEDecoder
 from model.objectives.base import Objective, ObjectiveConfig, register_objective
 from model.objectives.masking import (
     Masking,
+    check_mask_ratio,
     gather_tokens,
     masking_from_mask,
     masking_from_noise,
@@ -24,19 +25,23 @@ from model.vit import VisionTransformer
 
 @dataclass
 class MAEConfig(ObjectiveConfig):
-    mask_ratio: float = 0.75
-    norm_pix_loss: bool = True
-    decoder_dim: int = 512
-    decoder_depth: int = 8
-    decoder_heads: int = 16
+    mask_ratio: float = 0.75  # share of patches removed, in (0, 1)
+    norm_pix_loss: bool = True  # reconstruct per-patch normalised pixels (MAE's default)
+    decoder_dim: int = 512  # MAE decoder width
+    decoder_depth: int = 8  # MAE decoder blocks
+    decoder_heads: int = 16  # MAE decoder attention heads
 
     def validate(self) -> None:
-        if not 0.0 <= self.mask_ratio < 1.0:
-            raise ValueError(f"mae.mask_ratio must be in [0, 1), got {self.mask_ratio}")
+        if not 0.0 < self.mask_ratio < 1.0:  # 0 masks nothing: the loss over masked patches is NaN
+            raise ValueError(f"mae.mask_ratio must be in (0, 1) (the share of patches masked; MAE: 0.75), "
+                             f"got {self.mask_ratio}")
         if self.decoder_dim % self.decoder_heads:
             raise ValueError(
                 f"mae.decoder_dim {self.decoder_dim} is not divisible by mae.decoder_heads {self.decoder_heads}"
             )
+
+    def check_fits(self, img_size: int, patch_size: int, depth: int, micro_batch: int) -> None:
+        check_mask_ratio("mae.mask_ratio", self.mask_ratio, (img_size // patch_size) ** 2)
 
 
 def per_patch_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from model.mae_decoder import MAEDecoder
 from model.objectives.adversary import NORMS, Adversaries, RPEPerturbation
 from model.objectives.base import Objective, ObjectiveConfig, register_objective
 from model.objectives.mae import masked_patch_loss
-from model.objectives.masking import random_masking
+from model.objectives.masking import check_mask_ratio, random_masking
 from model.objectives.patches import normalized_pixels, patchify
 from model.pos_embed import sincos_2d_at
 from model.vit import VisionTransformer
@@ -42,10 +42,10 @@ ADVERSARIES = ("none", "ape_embed", "ape_coord", "rpe_embed", "rpe_coord", "fgsm
 @dataclass
 class MAEPlusConfig(ObjectiveConfig):
     mask_ratio: float = 0.75  # per crop
-    norm_pix_loss: bool = True
-    decoder_dim: int = 512
-    decoder_depth: int = 8
-    decoder_heads: int = 16
+    norm_pix_loss: bool = True  # reconstruct per-patch normalised pixels (MAE's default)
+    decoder_dim: int = 512  # MAE decoder width
+    decoder_depth: int = 8  # MAE decoder blocks
+    decoder_heads: int = 16  # MAE decoder attention heads
     rpe: bool = False  # iRPE (contextual, product, on keys) in every encoder and decoder block
     adversary: str = "none"  # none (MAE+) | ape_embed | ape_coord | rpe_embed | rpe_coord | fgsm
     adv_norm: str = "linf"  # linf | l2: the constraint set of the PGD projection
@@ -71,6 +71,9 @@ class MAEPlusConfig(ObjectiveConfig):
     def encoder_overrides(self) -> dict:
         """Encoder constructor arguments this objective needs (pretrain.py applies them)."""
         return {"rpe": self.rpe}
+
+    def check_fits(self, img_size: int, patch_size: int, depth: int, micro_batch: int) -> None:
+        check_mask_ratio("maeplus.mask_ratio", self.mask_ratio, (img_size // patch_size) ** 2)  # per crop
 
 
 @register_objective("maeplus", MAEPlusConfig)

@@ -19,6 +19,19 @@ def num_kept(num_patches: int, mask_ratio: float) -> int:
     return int(num_patches * (1 - mask_ratio))
 
 
+def check_mask_ratio(option: str, mask_ratio: float, num_patches: int) -> None:
+    """Refuse a ratio that masks no patch (the loss, a mean over masked patches, is 0/0 = NaN) or
+    keeps none (the encoder sees only its cls token), counted as `num_kept` counts them."""
+    keep = int(num_patches * (1 - mask_ratio))
+    if keep < 1:
+        raise ValueError(f"{option} {mask_ratio} keeps no patch of the {num_patches} (floor({num_patches} x "
+                         f"(1 - {mask_ratio})) = 0): the encoder would see nothing; lower it (MAE: 0.75)")
+    if keep >= num_patches:
+        raise ValueError(f"{option} {mask_ratio} masks no patch of the {num_patches} (floor({num_patches} x "
+                         f"(1 - {mask_ratio})) = {keep}): the loss, a mean over masked patches, would be NaN; "
+                         f"raise it (MAE: 0.75)")
+
+
 def masking_from_noise(noise: torch.Tensor, keep: int) -> Masking:
     """noise (B, N): the `keep` patches with the smallest noise are kept (stable order on ties)."""
     ids_shuffle = torch.sort(noise, dim=1, stable=True).indices  # ascending: small noise = keep

@@ -47,10 +47,10 @@ class MixedAEConfig(ObjectiveConfig):
     temperature: float = 0.1  # HomoCon tau [project default]
     proj_dim: int = 256  # projection head output [project default]
     proj_hidden_dim: int = 0  # projection head hidden width; 0 = the encoder width
-    norm_pix_loss: bool = True
-    decoder_dim: int = 512
-    decoder_depth: int = 8
-    decoder_heads: int = 16
+    norm_pix_loss: bool = True  # reconstruct per-patch normalised pixels (MAE's default)
+    decoder_dim: int = 512  # MAE decoder width
+    decoder_depth: int = 8  # MAE decoder blocks
+    decoder_heads: int = 16  # MAE decoder attention heads
 
     @property
     def group_size(self) -> int:

@@ -41,7 +41,7 @@ from torch import nn
 from model.objectives.base import ObjectiveConfig, register_objective
 from model.objectives.hypergrad import Points, call_with, full_fp32, mask_hypergradient
 from model.objectives.mae import MAEObjective, per_patch_mse
-from model.objectives.masking import Masking
+from model.objectives.masking import Masking, check_mask_ratio
 from model.objectives.masking_net import (
     MaskingNetwork,
     top_masking,
@@ -55,11 +55,11 @@ VARIANTS = ("mlo", "blo")
 
 @dataclass
 class MLOMAEConfig(ObjectiveConfig):
-    mask_ratio: float = 0.75
-    norm_pix_loss: bool = True
-    decoder_dim: int = 512
-    decoder_depth: int = 8
-    decoder_heads: int = 16
+    mask_ratio: float = 0.75  # share of patches T masks, in (0, 1)
+    norm_pix_loss: bool = True  # reconstruct per-patch normalised pixels (MAE's default)
+    decoder_dim: int = 512  # MAE decoder width
+    decoder_depth: int = 8  # MAE decoder blocks
+    decoder_heads: int = 16  # MAE decoder attention heads
     mask_hidden: int = 512  # masking network: Linear(N*D, hidden) -> ReLU -> Linear(hidden, N) -> sigmoid
     straight_through: bool = False  # top-k as identity in the backward (Appendix A.4)
     num_classes: int = 1000  # classes of the labeled shards (levels II and III)
@@ -99,6 +99,9 @@ class MLOMAEConfig(ObjectiveConfig):
             raise ValueError("mlomae lr scales, aux_weight_decay and blo_gamma must be >= 0, fd_eps > 0")
 
     # --- checks before any process starts (train/config.py, train/pretrain.py) ---------------
+    def check_fits(self, img_size: int, patch_size: int, depth: int, micro_batch: int) -> None:
+        check_mask_ratio("mlomae.mask_ratio", self.mask_ratio, (img_size // patch_size) ** 2)
+
     def check_engine(self, zero_stage: int, accum: int) -> None:
         if zero_stage == 3:
             raise ValueError(

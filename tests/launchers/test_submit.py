@@ -7,7 +7,7 @@ import re
 import pytest
 from conftest import CPU_DS, DEBUG_PRESET, REPO
 
-from launchers.submit import main
+from launchers.submit import main, parser
 
 
 def fake_sbatch(tmp_path, monkeypatch, fail: str = ""):
@@ -123,3 +123,41 @@ def test_shards_that_do_not_fit_the_model_are_refused_before_any_process_starts(
     with pytest.raises(ConfigError, match="model.in_chans is 1"):
         pretrain(args)
     assert main(["--nodes", "1", "--gpus_per_node", "0", "--", *args, "--model.in_chans", "3"]) == 0
+
+
+def test_help_lists_every_option_with_its_default_and_exits_0(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])  # no `--` and no --nodes: still the help
+    assert stop.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # as wrapped at any terminal width
+    for action in parser()._actions:
+        assert action.option_strings[-1] in out, action.option_strings
+    assert "(default: 8)" in out and "(default: 72:00:00)" in out and "-- PRETRAINING_OPTIONS" in out
+    assert "a100" in out  # the GPU names --gpu takes
+
+
+def test_without_sbatch_a_submit_is_refused_before_anything_is_written_and_dry_needs_none(tmp_path, monkeypatch,
+                                                                                           capsys):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))  # no sbatch (nor anything else) on PATH
+    assert main(["--nodes", "1", "--gpus_per_node", "0", *cpu_job(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "sbatch is not on PATH" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+    before = sorted(tmp_path.rglob("*"))
+    assert main(["--nodes", "1", "--gpus_per_node", "0", "--dry", *cpu_job(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "--dry: nothing written or submitted" in out and out.strip().splitlines()[-1].startswith("sbatch ")
+    assert sorted(tmp_path.rglob("*")) == before  # no snapshot, no launch folder, no run folder
+
+
+def test_submit_options_after_the_separator_and_a_missing_separator_are_refused(tmp_path, monkeypatch, capsys):
+    log = fake_sbatch(tmp_path, monkeypatch)
+    assert main(["--nodes", "1", "--gpus_per_node", "0", *cpu_job(tmp_path / "run", "--dry")]) == 2
+    assert "--dry is submit.py's: give it before the --" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        main(["--nodes", "1", "--gpus_per_node", "0", "--dry"])
+    assert stop.value.code == 2 and "give the pretraining options after --" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not log.exists()

@@ -67,3 +67,38 @@ def test_features_skip_a_truncated_shard(shards):
     first.write_bytes(first.read_bytes()[:700])  # cut inside the first sample
     f, y = extract_features(create_model("vit_debug_patch4"), shards, batch_size=7, num_workers=0)
     assert 19 <= len(f) < 24 and len(f) == len(y)  # the other shards are read in full
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_subsample_is_seeded_and_decodes_only_the_chosen_samples(shards, workers):
+    from train.evaluate import subsample
+
+    model = create_model("vit_debug_patch4")
+    full_f, _ = extract_features(model, shards, batch_size=7, num_workers=0)
+    sub = subsample(shards, 10, seed=3)
+    assert sub.num_samples == 10 and sub.classes == shards.classes
+    f, y = extract_features(model, sub, batch_size=4, num_workers=workers)
+    assert f.shape == (10, 32) and len(y) == 10
+    # every feature is one of the full set's, each a different sample
+    match = torch.cdist(f, full_f).argmin(1)
+    assert torch.allclose(f, full_f[match], atol=1e-6) and len(set(match.tolist())) == 10
+    f2, _ = extract_features(model, subsample(shards, 10, seed=3), batch_size=4, num_workers=0)
+    # the same subset for the same seed, whatever the workers (which interleave the order)
+    assert set(torch.cdist(f2, full_f).argmin(1).tolist()) == set(match.tolist())
+    other = set(torch.cdist(extract_features(model, subsample(shards, 10, seed=4), num_workers=0)[0],
+                            full_f).argmin(1).tolist())
+    assert other != set(match.tolist())  # another seed, other samples
+    assert subsample(shards, 0, seed=3) is shards and subsample(shards, 24, seed=3) is shards
+
+
+def test_evaluate_command_caps_train_and_test_samples(shards, tmp_path):
+    from train.evaluate import main
+
+    index = str(tmp_path / "s" / "train.json")
+    result = main(["--train_index", index, "--test_index", index, "--random_init", "vit_debug_patch4",
+                   "--num_workers", "0", "--max_train", "12", "--max_test", "5", "--out", str(tmp_path / "e.json")])
+    assert result["train_samples"] == 12 and result["test_samples"] == 5
+    assert 0.0 <= result["knn_top1"] <= 100.0 and result["knn_top1"] * 5 / 100 == pytest.approx(
+        round(result["knn_top1"] * 5 / 100))  # a share of 5 test samples
+    with pytest.raises(SystemExit):
+        main(["--train_index", index, "--test_index", index, "--random_init", "vit_debug_patch4", "--max_test", "-1"])

@@ -65,3 +65,60 @@ def test_evaluation_loads_the_exported_encoder_and_the_checkpoint_alike(fp32_run
     x = torch.randn(2, 1, 28, 28)
     with torch.no_grad():
         assert torch.equal(from_export.forward_features(x), from_ckpt.forward_features(x))
+
+
+def _run_snippet(snippet: str) -> torch.nn.Module:
+    """The lines encoder.json / the export command give users, run as they are."""
+    scope: dict = {}
+    exec(snippet, scope)  # noqa: S102 (our own generated text)
+    return scope["model"].eval()
+
+
+def test_the_written_timm_snippet_loads_strictly_with_the_same_features(fp32_run):
+    info = json.loads((fp32_run / "encoder.json").read_text())
+    model = _run_snippet(info["timm_snippet"])
+    ours = _our_encoder_from_checkpoint(fp32_run / "checkpoints" / "step00000002")
+    x = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        assert torch.allclose(model.forward_features(x), ours.forward_features(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("name,overrides,head", [
+    ("vit_tiny_patch16", {}, 0),  # pretrained encoder at 224: timm's own name
+    ("vit_tiny_patch16", {"global_pool": "avg", "in_chans": 1}, 10),  # a fine-tuned classifier
+    ("vit_debug_patch4", {"img_size": 32}, 0),  # no timm name: VisionTransformer(**kwargs)
+    ("timm/convnext_atto", {"img_size": 32}, 0),  # timm backbones: no img_size argument ...
+    ("timm/vit_tiny_patch16_224", {"img_size": 32}, 0),  # ... or one
+])
+def test_timm_snippet_for_each_kind_of_encoder(tmp_path, name, overrides, head):
+    import timm
+    from safetensors.torch import save_file
+
+    from train.export import timm_loading
+
+    torch.manual_seed(0)
+    enc = create_model(name, **overrides)
+    if head:
+        enc.reset_head(head)
+    enc.eval()
+    path = tmp_path / "encoder.safetensors"
+    state = {k: v.contiguous() for k, v in enc.state_dict().items()}
+    save_file(state, str(path))
+    info = timm_loading(enc.timm_kwargs(), name, state, path)
+    assert "num_classes=" in info["timm_snippet"] and "timm_kwargs" not in info["timm_snippet"]
+    model = _run_snippet(info["timm_snippet"])  # load_state_dict(strict=True) inside
+    x = torch.randn(2, overrides.get("in_chans", 3), enc.img_size, enc.img_size)
+    with torch.no_grad():
+        assert torch.allclose(model(x), enc(x), atol=1e-5)
+    if info["timm_model_name"] and not head:  # what the README used to leave out: timm's default adds a head
+        with pytest.raises(RuntimeError, match="head"):
+            kw = {k: v for k, v in info["timm_create_kwargs"].items() if k != "num_classes"}
+            timm.create_model(info["timm_model_name"], **kw).load_state_dict(load_file(str(path)))
+
+
+def test_an_irpe_encoder_gets_no_timm_snippet(tmp_path):
+    from train.export import timm_loading
+
+    enc = create_model("vit_debug_patch4", rpe=True)
+    assert timm_loading(enc.timm_kwargs(), "vit_debug_patch4", enc.state_dict(), tmp_path / "e.safetensors") == {
+        "timm_model_name": None, "timm_create_kwargs": None, "timm_snippet": None}

@@ -94,3 +94,16 @@ def test_a_pretraining_run_folder_initialises_finetuning(setup, tmp_path):
                         weights_only=True)["module"]
     exported = load_file(mae_dir + "/encoder.safetensors")
     assert torch.equal(module["encoder.blocks.0.attn.qkv.weight"], exported["blocks.0.attn.qkv.weight"])  # lr 0 at step 1
+
+
+def test_pos_embed_is_fine_tuned_and_the_timm_snippet_loads_the_classifier(setup):
+    from safetensors.torch import load_file
+
+    args, run = setup
+    pretrained = load_file(args[args.index("--model.init_from") + 1])["pos_embed"]  # the fixed sin-cos table
+    tuned = load_file(str(run / "encoder.safetensors"))["pos_embed"]
+    assert tuned.shape == pretrained.shape and not torch.equal(tuned, pretrained)  # trained, as the recipe does
+    info = json.loads((run / "encoder.json").read_text())
+    scope: dict = {}
+    exec(info["timm_snippet"], scope)  # noqa: S102 (the lines the export gives users)
+    assert scope["model"].head.out_features == 3 and torch.equal(scope["model"].pos_embed.detach(), tuned)

@@ -95,7 +95,10 @@ def test_help_lists_the_new_section(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
-    assert f"--{NAME}.target_scale (default: 1.0)" in capsys.readouterr().out
+    line = next(line for line in capsys.readouterr().out.splitlines() if f"--{NAME}.target_scale" in line)
+    # its type, default and the comment on its field's line above
+    assert line.split()[:4] == [f"--{NAME}.target_scale", "float", "default", "1.0"]
+    assert line.endswith("the regression target is this times each patch's mean pixel")
 
 
 def test_unknown_option_of_the_new_section_is_refused_with_a_hint():

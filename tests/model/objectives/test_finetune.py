@@ -68,3 +68,84 @@ def test_mae_encoder_initialises_the_finetuning_model(tmp_path):
     assert "fc_norm.weight" in summary and "head.weight" in summary  # reported as new
     assert torch.equal(ft.encoder.blocks[1].mlp.fc2.weight, mae_encoder.blocks[1].mlp.fc2.weight)
     assert torch.all(ft.encoder.fc_norm.weight == 1)  # fresh, not the pretraining norm
+
+
+def _official_lrd_rule(name: str, p: torch.Tensor, depth: int, layer_decay: float, weight_decay: float):
+    """MAE's util/lr_decay.py param_groups_lrd, written out: no decay for 1-d parameters and the
+    model's no_weight_decay list (pos_embed, cls_token, dist_token); layer id 0 for cls_token,
+    pos_embed and patch_embed, i + 1 for blocks.i, num_layers = depth + 1 for the rest; lr scale
+    layer_decay^(num_layers - layer id). Names are the encoder's (timm's)."""
+    num_layers = depth + 1
+    no_decay = p.ndim == 1 or name in ("pos_embed", "cls_token", "dist_token")
+    if name in ("cls_token", "pos_embed") or name.startswith("patch_embed"):
+        lid = 0
+    elif name.startswith("blocks"):
+        lid = int(name.split(".")[1]) + 1
+    else:
+        lid = num_layers
+    return layer_decay ** (num_layers - lid), 0.0 if no_decay else weight_decay
+
+
+def test_param_groups_match_the_official_recipe_pos_embed_included():
+    ft = _ft()
+    groups, _ = build_param_groups(ft, 0.05, 0.75)
+    ours = {id(p): (g["lr_scale"], g["weight_decay"]) for g in groups for p in g["params"]}
+    depth = len(ft.encoder.blocks)
+    # the recipe optimises every encoder parameter (pos_embed too) and the head, nothing else
+    assert len(ours) == sum(1 for _ in ft.encoder.parameters()) == sum(1 for _ in ft.parameters())
+    for name, p in ft.encoder.named_parameters():
+        want = _official_lrd_rule(name, p, depth, 0.75, 0.05)
+        assert ours[id(p)][0] == pytest.approx(want[0]) and ours[id(p)][1] == want[1], name
+    assert ours[id(ft.encoder.pos_embed)] == pytest.approx((0.75 ** 3, 0.0))
+    # without layer decay (the plain two groups) pos_embed still trains, undecayed
+    plain, _ = build_param_groups(ft, 0.05, 1.0)
+    assert {id(p): g["weight_decay"] for g in plain for p in g["params"]}[id(ft.encoder.pos_embed)] == 0.0
+
+
+def test_pos_embed_trains_in_finetuning_from_the_loaded_table(tmp_path):
+    torch.manual_seed(1)
+    pretrained = create_model("vit_debug_patch4")
+    with torch.no_grad():
+        pretrained.pos_embed.add_(0.5)  # any table: fine-tuning starts from the one it loads
+    torch.save(pretrained.state_dict(), tmp_path / "enc.pth")
+    ft = _ft(mixup=0.0, cutmix=0.0)
+    load_into_objective(ft, tmp_path / "enc.pth")
+    assert ft.encoder.pos_embed.requires_grad and torch.equal(ft.encoder.pos_embed, pretrained.pos_embed)
+    groups, _ = build_param_groups(ft, 0.05, 0.75)
+    opt = torch.optim.AdamW([{**g, "lr": 1e-2 * g["lr_scale"]} for g in groups])
+    ft({"image": torch.randn(4, 3, 28, 28), "label": torch.tensor([0, 1, 2, 3])})["loss"].backward()
+    assert ft.encoder.pos_embed.grad is not None and ft.encoder.pos_embed.grad.abs().sum() > 0
+    opt.step()
+    assert not torch.equal(ft.encoder.pos_embed, pretrained.pos_embed)
+
+
+def test_pretraining_and_linear_probe_keep_the_sincos_table_fixed():
+    from model.objectives.linear_probe import LinearProbeConfig
+    from model.objectives.mae import MAEConfig
+    from train.optim import build_param_groups as groups_of
+
+    mae = build_objective("mae", create_model("vit_debug_patch4"), MAEConfig(decoder_dim=32, decoder_depth=1,
+                                                                             decoder_heads=2))
+    probe = build_objective("linprobe", create_model("vit_debug_patch4"), LinearProbeConfig(num_classes=4))
+    for obj in (mae, probe):
+        assert not obj.encoder.pos_embed.requires_grad
+        for layer_decay in (1.0, 0.75):
+            optimised = {id(p) for g in groups_of(obj, 0.05, layer_decay)[0] for p in g["params"]}
+            assert id(obj.encoder.pos_embed) not in optimised
+
+
+def test_a_learned_pos_embed_is_interpolated_for_another_resolution_and_sincos_rebuilt(tmp_path):
+    from model.interop import resize_pos_embed
+    from model.pos_embed import sincos_2d
+
+    small = create_model("vit_debug_patch4", img_size=16)  # 4x4 grid, sin-cos table
+    assert torch.equal(resize_pos_embed(small.pos_embed.data, (7, 7)), sincos_2d(32, (7, 7), cls_token=True)[None])
+    with torch.no_grad():  # a fine-tuned table: learned, no longer sin-cos
+        small.pos_embed.add_(torch.randn_like(small.pos_embed))
+    torch.save(small.state_dict(), tmp_path / "ft16.pth")
+    ft = _ft()  # 28 px: 7x7 grid
+    load_into_objective(ft, tmp_path / "ft16.pth")
+    grid = small.pos_embed.data[:, 1:].reshape(1, 4, 4, 32).permute(0, 3, 1, 2)
+    want = F.interpolate(grid, size=(7, 7), mode="bicubic", align_corners=False).permute(0, 2, 3, 1).reshape(1, 49, 32)
+    assert torch.allclose(ft.encoder.pos_embed[:, 1:], want, atol=1e-6)
+    assert torch.equal(ft.encoder.pos_embed[:, :1], small.pos_embed[:, :1]) and ft.encoder.pos_embed.requires_grad

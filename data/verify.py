@@ -1,0 +1,206 @@
+"""Check shards before training, from headers only: every tar member header (a member cut short
+by the end of the file, a file that is not a tar) and every sample's image header (format, size;
+pixels are not decoded) and label, then the sample count against the index. Shards are checked in
+parallel by a pool of processes (--workers, default: the cores available).
+
+    python -m data.verify shards/train.json [--workers N] [--max_image_pixels N]
+
+Prints one line per bad shard with the reason and exits 1 when any is bad, 0 when all are good,
+2 when the index itself cannot be read. `--data.verify_shards true` runs the same check on the
+training (and evaluation) index before a run starts, refusing it with exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import re
+import sys
+import tarfile
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from PIL import Image
+from webdataset.tariterators import group_by_keys
+
+from data.faults import SampleError
+from data.loader import cores_per_rank
+from data.shards import (
+    DECODE_ERRORS,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    IMAGE_KEYS,
+    PipeShard,
+    ShardSet,
+    _is_sample_member,
+    open_sample,
+)
+
+PIL_OBJECT = re.compile(r" <_io\.BytesIO object at 0x[0-9a-f]+>")  # in PIL's messages: no help to a reader
+HEADER_BYTES = 64 * 1024  # read of each image member: holds the header of any PNG and nearly any JPEG
+
+
+@dataclass
+class ShardReport:
+    """What one shard holds: usable samples, problems by kind (data/faults.py's ERROR_KINDS, plus
+    not_a_tar and count_mismatch) and the first example of each."""
+
+    file: str
+    expected: int  # the index's count
+    samples: int = 0  # samples found (usable or not)
+    problems: Counter = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+    skipped: str = ""  # why the shard was not read (pipe: shards)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, kind: str, example: str) -> None:
+        self.problems[kind] += 1
+        self.examples.setdefault(kind, example)
+
+    def reason(self) -> str:
+        return "; ".join(f"{kind} x{n} ({self.examples[kind]})" if n > 1 else f"{kind} ({self.examples[kind]})"
+                         for kind, n in self.problems.items())
+
+
+def _header_parses(data: bytes) -> bool:
+    try:
+        Image.open(io.BytesIO(data))
+        return True
+    except Exception:  # any failure: read the whole member before judging it
+        return False
+
+
+def _members(path: Path, tar: tarfile.TarFile):
+    """Sample members of one tar, as data/shards.py reads them, with image members cut to their
+    header (the whole member when the first HEADER_BYTES do not parse) and labels in full; then
+    the end-of-archive marker (two zero blocks), whose absence means the file was cut short at a
+    member boundary or has garbage after its last member (tarfile stops there without a word)."""
+    size = os.path.getsize(path)
+    for m in tar:
+        if not _is_sample_member(m):
+            continue
+        if m.offset_data + m.size > size:
+            raise tarfile.ReadError(f"member {m.name} is cut short ({max(0, size - m.offset_data)} of {m.size} bytes)")
+        f = tar.extractfile(m)
+        is_image = m.name.rsplit(".", 1)[-1].lower() in IMAGE_KEYS
+        data = f.read(HEADER_BYTES if is_image else None)
+        if is_image and len(data) < m.size and not _header_parses(data):
+            data += f.read()
+        yield {"fname": m.name, "data": data, "__url__": str(path)}
+    tar.fileobj.seek(tar.offset)
+    end = tar.fileobj.read(2 * tarfile.BLOCKSIZE)
+    if len(end) < 2 * tarfile.BLOCKSIZE or end.strip(b"\0"):
+        raise tarfile.ReadError(f"no end-of-archive marker after the last member (at byte {tar.offset} of {size}): "
+                                f"the file is cut short or has garbage after it")
+
+
+def verify_shard(path: Path | PipeShard, expected: int,
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ShardReport:
+    report = ShardReport(str(path), expected)
+    if isinstance(path, PipeShard):
+        report.skipped = "a pipe: shard (read by running its command, not checked)"
+        return report
+    try:
+        tar = tarfile.open(path, mode="r:")
+    except (tarfile.TarError, OSError, EOFError) as e:
+        report.add("not_a_tar", str(e) or type(e).__name__)
+        return report
+    with tar:
+        try:
+            for sample in group_by_keys(_members(path, tar)):
+                report.samples += 1
+                try:
+                    open_sample(sample, max_image_pixels)
+                except SampleError as e:
+                    report.add(e.kind, f"{sample['__key__']}: {PIL_OBJECT.sub('', str(e))}")
+                except DECODE_ERRORS as e:  # open_sample maps these; kept for what PIL may add
+                    report.add("undecodable_image", f"{sample['__key__']}: {e}")
+        except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+            report.add("truncated_shard", f"cut short or damaged after {report.samples} whole samples: "
+                                          f"{str(e) or type(e).__name__}")
+    if report.samples != expected:
+        report.add("count_mismatch", f"the index says {expected} samples, {report.samples} were read")
+    return report
+
+
+def _verify_one(args: tuple) -> ShardReport:
+    return verify_shard(*args)
+
+
+def verify_shards(shards: ShardSet, workers: int = 0,
+                  max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> list[ShardReport]:
+    """One report per shard, in index order; `workers` processes (0 = this process's cores)."""
+    jobs = [(f, n, max_image_pixels) for f, n in zip(shards.files, shards.counts, strict=True)]
+    workers = min(workers or cores_per_rank(), len(jobs))
+    if workers <= 1:
+        return [_verify_one(j) for j in jobs]
+    with ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(_verify_one, jobs, chunksize=max(1, len(jobs) // (8 * workers))))
+
+
+def bad_shards_message(name: str, reports: list[ShardReport], limit: int = 10) -> str:
+    """'' when every shard is good, else a few lines naming the bad shards and why."""
+    bad = [r for r in reports if not r.ok]
+    if not bad:
+        return ""
+    lines = [f"{len(bad)} of {len(reports)} shards of {name} are bad:"]
+    lines += [f"  {r.file}: {r.reason()}" for r in bad[:limit]]
+    if len(bad) > limit:
+        lines.append(f"  ... and {len(bad) - limit} more (python -m data.verify {name} lists them all)")
+    lines.append("rewrite them (data/write_shards.py) or remove them from the index")
+    return "\n".join(lines)
+
+
+def check_index(index: str | Path, allow_pipe_urls: bool = False, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                workers: int = 0) -> None:
+    """Raise ValueError naming every bad shard of an index (the pre-start check)."""
+    message = bad_shards_message(str(index), verify_shards(ShardSet.from_index(index, allow_pipe_urls), workers,
+                                                           max_image_pixels))
+    if message:
+        raise ValueError(f"data.verify_shards: {message}")
+
+
+def verify_before_start(data_cfg) -> None:
+    """data.verify_shards: check the training index (source shards) and the evaluation index, if
+    any; raise ValueError naming the bad shards. Nothing when the option is off."""
+    if not data_cfg.verify_shards:
+        return
+    train = data_cfg.train_index if data_cfg.source == "shards" else ""
+    for index in filter(None, (train, data_cfg.eval_index)):
+        check_index(index, data_cfg.allow_pipe_urls, data_cfg.max_image_pixels)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("index", help="shard index (<name>.json written by data/write_shards.py)")
+    p.add_argument("--workers", type=int, default=0, help="processes checking shards (default 0: the cores available)")
+    p.add_argument("--max_image_pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help="images with more pixels count as bad, as data.max_image_pixels skips them (default %(default)s)")
+    p.add_argument("--allow_pipe_urls", action="store_true", help="accept pipe: entries (they are listed, not checked)")
+    a = p.parse_args(argv)
+    if a.workers < 0:
+        p.error("--workers must be >= 0")
+    try:
+        shards = ShardSet.from_index(a.index, a.allow_pipe_urls)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    reports = verify_shards(shards, a.workers, a.max_image_pixels)
+    for r in reports:
+        if r.skipped:
+            print(f"SKIP {r.file}: {r.skipped}")
+        elif not r.ok:
+            print(f"BAD  {r.file}: {r.reason()}")
+    bad = sum(not r.ok for r in reports)
+    samples = sum(r.samples for r in reports)
+    print(f"{len(reports) - bad} of {len(reports)} shards good, {bad} bad ({samples} samples found, "
+          f"{sum(r.problems.total() for r in reports)} problems)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

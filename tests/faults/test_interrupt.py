@@ -1,0 +1,172 @@
+"""Ctrl-C (SIGINT) and kill (SIGTERM) outside Slurm (train/preemption.py, train/early_signals.py):
+the first one finishes the step, writes a checkpoint, prints one line naming it and the command
+that continues it, and exits 130 / 143; the same signal again ends the run at once. Steps are
+slowed (train/fault_injection.py's slow_step) so that the signals land mid-run."""
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CPU_DS, DEBUG_PRESET, REPO
+
+from train.run_dir import read_metrics
+
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))},
+       "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PRETRAIN_FAULTS": "slow_step@1-100000"}
+STOP_LINE = "stopped by SIG"
+
+
+def options(run_dir: Path, *extra: str) -> list[str]:
+    return ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(run_dir),
+            "--run.progress", "false", "--optim.epochs", "1000", *extra]
+
+
+def start(cmd: list[str], **kw) -> subprocess.Popen:
+    """In its own session, as a terminal's foreground job: os.killpg(pid, SIGINT) is a Ctrl-C."""
+    return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kw)
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int = 1, within: float = 480) -> None:
+    end = time.time() + within
+    while time.time() < end and proc.poll() is None:
+        if (run_dir / "metrics.jsonl").is_file() and len(read_metrics(run_dir)) >= steps:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no metrics line (exit {proc.poll()}): {proc.communicate()[1][-3000:]}")
+
+
+def session_processes(sid: int) -> list[int]:
+    """The live processes of a session (the job and everything it started)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if fields[3] == str(sid) and fields[0] != "Z":  # fields: state, ppid, pgrp, session
+            pids.append(int(entry.name))
+    return pids
+
+
+def the_stop_line(err: str) -> str:
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    [line] = [x for x in err.splitlines() if x.startswith(STOP_LINE)]
+    return line
+
+
+def checkpoint_named(line: str, run_dir: Path, world: int) -> tuple[int, Path]:
+    """(the step the line names, its checkpoint), checked: complete and the latest."""
+    step = int(line.split(" after step ")[1].split(":")[0])
+    tag = Path(line.split(": checkpoint ")[1].split(";")[0])
+    assert tag == run_dir / "checkpoints" / f"step{step:08d}"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == tag.name
+    assert json.loads((tag / "complete.json").read_text())["world_size"] == world
+    assert max(r["step"] for r in read_metrics(run_dir)) == step  # the steps since the last ckpt_every are kept
+    return step, tag
+
+
+@pytest.fixture
+def rgb_shards(tmp_path, image_folder):
+    from data.write_shards import main as write_shards
+
+    [index] = write_shards(["imagefolder", str(image_folder), str(tmp_path / "shards"), "--samples_per_shard", "4"])
+    return tmp_path / "shards" / f"{index['name']}.json"
+
+
+def test_ctrl_c_checkpoints_the_step_exits_130_and_the_printed_command_continues(tmp_path, rgb_shards):
+    """A Ctrl-C reaches the whole foreground group, loader workers included (they ignore it)."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train.pretrain",
+           *options(run_dir, "--data.source", "shards", "--data.train_index", str(rgb_shards), "--model.in_chans", "3",
+                    "--data.num_workers", "2", "--run.ckpt_every", "1000", "--run.max_steps", "30")]
+    proc = start(cmd)
+    wait_for_steps(proc, run_dir, steps=2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    line = the_stop_line(err)
+    step, _ = checkpoint_named(line, run_dir, world=1)
+    assert 2 <= step < 30
+    assert not session_processes(proc.pid)  # no loader worker left behind
+
+    resume = shlex.split(line.split("; to continue: ")[1])
+    assert resume[:3] == [sys.executable, "-m", "train.pretrain"] and resume[-2:] == ["--resume", "auto"]
+    assert resume[3:-2] == cmd[3:]  # the same options
+    done = subprocess.run(resume, cwd=REPO, env={**ENV, "PRETRAIN_FAULTS": ""}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"step{step:08d} at step {step}" in done.stdout + done.stderr
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 31))
+
+
+def test_kill_exits_143_with_a_checkpoint_and_a_second_ctrl_c_ends_the_run_at_once(tmp_path):
+    killed = start([sys.executable, "-m", "train.pretrain", *options(tmp_path / "killed")])
+    twice = start([sys.executable, "-m", "train.pretrain", *options(tmp_path / "twice")],)
+    wait_for_steps(killed, tmp_path / "killed")
+    killed.send_signal(signal.SIGTERM)
+    wait_for_steps(twice, tmp_path / "twice")
+    os.killpg(twice.pid, signal.SIGINT)
+    time.sleep(0.1)  # its handler ran: the step it is finishing takes SLOW_STEP_SECONDS (0.3 s) longer
+    os.killpg(twice.pid, signal.SIGINT)
+    t0 = time.time()
+    _, err = twice.communicate(timeout=60)
+    assert twice.returncode == -signal.SIGINT and time.time() - t0 < 1.0  # shell status 130, no wait for the step
+    assert "Traceback" not in err and STOP_LINE not in err, err[-3000:]
+
+    _, err = killed.communicate(timeout=60)
+    assert killed.returncode == 143, err[-3000:]
+    checkpoint_named(the_stop_line(err), tmp_path / "killed", world=1)
+
+
+def test_two_ranks_under_the_deepspeed_launcher_stop_on_ctrl_c_with_one_checkpoint_and_no_process_left(tmp_path):
+    """Ctrl-C reaches the `deepspeed` runner (which dies of it), its launch.py (which SIGTERMs each
+    rank and SIGKILLs what is left after 30 s) and both ranks: they agree on the stop at a step,
+    write one checkpoint together and end; nothing of the job is left."""
+    run_dir = tmp_path / "run"
+    launcher = str(Path(sys.executable).parent / "deepspeed")
+    from conftest import _free_port
+
+    proc = start([launcher, "--num_gpus", "2", "--master_port", str(_free_port()), str(REPO / "train" / "pretrain.py"),
+                  *options(run_dir, "--run.stop_check_every", "1")])
+    wait_for_steps(proc, run_dir)
+    os.killpg(proc.pid, signal.SIGINT)
+    t0 = time.time()
+    out, err = proc.communicate(timeout=60)  # EOF once every process holding the pipes has ended
+    assert time.time() - t0 < 25, "the launcher's 30 s SIGKILL ended it, not the ranks"
+    assert proc.returncode == -signal.SIGINT  # deepspeed's runner re-raises the Ctrl-C
+    end = time.time() + 10
+    while session_processes(proc.pid) and time.time() < end:
+        time.sleep(0.1)
+    assert not session_processes(proc.pid)
+    [line] = [x for x in (out + err).splitlines() if x.startswith(STOP_LINE)]  # rank 0's
+    assert line.startswith("stopped by SIGINT") and line.endswith("run the same command again with --resume auto "
+                                                                  "(without --run.overwrite)")
+    checkpoint_named(line, run_dir, world=2)
+    assert "Traceback" not in out + err.split("KeyboardInterrupt")[-1]  # none from the ranks (the runner's is deepspeed's)
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether the process has a handler for sig (/proc/PID/status SigCgt)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = int(next(line for line in f if line.startswith("SigCgt")).split()[1], 16)
+    return bool(mask >> (sig - 1) & 1)
+
+
+def test_ctrl_c_during_start_up_ends_the_run_at_once_without_a_traceback(tmp_path):
+    """Before the first step there is nothing to save: the default action, no KeyboardInterrupt."""
+    proc = start([sys.executable, "-m", "train.pretrain", *options(tmp_path / "run")])
+    end = time.time() + 10  # train/pretrain.py's first lines ran: SIGUSR1 caught, SIGINT left to its default
+    while time.time() < end and not (catches(proc.pid, signal.SIGUSR1) and not catches(proc.pid, signal.SIGINT)):
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)  # long before the engine exists
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGINT and "Traceback" not in err, err[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -1,0 +1,94 @@
+"""Checks before start (issue 22): the shards' channels against model.in_chans, a non-positive
+lr, a mask ratio that masks or keeps no patch; each an exit-2 message naming the cause and the
+fix, before any process group or run folder. A folder whose start never trained is reusable."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import CPU_DS, DEBUG_PRESET
+from PIL import Image
+
+from data.write_shards import main as write_shards
+from train.cli import cli
+from train.config import ConfigError, parse_args
+from train.pretrain import main
+from train.trainer import check_before_start
+
+CONFIGS = DEBUG_PRESET.parent.parent
+
+
+def _reject(tmp_path, capsys, *args) -> str:
+    out = tmp_path / "run"
+    argv = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(out), "--run.progress",
+            "false", *args]
+    with pytest.raises(SystemExit) as exit_info:
+        cli(lambda: main(argv))
+    assert exit_info.value.code == 2
+    assert not torch.distributed.is_initialized()  # rejected before the process group
+    assert not out.exists()  # and before the run folder was written
+    return capsys.readouterr().err
+
+
+def test_grayscale_shards_against_a_one_channel_model_name_both_counts_and_the_fix(tmp_path, capsys):
+    root = tmp_path / "folder"
+    for c in range(2):
+        (root / str(c)).mkdir(parents=True)
+        for i in range(4):
+            Image.fromarray(np.full((8, 8), 40 * c + i, dtype=np.uint8), mode="L").save(root / str(c) / f"{i}.png")
+    write_shards(["imagefolder", str(root), str(tmp_path / "shards"), "--samples_per_shard", "4"])
+    err = _reject(tmp_path, capsys, "--data.source", "shards", "--data.train_index",
+                  str(tmp_path / "shards" / "train.json"), "--data.num_workers", "1")  # mae/debug.json: in_chans 1
+    assert "model.in_chans is 1, but the data has 3 channels" in err
+    assert "hold PIL mode L images (1 channel), which the loader decodes to 3-channel RGB" in err
+    assert "set --model.in_chans 3" in err
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("optim.blr", "-1e-3", "optim.blr must be > 0, got -0.001"),
+    ("optim.blr", "0", "optim.blr must be > 0, got 0.0"),
+    ("optim.min_lr", "-1e-6", "optim.min_lr (the lr the cosine ends at) must be >= 0"),
+    ("optim.weight_decay", "-0.05", "optim.weight_decay must be >= 0"),
+    ("mae.mask_ratio", "0.0", "mae.mask_ratio must be in (0, 1)"),
+])
+def test_values_that_cannot_train_are_refused_when_parsed(option, value, says):
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), f"--{option}", value])
+    assert says in str(e.value)
+
+
+@pytest.mark.parametrize("objective, ratio, says", [
+    ("mae", "0.99", "mae.mask_ratio 0.99 keeps no patch of the 49 (floor(49 x (1 - 0.99)) = 0)"),
+    ("mae", "1e-17", "mae.mask_ratio 1e-17 masks no patch of the 49"),  # 1 - 1e-17 == 1.0 in floats
+    ("maeplus", "0.99", "maeplus.mask_ratio 0.99 keeps no patch of the 49"),
+    ("mlomae", "0.99", "mlomae.mask_ratio 0.99 keeps no patch of the 49"),
+])
+def test_a_mask_ratio_that_masks_or_keeps_no_patch_of_the_model_is_refused(tmp_path, capsys, objective, ratio, says):
+    err = _reject(tmp_path, capsys, "--config", str(CONFIGS / objective / "debug.json"), f"--{objective}.mask_ratio",
+                  ratio)
+    assert says in err
+
+
+def test_a_run_folder_whose_start_never_trained_is_not_another_run(tmp_path):
+    """A failed start leaves config.json, meta.json, an empty metrics.jsonl and no checkpoint: the
+    corrected command (another config) reuses the folder, without --run.overwrite."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step00000004.partial").mkdir(parents=True)  # killed while writing its first one
+    (run / "config.json").write_text(json.dumps({"optim": {"blr": 0.5}, "model": {"in_chans": 1}}))
+    (run / "meta.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    (run / "launch").mkdir()  # launchers/submit.py's snapshot: kept
+    cfg = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(run)])
+    check_before_start(cfg)  # no "holds a run with another config"
+    assert sorted(p.name for p in run.iterdir()) == ["launch"]  # the failed start's files are gone
+    (run / "config.json").write_text(json.dumps({"optim": {"blr": 0.5}}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")  # it trained a step: a run
+    with pytest.raises(ConfigError, match="holds a run with another config"):
+        check_before_start(cfg)
+
+
+def test_no_data_points_to_a_debug_preset_not_to_a_full_size_synthetic_run():
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--ds_config", str(CPU_DS)])  # no preset: ViT-B, 800 epochs
+    assert "start from a debug preset (--config train/configs/<method>/debug.json" in str(e.value)
+    assert "not --data.source synthetic alone" in str(e.value)
