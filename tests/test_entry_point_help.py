@@ -47,3 +47,14 @@ def test_every_option_is_described_with_its_default(module_name, monkeypatch):
                     and not shown_by_formatter:
                 assert "%(default)" in action.help or "default" in action.help, \
                     f"{module_name} {parser.prog}: {name} does not show its default ({action.default!r})"
+
+
+def test_bench_help_lists_its_own_options_and_every_run_option(capsys):
+    from train.bench import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--loader_only" in out and "--steps N (20)" in out  # its own
+    assert "--optim.blr float" in out and "--data.num_workers int" in out  # the run's, with types

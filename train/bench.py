@@ -37,7 +37,7 @@ import torch
 from train import distributed
 from train.build import build_engine, compute_dtype, peak_lr, profile_config, schedule_steps, training_source
 from train.cli import cli, pop_flags
-from train.config import ConfigError, encoder_img_size, parse_args, to_dict
+from train.config import ConfigError, encoder_img_size, help_text, parse_args, to_dict
 from train.ds_config import resolve
 from train.gpus import current_gpu, gpu_named
 from train.loop import LoopSettings, LoopState, run
@@ -104,7 +104,12 @@ def loader_throughput(cfg, opts: dict, img_size: int, rank: int, world: int) -> 
 
 
 def main(argv: list[str] | None = None) -> Path:
-    opts, rest = split_argv(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    asked, _ = pop_flags(argv, {"--help": None, "-h": None})
+    if asked:  # the bench options above, then every run option
+        print(__doc__ + "\n" + help_text())
+        raise SystemExit(0)
+    opts, rest = split_argv(argv)
     cfg = parse_args([*rest, "--run.tensorboard", "false", "--run.progress", "false", "--run.export", "false"])
     img_size = encoder_img_size(cfg)
     record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_commit(),

@@ -57,8 +57,8 @@ USAGE = """Pretraining entry point.
 Options: `python -m train.pretrain --help`; `--dry-run [--world_size N] [--gpu a100]` checks a
 configuration for another world size and GPU and estimates memory (train/dry_run.py). Everything
 is checked before the process group starts; then: build encoder + objective, DeepSpeed engine,
-resume (also on another world size), loop (stopping with a checkpoint on SIGUSR1: requeue),
-final checkpoint, export.
+resume (also on another world size), loop (Ctrl-C / kill: a checkpoint, then exit 130 / 143;
+Slurm's SIGUSR1: a checkpoint and requeue), final checkpoint, export.
 """
 
 

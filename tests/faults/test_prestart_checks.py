@@ -5,39 +5,32 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from conftest import CPU_DS, DEBUG_PRESET
 from PIL import Image
+from test_config_errors import _reject as reject_before_start
 
 from data.write_shards import main as write_shards
-from train.cli import cli
 from train.config import ConfigError, parse_args
-from train.pretrain import main
 from train.trainer import check_before_start
 
 CONFIGS = DEBUG_PRESET.parent.parent
 
 
-def _reject(tmp_path, capsys, *args) -> str:
-    out = tmp_path / "run"
-    argv = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(out), "--run.progress",
-            "false", *args]
-    with pytest.raises(SystemExit) as exit_info:
-        cli(lambda: main(argv))
-    assert exit_info.value.code == 2
-    assert not torch.distributed.is_initialized()  # rejected before the process group
-    assert not out.exists()  # and before the run folder was written
-    return capsys.readouterr().err
+def _reject(tmp_path, capsys, monkeypatch, *args) -> str:
+    """test_config_errors' refusal check (exit 2, no process group), and no run folder at all."""
+    err = reject_before_start(tmp_path, capsys, monkeypatch, *args)
+    assert not (tmp_path / "run").exists()
+    return err
 
 
-def test_grayscale_shards_against_a_one_channel_model_name_both_counts_and_the_fix(tmp_path, capsys):
+def test_grayscale_shards_against_a_one_channel_model_name_both_counts_and_the_fix(tmp_path, capsys, monkeypatch):
     root = tmp_path / "folder"
     for c in range(2):
         (root / str(c)).mkdir(parents=True)
         for i in range(4):
             Image.fromarray(np.full((8, 8), 40 * c + i, dtype=np.uint8), mode="L").save(root / str(c) / f"{i}.png")
     write_shards(["imagefolder", str(root), str(tmp_path / "shards"), "--samples_per_shard", "4"])
-    err = _reject(tmp_path, capsys, "--data.source", "shards", "--data.train_index",
+    err = _reject(tmp_path, capsys, monkeypatch, "--data.source", "shards", "--data.train_index",
                   str(tmp_path / "shards" / "train.json"), "--data.num_workers", "1")  # mae/debug.json: in_chans 1
     assert "model.in_chans is 1, but the data has 3 channels" in err
     assert "hold PIL mode L images (1 channel), which the loader decodes to 3-channel RGB" in err
@@ -63,8 +56,9 @@ def test_values_that_cannot_train_are_refused_when_parsed(option, value, says):
     ("maeplus", "0.99", "maeplus.mask_ratio 0.99 keeps no patch of the 49"),
     ("mlomae", "0.99", "mlomae.mask_ratio 0.99 keeps no patch of the 49"),
 ])
-def test_a_mask_ratio_that_masks_or_keeps_no_patch_of_the_model_is_refused(tmp_path, capsys, objective, ratio, says):
-    err = _reject(tmp_path, capsys, "--config", str(CONFIGS / objective / "debug.json"), f"--{objective}.mask_ratio",
+def test_a_mask_ratio_that_masks_or_keeps_no_patch_of_the_model_is_refused(tmp_path, capsys, monkeypatch, objective, ratio,
+                                                                              says):
+    err = _reject(tmp_path, capsys, monkeypatch, "--config", str(CONFIGS / objective / "debug.json"), f"--{objective}.mask_ratio",
                   ratio)
     assert says in err
 
