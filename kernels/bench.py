@@ -41,6 +41,7 @@ from kernels.masked import (
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = {"vit_b": (128, 12, 197, 64), "vit_l": (128, 16, 197, 64)}  # (B, H, T, d): 196 patches + cls
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SHOW_DEFAULT = " (default: %(default)s)"  # argparse fills in each option's default
 
 
 def commit() -> str:
@@ -69,6 +70,15 @@ def write_record(record: dict, out_dir: Path, prefix: str, device: torch.device,
     path.write_text(json.dumps(record, indent=2))
     print(f"wrote {path}")
     return path
+
+
+def add_timing_options(p: argparse.ArgumentParser, iters: int) -> None:
+    """--device, --dtype, --iters, --warmup, --out_dir: what every benchmark entry point takes."""
+    p.add_argument("--device", default="cuda", help="cuda or cpu" + SHOW_DEFAULT)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="compute dtype" + SHOW_DEFAULT)
+    p.add_argument("--iters", type=int, default=iters, help="timed calls" + SHOW_DEFAULT)
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls first" + SHOW_DEFAULT)
+    p.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results"), help="where the JSON record goes" + SHOW_DEFAULT)
 
 
 def sync(device: torch.device) -> None:
@@ -161,18 +171,12 @@ def bench_shape(name: str, shape: tuple[int, int, int, int], dtype: torch.dtype,
             "ratios": ratios}
 
 
-D = " (default: %(default)s)"  # argparse fills in each option's default
-
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda", help="cuda or cpu" + D)
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="compute dtype" + D)
+    add_timing_options(p, iters=20)
     p.add_argument("--shapes", nargs="*", default=list(SHAPES),
-                   help="vit_b, vit_l, or B,H,T,d (T counts the cls token)" + D)
-    p.add_argument("--mix_ratio", type=float, default=0.25, help="K = round(r * patches), r = 1/groups" + D)
-    p.add_argument("--iters", type=int, default=20, help="timed calls" + D)
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls first" + D)
-    p.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results"), help="where the JSON record goes" + D)
+                   help="vit_b, vit_l, or B,H,T,d (T counts the cls token)" + SHOW_DEFAULT)
+    p.add_argument("--mix_ratio", type=float, default=0.25, help="K = round(r * patches), r = 1/groups" + SHOW_DEFAULT)
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():

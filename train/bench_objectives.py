@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.bench import DTYPES, REPO, record_header, sync, write_record
+from kernels.bench import DTYPES, SHOW_DEFAULT, add_timing_options, record_header, sync, write_record
 from model.objectives import build_objective
 from model.objectives.mae import MAEConfig
 from model.objectives.maeplus import MAEPlusConfig
@@ -80,18 +80,13 @@ def bench_pair(pair: str, dtype: torch.dtype, device: torch.device, batch: int, 
     return {"model": model, "batch": batch, "images": list(images.shape), "results": out}
 
 
-D = " (default: %(default)s)"  # argparse fills in each option's default
-
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda", help="cuda or cpu" + D)
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="compute dtype" + D)
-    p.add_argument("--pairs", nargs="+", choices=PAIRS, default=list(PAIRS), help="methods timed against MAE" + D)
-    p.add_argument("--batch", type=int, default=128, help="images per training step" + D)
-    p.add_argument("--model", default="vit_base_patch16", help="a registered ViT" + D)
-    p.add_argument("--iters", type=int, default=10, help="timed steps" + D)
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls first" + D)
-    p.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results"), help="where the JSON record goes" + D)
+    add_timing_options(p, iters=10)
+    p.add_argument("--pairs", nargs="+", choices=PAIRS, default=list(PAIRS),
+                   help="methods timed against MAE" + SHOW_DEFAULT)
+    p.add_argument("--batch", type=int, default=128, help="images per training step" + SHOW_DEFAULT)
+    p.add_argument("--model", default="vit_base_patch16", help="a registered ViT" + SHOW_DEFAULT)
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():

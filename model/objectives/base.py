@@ -22,6 +22,8 @@ which the objective defines only when it has such state.
 """
 from __future__ import annotations
 
+import inspect
+from abc import ABCMeta, abstractmethod
 from typing import Any, ClassVar
 
 import torch
@@ -62,7 +64,7 @@ class ObjectiveConfig:
         return 1
 
 
-class Objective(nn.Module):
+class Objective(nn.Module, metaclass=ABCMeta):
     """Base of every objective. `forward(batch)` is the training step's loss:
 
     batch: "image" (B, C, H, W) in the compute dtype (or (B, k, C, s, s) multi-crop), "label" (B,)
@@ -82,12 +84,15 @@ class Objective(nn.Module):
         self.encoder = encoder
         self.cfg = cfg
 
+    @abstractmethod  # the one hook without a default: a subclass without it cannot be built or registered
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        raise NotImplementedError(f"{type(self).__name__} must define forward(batch) -> {{'loss': ...}}")
+        ...
 
     def predict(self, images: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> class logits (B, num_classes), for objectives with a classifier
-        (fine-tuning, linear probe, MLO-MAE's level-II head): data.eval_index scores it."""
+        (fine-tuning, linear probe, MLO-MAE's level-II head): data.eval_index scores it. The
+        default is the answer "no classifier" (has_classifier() is False; config checks refuse
+        data.eval_index for such objectives before start, so this raises only on a direct call)."""
         raise NotImplementedError(f"objective {self.name!r} has no classifier")
 
     @classmethod
@@ -125,6 +130,8 @@ def register_objective(name: str, config: type[ObjectiveConfig]):
     def decorate(cls: type[Objective]) -> type[Objective]:
         if not issubclass(cls, Objective):
             raise TypeError(f"{cls.__name__} must derive from Objective")
+        if inspect.isabstract(cls):
+            raise TypeError(f"{cls.__name__} must define forward(batch) -> {{'loss': ...}}")
         if name in OBJECTIVES and OBJECTIVES[name][1] is not cls:
             raise ValueError(f"objective {name!r} is already registered by {OBJECTIVES[name][1].__qualname__}")
         cls.name = name

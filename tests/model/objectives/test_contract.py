@@ -155,6 +155,8 @@ class _Objective(Objective):
 def test_register_refuses_what_breaks_the_contract():
     with pytest.raises(TypeError, match="must derive from Objective"):
         register_objective("contract_plain_module", _Config)(nn.Module)
+    with pytest.raises(TypeError, match="must define forward"):
+        register_objective("contract_no_forward", _Config)(type("NoForward", (Objective,), {}))
     with pytest.raises(TypeError, match="must derive from ObjectiveConfig"):
         register_objective("contract_plain_config", dataclass(type("Plain", (), {"__annotations__": {}})))
     with pytest.raises(ValueError, match="already registered"):

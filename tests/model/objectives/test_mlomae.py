@@ -150,13 +150,19 @@ def test_blo_lower_level_adds_the_classification_loss():
     assert all(p.grad is None for p in obj.aux.head.parameters())  # C is held fixed in the engine's step
 
 
-def test_extra_state_round_trip():
+def stepped_and_restored():
+    """(an objective after one step that ran levels II and III, a fresh one given its extra state)."""
     a = objective(seed=0)
-    b = batch()
-    a(b)
-    a.after_optimizer_step(lr=1e-2, batches=[b])
+    data = batch()
+    a(data)
+    a.after_optimizer_step(lr=1e-2, batches=[data])
     b = objective(seed=1)
     b.set_extra_state(a.get_extra_state())
+    return a, b
+
+
+def test_extra_state_round_trip():
+    a, b = stepped_and_restored()
     for x, y in zip([*a.aux.mask_net.parameters(), *a.aux.head.parameters()],
                     [*b.aux.mask_net.parameters(), *b.aux.head.parameters()]):
         assert torch.equal(x, y)
@@ -168,12 +174,7 @@ def test_resumed_optimizers_follow_their_networks_to_the_device():
     """A resume loads T's and C's AdamW moments while the networks are on CPU; the first forward
     on the accelerator (meta stands in) must take the moments along and keep each optimizer bound to
     its network's parameters (meta's .to() replaces the Parameter objects; CUDA's keeps them)."""
-    a = objective(seed=0)
-    b = batch()
-    a(b)
-    a.after_optimizer_step(lr=1e-2, batches=[b])
-    b = objective(seed=1)
-    b.set_extra_state(a.get_extra_state())
+    a, b = stepped_and_restored()
     b.aux.follow(torch.device("meta"))
     for net, opt in ((b.aux.mask_net, b.aux.mask_opt), (b.aux.head, b.aux.head_opt)):
         params = [p for group in opt.param_groups for p in group["params"]]
