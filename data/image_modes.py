@@ -7,13 +7,18 @@
   I;16*, I           16-bit grey (PNG): value >> 8 (PIL's convert("RGB") would clip every value
                      above 255 to white), replicated; counted `16bit`
   anything else      PIL's convert("RGB") (palette, alpha dropped, 1-bit, float, ...); counted `other_mode`
+
+Formats: JPEG, PNG and WebP members are the standard ones; an image in any other format PIL
+decodes (BMP, TIFF, GIF, PPM, TGA, ...; the members data/shards.py's IMAGE_KEYS name) is kept and
+counted `other_format`, beside its mode's count.
 """
 from __future__ import annotations
 
 import numpy as np
 from PIL import Image
 
-CONVERTED_KINDS = ("cmyk", "16bit", "other_mode")  # metrics data_converted_<kind>
+CONVERTED_KINDS = ("cmyk", "16bit", "other_mode", "other_format")  # metrics data_converted_<kind>; new kinds appended
+STANDARD_FORMATS = ("JPEG", "PNG", "WEBP")  # PIL's Image.format of jpg / jpeg, png and webp members
 
 
 def conversion_kind(mode: str) -> str | None:
@@ -25,6 +30,11 @@ def conversion_kind(mode: str) -> str | None:
     if mode == "I" or mode.startswith("I;16"):
         return "16bit"
     return "other_mode"
+
+
+def format_kind(fmt: str | None) -> str | None:
+    """The CONVERTED_KINDS entry for an image of this PIL format (`Image.format`), None for the standard ones."""
+    return None if fmt in STANDARD_FORMATS else "other_format"
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from data.faults import ERROR_KINDS, padded
+from data.faults import ERROR_KINDS, CorruptDataError, padded
 from data.image_modes import CONVERTED_KINDS
 from data.reshard import ReaderLayout, consumed
 from data.shards import DEFAULT_MAX_IMAGE_PIXELS, ShardSet, ShardStream, StreamStart, check_split, shards_for
@@ -83,6 +83,7 @@ def _end_workers_at_exit() -> None:
 
 class ShardLoader:
     """Yields {"image": (B, ...) float32, "label": (B,)} on `device`, forever; `state_dict()` is its position.
+    An unlabeled shard set (ShardSet.labeled False) yields {"image"} alone: no label to misread.
 
     Workers deliver uint8 crops (or, with an nvjpeg transform, JPEG bytes that are decoded here on
     the device); they are copied from pinned memory without blocking and normalised on the device.
@@ -158,7 +159,10 @@ class ShardLoader:
                 # The traceback's DataLoader frames would keep the iterator, and its workers, alive
                 # until a garbage collection (or for good, were it to propagate to exit); without
                 # them the iterator is freed now and stops its workers.
-                raise e.with_traceback(None)
+                e.with_traceback(None)
+                if isinstance(e, CorruptDataError):  # the shards' fault, said in full: no traceback wanted
+                    raise CorruptDataError(worker_message(e)) from None
+                raise e
             raise
         worker = int(batch["worker"][0])  # bookkeeping on CPU tensors: no device sync
         self.errors[worker] = batch["errors"][-1]
@@ -171,6 +175,8 @@ class ShardLoader:
             images = batch["image"].to(self.device, non_blocking=True)
         if images.dtype == torch.uint8:
             images = normalize_uint8(images)
+        if "label" not in batch:  # an unlabeled set (data/shards.py)
+            return {"image": images}
         return {"image": images, "label": batch["label"].to(self.device, non_blocking=True)}
 
     def _skipped(self) -> torch.Tensor:
@@ -266,6 +272,19 @@ class ShardLoader:
         self.start = StreamStart([(start_epoch, -1)] * W, start_epoch, skip)
         self.last = list(last) if last is not None else list(self.start.last)
         self._it = None  # restart the workers at the recorded position
+
+
+def worker_message(e: Exception) -> str:
+    """The message an exception had in a DataLoader worker. PyTorch re-raises it in the training
+    process with the worker's traceback in front ("Caught CorruptDataError in DataLoader worker
+    process 0.\nOriginal Traceback (most recent call last): ... data.faults.CorruptDataError:
+    <message>"): a 20-line traceback around a message that already says what is wrong and what to
+    do. The formatted traceback ends with `<module>.<class name>: <message>`."""
+    text = str(e)
+    head = f"{type(e).__module__}.{type(e).__qualname__}: "
+    if not text.startswith("Caught ") or head not in text:  # raised in this process: as it is
+        return text
+    return text.rsplit(head, 1)[1].rstrip("\n")
 
 
 def _counts(state: dict) -> tuple[torch.Tensor, torch.Tensor]:

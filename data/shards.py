@@ -15,10 +15,17 @@ without decoding and continues. With another number of readers (world size or wo
 data/reshard.py works out which samples the old readers had consumed and the new readers skip
 exactly those (`Consumed`).
 
+Labels: an index that says `"labeled": false` (data/index_shards.py, for shards without labels)
+is read without labels: its samples need only an image, and its batches carry no "label" key, so
+anything that reads labels fails on the first batch instead of training on a stand-in value
+(objectives and evaluations that read labels refuse such an index before start: `require_labels`).
+A labeled index (the default; data/write_shards.py's) is read with its `label_key` (data/labels.py).
+
 Faults (data/faults.py): a sample that cannot be used (image missing, empty, undecodable or
-above data.max_image_pixels, label missing or not an integer) is skipped and counted by kind; a
-shard that ends early (truncated tar) is counted and the stream moves on. Images of other modes
-are converted to 8-bit RGB and counted by conversion (CMYK, 16-bit, other; data/image_modes.py).
+above data.max_image_pixels; in a labeled set: label missing or not an integer) is skipped and
+counted by kind; a shard that ends early (truncated tar) is counted and the stream moves on.
+Images of other modes are converted to 8-bit RGB and counted by conversion (CMYK, 16-bit, other),
+images in formats other than JPEG / PNG / WebP counted as `other_format` (data/image_modes.py).
 Each reader gives up with `CorruptDataError` when more than data.max_bad_fraction of what it
 read was unusable (the rule is in data/faults.py). The index must list at least one shard, each
 with samples and a non-empty file; a `pipe:<shell command>` entry (webdataset's URL for a tar on
@@ -45,10 +52,16 @@ import torch
 from PIL import Image
 from webdataset.tariterators import group_by_keys
 
-from data.faults import ERROR_KINDS, BadSampleBudget, CorruptDataError, SampleError, ShardIndexError
-from data.image_modes import CONVERTED_KINDS, conversion_kind
+from data.faults import ERROR_KINDS, BadSampleBudget, CorruptDataError, SampleError, ShardIndexError, verify_hint
+from data.image_modes import CONVERTED_KINDS, conversion_kind, format_kind
+from data.labels import DEFAULT_LABEL_KEY, LabelKey
 
-IMAGE_KEYS = ("jpg", "jpeg", "png")
+# Image members, in the order a sample's image is picked when it has several: JPEG, PNG, WebP
+# (img2dataset's default), then the still-image formats PIL decodes with its own codecs (counted
+# `other_format`); formats that need an optional library or program (EPS, PDF, AVIF) are left out.
+IMAGE_KEYS = ("jpg", "jpeg", "png", "webp", "jpe", "jfif", "gif", "bmp", "tif", "tiff", "ppm", "pgm", "pbm", "pnm",
+              "tga", "qoi")
+CLS = LabelKey()  # the labels of data/write_shards.py's shards
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # PIL's default Image.MAX_IMAGE_PIXELS (data.max_image_pixels)
 URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # What PIL raises for malformed image bytes (struct.error / IndexError from some truncated headers)
@@ -85,15 +98,45 @@ def shard_name(url: str) -> str:
 
 @dataclass(frozen=True)
 class ShardSet:
-    """A set of shards described by the JSON index that data/write_shards.py writes."""
+    """A set of shards described by a JSON index (data/write_shards.py, data/index_shards.py)."""
 
     files: tuple[Path | PipeShard, ...]
     counts: tuple[int, ...]
-    classes: tuple[str, ...]
+    classes: tuple[str, ...]  # () in an unlabeled set
+    index: Path | None = None  # the index file it was read from (corrupt-data messages name it)
+    labeled: bool = True  # every sample carries a label under label_key; False: read without labels
+    label_key: str = DEFAULT_LABEL_KEY  # where the labels are (data/labels.py)
 
     @property
     def num_samples(self) -> int:
         return sum(self.counts)
+
+    @property
+    def labels(self) -> LabelKey | None:
+        """How samples' labels are read; None: they are not (an unlabeled set)."""
+        return LabelKey.parse(self.label_key) if self.labeled else None
+
+    def require_labels(self, reason: str) -> None:
+        """Refuse an unlabeled set (ShardIndexError, a ValueError) for a reader of labels; `reason`
+        says who reads them (e.g. "objective finetune trains its classifier on labels"), the message
+        adds the index and the fix. Nothing for a labeled set."""
+        if self.labeled:
+            return
+        raise ShardIndexError(
+            f"{reason}, but the shard index {self.index or '(not from a file)'} is unlabeled (\"labeled\": false: "
+            f"not every sample has a {self.label_key!r} label). Point it at labeled shards: index them with "
+            f"python -m data.index_shards SHARDS... --out INDEX.json --label_key KEY (KEY: the member holding each "
+            f"sample's integer class, cls, or json:FIELD for a field of its json member) or write them with "
+            f"data/write_shards.py. Objectives that read no labels (e.g. mae) pretrain on this index as it is.")
+
+    def check_label_key(self, label_key: str, option: str = "data.label_key") -> None:
+        """A labeled set's labels are read only under the key it was indexed with (ValueError otherwise);
+        an empty key asks for that one."""
+        if self.labeled and label_key and LabelKey.parse(label_key) != LabelKey.parse(self.label_key):
+            raise ShardIndexError(
+                f"{option} is {label_key!r}, but the labels of the shard index {self.index} are under "
+                f"{self.label_key!r} (the key it was indexed with); pass --{option} {self.label_key}, or re-index the "
+                f"shards with python -m data.index_shards ... --label_key {label_key}")
 
     @classmethod
     def from_index(cls, path: str | Path, allow_pipe_urls: bool = False) -> "ShardSet":
@@ -104,9 +147,19 @@ class ShardSet:
             raise FileNotFoundError(f"shard index {path} not found; write shards with data/write_shards.py")
         index = json.loads(path.read_text())
         entries = index.get("shards") if isinstance(index, dict) else None
-        if not isinstance(entries, list) or not isinstance(index.get("classes"), list):
+        labeled = index.get("labeled", True) if isinstance(index, dict) else True  # absent: write_shards' cls labels
+        classes = index.get("classes", None if labeled else []) if isinstance(index, dict) else None
+        if not isinstance(entries, list) or not isinstance(classes, list):
             raise ShardIndexError(f"shard index {path} has no 'shards' or 'classes' list; is it an index written by "
-                                  f"data/write_shards.py?")
+                                  f"data/write_shards.py or data/index_shards.py?")
+        label_key = index.get("label_key", DEFAULT_LABEL_KEY)
+        if not isinstance(labeled, bool) or not isinstance(label_key, str):
+            raise ShardIndexError(f"shard index {path}: 'labeled' must be true or false and 'label_key' a string, got "
+                                  f"{labeled!r} and {label_key!r}")
+        try:
+            LabelKey.parse(label_key)
+        except ValueError as e:
+            raise ShardIndexError(f"shard index {path}: {e}") from None
         if not entries:
             raise ShardIndexError(f"shard index {path} lists no shards; there is nothing to train on")
         malformed = [e for e in entries if not isinstance(e, dict) or not isinstance(e.get("file"), str)
@@ -129,7 +182,8 @@ class ShardSet:
             twice = sorted({n for n in names if names.count(n) > 1})
             raise ShardIndexError(f"shard index {path}: shard names repeat ({twice[:3]}); sample ids are "
                                   f"<shard name>/<key>, so every shard needs its own name")
-        return cls(files, tuple(e["samples"] for e in entries), tuple(index["classes"]))
+        return cls(files, tuple(e["samples"] for e in entries), tuple(classes), path, labeled=labeled,
+                   label_key=label_key)
 
 
 def _shard_file(index: Path, entry: str, allow_pipe_urls: bool) -> Path | PipeShard:
@@ -139,7 +193,7 @@ def _shard_file(index: Path, entry: str, allow_pipe_urls: bool) -> Path | PipeSh
             raise ShardIndexError(f"shard index {index}: entry {entry!r} is a pipe: URL, which runs a shell command; "
                                   f"set data.allow_pipe_urls true only if you trust whoever wrote the index")
         return PipeShard(entry)
-    if URL_SCHEME.match(entry):
+    if URL_SCHEME.match(entry):  # (an absolute path, as data/index_shards.py writes for shards elsewhere, is kept)
         raise ShardIndexError(f"shard index {index}: entry {entry!r} is a URL; shards are read from local files or "
                               f"from a command's output: write the entry as a pipe: command (e.g. 'pipe:curl -sfL "
                               f"{entry}' or 'pipe:aws s3 cp {entry} -') and set data.allow_pipe_urls true")
@@ -251,22 +305,21 @@ def shuffled(samples: Iterator[dict], buffer: int, rng: random.Random) -> Iterat
     yield from pool
 
 
-def open_sample(sample: dict, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[Image.Image, int, bytes]:
-    """(lazily opened image: header read, pixels not decoded; label; encoded bytes).
+def open_sample(sample: dict, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                labels: LabelKey | None = CLS) -> tuple[Image.Image, int | None, bytes]:
+    """(lazily opened image: header read, pixels not decoded; label (None when `labels` is None:
+    an unlabeled set, whose samples need no label); encoded bytes).
     Raise SampleError (a ValueError) naming the kind of a sample that cannot be used; an image of
     more than `max_pixels` pixels is refused from its header, before any decoding."""
     key = next((k for k in IMAGE_KEYS if k in sample), None)
     if key is None:
         raise SampleError("missing_image")
-    if "cls" not in sample:
-        raise SampleError("missing_cls")
+    if labels is not None and not labels.present(sample):
+        raise SampleError("missing_cls", f"no {labels.member} member")
     data = sample[key]
     if not data:
         raise SampleError("empty_image")
-    try:
-        label = int(sample["cls"])
-    except (TypeError, ValueError):
-        raise SampleError("bad_label", f"{sample['cls'][:20]!r} is not an integer") from None
+    label = labels.read(sample) if labels is not None else None
     try:
         with warnings.catch_warnings():  # PIL's warning for a large header: refused below, not noise in the log
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -280,9 +333,9 @@ def open_sample(sample: dict, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tup
     return img, label, data
 
 
-def decode(sample: dict) -> tuple[Image.Image, int]:
+def decode(sample: dict, labels: LabelKey | None = CLS) -> tuple[Image.Image, int | None]:
     """(decoded image, label); raises like `open_sample`, or OSError when the pixels do not decode."""
-    img, label, _ = open_sample(sample)
+    img, label, _ = open_sample(sample, labels=labels)
     img.load()
     return img, label
 
@@ -318,7 +371,8 @@ class StreamStart:
 class ShardStream(torch.utils.data.IterableDataset):
     """Infinite training stream of one rank; the DataLoader's workers split it further.
 
-    Yields dicts with `image` (transform output), `label`, and bookkeeping for the main process:
+    Yields dicts with `image` (transform output), `label` (not in an unlabeled set: no key at all), and
+    bookkeeping for the main process:
     `worker`, `epoch`, `pos` (the sample's position), `errors` and `converted` (this worker's
     skipped / converted sample counts since it started, ERROR_KINDS / CONVERTED_KINDS order).
     max_bad_fraction: give up past this fraction of unusable samples (data/faults.py; 1.0 = never).
@@ -381,7 +435,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                 names = [str(self.shards.files[i]) for i in ids]
                 raise CorruptDataError(f"data reader rank {self.rank} worker {worker}: none of its {len(ids)} shard(s) "
                                        f"delivered a sample in epoch {epoch}, e.g. {names[:3]}; fix or rewrite them "
-                                       f"(data/write_shards.py)")
+                                       f"(data/write_shards.py). {verify_hint(self.shards.index)}")
             epoch += 1
 
     def __iter__(self):
@@ -389,7 +443,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         worker = ((info.id if info is not None else 0) + self.worker_offset) % self.num_workers
         errors: Counter = Counter()
         converted: Counter = Counter()
-        budget = BadSampleBudget(self.max_bad_fraction, max(self.shards.counts), f"rank {self.rank} worker {worker}")
+        budget = BadSampleBudget(self.max_bad_fraction, max(self.shards.counts), f"rank {self.rank} worker {worker}",
+                                 self.shards.index)
         if Image.MAX_IMAGE_PIXELS is not None and self.max_image_pixels > Image.MAX_IMAGE_PIXELS:
             # PIL's own check is process-wide and would refuse (above 2x its limit) what the config allows
             Image.MAX_IMAGE_PIXELS = self.max_image_pixels
@@ -397,6 +452,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         legacy_skip = self.start.legacy_skip[worker] if self.start.legacy_skip else 0
         replayed: Counter | None = None  # errors met while re-reading delivered samples are counted already
         takes_bytes = getattr(self.transform, "takes_bytes", False)
+        labels = self.shards.labels
         for epoch, pos, raw in self.worker_samples(worker, errors, budget=budget):
             if (epoch, pos) <= last:  # delivered before the resume: re-read, not decoded
                 continue
@@ -408,12 +464,12 @@ class ShardStream(torch.utils.data.IterableDataset):
             shard = raw["__url__"]
             budget.seen(shard)
             try:
-                img, label, data = open_sample(raw, self.max_image_pixels)
+                img, label, data = open_sample(raw, self.max_image_pixels, labels)
             except SampleError as e:
                 errors[e.kind] += 1
                 budget.skip(shard, e.kind)
                 continue
-            mode = img.mode  # from the header; decoding may change it (JPEG draft)
+            mode, fmt = img.mode, img.format  # from the header; decoding may change the mode (JPEG draft)
             try:  # the pixels are decoded here (at reduced size with cpu_draft; nvjpeg defers it)
                 if legacy_skip > 0:  # an old-format position: decoded samples to drop
                     img.load()
@@ -425,8 +481,10 @@ class ShardStream(torch.utils.data.IterableDataset):
                 errors[kind] += 1
                 budget.skip(shard, kind)
                 continue
-            if (kind := conversion_kind(mode)) is not None:
-                converted[kind] += 1
+            for kind in (conversion_kind(mode), format_kind(fmt)):
+                if kind is not None:
+                    converted[kind] += 1
             counts = torch.tensor([errors[k] - replayed[k] for k in ERROR_KINDS])
-            yield {"image": image, "label": label, "worker": worker, "epoch": epoch, "pos": pos, "errors": counts,
-                   "converted": torch.tensor([converted[k] for k in CONVERTED_KINDS])}
+            sample = {"image": image, "worker": worker, "epoch": epoch, "pos": pos, "errors": counts,
+                      "converted": torch.tensor([converted[k] for k in CONVERTED_KINDS])}
+            yield sample if label is None else {**sample, "label": label}

@@ -16,8 +16,19 @@ SYNTHETIC_EPOCH = 1_281_167  # ImageNet-1k train, the nominal epoch of the synth
 
 
 def train_shards(data_cfg) -> ShardSet:
-    """The training shard set (pipe: entries only with data.allow_pipe_urls)."""
-    return ShardSet.from_index(data_cfg.train_index, data_cfg.allow_pipe_urls)
+    """The training shard set (pipe: entries only with data.allow_pipe_urls); a labeled one must
+    hold its labels under data.label_key."""
+    shards = ShardSet.from_index(data_cfg.train_index, data_cfg.allow_pipe_urls)
+    shards.check_label_key(data_cfg.label_key)
+    return shards
+
+
+def eval_shards(data_cfg) -> ShardSet:
+    """The evaluation shard set (data.eval_index): labeled, under data.label_key."""
+    shards = ShardSet.from_index(data_cfg.eval_index, data_cfg.allow_pipe_urls)
+    shards.require_labels("data.eval_index is scored against its labels (top-1 / top-5)")
+    shards.check_label_key(data_cfg.label_key)
+    return shards
 
 
 def nominal_epoch_size(data_cfg, split: LabeledSplit | None = None) -> int:
@@ -41,7 +52,7 @@ def stored_image(shards: ShardSet, max_samples: int = 8) -> tuple[str, int] | No
         return None
     for i, raw in enumerate(shard_samples(first, Counter())):
         try:
-            img = open_sample(raw)[0]
+            img = open_sample(raw, labels=shards.labels)[0]
             return img.mode, len(img.getbands())
         except ValueError:  # SampleError: this sample is unusable; try the next
             if i + 1 >= max_samples:
@@ -51,7 +62,7 @@ def stored_image(shards: ShardSet, max_samples: int = 8) -> tuple[str, int] | No
 
 def check_source(data_cfg, world: int, in_chans: int = 3) -> None:
     """Fail before any process starts when the shards cannot feed every rank and worker, or the
-    model cannot take what they decode to; the evaluation index must be readable too."""
+    model cannot take what they decode to; the evaluation index must be readable and labeled too."""
     if data_cfg.source == "shards":
         shards = train_shards(data_cfg)
         if in_chans != DECODED_CHANNELS:
@@ -64,7 +75,7 @@ def check_source(data_cfg, world: int, in_chans: int = 3) -> None:
         check_split(shards, world, data_cfg.num_workers)
     if data_cfg.eval_index:
         try:
-            ShardSet.from_index(data_cfg.eval_index, data_cfg.allow_pipe_urls)
+            eval_shards(data_cfg)
         except (OSError, ValueError) as e:  # a missing file / ShardIndexError
             raise ValueError(f"data.eval_index: {e}") from None
 
@@ -126,7 +137,7 @@ def fixed_images(data_cfg, img_size: int, in_chans: int, n: int = 8) -> torch.Te
     images = []
     for raw in raw_samples(list(shards.files), Counter()):
         try:
-            images.append(transform(decode(raw)[0]))
+            images.append(transform(decode(raw, shards.labels)[0]))
         except (KeyError, OSError, ValueError, SyntaxError):
             continue
         if len(images) == n:

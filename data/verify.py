@@ -27,7 +27,9 @@ from webdataset.tariterators import group_by_keys
 
 from data.faults import SampleError
 from data.loader import cores_per_rank
+from data.labels import LabelKey
 from data.shards import (
+    CLS,
     DECODE_ERRORS,
     DEFAULT_MAX_IMAGE_PIXELS,
     IMAGE_KEYS,
@@ -98,8 +100,9 @@ def _members(path: Path, tar: tarfile.TarFile):
                                 f"the file is cut short or has garbage after it")
 
 
-def verify_shard(path: Path | PipeShard, expected: int,
-                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ShardReport:
+def verify_shard(path: Path | PipeShard, expected: int, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 labels: LabelKey | None = CLS) -> ShardReport:
+    """labels: the index's label key (ShardSet.labels); None for an unlabeled index (no label checked)."""
     report = ShardReport(str(path), expected)
     if isinstance(path, PipeShard):
         report.skipped = "a pipe: shard (read by running its command, not checked)"
@@ -114,7 +117,7 @@ def verify_shard(path: Path | PipeShard, expected: int,
             for sample in group_by_keys(_members(path, tar)):
                 report.samples += 1
                 try:
-                    open_sample(sample, max_image_pixels)
+                    open_sample(sample, max_image_pixels, labels)
                 except SampleError as e:
                     report.add(e.kind, f"{sample['__key__']}: {PIL_OBJECT.sub('', str(e))}")
                 except DECODE_ERRORS as e:  # open_sample maps these; kept for what PIL may add
@@ -134,7 +137,7 @@ def _verify_one(args: tuple) -> ShardReport:
 def verify_shards(shards: ShardSet, workers: int = 0,
                   max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> list[ShardReport]:
     """One report per shard, in index order; `workers` processes (0 = this process's cores)."""
-    jobs = [(f, n, max_image_pixels) for f, n in zip(shards.files, shards.counts, strict=True)]
+    jobs = [(f, n, max_image_pixels, shards.labels) for f, n in zip(shards.files, shards.counts, strict=True)]
     workers = min(workers or cores_per_rank(), len(jobs))
     if workers <= 1:
         return [_verify_one(j) for j in jobs]

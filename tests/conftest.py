@@ -1,6 +1,8 @@
+import gzip
 import io
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +73,24 @@ def png_bytes(value: int, size=(12, 10), mode="L") -> bytes:
     return buf.getvalue()
 
 
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """An MNIST-style idx file of unsigned bytes, gzipped as the Debian package ships them."""
+    header = struct.pack(">HBB", 0, 8, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def fake_fashion_mnist(src: Path, train: int, test: int) -> Path:
+    """The four Fashion-MNIST idx files with `train` / `test` random 28x28 images (labels i % 10),
+    for `data.write_shards fashion-mnist --src src` without the 70k-image Debian package."""
+    src.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", train), ("t10k", test)):
+        write_idx(src / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+        write_idx(src / f"{prefix}-labels-idx1-ubyte.gz", np.arange(n) % 10)
+    return src
+
+
 @pytest.fixture
 def image_folder(tmp_path):
     """3 classes x 8 images; pixel value encodes (class, index) so samples can be identified."""
@@ -83,4 +103,42 @@ def image_folder(tmp_path):
                 (root / name / f"{i}.png").write_bytes(png_bytes(value))
             else:
                 Image.fromarray(np.full((10, 12, 3), value, dtype=np.uint8)).save(root / name / f"{i}.jpg", quality=100)
+    return root
+
+
+# A fake ImageNet (tests/data/test_write_shards.py, tests/test_readme_commands.py): wnids created out of
+# order, so that sorting them (timm / torchvision's class order) matters
+WNIDS = ["n02102040", "n01440764", "n01443537"]
+
+
+def write_jpeg(path: Path, value: int) -> None:
+    """A 16x16 RGB JPEG of one pixel value."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((16, 16, 3), value, dtype=np.uint8)).save(path, quality=100)
+
+
+def wnid_value(wnid: str) -> int:
+    """The pixel value of a wnid's images: identifies the class after a round trip."""
+    return 40 + 60 * WNIDS.index(wnid)
+
+
+def fake_imagenet(root, val="folders", per_class=3, val_per_class=2):
+    """ROOT/train/<wnid>/<wnid>_<i>.JPEG, and val/<wnid>/ folders or a flat val/ with the Kaggle
+    release's LOC_val_solution.csv three folders above ROOT (root = ILSVRC/Data/CLS-LOC)."""
+    for w in WNIDS:
+        for i in range(per_class):
+            write_jpeg(root / "train" / w / f"{w}_{i}.JPEG", wnid_value(w))
+    rows, k = ["ImageId,PredictionString"], 0
+    for w in WNIDS:
+        for _ in range(val_per_class):
+            k += 1
+            image_id = f"ILSVRC2012_val_{k:08d}"
+            if val == "folders":
+                write_jpeg(root / "val" / w / f"{image_id}.JPEG", wnid_value(w))
+            else:
+                write_jpeg(root / "val" / f"{image_id}.JPEG", wnid_value(w))
+                rows.append(f"{image_id},{w} 1 2 10 12 {w} 0 0 5 5")
+    rows.append(f"ILSVRC2012_val_{k + 1:08d},{WNIDS[0]} 1 2 3 4")  # listed, image absent: a partial copy
+    if val == "flat":
+        (root.parents[2] / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
     return root

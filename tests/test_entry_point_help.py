@@ -7,7 +7,7 @@ import importlib
 import pytest
 
 ENTRY_POINTS = ["train.evaluate", "train.export", "train.bench_objectives", "kernels.bench", "data.write_shards",
-                "data.verify", "launchers.submit", "experiments.fashion_mnist.demo",
+                "data.verify", "data.index_shards", "launchers.submit", "experiments.fashion_mnist.demo",
                 "experiments.fashion_mnist.study"]
 
 

@@ -6,9 +6,14 @@ import sys
 from typing import Any, Callable
 
 from data.faults import CorruptDataError, ShardIndexError
+from train import early_signals
 from train.config import ConfigError
 from train.nonfinite import NonFiniteError
 from train.preemption import Interrupted
+
+# A training run stopped by corrupt data writes no checkpoint then (a collective other ranks may not reach)
+KEPT_AFTER_CORRUPT_DATA = ("A training run keeps its last complete checkpoint, if any: once the shards are fixed, run "
+                           "the same command again with --resume auto.")
 
 
 def cli(main_fn) -> None:
@@ -25,9 +30,23 @@ def cli(main_fn) -> None:
     except (ConfigError, FileNotFoundError, ShardIndexError) as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    except (NonFiniteError, CorruptDataError) as e:
+    except NonFiniteError as e:  # its message says what is kept and how to continue
         print(f"training stopped: {e}", file=sys.stderr)
         raise SystemExit(3) from None
+    except CorruptDataError as e:  # a data/ message: it knows shards, not checkpoints
+        print(f"training stopped: {e}\n{KEPT_AFTER_CORRUPT_DATA}", file=sys.stderr)
+        raise SystemExit(3) from None
+
+
+def run_script(main_fn) -> None:
+    """`cli(main_fn)` for a training command run as a script, whose first line was
+    `early_signals.at_script_start()`: ending with its own status, the process then ignores Slurm's
+    stop signals, so a SIGTERM during Python's shutdown (srun --kill-on-bad-exit, after another rank
+    failed) cannot turn exit 2 into 143."""
+    try:
+        cli(main_fn)
+    finally:
+        early_signals.ignore_stop_signals()
 
 
 def pop_flags(argv: list[str], flags: dict[str, Callable[[str], Any] | None]) -> tuple[dict[str, Any], list[str]]:

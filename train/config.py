@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from data.labels import LabelKey
 from data.transforms import DECODES
 from kernels import resolve_backend
 from model.objectives import OBJECTIVES, ObjectiveConfig, list_objectives
@@ -49,6 +50,7 @@ class DataConfig:
     source: str = "shards"  # shards (webdataset, data/write_shards.py) | synthetic (benchmarks)
     train_index: str = ""  # the <name>.json index of the training shards
     eval_index: str = ""  # labeled shards for top-1/top-5 of classification objectives ('' = none)
+    label_key: str = ""  # where labels are: empty = the key the index records (cls for data/write_shards.py's), else cls (the .cls member) | json:FIELD (a field of the .json member), which must be the index's; unlabeled indexes are read without labels
     eval_crop_pct: float = 0.875  # evaluation resize = img_size / eval_crop_pct, then center crop
     epoch_size: int = 0  # nominal samples per epoch; 0 = the shard index's count (synthetic: 1,281,167)
     num_workers: int = -1  # DataLoader workers per rank; -1 = auto: min(4, cores per rank - 1, shards per rank); 0 = decode in the training process
@@ -203,6 +205,11 @@ class PretrainConfig:
         if not 0.0 <= self.data.max_bad_fraction <= 1.0:
             raise ConfigError(f"data.max_bad_fraction must be in [0, 1] (1.0 disables the check), got "
                               f"{self.data.max_bad_fraction}")
+        try:
+            if self.data.label_key:  # empty: the index's own
+                LabelKey.parse(self.data.label_key)
+        except ValueError as e:
+            raise ConfigError(f"data.label_key: {e}") from None
         if self.data.max_image_pixels < 1:
             raise ConfigError(f"data.max_image_pixels must be >= 1, got {self.data.max_image_pixels}")
         if not 0.0 < self.data.crop_scale_min <= 1.0:
@@ -233,10 +240,11 @@ def encoder_img_size(cfg: PretrainConfig) -> int:
 
 def check_objective_fits(cfg: PretrainConfig, micro_batch: int, accum: int = 1, zero_stage: int = 0) -> None:
     """Objective-vs-model/batch/engine/data checks (e.g. MixedAE's group size and mixing cells,
-    MLO-MAE's ZeRO stage and class count), before any process starts."""
+    MLO-MAE's ZeRO stage and class count; objectives that read labels refuse unlabeled shards),
+    before any process starts."""
     checks = section(cfg)
     arch = model_arch(cfg.model.name, **({"img_size": cfg.model.img_size} if cfg.model.img_size else {}))
-    # the shard index is read only for objectives that check the class count
+    # the shard index is read only for objectives that check its labels
     reads_labels = type(checks).check_labels is not ObjectiveConfig.check_labels
     try:
         checks.check_fits(arch["img_size"], arch["patch_size"], arch["depth"], micro_batch)
@@ -245,7 +253,12 @@ def check_objective_fits(cfg: PretrainConfig, micro_batch: int, accum: int = 1, 
         if reads_labels and cfg.data.source == "shards" and Path(cfg.data.train_index).is_file():
             from data.shards import ShardSet
 
-            checks.check_labels(len(ShardSet.from_index(cfg.data.train_index, cfg.data.allow_pipe_urls).classes))
+            shards = ShardSet.from_index(cfg.data.train_index, cfg.data.allow_pipe_urls)
+            try:
+                checks.check_labels(len(shards.classes) if shards.labeled else None)
+            except ValueError as e:
+                shards.require_labels(f"{e} (data.train_index)")  # unlabeled: the index and the fix said
+                raise
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
 

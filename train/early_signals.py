@@ -67,6 +67,14 @@ def abort_on_repeat(signum: int) -> None:
         signal.signal(signum, signal.SIG_DFL)
 
 
+def at_script_start() -> None:
+    """The first line of a training command run as a script (pretrain, finetune, linprobe), before
+    its heavy imports: Slurm's stop signals are recorded for the loop, a person's Ctrl-C / kill ends
+    the start-up at once without a traceback (train/cli.py's `run_script` then runs the command)."""
+    catch_stop_signals()
+    quiet_interrupts()
+
+
 def take() -> list[int]:
     """The signals received so far (emptied: each is handed over once)."""
     got = list(_received)

@@ -16,9 +16,9 @@ probe for small data sets; the MAE LARS protocol is train/linprobe.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -82,7 +82,7 @@ def load_encoder(encoder: str | None = None, checkpoint: str | None = None, rand
     return model
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ShardSubset(ShardSet):
     """Some samples of a shard set: `keep[i]` holds the positions (sample order in the tar) read
     from `files[i]`; `counts[i]` = len(keep[i])."""
@@ -107,8 +107,10 @@ def subsample(shards: ShardSet, max_samples: int, seed: int) -> ShardSet:
     for i, g in zip(shard_of.tolist(), chosen.tolist()):
         positions.setdefault(i, set()).add(g - int(starts[i]))
     ids = sorted(positions)
-    return ShardSubset(tuple(shards.files[i] for i in ids), tuple(len(positions[i]) for i in ids), shards.classes,
-                       tuple(frozenset(positions[i]) for i in ids))
+    same = {f.name: getattr(shards, f.name) for f in dataclasses.fields(ShardSet)}  # classes, labels, index
+    return ShardSubset(**same | {"files": tuple(shards.files[i] for i in ids),
+                                 "counts": tuple(len(positions[i]) for i in ids)},
+                       keep=tuple(frozenset(positions[i]) for i in ids))
 
 
 class EvalStream(torch.utils.data.IterableDataset):
@@ -134,7 +136,7 @@ class EvalStream(torch.utils.data.IterableDataset):
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         for raw in self._raw(worker, workers):
             try:
-                img, label = decode(raw)
+                img, label = decode(raw, self.shards.labels)
             except (KeyError, OSError, ValueError, SyntaxError):
                 continue
             yield self.transform(img), label
@@ -187,7 +189,7 @@ def classification_accuracy(predict, shards: ShardSet, img_size: int, crop_pct: 
     shards r, r + world, ...; counts are summed over ranks. Uses no global RNG. num_workers -1:
     data.num_workers' auto (data/loader.py)."""
     num_workers = resolve_num_workers(num_workers)
-    mine = ShardSet(shards.files[rank::world], shards.counts[rank::world], shards.classes)
+    mine = dataclasses.replace(shards, files=shards.files[rank::world], counts=shards.counts[rank::world])
     loader = torch.utils.data.DataLoader(EvalStream(mine, EvalTransform(img_size, crop_pct)), batch_size=batch_size,
                                          num_workers=num_workers if mine.files else 0,
                                          generator=torch.Generator().manual_seed(0))
@@ -271,8 +273,14 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     if min(a.max_train, a.max_test) < 0:
         p.error("--max_train and --max_test must be >= 0 (0 = all samples)")
-    train = subsample(ShardSet.from_index(a.train_index), a.max_train, a.subset_seed)
-    test = subsample(ShardSet.from_index(a.test_index), a.max_test, a.subset_seed + 1)  # not the train positions
+    try:
+        train_set, test_set = ShardSet.from_index(a.train_index), ShardSet.from_index(a.test_index)
+        train_set.require_labels("--train_index: the kNN and the linear probe fit on its labels")
+        test_set.require_labels("--test_index: the kNN and the linear probe are scored against its labels")
+    except (OSError, ValueError) as e:  # a missing or malformed index, an unlabeled one: exit 2
+        p.error(str(e))
+    train = subsample(train_set, a.max_train, a.subset_seed)
+    test = subsample(test_set, a.max_test, a.subset_seed + 1)  # not the train positions
     model = load_encoder(a.encoder, a.checkpoint, a.random_init, a.img_size, a.seed)
     result = evaluate(model, train, test, a.pool, a.num_workers)
     result |= {"train_samples": train.num_samples, "test_samples": test.num_samples}

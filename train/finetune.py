@@ -13,11 +13,16 @@ exported to timm at the end.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the heavy imports below: Ctrl-C / kill in start-up end it at once, quietly
+    from train import early_signals
+
+    early_signals.at_script_start()
+
 import sys
 from pathlib import Path
 
 from train import trainer
-from train.cli import cli
+from train.cli import run_script
 
 # AdamW (0.9, 0.999), blr 5e-4, wd 0.05, layer decay 0.65, 100 epochs with 5 warmup, drop path
 # 0.1, global average pool + fc_norm, RandAug(9, 0.5) + random erasing 0.25, mixup 0.8,
@@ -34,4 +39,4 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    cli(main)
+    run_script(main)

@@ -10,11 +10,16 @@ Without --model.init_from the same architecture is probed at random init (the co
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the heavy imports below: Ctrl-C / kill in start-up end it at once, quietly
+    from train import early_signals
+
+    early_signals.at_script_start()
+
 import sys
 from pathlib import Path
 
 from train import trainer
-from train.cli import cli
+from train.cli import run_script
 
 # cls feature + BN(no affine) + Linear, LARS (momentum 0.9, trust 0.001), no weight decay,
 # blr 0.1 (lr = blr x batch / 256; the recipe's batch is 16384), 90 epochs with 10 warmup,
@@ -29,4 +34,4 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    cli(main)
+    run_script(main)

@@ -5,17 +5,13 @@ Trainer); its builders are train/build.py.
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # before the heavy imports below: a stop signal from now on waits for the loop
-    from train import early_signals
+if __name__ == "__main__":  # before the heavy imports below: a stop signal from now on waits for the loop;
+    from train import early_signals  # Ctrl-C / kill outside Slurm before the loop ends it at once, no traceback
 
-    early_signals.catch_stop_signals()
-    early_signals.quiet_interrupts()  # Ctrl-C / kill outside Slurm before the loop: end at once, no traceback
+    early_signals.at_script_start()
 
-from train.cli import cli
+from train.cli import run_script
 from train.trainer import main
 
 if __name__ == "__main__":
-    try:
-        cli(main)
-    finally:  # ending with its own status: a SIGTERM during Python's shutdown (srun --kill-on-bad-exit
-        early_signals.ignore_stop_signals()  # after another rank failed) must not turn exit 2 into 143
+    run_script(main)

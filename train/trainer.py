@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.shards import ShardSet
-from data.source import check_source, fixed_images, train_shards
+from data.source import check_source, eval_shards, fixed_images, train_shards
 from data.verify import verify_before_start
 from kernels.accelerators import describe as describe_accelerators
 from kernels.attention import describe_paths
@@ -181,8 +180,7 @@ class Trainer:
         self.reporter = Reporter(self.run_dir, self.state.step, self.settings.stop_step, cfg.run.tensorboard,
                                  cfg.run.progress) if self.rank == 0 else None
         # classification objectives: top-1/top-5 on every rank's share of the shards
-        self.eval_shards = ShardSet.from_index(cfg.data.eval_index, cfg.data.allow_pipe_urls) \
-            if cfg.data.eval_index else None
+        self.eval_shards = eval_shards(cfg.data) if cfg.data.eval_index else None
 
     def figure_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(fixed images (B, C, H, W) in the compute dtype, mask noise (B, N)), drawn from their own

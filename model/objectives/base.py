@@ -51,8 +51,12 @@ class ObjectiveConfig:
     def check_input(self, in_chans: int) -> None:
         """Against the input's channel count."""
 
-    def check_labels(self, num_classes: int) -> None:
-        """Against the class count of the labeled training shards (only objectives reading labels)."""
+    def check_labels(self, num_classes: int | None) -> None:
+        """Against the labels of the training shards: their class count, None when they carry no
+        labels (an unlabeled index, data/index_shards.py; its batches have no "label"). The default
+        accepts both: objectives that read no labels pretrain on unlabeled shards. An objective that
+        reads labels refuses None with a ValueError saying what it reads them for; the caller adds
+        the index and the fix (train/config.py)."""
 
     def data_split(self) -> tuple[float, int] | None:
         """(share of the training samples held out as a validation split, split seed) for an

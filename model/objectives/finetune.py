@@ -34,6 +34,10 @@ class FinetuneConfig(ObjectiveConfig):
         if min(self.mixup, self.cutmix, self.smoothing) < 0:
             raise ValueError("finetune.mixup, finetune.cutmix and finetune.smoothing must be >= 0")
 
+    def check_labels(self, num_classes: int | None) -> None:
+        if num_classes is None:
+            raise ValueError("objective finetune trains its classifier on the labels")
+
 
 @register_objective("finetune", FinetuneConfig)
 class FinetuneObjective(Objective):

@@ -24,6 +24,10 @@ class LinearProbeConfig(ObjectiveConfig):
         if self.pool not in ("cls", "avg"):
             raise ValueError(f"linprobe.pool must be cls or avg, got {self.pool!r}")
 
+    def check_labels(self, num_classes: int | None) -> None:
+        if num_classes is None:
+            raise ValueError("objective linprobe trains its classifier on the labels")
+
 
 @register_objective("linprobe", LinearProbeConfig)
 class LinearProbeObjective(Objective):

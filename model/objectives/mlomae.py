@@ -112,7 +112,10 @@ class MLOMAEConfig(ObjectiveConfig):
                 f"mlomae.level2_steps {self.level2_steps} exceeds the micro-batches of one cycle "
                 f"(level1_steps {self.level1_steps} x gradient_accumulation_steps {accum}); lower it")
 
-    def check_labels(self, num_classes: int) -> None:
+    def check_labels(self, num_classes: int | None) -> None:
+        if num_classes is None:
+            raise ValueError("objective mlomae splits the labeled shards and trains its level-II classifier on "
+                             "the labels")
         if num_classes != self.num_classes:
             raise ValueError(f"the labeled shards have {num_classes} classes but mlomae.num_classes is "
                              f"{self.num_classes}; set --mlomae.num_classes {num_classes}")

@@ -108,7 +108,8 @@ def test_every_bad_sample_is_skipped_and_every_odd_mode_converted_counted_by_kin
     assert 1 <= counts["data_converted_cmyk"] <= 2 and 1 <= counts["data_converted_16bit"] <= 2
     assert 2 <= counts["data_converted_other_mode"] <= 4  # palette + RGBA
     assert {k for k in counts if k.startswith("data_converted_")} == \
-        {"data_converted_cmyk", "data_converted_16bit", "data_converted_other_mode"}  # grayscale is not counted
+        {"data_converted_cmyk", "data_converted_16bit", "data_converted_other_mode",
+         "data_converted_other_format"}  # grayscale is not counted (other_format: issue 23's BMP / TIFF / ... count)
 
 
 def test_resume_keeps_the_counts_without_counting_twice(zoo):
@@ -243,6 +244,19 @@ def test_a_corrupt_shard_stops_training_and_is_named(one_bad_shard, workers):
         for _ in range(20):
             next(loader)
     assert "data.max_bad_fraction" in str(e.value) and "rewrite" in str(e.value)
+
+
+@pytest.mark.parametrize("one_bad_shard", ["images", "tar"], indirect=True)
+def test_a_workers_corrupt_data_error_reaches_the_training_process_without_its_traceback(one_bad_shard):
+    index, bad = one_bad_shard
+    loader = ShardLoader(ShardSet.from_index(index), 8, batch_size=2, seed=0, rank=0, world=1, num_workers=1,
+                         shuffle_buffer=3, max_bad_fraction=0.1)
+    with pytest.raises(CorruptDataError) as e:
+        for _ in range(20):
+            next(loader)
+    message = str(e.value)
+    assert message.startswith("data reader rank 0 worker 0: ") and "Traceback" not in message, message
+    assert bad in message and f"python -m data.verify {index}" in message
 
 
 @pytest.mark.parametrize("one_bad_shard", ["tar"], indirect=True)

@@ -1,9 +1,19 @@
 import gzip
-import struct
+import hashlib
+import json
+import tarfile
 from collections import Counter
 
 import numpy as np
 import pytest
+from conftest import (
+    WNIDS,
+    fake_fashion_mnist,
+    fake_imagenet,
+    wnid_value,
+    write_idx,
+    write_jpeg,
+)
 
 from data.shards import ShardSet, decode, raw_samples
 from data.write_shards import main as write_shards
@@ -59,19 +69,8 @@ def test_missing_and_empty_folders(image_folder, tmp_path, capsys):
     assert "empty class folder" in err and "fox" in err
 
 
-def _write_idx(path, array):
-    header = struct.pack(">HBB", 0, 8, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    with gzip.open(path, "wb") as f:
-        f.write(header + array.astype(np.uint8).tobytes())
-
-
 def test_fashion_mnist_converter(tmp_path):
-    src = tmp_path / "fm"
-    src.mkdir()
-    rng = np.random.default_rng(0)
-    for prefix, n in (("train", 30), ("t10k", 10)):
-        _write_idx(src / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
-        _write_idx(src / f"{prefix}-labels-idx1-ubyte.gz", np.arange(n) % 10)
+    src = fake_fashion_mnist(tmp_path / "fm", train=30, test=10)
     train, test = write_shards(["fashion-mnist", str(tmp_path / "out"), "--src", str(src), "--samples_per_shard", "8"])
     assert (train["num_samples"], test["num_samples"], len(train["shards"])) == (30, 10, 4)
     samples, _ = _read_back(tmp_path / "out" / "test.json")
@@ -88,9 +87,124 @@ def test_fashion_mnist_missing_files_say_what_to_install(tmp_path, capsys):
 
 
 def test_truncated_idx_is_rejected(tmp_path):
-    _write_idx(tmp_path / "x.gz", np.zeros((4, 28, 28)))
+    write_idx(tmp_path / "x.gz", np.zeros((4, 28, 28)))
     raw = gzip.open(tmp_path / "x.gz").read()
     with gzip.open(tmp_path / "y.gz", "wb") as f:
         f.write(raw[:-10])
     with pytest.raises(ValueError, match="truncated"):
         read_idx(tmp_path / "y.gz")
+
+
+def _digests(out, name):
+    """sha256 of the index and of every shard it names, in order."""
+    index = out / f"{name}.json"
+    shards = [out / s["file"] for s in json.loads(index.read_text())["shards"]]
+    return [hashlib.sha256(p.read_bytes()).hexdigest() for p in [index, *shards]]
+
+
+def test_output_is_byte_identical_whatever_the_number_of_workers(image_folder, tmp_path):
+    (image_folder / "dog" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0garbage")  # rejected examples too
+    runs = {}
+    for workers in ("1", "2", "2"):
+        out = tmp_path / f"w{workers}_{len(runs)}"
+        [index] = write_shards(["imagefolder", str(image_folder), str(out), "--samples_per_shard", "4", "--skip_bad",
+                                "--workers", workers])
+        runs[out] = _digests(out, "train")
+    assert index["num_samples"] == 24 and index["rejected"]["count"] == 1 and len(index["shards"]) == 7
+    assert sum(s["samples"] for s in index["shards"]) == 24
+    first, *others = runs.values()
+    assert all(d == first for d in others) and len(first) == 8
+    # why they match: tar members carry one fixed mtime, owner and mode (TarWriter stamps time.time() by default)
+    with tarfile.open(out / "train-000000.tar") as tar:
+        stamps = {(m.mtime, m.uid, m.gid, m.uname, m.gname, m.mode) for m in tar.getmembers()}
+    assert len(stamps) == 1 and next(iter(stamps))[0] == 0
+
+
+def test_shards_left_empty_by_skipped_files_are_dropped(image_folder, tmp_path):
+    (image_folder / "eel" / "notes.txt").write_text("not an image")
+    out = tmp_path / "out"
+    [index] = write_shards(["imagefolder", str(image_folder), str(out), "--samples_per_shard", "1", "--skip_bad",
+                            "--workers", "2"])
+    assert [s["file"] for s in index["shards"]] == [f"train-{k:06d}.tar" for k in range(24)]
+    assert index["pattern"] == "train-{000000..000023}.tar"
+    assert sorted(p.name for p in out.iterdir()) == sorted([s["file"] for s in index["shards"]] + ["train.json"])
+    samples, shards = _read_back(out / "train.json")
+    assert len(samples) == shards.num_samples == 24
+
+
+SORTED = sorted(WNIDS)  # timm / torchvision's class order
+
+
+def _labels_match_sorted_wnids(index_path):
+    samples, _ = _read_back(index_path)
+    for img, label in samples:
+        value = int(np.asarray(img)[8, 8, 0])
+        wnid = min(WNIDS, key=lambda w: abs(wnid_value(w) - value))
+        assert label == SORTED.index(wnid)
+    return samples
+
+
+@pytest.mark.parametrize("val", ["folders", "flat"])
+def test_imagenet_layouts_label_by_sorted_wnid(tmp_path, val, capsys):
+    root = fake_imagenet(tmp_path / "kaggle" / "ILSVRC" / "Data" / "CLS-LOC", val=val)
+    out = tmp_path / "out"
+    train, valid = write_shards(["imagenet", str(root), str(out), "--samples_per_shard", "4"])
+    assert (train["name"], train["num_samples"], [s["samples"] for s in train["shards"]]) == ("train", 9, [4, 4, 1])
+    assert (valid["name"], valid["num_samples"], valid["rejected"]["count"]) == ("val", 6, 0)
+    assert train["classes"] == valid["classes"] == SORTED
+    assert len(_labels_match_sorted_wnids(out / "train.json")) == 9
+    assert len(_labels_match_sorted_wnids(out / "val.json")) == 6
+    err = capsys.readouterr().err
+    assert "3 classes, not ImageNet-1k's 1000" in err  # a subset: indices are not timm's
+    if val == "flat":
+        assert "1 of the 7 images" in err and "are not in" in err
+
+
+def test_imagenet_val_alone_takes_the_class_list_of_a_written_train_index(tmp_path):
+    root = fake_imagenet(tmp_path / "a" / "b" / "c" / "in", val="flat")
+    write_shards(["imagenet", str(root), str(tmp_path / "out"), "--split", "train", "--workers", "1"])
+    assert not (tmp_path / "out" / "val.json").exists()
+    (root / "train" / SORTED[0]).rename(tmp_path / "gone")  # val/ must not depend on the folders of train/ now
+    [valid] = write_shards(["imagenet", str(root), str(tmp_path / "out2"), "--split", "val",
+                            "--classes_from", str(tmp_path / "out" / "train.json")])
+    assert valid["classes"] == SORTED and valid["num_samples"] == 6
+    _labels_match_sorted_wnids(tmp_path / "out2" / "val.json")
+
+
+def test_imagenet_val_with_a_wnid_not_in_train_is_refused(tmp_path, capsys):
+    root = fake_imagenet(tmp_path / "a" / "b" / "c" / "in", val="flat")
+    csv = root.parents[2] / "LOC_val_solution.csv"
+    csv.write_text(csv.read_text().replace(f"ILSVRC2012_val_00000002,{WNIDS[0]}", "ILSVRC2012_val_00000002,n09999999"))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        write_shards(["imagenet", str(root), str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "1 image(s)" in err and "ILSVRC2012_val_00000002.JPEG: n09999999" in err and "3 training classes" in err
+    assert not out.exists()  # refused before anything is written, train included
+    # the folder layout: a val/<wnid>/ folder that train has not
+    root = fake_imagenet(tmp_path / "f", val="folders")
+    write_jpeg(root / "val" / "n09999999" / "x.JPEG", 0)
+    with pytest.raises(SystemExit):
+        write_shards(["imagenet", str(root), str(out)])
+    assert "n09999999" in capsys.readouterr().err and not out.exists()
+
+
+def test_imagenet_refusals_say_what_to_do(tmp_path, capsys):
+    root = fake_imagenet(tmp_path / "a" / "b" / "c" / "in", val="flat")
+    (root.parents[2] / "LOC_val_solution.csv").rename(tmp_path / "elsewhere.csv")
+    with pytest.raises(SystemExit):
+        write_shards(["imagenet", str(root), str(tmp_path / "out")])
+    assert "--val_labels" in capsys.readouterr().err
+    # given explicitly, it is read from anywhere
+    [_, valid] = write_shards(["imagenet", str(root), str(tmp_path / "out"), "--val_labels",
+                               str(tmp_path / "elsewhere.csv")])
+    assert valid["num_samples"] == 6
+    write_jpeg(root / "val" / "stray.JPEG", 0)
+    with pytest.raises(SystemExit):
+        write_shards(["imagenet", str(root), str(tmp_path / "out"), "--val_labels", str(tmp_path / "elsewhere.csv")])
+    assert "1 file(s)" in (err := capsys.readouterr().err) and "stray.JPEG" in err and "have no row" in err
+    (root / "train" / "cats").mkdir()
+    with pytest.raises(SystemExit):
+        write_shards(["imagenet", str(root), str(tmp_path / "out"), "--split", "train"])
+    assert "not WordNet ids" in (err := capsys.readouterr().err) and "imagefolder" in err

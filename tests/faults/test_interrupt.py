@@ -170,3 +170,65 @@ def test_ctrl_c_during_start_up_ends_the_run_at_once_without_a_traceback(tmp_pat
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGINT and "Traceback" not in err, err[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def recipe_options(entry: str, run_dir: Path, tmp_path: Path) -> list[str]:
+    """finetune / linprobe on the debug preset's synthetic images, from random init (the control):
+    the stop does not depend on where the encoder came from. LARS needs a ZeRO stage-0 engine."""
+    opts = options(run_dir, f"--{entry}.num_classes", "10")
+    if entry == "linprobe":
+        ds = tmp_path / "stage0.json"
+        ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+                                  "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}}))
+        opts[opts.index("--ds_config") + 1] = str(ds)
+    return opts
+
+
+@pytest.mark.parametrize("entry", ["finetune", "linprobe"])
+def test_ctrl_c_during_start_up_of_finetune_and_linprobe_ends_them_at_once_without_a_traceback(tmp_path, entry):
+    """Their first lines are pretrain's: before the heavy imports SIGUSR1 is caught and SIGINT left
+    to its default action, so a Ctrl-C during start-up is no KeyboardInterrupt traceback."""
+    proc = start([sys.executable, "-m", f"train.{entry}", *recipe_options(entry, tmp_path / "run", tmp_path)])
+    end = time.time() + 10
+    while time.time() < end and not (catches(proc.pid, signal.SIGUSR1) and not catches(proc.pid, signal.SIGINT)):
+        time.sleep(0.01)
+    ready = catches(proc.pid, signal.SIGUSR1) and not catches(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert ready, (f"10 s after train.{entry} started, SIGUSR1 is not caught or SIGINT still is (a Ctrl-C during its "
+                   f"imports raises KeyboardInterrupt with a traceback): {err[-2000:]}")
+    assert proc.returncode == -signal.SIGINT and "Traceback" not in err, err[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_finetune_and_linprobe_stop_on_ctrl_c_and_kill_like_pretrain(tmp_path):
+    """Mid-run: a Ctrl-C (finetune) or kill (linprobe) checkpoints the step, prints the one line
+    with the entry point's own resume command and exits 130 / 143; a second Ctrl-C (finetune
+    again) ends it at once."""
+    entries = {"finetune": "finetune", "linprobe": "linprobe", "twice": "finetune"}  # run name -> entry point
+    runs = {name: tmp_path / name for name in entries}
+    procs = {name: start([sys.executable, "-m", f"train.{entry}", *recipe_options(entry, runs[name], tmp_path)])
+             for name, entry in entries.items()}
+    wait_for_steps(procs["finetune"], runs["finetune"], steps=2)
+    os.killpg(procs["finetune"].pid, signal.SIGINT)
+    wait_for_steps(procs["linprobe"], runs["linprobe"], steps=2)
+    procs["linprobe"].send_signal(signal.SIGTERM)
+    wait_for_steps(procs["twice"], runs["twice"])
+    os.killpg(procs["twice"].pid, signal.SIGINT)
+    time.sleep(0.1)  # its handler ran: the step it is finishing takes SLOW_STEP_SECONDS (0.3 s) longer
+    os.killpg(procs["twice"].pid, signal.SIGINT)
+    t0 = time.time()
+    _, err = procs["twice"].communicate(timeout=60)
+    assert procs["twice"].returncode == -signal.SIGINT and time.time() - t0 < 1.0, err[-3000:]
+    assert "Traceback" not in err and STOP_LINE not in err, err[-3000:]
+
+    for name, status in (("finetune", 130), ("linprobe", 143)):
+        _, err = procs[name].communicate(timeout=60)
+        assert procs[name].returncode == status, err[-3000:]
+        line = the_stop_line(err)
+        assert line.startswith(f"stopped by {'SIGINT' if status == 130 else 'SIGTERM'}")
+        step, _ = checkpoint_named(line, runs[name], world=1)
+        assert step >= 2
+        resume = shlex.split(line.split("; to continue: ")[1])
+        assert resume[:3] == [sys.executable, "-m", f"train.{name}"] and resume[-2:] == ["--resume", "auto"]
+        assert not session_processes(procs[name].pid)

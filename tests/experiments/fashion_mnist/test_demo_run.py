@@ -1,0 +1,49 @@
+"""`make demo` end to end on tiny Fashion-MNIST-like shards: the real pretraining subprocess with
+the MAE demo preset, then the frozen-feature evaluation of both encoders, and what makes it fit the
+README's 20 minutes on 2 cores (OpenMP threads that sleep beside the decode worker; each evaluation
+split decoded once, on a seeded train subset)."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+from conftest import fake_fashion_mnist
+from experiments.fashion_mnist import common, demo
+from train import evaluate
+from train.run_dir import read_metrics
+
+
+def test_cpu_training_env_sleeps_openmp_threads_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert common.cpu_training_env()["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert common.cpu_training_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_demo_pretrains_then_evaluates_both_encoders_on_splits_decoded_once(tmp_path, monkeypatch):
+    # the idx files of a 256 / 64-image Fashion-MNIST where the Debian package's would be
+    monkeypatch.setattr(common, "FASHION_MNIST_DIR", fake_fashion_mnist(tmp_path / "idx", train=256, test=64))
+    monkeypatch.setattr(common, "SHARDS", tmp_path / "shards")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    envs, decoded, evaluated = [], [], []
+    real_run, real_decode, real_evaluate = subprocess.run, evaluate.decode_all, evaluate.evaluate
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: envs.append(kw.get("env")) or real_run(cmd, **kw))
+    monkeypatch.setattr(demo, "decode_all", lambda split, *a: decoded.append(split.num_samples) or real_decode(split, *a))
+    monkeypatch.setattr(demo, "evaluate", lambda model, train, test, pool: evaluated.append(
+        (type(train), len(train.labels), len(test.labels))) or real_evaluate(model, train, test, pool))
+
+    result = demo.main(["--epochs", "1", "--eval_train", "100", "--out", str(tmp_path / "run")])
+
+    assert json.loads((tmp_path / "shards" / "train.json").read_text())["num_samples"] == 256  # written from the idx
+    assert [env["OMP_WAIT_POLICY"] for env in envs] == ["PASSIVE"]  # the one pretraining subprocess
+    assert decoded == [100, 64]  # the train subset and the test split, once each
+    assert evaluated == [(evaluate.DecodedSet, 100, 64)] * 2  # pretrained and random init share them
+    run = tmp_path / "run"
+    assert (run / "encoder.safetensors").is_file()
+    assert json.loads((run / "eval.json").read_text()) == result
+    assert (result["eval_train_samples"], result["eval_test_samples"]) == (100, 64)
+    assert result["final_train_metrics"]["loss"] > 0
+    assert [r["step"] for r in read_metrics(run) if "loss" in r][-1] == 256 // 128  # 1 epoch of the given shards
+    for scores in (result, result["random_init"]):
+        assert 0 <= scores["knn_top1"] <= 100 and 0 <= scores["linear_probe_top1"] <= 100
+    assert result["torch"] and result["device"]  # the timing's machine is recorded beside it
