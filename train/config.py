@@ -250,6 +250,8 @@ def check_objective_fits(cfg: PretrainConfig, micro_batch: int, accum: int = 1, 
         checks.check_fits(arch["img_size"], arch["patch_size"], arch["depth"], micro_batch)
         checks.check_engine(zero_stage, accum)
         checks.check_input(cfg.model.in_chans)
+        if reads_labels and cfg.data.source == "synthetic":  # labels 0 .. data.num_classes - 1
+            checks.check_labels(cfg.data.num_classes)
         if reads_labels and cfg.data.source == "shards" and Path(cfg.data.train_index).is_file():
             from data.shards import ShardSet
 

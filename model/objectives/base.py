@@ -52,9 +52,9 @@ class ObjectiveConfig:
         """Against the input's channel count."""
 
     def check_labels(self, num_classes: int | None) -> None:
-        """Against the labels of the training shards: their class count, None when they carry no
-        labels (an unlabeled index, data/index_shards.py; its batches have no "label"). The default
-        accepts both: objectives that read no labels pretrain on unlabeled shards. An objective that
+        """Against the training labels: the shards' class count (data.num_classes for synthetic data),
+        None when they carry no labels (an unlabeled index, data/index_shards.py; its batches have no
+        "label"). The default accepts both: objectives that read no labels pretrain on unlabeled shards. An objective that
         reads labels refuses None with a ValueError saying what it reads them for; the caller adds
         the index and the fix (train/config.py)."""
 

@@ -37,6 +37,9 @@ class FinetuneConfig(ObjectiveConfig):
     def check_labels(self, num_classes: int | None) -> None:
         if num_classes is None:
             raise ValueError("objective finetune trains its classifier on the labels")
+        if num_classes > self.num_classes:  # labels past the classifier's outputs fail in the first step
+            raise ValueError(f"the training labels have {num_classes} classes but finetune.num_classes is "
+                             f"{self.num_classes}; set --finetune.num_classes {num_classes}")
 
 
 @register_objective("finetune", FinetuneConfig)

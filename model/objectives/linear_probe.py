@@ -27,6 +27,9 @@ class LinearProbeConfig(ObjectiveConfig):
     def check_labels(self, num_classes: int | None) -> None:
         if num_classes is None:
             raise ValueError("objective linprobe trains its classifier on the labels")
+        if num_classes > self.num_classes:  # labels past the classifier's outputs fail in the first step
+            raise ValueError(f"the training labels have {num_classes} classes but linprobe.num_classes is "
+                             f"{self.num_classes}; set --linprobe.num_classes {num_classes}")
 
 
 @register_objective("linprobe", LinearProbeConfig)

@@ -117,7 +117,7 @@ class MLOMAEConfig(ObjectiveConfig):
             raise ValueError("objective mlomae splits the labeled shards and trains its level-II classifier on "
                              "the labels")
         if num_classes != self.num_classes:
-            raise ValueError(f"the labeled shards have {num_classes} classes but mlomae.num_classes is "
+            raise ValueError(f"the training labels have {num_classes} classes but mlomae.num_classes is "
                              f"{self.num_classes}; set --mlomae.num_classes {num_classes}")
 
     def data_split(self) -> tuple[float, int]:

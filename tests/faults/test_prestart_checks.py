@@ -10,7 +10,7 @@ from PIL import Image
 from test_config_errors import _reject as reject_before_start
 
 from data.write_shards import main as write_shards
-from train.config import ConfigError, parse_args
+from train.config import ConfigError, check_objective_fits, parse_args
 from train.trainer import check_before_start
 
 CONFIGS = DEBUG_PRESET.parent.parent
@@ -86,3 +86,15 @@ def test_no_data_points_to_a_debug_preset_not_to_a_full_size_synthetic_run():
         parse_args(["--ds_config", str(CPU_DS)])  # no preset: ViT-B, 800 epochs
     assert "start from a debug preset (--config train/configs/<method>/debug.json" in str(e.value)
     assert "not --data.source synthetic alone" in str(e.value)
+
+
+@pytest.mark.parametrize("objective", ["finetune", "linprobe"])
+def test_labels_past_the_classifier_outputs_are_refused(tmp_path, capsys, monkeypatch, objective):
+    """Synthetic labels 0..9 against a 5-way classifier failed inside the first step (timm's mixup:
+    index out of bounds); the class count of labeled shards is checked the same way."""
+    err = _reject(tmp_path, capsys, monkeypatch, "--objective", objective, f"--{objective}.num_classes", "5",
+                  "--optim.name", "adamw")  # mae/debug.json: data.num_classes 10
+    assert f"the training labels have 10 classes but {objective}.num_classes is 5; set --{objective}.num_classes 10" in err
+    wider = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--objective", objective,
+                        f"--{objective}.num_classes", "12"])
+    check_objective_fits(wider, micro_batch=8)  # more outputs than classes: accepted
