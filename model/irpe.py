@@ -102,22 +102,46 @@ BiasHook = Callable[["ContextualRPE", torch.Tensor, torch.Tensor, torch.Tensor],
 
 class ContextualRPE(torch.nn.Module):
     """iRPE, contextual mode on keys, product method: logit_ij += q_i . r_ij / sqrt(d), r_ij from a
-    learnable table (buckets, H, d) initialised to 0, over a fixed grid of 1 cls + gh*gw tokens.
+    learnable table (buckets, Ht, d) initialised to 0, over a fixed grid of 1 cls + gh*gw tokens.
+    Ht = 1 (shared_heads, the default: one table for all heads of the layer, as the iRPE/AdPE
+    official configs' shared_head=True) or Ht = H (one table per head: H times the parameters).
 
     The product is taken once per bucket, (B, H, T, buckets), then gathered per pair (iRPE's
-    lookup-after-product), so no (T, T, d) tensor is formed."""
+    lookup-after-product), so no (T, T, d) tensor is formed.
+
+    Loading a state dict whose table has the other head layout (1 vs H) rebuilds the table in that
+    layout, so an encoder fine-tunes from checkpoints of either kind (e.g. per-head runs made before
+    shared tables became the default); load before the optimizer is built, as the entry points do."""
 
     def __init__(self, num_heads: int, head_dim: int, grid_size: tuple[int, int], num_cls: int = 1,
-                 alpha: float = ALPHA, beta: float = BETA, gamma: float = GAMMA):
+                 alpha: float = ALPHA, beta: float = BETA, gamma: float = GAMMA, shared_heads: bool = True):
         super().__init__()
         self.num_cls, self.index_args = num_cls, dict(alpha=alpha, beta=beta, gamma=gamma)
-        self.table = torch.nn.Parameter(torch.zeros(num_buckets(beta), num_heads, head_dim))
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.decay_table = False  # True: the table is weight-decayed (AdPE's official code); set by the objective
+        self.table = torch.nn.Parameter(torch.zeros(num_buckets(beta), 1 if shared_heads else num_heads, head_dim))
         coords = grid_coords(grid_size)
         self.register_buffer("buckets", bucket_ids(coords, num_cls, beta, alpha, gamma), persistent=False)  # (T, T)
         self.register_buffer("rel", coords[:, None, :] - coords[None, :, :], persistent=False)  # (N, N, 2)
 
+    @property
+    def shared_heads(self) -> bool:
+        return self.table.shape[1] == 1
+
+    def set_shared_heads(self, shared: bool) -> None:
+        """Rebuild the (zero-initialised) table with one row block for all heads or one per head;
+        only before training (the values are reset), e.g. by an objective's option."""
+        self.table = torch.nn.Parameter(self.table.new_zeros(self.table.shape[0], 1 if shared else self.num_heads,
+                                                             self.head_dim))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        stored = state_dict.get(prefix + "table")
+        if stored is not None and stored.shape != self.table.shape and stored.shape[1] in (1, self.num_heads):
+            self.set_shared_heads(stored.shape[1] == 1)  # adopt the checkpoint's head layout
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def no_weight_decay(self) -> set[str]:
-        return {"table"}
+        return set() if self.decay_table else {"table"}
 
     def forward(self, q: torch.Tensor, hook: BiasHook | None = None) -> torch.Tensor:
         """q (B, H, T, d) -> additive score bias (B, H, T, T), edited by `hook` when given."""
@@ -125,7 +149,7 @@ class ContextualRPE(torch.nn.Module):
         if T != self.buckets.shape[0]:
             raise ValueError(f"relative positions are set up for {self.buckets.shape[0]} tokens, got {T}")
         scale = d**-0.5
-        table = self.table.to(q.dtype)
+        table = self.table.to(q.dtype).expand(-1, H, -1)  # (buckets, H, d): a shared table serves every head
         qr = torch.einsum("bhtd,nhd->bhtn", q, table) * scale  # (B, H, T, buckets)
         bias = qr.gather(-1, self.buckets.expand(B, H, T, T))
         return bias if hook is None else hook(self, q, qr, bias)

@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from model.objectives.base import Objective
+
 
 def no_weight_decay_names(module: nn.Module) -> set[str]:
     """Full names listed by any submodule's `no_weight_decay()` (tokens, position tables): every
@@ -15,6 +17,8 @@ def no_weight_decay_names(module: nn.Module) -> set[str]:
     for prefix, sub in module.named_modules():
         if hasattr(sub, "no_weight_decay"):  # plain torch layers (Linear, LayerNorm) have none
             names |= {f"{prefix}.{n}" if prefix else n for n in sub.no_weight_decay()}
+    if isinstance(module, Objective):  # the objective may decay what a submodule exempts (MAE+ decay_tokens)
+        names -= module.decayed_names()
     return names
 
 

@@ -6,7 +6,7 @@
    MAE by default; `--method NAME` runs any registered objective that has a demo preset
    (train/configs/NAME/demo.json) and `--variant VARIANT` one of its variant presets over it
    (train/configs/NAME/variants/VARIANT.json: MixedAE's Table A4 ablations, AdPE's variants /
-   FGSM, MLO-MAE's blo|straight_through|unit_unroll_lr, energy's single corruptions or
+   FGSM, MLO-MAE's blo|straight_through|unit_unroll_lr|official_code, energy's single corruptions or
    convnext_atto). An objective with its own classifier (MLO-MAE's level-II head, trained on an
    80/20 split of the train shards) also has that head scored on the test split.
 3. Evaluates the pretrained encoder and the same architecture at random init on the test split:

@@ -108,6 +108,12 @@ class Objective(nn.Module, metaclass=ABCMeta):
         tables), beside 1-d tensors, which never decay. Submodules list theirs the same way."""
         return set()
 
+    def decayed_names(self) -> set[str]:
+        """Dotted names (from this objective) that weight decay takes although a submodule's
+        no_weight_decay exempts them (MAE+ `decay_tokens`, as AdPE's official code decays the cls
+        token)."""
+        return set()
+
     def after_optimizer_step(self, lr: float, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """After every optimizer step: update state the optimizer does not own (AdPE's adversary
         ascent, MLO-MAE's levels II-III). `lr` is this step's encoder lr, `batches` the step's

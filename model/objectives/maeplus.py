@@ -28,7 +28,7 @@ from torch import nn
 
 from model.irpe import grid_coords
 from model.mae_decoder import MAEDecoder
-from model.objectives.adversary import NORMS, Adversaries, RPEPerturbation
+from model.objectives.adversary import NORMS, UPDATES, Adversaries, RPEPerturbation
 from model.objectives.base import Objective, ObjectiveConfig, register_objective
 from model.objectives.mae import masked_patch_loss
 from model.objectives.masking import check_mask_ratio, random_masking
@@ -37,6 +37,7 @@ from model.pos_embed import sincos_2d_at
 from model.vit import VisionTransformer
 
 ADVERSARIES = ("none", "ape_embed", "ape_coord", "rpe_embed", "rpe_coord", "fgsm")
+APE_MODES = ("add", "replace")
 
 
 @dataclass
@@ -47,10 +48,14 @@ class MAEPlusConfig(ObjectiveConfig):
     decoder_depth: int = 8  # MAE decoder blocks
     decoder_heads: int = 16  # MAE decoder attention heads
     rpe: bool = False  # iRPE (contextual, product, on keys) in every encoder and decoder block
+    irpe_shared_heads: bool = True  # one iRPE table per layer shared by its heads (official shared_head=True); false: one per head (H x the table parameters)
     adversary: str = "none"  # none (MAE+) | ape_embed | ape_coord | rpe_embed | rpe_coord | fgsm
     adv_norm: str = "linf"  # linf | l2: the constraint set of the PGD projection
     adv_eps: float = 20.0  # radius (position units: patches for coordinates, embedding units otherwise)
     adv_lr_scale: float = 1.0  # PGD step = lr_t x this [project default]
+    adv_update: str = "steepest"  # steepest (sign for linf, normalised for l2) | sign | normalised | adam (official code: Adam ascent, then projection)
+    ape_mode: str = "add"  # ape_embed: add (mask token + perturbed position) | replace (official code: the adversary replaces the mask token; fixed positions)
+    decay_tokens: bool = False  # weight-decay cls_token, mask_token and the iRPE tables (official code: true; project: exempt like MAE's position tables)
     fgsm_eps: float = 0.01  # pixel-space l_inf radius on [0, 1] pixels (Table A.1: 0.001 / 0.01 / 0.1)
 
     def validate(self) -> None:
@@ -62,6 +67,10 @@ class MAEPlusConfig(ObjectiveConfig):
             raise ValueError(f"maeplus.adversary {self.adversary} perturbs relative positions: set maeplus.rpe true")
         if self.adv_norm not in NORMS:
             raise ValueError(f"maeplus.adv_norm must be one of {NORMS}, got {self.adv_norm!r}")
+        if self.adv_update not in UPDATES:
+            raise ValueError(f"maeplus.adv_update must be one of {UPDATES}, got {self.adv_update!r}")
+        if self.ape_mode not in APE_MODES:
+            raise ValueError(f"maeplus.ape_mode must be one of {APE_MODES}, got {self.ape_mode!r}")
         if self.adv_eps <= 0 or self.fgsm_eps <= 0 or self.adv_lr_scale < 0:
             raise ValueError("maeplus.adv_eps and maeplus.fgsm_eps must be > 0, maeplus.adv_lr_scale >= 0")
         if self.decoder_dim % self.decoder_heads:
@@ -92,11 +101,30 @@ class MAEPlusObjective(Objective):
         self.decoder = MAEDecoder(pe.grid_size, pe.patch_size, pe.proj.in_channels, D, cfg.decoder_dim,
                                   cfg.decoder_depth, cfg.decoder_heads, attn_backend=encoder.blocks[0].attn.backend,
                                   rpe=cfg.rpe)
+        # The decoder sees all N tokens, so its own mask token is never used: frozen, it stays out of
+        # the optimizer and weight decay but stays in the state dict (older checkpoints load strictly).
+        self.decoder.mask_token.requires_grad_(False)
+        if self.replaces_mask_token:  # the adversary is the masked tokens' input: no learned mask token
+            self.mask_token.requires_grad_(False)
+        rpes = [b.attn.rpe for b in (*encoder.blocks, *self.decoder.decoder_blocks) if b.attn.rpe is not None]
+        for rpe in rpes:  # before the adversaries, whose rpe_embed shapes follow the tables
+            rpe.set_shared_heads(cfg.irpe_shared_heads)
+            rpe.decay_table = cfg.decay_tokens
         self.register_buffer("coords", grid_coords(pe.grid_size), persistent=False)  # (N, 2) (row, col)
-        self.adversaries = Adversaries(self._adversary_shapes(), cfg.adv_norm, cfg.adv_eps, cfg.adv_lr_scale)
+        self.adversaries = Adversaries(self._adversary_shapes(), cfg.adv_norm, cfg.adv_eps, cfg.adv_lr_scale,
+                                       cfg.adv_update)
+
+    @property
+    def replaces_mask_token(self) -> bool:
+        return self.cfg.adversary == "ape_embed" and self.cfg.ape_mode == "replace"
 
     def no_weight_decay(self) -> set[str]:
-        return {"mask_token"}
+        return set() if self.cfg.decay_tokens else {"mask_token"}
+
+    def decayed_names(self) -> set[str]:
+        """Names decayed although a submodule exempts them (train.optim): the encoder's cls_token
+        under decay_tokens (the iRPE tables and mask_token follow the option directly)."""
+        return {"encoder.cls_token"} if self.cfg.decay_tokens else set()
 
     def _adversary_shapes(self) -> dict[str, tuple[int, ...]]:
         kind = self.cfg.adversary
@@ -134,6 +162,8 @@ class MAEPlusObjective(Objective):
         """masked (B, N) bool -> (B, N, D) absolute position embedding, perturbed on masked tokens."""
         fixed = self.encoder.pos_embed[:, 1:].to(dtype)  # (1, N, D)
         kind = self.cfg.adversary
+        if kind == "ape_embed" and self.replaces_mask_token:  # the adversary sits in the token instead
+            return fixed.expand(masked.shape[0], -1, -1)
         if kind == "ape_embed":
             perturbed = fixed + self.adversaries.get("ape", masked.device, dtype)
         elif kind == "ape_coord":
@@ -158,7 +188,9 @@ class MAEPlusObjective(Objective):
     def reconstruct(self, crops: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         """crops (M, C, s, s), masked (M, N) bool -> predictions (M, N, p*p*C)."""
         tokens = self.encoder.patch_embed(crops)  # (M, N, D)
-        tokens = torch.where(masked[..., None], self.mask_token.to(tokens.dtype), tokens)
+        fill = (self.adversaries.get("ape", tokens.device, tokens.dtype) if self.replaces_mask_token
+                else self.mask_token.to(tokens.dtype))  # (D,) or (1, 1, D)
+        tokens = torch.where(masked[..., None], fill, tokens)
         x = self.encoder.add_cls_token(tokens + self.positions(masked, tokens.dtype))
         latent = self.encoder.forward_tokens(
             x, bias_hooks=self.rpe_perturbations(masked, x.dtype, "enc", len(self.encoder.blocks)))

@@ -10,13 +10,18 @@ which is the only path from the loss to T. With `straight_through` the top-k is 
 identity in the backward pass: the weights are m_j + p_j - sg(p_j), so E and D see the plain
 MAE loss on the learned mask and T receives l_j for every patch.
 T's input is taken as data (computed from E without a gradient), as in Eq. 1 where sigma
-depends on (X, T) only.
+depends on (X, T) only; with `mask_input_grad` (the released code's behaviour) the level-I loss
+also reaches the patch embedding through T's input (T's weights still get no level-I gradient),
+and the level-III finite differences recompute T's input at the perturbed encoder.
 
 Levels II and III run in `after_optimizer_step` (the loop's generic hook, which hands over the
 step's micro-batches), outside DeepSpeed: the linear head C (on the frozen encoder's cls feature)
 and T are fp32 modules replicated on every rank, with their own AdamW, gradients all-reduced, lrs
 following the encoder's schedule times `head_lr_scale` / `mask_lr_scale`. Every `level1_steps`
-optimizer steps, C takes `level2_steps` steps on the latest D_tr batches (which may span steps);
+optimizer steps, C takes `level2_steps` steps on the latest D_tr batches (which may span steps;
+with `level2_batch` own, only those from before the last level-I step, so levels II/III never read
+the micro-batches level I just stepped on, as the released code's separate level-II loader; its
+first cycle, with nothing held back yet, runs neither level II nor III);
 every `mask_every`-th such cycle T takes one step along the hypergradient of the validation loss
 (model/objectives/hypergrad.py), whose passes run in fp32 with TF32 off: the finite-difference
 perturbation (||eps v|| = 0.01 over all encoder weights) is far below bf16 / fp16 / TF32 resolution.
@@ -37,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from model.objectives.base import ObjectiveConfig, register_objective
 from model.objectives.hypergrad import Points, call_with, full_fp32, mask_hypergradient
@@ -65,7 +71,8 @@ class MLOMAEConfig(ObjectiveConfig):
     num_classes: int = 1000  # classes of the labeled shards (levels II and III)
     head_lr_scale: float = 0.4  # lr of C / lr of E (paper: 4e-5 / 1e-4 ImageNet, 1e-3 / 1e-3 CIFAR)
     mask_lr_scale: float = 0.4  # lr of T / lr of E
-    aux_weight_decay: float = 0.05  # AdamW weight decay of C and T (weights only, not biases)
+    aux_weight_decay: float = 0.05  # AdamW weight decay of C and T (weights only, unless aux_decay_biases)
+    aux_decay_biases: bool = False  # decay C's and T's biases too (released code: torch AdamW over all their parameters)
     level1_steps: int = 1  # encoder/decoder steps per head step (unroll steps: 1 ImageNet, 2 CIFAR)
     level2_steps: int = 1  # head steps per cycle, on the cycle's latest D_tr micro-batches
     mask_every: int = 1  # cycles per masking-network step (Table 16)
@@ -77,12 +84,16 @@ class MLOMAEConfig(ObjectiveConfig):
     split_seed: int = 0  # salt of the per-sample hash split (data/split.py)
     variant: str = "mlo"  # mlo (three levels) | blo (BLO-MAE, Eq. 5)
     blo_gamma: float = 1.0  # BLO-MAE: weight of the reconstruction loss in the lower level
+    mask_input_grad: bool = False  # let L1 reach the patch embedding through T's input (released code) [paper's Eq. 1: T reads data]
+    level2_batch: str = "shared"  # D_tr batches of levels II/III: shared (level I's latest) | own (micro-batches before the last level-I step, as the released code's separate loader draws others)
 
     def validate(self) -> None:
         if not 0.0 < self.mask_ratio < 1.0:
             raise ValueError(f"mlomae.mask_ratio must be in (0, 1), got {self.mask_ratio}")
         if self.unroll_lr not in ("schedule", "unit"):
             raise ValueError(f"mlomae.unroll_lr must be schedule or unit, got {self.unroll_lr!r}")
+        if self.level2_batch not in ("shared", "own"):
+            raise ValueError(f"mlomae.level2_batch must be shared or own, got {self.level2_batch!r}")
         if self.variant not in VARIANTS:
             raise ValueError(f"mlomae.variant must be one of {VARIANTS}, got {self.variant!r}")
         if self.decoder_dim % self.decoder_heads:
@@ -139,9 +150,9 @@ def _all_reduce_mean_(tensors: list[torch.Tensor]) -> None:
         t.copy_(f.view_as(t))
 
 
-def _adamw(module: nn.Module, weight_decay: float, eps: float = 1e-8) -> torch.optim.AdamW:
-    decay = [p for p in module.parameters() if p.ndim >= 2]
-    rest = [p for p in module.parameters() if p.ndim < 2]
+def _adamw(module: nn.Module, weight_decay: float, eps: float = 1e-8, decay_all: bool = False) -> torch.optim.AdamW:
+    decay = [p for p in module.parameters() if p.ndim >= 2 or decay_all]
+    rest = [p for p in module.parameters() if p.ndim < 2 and not decay_all]
     return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
                              lr=0.0, betas=(0.9, 0.95), eps=eps)
 
@@ -151,14 +162,14 @@ class Auxiliary:
     not a submodule), so DeepSpeed neither casts, partitions nor optimises them."""
 
     def __init__(self, num_patches: int, dim: int, hidden: int, num_classes: int, weight_decay: float,
-                 mask_eps: float = 1e-8):
+                 mask_eps: float = 1e-8, decay_all: bool = False):
         self.mask_net = MaskingNetwork(num_patches, dim, hidden)
         self.head = nn.Linear(dim, num_classes)  # the paper's single linear layer
         nn.init.trunc_normal_(self.head.weight, std=0.01)
         nn.init.zeros_(self.head.bias)
-        self.weight_decay, self.mask_eps = weight_decay, mask_eps
-        self.mask_opt = _adamw(self.mask_net, weight_decay, mask_eps)
-        self.head_opt = _adamw(self.head, weight_decay)
+        self.weight_decay, self.mask_eps, self.decay_all = weight_decay, mask_eps, decay_all
+        self.mask_opt = _adamw(self.mask_net, weight_decay, mask_eps, decay_all)
+        self.head_opt = _adamw(self.head, weight_decay, decay_all=decay_all)
 
     def follow(self, device: torch.device) -> None:
         """Put C and T and their AdamW moments on `device` (the first forward there; a no-op after).
@@ -173,8 +184,8 @@ class Auxiliary:
         mask_state, head_state = self.mask_opt.state_dict(), self.head_opt.state_dict()
         self.mask_net.to(device)
         self.head.to(device)
-        self.mask_opt = _adamw(self.mask_net, self.weight_decay, self.mask_eps)
-        self.head_opt = _adamw(self.head, self.weight_decay)
+        self.mask_opt = _adamw(self.mask_net, self.weight_decay, self.mask_eps, self.decay_all)
+        self.head_opt = _adamw(self.head, self.weight_decay, decay_all=self.decay_all)
         self.mask_opt.load_state_dict(mask_state)
         self.head_opt.load_state_dict(head_state)
 
@@ -212,11 +223,12 @@ class MLOMAEObjective(MAEObjective):
     def __init__(self, encoder: VisionTransformer, cfg: MLOMAEConfig):
         super().__init__(encoder, cfg)  # MLOMAEConfig carries MAE's fields (mask_ratio, norm_pix_loss, decoder_*)
         self.aux = Auxiliary(encoder.num_patches, encoder.embed_dim, cfg.mask_hidden, cfg.num_classes,
-                             cfg.aux_weight_decay, cfg.mask_adam_eps)
+                             cfg.aux_weight_decay, cfg.mask_adam_eps, cfg.aux_decay_biases)
         self.level1_done = 0  # optimizer steps of E/D (level I) so far
         self.cycles_done = 0  # head (level II) cycles so far
         # What levels II and III read, kept from the steps' micro-batches (after_optimizer_step):
         self._tr_batches: deque = deque(maxlen=cfg.level2_steps)  # (image, label) of the latest micro-batches, across steps
+        self._held: list = []  # level2_batch own: the last step's (image, label), level II's only from the next step on
         self._l1_images: torch.Tensor | None = None  # the last level-I micro-batch's images
         self._val: tuple[torch.Tensor, torch.Tensor] | None = None  # the cycle's D_val batch, until level III uses it
 
@@ -232,14 +244,23 @@ class MLOMAEObjective(MAEObjective):
         """Levels II and III on the schedule of the config; `lr` is the encoder's lr of this step,
         `batches` its micro-batches (D_tr `image` / `label`, and `val_image` / `val_label` on the
         one that closes a mask cycle). Returns the scalars of the levels that ran (logged for this step)."""
+        if self.cfg.level2_batch == "own":  # level II reads only micro-batches the last level-I step did not train on
+            self._tr_batches.extend(self._held)
+            self._held = [(b["image"], b["label"]) for b in batches]
         for batch in batches:
-            self._tr_batches.append((batch["image"], batch["label"]))
+            if self.cfg.level2_batch == "shared":
+                self._tr_batches.append((batch["image"], batch["label"]))
             if "val_image" in batch:
                 self._val = (batch["val_image"], batch["val_label"])
         if batches:
             self._l1_images = batches[-1]["image"]
         self.level1_done += 1
         if self.level1_done % self.cfg.level1_steps:
+            return {}
+        if not self._tr_batches:  # level2_batch own, first cycle (or after a resume): no batch of its own yet
+            self.cycles_done += 1
+            if self.cycles_done % self.cfg.mask_every == 0:
+                self._val = None
             return {}
         stats = self.level2(lr * self.cfg.head_lr_scale)
         self.cycles_done += 1
@@ -253,11 +274,16 @@ class MLOMAEObjective(MAEObjective):
 
     # --- pieces shared by the levels ------------------------------------------------------------
     def mask_probabilities(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, C, H, W) -> patch tokens (B, N, D) with position, and T's probabilities (B, N) (no gradient)."""
+        """(B, C, H, W) -> patch tokens (B, N, D) with position, and T's probabilities (B, N): no
+        gradient, or with `mask_input_grad` one to the tokens only (T's weights are read as constants)."""
         tokens = self.encoder.embed_patches(images)
         self.aux.follow(tokens.device)
+        t_in = tokens.to(self.aux.head.weight.dtype)
+        if self.cfg.mask_input_grad and torch.is_grad_enabled():
+            weights = {k: v.detach() for k, v in self.aux.mask_net.named_parameters()}
+            return tokens, functional_call(self.aux.mask_net, weights, (t_in,))
         with torch.no_grad():
-            probs = self.aux.mask_net(tokens.detach().to(self.aux.head.weight.dtype))
+            probs = self.aux.mask_net(t_in.detach())
         return tokens, probs
 
     def reconstruct(self, images: torch.Tensor, masking: Masking, tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -282,8 +308,8 @@ class MLOMAEObjective(MAEObjective):
         per_patch = self.reconstruct(images, masking, tokens)
         loss = weighted_recon_loss(per_patch, masking.mask, probs, self.cfg.straight_through)
         out = {"recon_loss": ((per_patch * masking.mask).sum() / masking.mask.sum()).detach(),
-               "mask_prob_mean": probs.mean(),
-               "mask_prob_masked": (probs * masking.mask).sum() / masking.mask.sum()}
+               "mask_prob_mean": probs.mean().detach(),
+               "mask_prob_masked": ((probs * masking.mask).sum() / masking.mask.sum()).detach()}
         if self.cfg.variant == "blo":  # lower level of Eq. 5: gamma * L1 + CE on D_tr, C fixed in this step
             head = self.aux.head
             logits = F.linear(self.cls_features(images).float(), head.weight.detach(), head.bias.detach())
@@ -324,7 +350,11 @@ class MLOMAEObjective(MAEObjective):
         return call_with(self, state, method, *args)
 
     def level1_loss(self, state, images, t_in, masking, track_encoder: bool = False) -> torch.Tensor:
-        """L1 at the encoder/decoder tensors of `state`, differentiable w.r.t. T (and the encoder if asked)."""
+        """L1 at the encoder/decoder tensors of `state`, differentiable w.r.t. T (and the encoder if asked).
+        t_in None: T's input is recomputed from `state` (mask_input_grad: it moves with the perturbed encoder)."""
+        if t_in is None:
+            with torch.set_grad_enabled(track_encoder):
+                t_in = self.call(state, "embed", images)
         probs = self.aux.mask_net(t_in)
         with torch.set_grad_enabled(track_encoder):
             per_patch = self.call(state, "reconstruct", images, masking)
@@ -350,7 +380,7 @@ class MLOMAEObjective(MAEObjective):
             blo = cfg.variant == "blo"
             eta_enc, eta_head = (lr, lr * cfg.head_lr_scale) if cfg.unroll_lr == "schedule" else (1.0, 1.0)
             grads, stats = mask_hypergradient(
-                level1=lambda: self.level1_loss(state, img1, t_in, masking),
+                level1=lambda: self.level1_loss(state, img1, None if cfg.mask_input_grad else t_in, masking),
                 level2=lambda: self.class_loss(state, head, img2, tr_labels),
                 level3=lambda: self.class_loss(state, head, img3, val_labels),
                 mask_params=list(self.aux.mask_net.parameters()), points=Points.current(enc, head),

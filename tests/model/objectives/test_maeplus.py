@@ -130,3 +130,53 @@ def test_bad_configs():
         build_objective("maeplus", create_model("vit_debug_patch4"), MAEPlusConfig(rpe=True))
     with pytest.raises(ValueError, match="does not match"):
         Adversaries({"a": (2,)}, "linf", 1.0, 1.0).load_state_dict({"a": torch.zeros(3)})
+
+
+def test_irpe_tables_are_shared_by_default_and_per_head_as_an_option():
+    shared, per_head = _objective(rpe=True), _objective(rpe=True, irpe_shared_heads=False)
+    for obj, heads in ((shared, 1), (per_head, None)):
+        for block in (*obj.encoder.blocks, *obj.decoder.decoder_blocks):
+            assert block.attn.rpe.table.shape[1] == (heads or block.attn.num_heads)
+    n = lambda o: sum(p.numel() for name, p in o.named_parameters() if name.endswith("rpe.table"))
+    # vit_debug_patch4: 2 encoder blocks of 2 heads x 16; the decoder: 1 block of 2 heads x 16
+    assert n(per_head) == 3 * 50 * 2 * 16 and n(shared) == 3 * 50 * 16
+    assert _objective(rpe=True, adversary="rpe_embed").adversaries.tensors["rpe_enc0"].shape == (50, 1, 16)
+
+
+@pytest.mark.parametrize("decay_tokens", [False, True])
+def test_weight_decay_of_tokens_and_irpe_tables_follows_decay_tokens(decay_tokens):
+    from train.optim import build_param_groups
+
+    obj = _objective(rpe=True, decay_tokens=decay_tokens)
+    groups, summary = build_param_groups(obj, weight_decay=0.05, layer_decay=1.0)
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    names = {n for n, p in obj.named_parameters() if id(p) in decayed}
+    tokens = {"encoder.cls_token", "mask_token"} | {n for n, _ in obj.named_parameters() if n.endswith("rpe.table")}
+    assert len(tokens) == 5  # cls, mask token, 3 tables
+    assert (tokens <= names) if decay_tokens else not (tokens & names)
+    assert "decoder.mask_token" not in {n for n, p in obj.named_parameters() if p.requires_grad}  # unused: frozen
+    assert {"encoder.blocks.0.attn.qkv.weight", "decoder.decoder_pred.weight"} <= names  # matrices decay either way
+
+
+def test_ape_replace_mode_puts_the_adversary_where_add_mode_puts_mask_token_plus_perturbation():
+    """Both modes share every weight; at masked positions the encoder input is mask_token + pos + a
+    (add) or a + pos (replace, the official code); visible tokens are identical."""
+    images = torch.randn(2, 3, 28, 28, dtype=torch.float64)
+    objs = {m: _objective(adversary="ape_embed", ape_mode=m) for m in ("add", "replace")}
+    a = torch.randn(32, dtype=torch.float64) * 0.1
+    seen = {}
+    for mode, obj in objs.items():
+        obj.adversaries.tensors["ape"] = a.clone().requires_grad_()
+        orig = obj.encoder.forward_tokens
+        obj.encoder.forward_tokens = lambda x, orig=orig, mode=mode, **kw: (seen.setdefault(mode, x), orig(x, **kw))[1]
+        torch.manual_seed(5)
+        obj({"image": images})
+    torch.manual_seed(5)
+    from model.objectives.masking import random_masking
+    masked = random_masking(2, 49, 0.75, images.device).mask.bool()
+    add, rep = seen["add"][:, 1:], seen["replace"][:, 1:]  # drop cls
+    pos = objs["add"].encoder.pos_embed[:, 1:]
+    torch.testing.assert_close(rep[masked], (a + pos.expand(2, -1, -1))[masked])
+    torch.testing.assert_close(add[masked], (objs["add"].mask_token[0] + a + pos.expand(2, -1, -1))[masked])
+    assert torch.equal(add[~masked], rep[~masked])
+    assert not objs["replace"].mask_token.requires_grad and objs["add"].mask_token.requires_grad
