@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABCMeta, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -33,6 +34,8 @@ from torch import nn
 class ObjectiveConfig:
     """Base of every objective's config dataclass. The checks run before any process starts
     (train/config.py); they raise ValueError with a message naming the option and the fix."""
+
+    section: ClassVar[str] = ""  # the objective's name, its command-line section (set by register_objective)
 
     def validate(self) -> None:
         """Checks of this section's values alone."""
@@ -130,6 +133,25 @@ class Objective(nn.Module, metaclass=ABCMeta):
 OBJECTIVES: dict[str, tuple[type[ObjectiveConfig], type[Objective]]] = {}
 
 
+@dataclass
+class ClassifierConfig(ObjectiveConfig):
+    """The config of an objective that trains a classifier on the training labels (finetune,
+    linprobe): its output count, checked against the labels before start."""
+
+    num_classes: int = 1000  # classifier outputs (the labeled shards' class count)
+
+    def validate(self) -> None:
+        if self.num_classes < 2:
+            raise ValueError(f"{self.section}.num_classes must be >= 2, got {self.num_classes}")
+
+    def check_labels(self, num_classes: int | None) -> None:
+        if num_classes is None:
+            raise ValueError(f"objective {self.section} trains its classifier on the labels")
+        if num_classes > self.num_classes:  # labels past the classifier's outputs fail in the first step
+            raise ValueError(f"the training labels have {num_classes} classes but {self.section}.num_classes is "
+                             f"{self.num_classes}; set --{self.section}.num_classes {num_classes}")
+
+
 def register_objective(name: str, config: type[ObjectiveConfig]):
     """Class decorator: make `cls` selectable as `--objective name` with `config` as `--name.*`."""
     if not name.isidentifier():
@@ -144,7 +166,7 @@ def register_objective(name: str, config: type[ObjectiveConfig]):
             raise TypeError(f"{cls.__name__} must define forward(batch) -> {{'loss': ...}}")
         if name in OBJECTIVES and OBJECTIVES[name][1] is not cls:
             raise ValueError(f"objective {name!r} is already registered by {OBJECTIVES[name][1].__qualname__}")
-        cls.name = name
+        cls.name = config.section = name
         OBJECTIVES[name] = (config, cls)
         return cls
 

@@ -17,29 +17,20 @@ from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import nn
 
-from model.objectives.base import Objective, ObjectiveConfig, register_objective
+from model.objectives.base import ClassifierConfig, Objective, register_objective
 from model.vit import VisionTransformer
 
 
 @dataclass
-class FinetuneConfig(ObjectiveConfig):
-    num_classes: int = 1000  # classifier outputs (the labeled shards' class count)
+class FinetuneConfig(ClassifierConfig):
     mixup: float = 0.8  # mixup alpha (0 = off)
     cutmix: float = 1.0  # cutmix alpha (0 = off)
     smoothing: float = 0.1  # label smoothing
 
     def validate(self) -> None:
-        if self.num_classes < 2:
-            raise ValueError(f"finetune.num_classes must be >= 2, got {self.num_classes}")
+        super().validate()
         if min(self.mixup, self.cutmix, self.smoothing) < 0:
             raise ValueError("finetune.mixup, finetune.cutmix and finetune.smoothing must be >= 0")
-
-    def check_labels(self, num_classes: int | None) -> None:
-        if num_classes is None:
-            raise ValueError("objective finetune trains its classifier on the labels")
-        if num_classes > self.num_classes:  # labels past the classifier's outputs fail in the first step
-            raise ValueError(f"the training labels have {num_classes} classes but finetune.num_classes is "
-                             f"{self.num_classes}; set --finetune.num_classes {num_classes}")
 
 
 @register_objective("finetune", FinetuneConfig)

@@ -9,27 +9,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.objectives.base import Objective, ObjectiveConfig, register_objective
+from model.objectives.base import ClassifierConfig, Objective, register_objective
 from model.vit import VisionTransformer
 
 
 @dataclass
-class LinearProbeConfig(ObjectiveConfig):
-    num_classes: int = 1000  # classifier outputs (the labeled shards' class count)
+class LinearProbeConfig(ClassifierConfig):
     pool: str = "cls"  # cls | avg (mean of patch tokens)
 
     def validate(self) -> None:
-        if self.num_classes < 2:
-            raise ValueError(f"linprobe.num_classes must be >= 2, got {self.num_classes}")
+        super().validate()
         if self.pool not in ("cls", "avg"):
             raise ValueError(f"linprobe.pool must be cls or avg, got {self.pool!r}")
-
-    def check_labels(self, num_classes: int | None) -> None:
-        if num_classes is None:
-            raise ValueError("objective linprobe trains its classifier on the labels")
-        if num_classes > self.num_classes:  # labels past the classifier's outputs fail in the first step
-            raise ValueError(f"the training labels have {num_classes} classes but linprobe.num_classes is "
-                             f"{self.num_classes}; set --linprobe.num_classes {num_classes}")
 
 
 @register_objective("linprobe", LinearProbeConfig)
