@@ -77,9 +77,11 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save(engine, root: Path, step: int, client_state: dict, rank: int, world: int, meta: dict, keep: int = 0) -> Path:
+def save(engine, root: Path, step: int, client_state: dict, rank: int, world: int, meta: dict, keep: int = 0,
+         pinned: bool = False) -> Path:
     """Collective: every rank calls it. `meta` (JSON) goes into complete.json; afterwards only the
-    newest `keep` complete tags remain (0 = keep all). Returns the tag directory."""
+    newest `keep` complete tags remain (0 = keep all), besides pinned ones (run.keep_every_epochs),
+    which are never deleted. Returns the tag directory."""
     tag = tag_for(step)
     partial = root / f"{tag}{PARTIAL}"
     if rank == 0:
@@ -91,8 +93,8 @@ def save(engine, root: Path, step: int, client_state: dict, rank: int, world: in
     barrier()  # every rank's files are on disk before the tag is declared complete
     if rank == 0:
         files = {f.name: f.stat().st_size for f in sorted(partial.iterdir()) if f.is_file()}
-        _write_atomic(partial / COMPLETE, json.dumps({"step": step, "world_size": world, **meta, "files": files},
-                                                     indent=1))
+        _write_atomic(partial / COMPLETE, json.dumps({"step": step, "world_size": world, **meta, "files": files,
+                                                      "pinned": pinned}, indent=1))
         if (root / tag).exists():  # an earlier save of the same step (a rerun from an older tag)
             shutil.rmtree(root / tag)
         os.replace(partial, root / tag)
@@ -103,15 +105,23 @@ def save(engine, root: Path, step: int, client_state: dict, rank: int, world: in
     return root / tag
 
 
+def is_pinned(tag_dir: Path) -> bool:
+    """A complete tag saved to be kept (run.keep_every_epochs): pruning never deletes it."""
+    return bool(json.loads((tag_dir / COMPLETE).read_text()).get("pinned", False))
+
+
 def prune(root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete tags (and any older incomplete or partial ones)."""
+    """Delete all but the newest `keep` complete unpinned tags (and any older incomplete or partial
+    ones); pinned tags stay and do not count toward `keep`."""
     tags = sorted(p for p in root.glob("step*") if TAG_RE.match(p.name.removesuffix(PARTIAL)))
     complete = [p for p in tags if TAG_RE.match(p.name) and is_complete(p)]
-    if len(complete) <= keep:
+    pinned = {p for p in complete if is_pinned(p)}
+    unpinned = [p for p in complete if p not in pinned]
+    if len(unpinned) <= keep:
         return
-    oldest_kept = complete[-keep].name
+    oldest_kept = unpinned[-keep].name
     for p in tags:
-        if p.name.removesuffix(PARTIAL) < oldest_kept:
+        if p.name.removesuffix(PARTIAL) < oldest_kept and p not in pinned:
             shutil.rmtree(p, ignore_errors=True)
 
 

@@ -86,6 +86,7 @@ class RunConfig:
     log_every: int = 20  # optimizer steps between metric lines
     ckpt_every: int = 1000  # optimizer steps between checkpoints (one is always written at the end)
     keep_checkpoints: int = 3  # newest complete checkpoints kept on disk (0 = all)
+    keep_every_epochs: int = 0  # also checkpoint at the end of every N-th epoch and never delete those (0 = none)
     max_steps: int = 0  # stop after this many optimizer steps (0 = the full schedule); the schedule is unchanged
     tensorboard: bool = True  # TensorBoard events in <output_dir>/tb beside metrics.jsonl
     progress: bool = True  # a progress bar on rank 0 (tqdm)
@@ -191,6 +192,8 @@ class PretrainConfig:
             raise ConfigError(f"optim.warmup_epochs ({self.optim.warmup_epochs}) exceeds optim.epochs ({self.optim.epochs})")
         if self.run.keep_checkpoints < 0:
             raise ConfigError("run.keep_checkpoints must be >= 0 (0 keeps all)")
+        if self.run.keep_every_epochs < 0:
+            raise ConfigError("run.keep_every_epochs must be >= 0 (0 = no epoch checkpoints kept for later)")
         for name in ("log_every", "ckpt_every"):
             if getattr(self.run, name) < 1:
                 raise ConfigError(f"run.{name} must be >= 1")

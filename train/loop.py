@@ -28,6 +28,7 @@ class LoopSettings:
     vis_every: int = 0  # 0 = no figures
     eval_every: int = 0  # 0 = evaluate only at the end (when an evaluation is given)
     max_nonfinite_steps: int = 0  # consecutive skipped (non-finite) steps that stop the run; 0 = never
+    keep_every: int = 0  # steps between checkpoints that are never pruned (run.keep_every_epochs); 0 = none
 
 
 @dataclass
@@ -162,7 +163,8 @@ def run(
             on_evaluate(state.step)
         if settings.vis_every and (state.step % settings.vis_every == 0 or last):
             on_visualize(state.step)
-        saved = state.step % settings.ckpt_every == 0 or last
+        saved = state.step % settings.ckpt_every == 0 or last or bool(
+            settings.keep_every and state.step % settings.keep_every == 0)
         if saved:
             on_checkpoint(state.step)
             t_last = time.perf_counter()  # checkpoint time is not training throughput

@@ -144,7 +144,8 @@ def loop_settings(cfg: PretrainConfig, checked: CheckedRun) -> LoopSettings:
     """The loop's stop step (run.max_steps caps the schedule) and cadences."""
     stop_step = min(checked.total_steps, cfg.run.max_steps) if cfg.run.max_steps else checked.total_steps
     return LoopSettings(stop_step, cfg.run.log_every, cfg.run.ckpt_every, checked.plan.global_batch,
-                        cfg.run.vis_every, cfg.run.eval_every, cfg.run.max_nonfinite_steps)
+                        cfg.run.vis_every, cfg.run.eval_every, cfg.run.max_nonfinite_steps,
+                        cfg.run.keep_every_epochs * checked.per_epoch)
 
 
 class Trainer:
@@ -231,8 +232,10 @@ class Trainer:
 
     def on_checkpoint(self, step: int) -> None:
         client = {"step": step, "data": distributed.all_gather_object(self.data.state_dict())}
+        every = self.settings.keep_every  # epoch checkpoints kept for later evaluation: never pruned
         self.last_saved = checkpoint.save(self.engine, self.run_dir / "checkpoints", step, client, self.rank,
-                                          self.world, self.ckpt_meta, self.cfg.run.keep_checkpoints)
+                                          self.world, self.ckpt_meta, self.cfg.run.keep_checkpoints,
+                                          pinned=bool(every and step % every == 0))
 
     def on_visualize(self, step: int) -> None:  # rank 0 only; no collectives, no global RNG draws
         if self.rank != 0:

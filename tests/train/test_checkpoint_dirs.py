@@ -69,3 +69,14 @@ def test_verify_safe_refuses_foreign_objects(tmp_path):
     torch.save({"module": {"w": torch.zeros(2)}, "x": Payload()}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     with pytest.raises(ValueError, match="builtins.print"):
         verify_safe(tag)
+
+
+def test_prune_spares_pinned_tags(tmp_path):
+    root = tmp_path / "checkpoints"
+    for s in (1, 2, 3, 4, 5):
+        _tag(root, s)
+    for s in (2, 4):  # epoch checkpoints (run.keep_every_epochs): never deleted, not counted in `keep`
+        meta = json.loads((root / tag_for(s) / COMPLETE).read_text())
+        (root / tag_for(s) / COMPLETE).write_text(json.dumps({**meta, "pinned": True}))
+    prune(root, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == [tag_for(2), tag_for(4), tag_for(5)]

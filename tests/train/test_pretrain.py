@@ -160,3 +160,18 @@ def test_resume_on_another_world_size_needs_the_same_global_batch():
         check_resume_compatible(meta, cfg, BatchPlan(8, 1, 1))
     with pytest.raises(ConfigError, match="predates world-size changes"):
         check_resume_compatible({"world_size": 2, "config": saved}, cfg, BatchPlan(8, 2, 1))
+
+
+def test_epoch_checkpoints_kept_for_later_evaluation(tmp_path):
+    """run.keep_every_epochs: a checkpoint at every epoch end (8 steps here) that pruning spares,
+    beside the newest run.keep_checkpoints regular ones; each exports like any other tag."""
+    from train.export import export_checkpoint
+
+    run_pretrain(tmp_path, "--run.max_steps", "20", "--run.ckpt_every", "3", "--run.keep_checkpoints", "1",
+                 "--run.keep_every_epochs", "1", "--run.log_every", "10")
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.glob("step*")) == ["step00000008", "step00000016", "step00000020"]
+    assert [json.loads((root / t / "complete.json").read_text())["pinned"]
+            for t in ("step00000008", "step00000016", "step00000020")] == [True, True, False]
+    out = export_checkpoint(root / "step00000008", tmp_path / "epoch1" / "encoder.safetensors")
+    assert out.is_file() and (tmp_path / "epoch1" / "encoder.json").is_file()
