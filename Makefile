@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 #   rm -rf .venv && make install TORCH_INDEX=https://download.pytorch.org/whl/cu126
 TORCH_INDEX ?=
 
-.PHONY: install test demo study clean kernel-sweep slurm gpu-wheels gpu-smoke
+.PHONY: install test demo study study-full clean kernel-sweep slurm gpu-wheels gpu-smoke
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,12 +35,24 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist
 demo: $(STAMP) $(FASHION_MNIST)
 	$(PY) -m experiments.fashion_mnist.demo
 
-# Every method on Fashion-MNIST with the same budget, 2 seeds, kNN / linear probe / fine-tuning
-# -> docs/RESULTS.md + docs/figures/ (experiments/fashion_mnist/study.py; about 90 min on 2 CPU cores).
-# Reruns skip finished runs.
+# The quick study: every method on Fashion-MNIST with a third of an epoch, 2 seeds, kNN / linear probe /
+# fine-tuning -> docs/RESULTS_quick.md + docs/figures/quick/ (experiments/fashion_mnist/study.py; about
+# 90 min on 2 CPU cores). Reruns skip finished runs.
 study: $(STAMP) $(FASHION_MNIST)
 	$(PY) -m pip install -q -e ".[study]"
 	$(PY) -m experiments.fashion_mnist.study
+
+# The deciding study: 10 epochs per method (frozen features also at 1 and 3), fine-tuning on all 60k
+# images, then MixedAE's Table A4 ablations at 3 epochs; STUDY_JOBS runs side by side (cores / jobs
+# threads each) -> docs/RESULTS.md, docs/figures/, docs/study/ (run summaries). About 10 hours per seed
+# on 2 CPU cores: stop it any time (Ctrl-C) and run it again to resume.
+STUDY_SEEDS ?= 0,1
+STUDY_JOBS ?= 2
+study-full: $(STAMP) $(FASHION_MNIST)
+	$(PY) -m pip install -q -e ".[study]"
+	$(PY) -m experiments.fashion_mnist.study --preset full --jobs $(STUDY_JOBS) --seeds $(STUDY_SEEDS)
+	$(PY) -m experiments.fashion_mnist.study --preset ablation --jobs $(STUDY_JOBS) --seeds $(STUDY_SEEDS)
+	$(PY) -m experiments.fashion_mnist.report --preset full
 
 # Compile the fused Triton kernels for sm_80 and sm_90 at every shape x dtype x mode, no GPU needed
 # (kernels/compile_check.py, about 15 min on 2 cores): shared memory, registers, spills ->

@@ -166,8 +166,11 @@ def run(
         saved = state.step % settings.ckpt_every == 0 or last or bool(
             settings.keep_every and state.step % settings.keep_every == 0)
         if saved:
+            t_save = time.perf_counter()
             on_checkpoint(state.step)
-            t_last = time.perf_counter()  # checkpoint time is not training throughput
+            # checkpoint time is not training throughput: the window's start moves by it (a reset
+            # would drop the window's earlier steps from the time but not from the count)
+            t_last += time.perf_counter() - t_save
         if not last and should_stop(state.step):
             if not saved:
                 on_checkpoint(state.step)

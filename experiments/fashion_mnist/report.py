@@ -1,44 +1,49 @@
-"""docs/RESULTS.md from the study's per-run results (study.py beside this file): a table of mean and spread
-over seeds, cost per method, the papers' qualitative claims checked against the numbers, and
-figures (loss curves and accuracy bars with matplotlib when installed; each method's own PNGs
-from its seed-0 run folder: reconstructions, attention maps, MLO-MAE masks, energy restorations).
+"""The study's report (docs/RESULTS.md and its siblings) from the per-run results of study.py beside
+this file: a table of mean and spread over seeds, the cost of each method, accuracy against
+pretraining images (runs with kept epoch checkpoints), the papers' claims judged against the seed
+spread (claims.py) and figures (plots.py with matplotlib when installed; each method's own PNGs).
 
-A claim "holds" when the means are ordered as the paper says and the gap is larger than the
-spread of either side (max - min over seeds); "within the spread" otherwise; "contradicted" when
-the order is reversed by more than the spread; with a single seed no claim is judged.
+The results are kept as committed run summaries, docs/study/<preset>/<entry>_seed<k>.json (the
+run's result.json and its objective's options), so the report can be written again without the
+run folders:
+
+    python -m experiments.fashion_mnist.report --preset full [--runs runs/study_full]
+
+--runs first collects the finished runs of a study folder into the summaries (and each method's
+own figures into the figures folder).
 """
 from __future__ import annotations
 
+import argparse
+import json
 import shutil
 import statistics
 import subprocess
 from pathlib import Path
 
-from experiments.fashion_mnist.common import FINETUNE_BLR, RAW_PIXEL_BASELINES
+from experiments.fashion_mnist import claims, plots
+from experiments.fashion_mnist.common import FINETUNE_BLR, RAW_PIXEL_BASELINES, REPO
+from experiments.fashion_mnist.entries import ENTRIES, PRESETS
 
-METRICS = (("knn_top1", "kNN"), ("linear_probe_top1", "linear"), ("finetune_top1", "fine-tune"))
-
+METRICS = plots.METRICS
 RAW_PIXELS = {"logistic regression": RAW_PIXEL_BASELINES["logistic_regression"], "5-NN": RAW_PIXEL_BASELINES["knn_5"]}
-# (better entry, worse entry, metric, the paper's claim)
-CLAIMS = (
-    ("mae", "mixedae_naive", "finetune_top1", "MixedAE paper: naive mixing degrades MAE"),
-    ("mixedae", "mae", "finetune_top1", "MixedAE paper: MixedAE improves on MAE"),
-    ("adpe", "maeplus", "finetune_top1", "AdPE paper: adversarial positions improve on MAE+"),
-    ("mlomae", "mae", "linear_probe_top1", "MLO-MAE paper: learned masks give better linear accuracy than MAE"),
-)
+COSTS = ("pretrain_minutes", "pretrain_seconds", "pretrain_images_per_s", "finetune_seconds", "level2_head_top1")
 
 
 def summarize(results: list[dict]) -> dict[str, dict]:
-    """entry -> {metric: (mean, min, max, n)} and costs (means), in the order entries first appear."""
+    """entry -> {metric: (mean, min, max, n)} and costs (means), in the order entries first appear;
+    frozen-feature metrics at earlier epochs under "<metric>@<epoch>"."""
     by_entry: dict[str, list[dict]] = {}
     for r in results:
         by_entry.setdefault(r["entry"], []).append(r)
     out = {}
     for name, runs in by_entry.items():
         row = {"label": runs[0]["label"], "seeds": sorted(r["seed"] for r in runs)}
-        for key in [k for k, _ in METRICS] + ["pretrain_seconds", "pretrain_images_per_s", "finetune_seconds",
-                                               "level2_head_top1"]:
-            values = [r[key] for r in runs if r.get(key) is not None]
+        flat = [{**r, **{f"{k}@{e}": v for e, m in r.get("at_epochs", {}).items() for k, v in m.items()}}
+                for r in runs]
+        keys = [k for k, _ in METRICS] + list(COSTS) + sorted({k for f in flat for k in f if "@" in k})
+        for key in keys:
+            values = [f[key] for f in flat if f.get(key) is not None]
             if values:
                 row[key] = (statistics.fmean(values), min(values), max(values), len(values))
         out[name] = row
@@ -52,31 +57,6 @@ def _cell(stat: tuple | None, digits: int = 2) -> str:
     return f"{mean:.{digits}f}" if n == 1 else f"{mean:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
 
 
-def judge(summary: dict, better: str, worse: str, metric: str) -> str:
-    if better not in summary or worse not in summary or metric not in summary[better] \
-            or metric not in summary[worse]:
-        return "not measured"
-    (b, blo, bhi, bn), (w, wlo, whi, wn) = summary[better][metric], summary[worse][metric]
-    if min(bn, wn) < 2:  # one seed gives no spread to judge a gap against
-        return f"one seed only ({b:.2f} vs {w:.2f}): not judged"
-    spread = max(bhi - blo, whi - wlo)
-    if b - w > spread:
-        return "holds"
-    if w - b > spread:
-        return "contradicted"
-    return "within the spread"
-
-
-def judge_restoration(runs: list[dict]) -> str:
-    """Energy: restoration works when every seed's last step is closer to the original than its input."""
-    runs = [r for r in runs if "restored_l1" in r]
-    if not runs:
-        return "not measured"
-    ratios = ", ".join(f"{r['restored_l1'] / r['corrupted_l1']:.3f}" for r in runs)
-    verdict = "holds" if all(r["restored_l1"] < r["corrupted_l1"] for r in runs) else "contradicted"
-    return f"{verdict} (restored / corrupted smooth-L1 per seed: {ratios})"
-
-
 def _git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -85,110 +65,233 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def plots(results: list[dict], summary: dict, figures: Path) -> list[str]:
-    """Loss curves (seed 0) and accuracy bars; [] without matplotlib (`pip install -e .[study]`)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    written = []
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in results:
-        if r["seed"] == min(summary[r["entry"]]["seeds"]) and r.get("loss_curve"):
-            steps, losses = zip(*r["loss_curve"])
-            ax.plot(steps, losses, label=r["label"])
-    ax.set(xlabel="optimizer step", ylabel="pretraining loss (each method's own)", yscale="log")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(figures / "loss_curves.png", dpi=120)
-    written.append("loss_curves.png")
-    fig, ax = plt.subplots(figsize=(9, 4))
-    names = list(summary)
-    width = 0.27
-    for i, (key, title) in enumerate(METRICS):
-        means = [summary[n][key][0] if key in summary[n] else 0.0 for n in names]
-        lo = [summary[n][key][0] - summary[n][key][1] if key in summary[n] else 0.0 for n in names]
-        hi = [summary[n][key][2] - summary[n][key][0] if key in summary[n] else 0.0 for n in names]
-        ax.bar([j + (i - 1) * width for j in range(len(names))], means, width, yerr=[lo, hi], label=title, capsize=2)
-    ax.set_xticks(range(len(names)), [summary[n]["label"] for n in names], rotation=30, ha="right", fontsize=7)
-    lows = [summary[n][k][1] for n in names for k, _ in METRICS if k in summary[n]]
-    ax.set(ylabel="test top-1 (%)", ylim=(max(0.0, min(lows) - 5), 100) if lows else None)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(figures / "accuracy.png", dpi=120)
-    written.append("accuracy.png")
-    return written
-
-
-def method_figures(out: Path, summary: dict, figures: Path) -> list[tuple[str, str]]:
-    """(caption, file) of each method's own last-step PNGs from its first seed's pretraining run."""
-    found = []
-    for name, row in summary.items():
-        vis = out / name / f"seed{row['seeds'][0]}" / "pretrain" / "vis"
-        if not vis.is_dir():
-            continue
-        latest: dict[str, Path] = {}
-        for png in sorted(vis.glob("*_step*.png")):
-            latest[png.name.rsplit("_step", 1)[0]] = png  # the last step of each kind
-        for kind, png in latest.items():
-            target = f"{name}_{kind}.png"
-            shutil.copyfile(png, figures / target)
-            found.append((f"{row['label']}: {kind.replace('_', ' ')}", target))
-    return found
-
-
-def write_report(results: list[dict], out: Path, report: Path, discussion: Path | None = None) -> None:
-    """docs/RESULTS.md; `discussion` (hand-written, about the committed run) is included verbatim."""
-    summary = summarize(results)
-    figures = report.parent / "figures"
+def collect(runs: Path, summaries: Path, figures: Path) -> None:
+    """Every finished run under `runs` (<entry>/seed<k>/result.json) into summaries/<entry>_seed<k>.json,
+    with its objective's options and the commit that trained it; its last figures into `figures`."""
+    summaries.mkdir(parents=True, exist_ok=True)
     figures.mkdir(parents=True, exist_ok=True)
-    budget = results[0]["budget"]
-    seeds = sorted({r["seed"] for r in results})
-    lines = [
-        "# Fashion-MNIST study: every method on the mini ViT",
-        "",
-        f"Generated by `make study` (experiments/fashion_mnist/study.py, report.py) at commit {_git_commit()}; device "
-        f"{results[0]['device']} ({results[0]['torch_threads']} threads); seeds {seeds}. Budget per method: "
-        f"pretraining on {budget['pretrain_samples']} of the 60k training images, then "
-        f"{budget['finetune_epochs']:g} fine-tuning epoch(s) of {budget['finetune_samples']} images. "
-        "Test split top-1 (%): mean over seeds, (min-max) in brackets. kNN (k = 20, cosine, weighted) and "
-        "linear probe on frozen features (cls token; energy: patch mean); fine-tuning: the MAE protocol "
-        "shrunk to the mini ViT (experiments/fashion_mnist/study.py says how; its one changed setting, blr "
-        f"{FINETUNE_BLR:g}, was chosen on MAE's fine-tuning training loss). Nothing was tuned on the test split.",
-        "",
-        "| method | kNN | linear | fine-tune | pretraining (s) | images/s | fine-tuning (s) |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    for done in sorted(runs.glob("*/seed*/result.json")):
+        result, meta = json.loads(done.read_text()), {}
+        pretrain = done.parent / "pretrain"
+        if (pretrain / "config.json").is_file():
+            config = json.loads((pretrain / "config.json").read_text())
+            meta = json.loads((pretrain / "meta.json").read_text())
+            result["objective_config"] = config.get(config["objective"], {})
+            result["trained_at"] = meta.get("code", {}).get("git_commit") or meta.get("git", {}).get("commit", "unknown")
+            result["torch_version"] = meta.get("torch", "unknown")
+            result["steps_per_epoch"] = meta["steps_per_epoch"]
+            if result["seed"] == 0:
+                copy_method_figures(pretrain / "vis", result["entry"], figures)
+        rows = result.get("metrics", [])
+        zero = {k for m in rows for k in m if k.startswith("data_")} - {k for m in rows for k, v in m.items() if v}
+        result["metrics"] = [{k: v for k, v in m.items() if k not in zero} for m in rows]  # no all-zero data counters
+        speeds = [m["images_per_s"] for m in rows if "images_per_s" in m]
+        if speeds:  # the median window: before the loop's fix (runs at f759f35) a window holding a save over-counted
+            result["pretrain_images_per_s"] = round(statistics.median(speeds), 1)
+        step_times = [m["step_time"] for m in rows if "step_time" in m]
+        if step_times and "total_steps" in meta:  # the run's compute, also for runs resumed across sessions
+            result["pretrain_minutes"] = round(statistics.median(step_times) * meta["total_steps"] / 60, 1)
+        (summaries / f"{result['entry']}_seed{result['seed']}.json").write_text(json.dumps(result, indent=1))
+
+
+def copy_method_figures(vis: Path, entry: str, figures: Path) -> None:
+    """The last step's PNG of each kind a run drew (reconstructions, attention, masks, restorations)."""
+    latest: dict[str, Path] = {}
+    for png in sorted(vis.glob("*_step*.png")):
+        latest[png.name.rsplit("_step", 1)[0]] = png
+    for kind, png in latest.items():
+        shutil.copyfile(png, figures / f"{entry}_{kind}.png")
+
+
+def load(summaries: Path, order: list[str]) -> list[dict]:
+    """The run summaries of a folder, in the study's entry order, then by seed."""
+    results = [json.loads(p.read_text()) for p in summaries.glob("*_seed*.json")]
+    rank = {name: i for i, name in enumerate(order)}
+    return sorted(results, key=lambda r: (rank.get(r["entry"], len(rank)), r["seed"]))
+
+
+def epoch_curves(summary: dict) -> dict[str, dict]:
+    """{label: {metric: [(pretraining images, mean top-1), ...]}} for entries with earlier epochs
+    evaluated; the random-init control is every curve's point at 0 images."""
+    start = summary.get("random_init", {})
+    curves = {}
     for name, row in summary.items():
+        epochs = sorted({int(k.split("@")[1]) for k in row if "@" in k})
+        if not epochs:
+            continue
+        images = row["pretrain_images"]
+        final = images / row["pretrain_epochs"]
+        curves[row["label"]] = {
+            key: ([(0, start[key][0])] if key in start else []) +
+                 [(e * final, row[f"{key}@{e}"][0]) for e in epochs if f"{key}@{e}" in row] +
+                 ([(images, row[key][0])] if key in row else [])
+            for key, _ in METRICS[:2]}
+    return curves
+
+
+def table(summary: dict) -> list[str]:
+    """The main table. Pretraining minutes: the median logged step time x the run's steps where the
+    run summary has them (the compute, comparable when a run was resumed in another session),
+    else the measured wall-clock; fine-tuning: wall-clock including its start-up and evaluation."""
+    lines = ["| method | kNN | linear | fine-tune | pretraining (min) | images/s | fine-tuning (min) |",
+             "|---|---|---|---|---|---|---|"]
+    for row in summary.values():
+        minutes = {k: tuple(v / 60 for v in row[k][:3]) + (row[k][3],) for k in ("pretrain_seconds", "finetune_seconds")
+                   if k in row}
+        if "pretrain_minutes" in row:
+            minutes["pretrain_seconds"] = row["pretrain_minutes"]
         lines.append(f"| {row['label']} | " + " | ".join(_cell(row.get(k)) for k, _ in METRICS) +
-                     f" | {_cell(row.get('pretrain_seconds'), 0)} | {_cell(row.get('pretrain_images_per_s'), 0)}"
-                     f" | {_cell(row.get('finetune_seconds'), 0)} |")
+                     f" | {_cell(minutes.get('pretrain_seconds'), 1)} | {_cell(row.get('pretrain_images_per_s'), 0)}"
+                     f" | {_cell(minutes.get('finetune_seconds'), 1)} |")
     lines += [f"| raw pixels ({name}) | {value if 'NN' in name else '-'} | {value if 'NN' not in name else '-'} "
               f"| - | - | - | - |" for name, value in RAW_PIXELS.items()]
     for row in summary.values():  # objectives with their own classifier (MLO-MAE)
         if "level2_head_top1" in row:
             lines += ["", f"{row['label']}'s own level-II head (trained during pretraining on its D_tr split): "
                           f"{_cell(row['level2_head_top1'])} on the test split."]
-    lines += ["", "## The papers' claims at this scale", "", "| claim | compared on | outcome |", "|---|---|---|"]
-    for better, worse, metric, claim in CLAIMS:
-        lines.append(f"| {claim} | {dict(METRICS)[metric]} | {judge(summary, better, worse, metric)} |")
-    lines.append("| Energy paper: gradient descent on the learned energy restores corrupted images | smooth-L1 to the "
-                 f"original, last logged training steps | {judge_restoration([r for r in results if r['entry'] == 'energy'])} |")
-    lines += ["", "A claim holds when the means are ordered as the paper says by more than the spread (max - min "
-                  "over seeds) of either side, is contradicted when reversed by more than it, and is otherwise "
-                  "within the spread. The energy restorations are also shown in the figure below (rows: corrupted, "
-                  "step 1, last step, original)."]
+    return lines
+
+
+def epoch_table(summary: dict) -> list[str]:
+    """kNN / linear at each evaluated epoch and at the end (mean over seeds)."""
+    rows = {n: r for n, r in summary.items() if any("@" in k for k in r)}
+    if not rows:
+        return []
+    epochs = sorted({int(k.split("@")[1]) for r in rows.values() for k in r if "@" in k})
+    last = f"{max(r['pretrain_epochs'] for r in rows.values()):g}"
+    cols = [*epochs, last]
+    lines = ["", "## Accuracy against pretraining", "",
+             "Frozen features of the checkpoints kept at the end of each listed epoch (the same run: its learning rate "
+             "had not finished its schedule there); epoch 0 is the random-init control.", "",
+             "| method | " + " | ".join(f"kNN @{e}" for e in [0, *cols]) + " | " +
+             " | ".join(f"linear @{e}" for e in [0, *cols]) + " |", "|---|" + "---|" * (2 * len(cols) + 2)]
+    start = summary.get("random_init", {})
+    for row in rows.values():
+        cells = []
+        for key, _ in METRICS[:2]:
+            cells.append(_cell(start.get(key)))
+            cells += [_cell(row.get(f"{key}@{e}")) for e in epochs] + [_cell(row.get(key))]
+        lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def claim_lines(summary: dict, results: list[dict], ablation: list[dict] | None) -> list[str]:
+    lines = ["", "## The papers' claims at this scale", "", "| claim | compared on | outcome |", "|---|---|---|"]
+    for c in claims.MAIN:
+        lines.append(f"| {c.claim} | {claims.METRIC_NAMES[c.metric]} | {claims.judge(summary, c)} |")
+    by_entry = {e: [r for r in results if r["entry"] == e] for e in ("mixedae", "adpe", "energy")}
+    eps = {r["entry"]: r.get("objective_config", {}).get("adv_eps") for r in by_entry["adpe"]}
+    lines += [
+        f"| MixedAE paper (Fig. 6): TopK sampling accuracy rises over training (about 0.8 at ImageNet scale) | "
+        f"first vs last 5 logged steps | {claims.topk_rises(by_entry['mixedae'])} |",
+        f"| AdPE paper: the adversary's perturbation (how far it gets toward epsilon) | largest logged offset at the "
+        f"end | {claims.adversary_reach(by_entry['adpe'], eps.get('adpe') or float('nan'))} |",
+        f"| Energy paper: restoration improves with the number of gradient steps N | smooth-L1 to the original, "
+        f"last 5 logged steps | {claims.restoration_by_steps(by_entry['energy'])} |",
+    ]
+    if ablation:
+        ab = summarize(ablation)
+        budget = ablation[0]["budget"]
+        lines += ["", f"MixedAE's Table A4 ablations, at a reduced budget ({budget['pretrain_samples']} pretraining "
+                      f"images, the ablation preset; MAE, MixedAE and random init rerun at that budget):", "",
+                  "| claim | compared on | outcome |", "|---|---|---|"]
+        lines += [f"| {c.claim} | {claims.METRIC_NAMES[c.metric]} | {claims.judge(ab, c)} |" for c in claims.ABLATION]
+        lines += ["", *table(ab)]
+    lines += ["", claims.__doc__.strip().split("\n\n", 1)[1].replace("\n", " ")]
+    return lines
+
+
+def figure_lines(results: list[dict], summary: dict, figures: Path, link: str) -> list[str]:
+    """Draw the figures (when matplotlib is installed) and link them with each method's own."""
+    drawn: list[str] = []
+    plt = plots.pyplot()
+    if plt is not None:
+        eps = {r["entry"]: r["objective_config"]["adv_eps"] for r in results
+               if r.get("objective_config", {}).get("adversary", "none") != "none"}
+        drawn = [n for n in (
+            plots.loss_curves(plt, results, figures), plots.accuracy_bars(plt, summary, figures),
+            plots.accuracy_vs_images(plt, epoch_curves(summary), figures),
+            plots.over_training(plt, results, figures, r"topk_acc", "TopK sampling accuracy (mean over blocks)",
+                                "topk_accuracy.png"),
+            plots.over_training(plt, results, figures, r"adv_.*", "largest adversarial offset / epsilon",
+                                "adversary.png", eps)) if n]
+    own = [(f"{row['label']}: {png.stem.removeprefix(name + '_').replace('_', ' ')}", png.name)
+           for name, row in summary.items() for png in sorted(figures.glob(f"{name}_*.png"))
+           if not any(png.stem.startswith(f"{other}_") and len(other) > len(name) for other in summary)]
+    if not drawn and not own:
+        return []
+    lines = ["", "## Figures", ""]
+    lines += [line for name in drawn for line in (f"![{name}]({link}/{name})", "")]
+    lines += [line for caption, name in own for line in (f"**{caption}**", "", f"![{caption}]({link}/{name})", "")]
+    return lines
+
+
+def write_report(results: list[dict], report: Path, figures: Path, discussion: Path | None = None,
+                 ablation: list[dict] | None = None, expected: list[str] = ()) -> None:
+    """The report from the run results; `discussion` (hand-written about the committed run) verbatim;
+    `expected`: the study's entries, those without results listed as still to run."""
+    summary = summarize(results)
+    for row, runs in ((summary[r["entry"]], r) for r in results):
+        row["pretrain_images"] = runs["budget"]["pretrain_samples"]
+        row["pretrain_epochs"] = runs["budget"]["pretrain_samples"] / 60000
+    figures.mkdir(parents=True, exist_ok=True)
+    budget = results[0]["budget"]
+    seeds = sorted({r["seed"] for r in results})
+    trained = sorted({r.get("trained_at", "")[:7] for r in results} - {""})
+    torch_versions = sorted({r.get("torch_version", "") for r in results} - {""})
+    lines = [
+        "# Fashion-MNIST study: every method on the mini ViT", "",
+        f"Written by experiments/fashion_mnist/report.py at commit {_git_commit()} from runs trained at commit(s) "
+        f"{', '.join(trained) or 'unknown'}; device {results[0]['device']} ({results[0]['torch_threads']} threads "
+        f"per run, torch {', '.join(torch_versions) or 'unknown'}); seeds {seeds}. Budget per method: pretraining on {budget['pretrain_samples']} training images "
+        f"({budget['pretrain_samples'] / 60000:g} epochs of the 60k), then {budget['finetune_epochs']:g} "
+        f"fine-tuning epoch(s) of {budget['finetune_samples']} images. Test split top-1 (%): mean over seeds, "
+        "(min-max) in brackets. kNN (k = 20, cosine, weighted) and linear probe on frozen features (cls token; "
+        "energy: patch mean); fine-tuning: the MAE protocol shrunk to the mini ViT (experiments/fashion_mnist/"
+        f"study.py says how; its one changed setting, blr {FINETUNE_BLR:g}, was chosen on MAE's fine-tuning training "
+        "loss). Nothing was tuned on the test split.",
+    ]
+    missing = [e for e in expected if e not in summary]
+    if missing:
+        lines += ["", f"**Still to run:** {', '.join(missing)} (the study resumes them; this report is partial)."]
+    lines += ["", *table(summary), *epoch_table(summary), *claim_lines(summary, results, ablation)]
     if discussion is not None and discussion.is_file():
         lines += ["", discussion.read_text().strip()]
-    plotted = plots(results, summary, figures)
-    own = method_figures(out, summary, figures)
-    if plotted or own:
-        lines += ["", "## Figures", ""]
-    for name in plotted:
-        lines += [f"![{name}](figures/{name})", ""]
-    for caption, name in own:
-        lines += [f"**{caption}**", "", f"![{caption}](figures/{name})", ""]
+    link = figures.relative_to(report.parent).as_posix() if figures.is_relative_to(report.parent) else str(figures)
+    lines += figure_lines(results, summary, figures, link)
     report.write_text("\n".join(lines) + "\n")
+
+
+def paths(preset: str, docs: Path = REPO / "docs") -> dict[str, Path]:
+    """Where a preset's report, hand-written discussion, run summaries and figures live."""
+    suffix = "" if preset == "full" else f"_{preset}"
+    return {"report": docs / f"RESULTS{suffix}.md", "discussion": docs / f"RESULTS{suffix}_discussion.md",
+            "summaries": docs / "study" / preset, "figures": docs / "figures" / (preset if suffix else "")}
+
+
+def publish(preset: str, runs: Path | None, order: list[str], expected: list[str], docs: Path = REPO / "docs") -> Path:
+    """Collect `runs` (when given) into the preset's summaries and write its report; the full
+    study's report also judges the ablation preset's summaries. Returns the report's path."""
+    where = paths(preset, docs)
+    if runs is not None:
+        collect(runs, where["summaries"], where["figures"])
+    results = load(where["summaries"], order)
+    if not results:
+        raise SystemExit(f"no run summaries in {where['summaries']}: pass --runs with the study's run folder")
+    ablation = load(paths("ablation", docs)["summaries"], order) if preset == "full" else None
+    write_report(results, where["report"], where["figures"], where["discussion"], ablation, expected)
+    return where["report"]
+
+
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=list(PRESETS), default="full", help="which study (default %(default)s)")
+    p.add_argument("--runs", type=Path, help="the study's run folder to collect first (default: the summaries only)")
+    a = p.parse_args(argv)
+    report = publish(a.preset, a.runs, list(ENTRIES), PRESETS[a.preset]["entries"])
+    print(f"wrote {report}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

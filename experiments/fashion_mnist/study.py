@@ -1,41 +1,48 @@
-"""The Fashion-MNIST study (`make study`): every method pretrained with the same budget on the
-mini ViT, then evaluated three ways on the test split, over several seeds; docs/RESULTS.md.
+"""The Fashion-MNIST study (`make study`, `make study-full`): every method pretrained with the same
+budget on the mini ViT, then evaluated three ways on the test split, over several seeds.
 
-Per seed, each entry of STUDY (a method's train/configs/<method>/demo.json + one of its variants/):
+Per seed, each entry of entries.STUDY (a method's train/configs/<method>/demo.json + one of its variants/):
   1. pretrain on `--pretrain_samples` of the 60k training images (train/pretrain.py; a fraction of an
-     epoch or whole epochs);
+     epoch or whole epochs, warmup a third of them as the presets); with `--eval_epochs` the
+     checkpoints at those epochs' ends are kept (run.keep_every_epochs) and evaluated too;
   2. weighted kNN (k = 20) and a linear probe on frozen features (train/evaluate.py);
-  3. short fine-tuning: `--finetune_epochs` over `--finetune_samples` training images
+  3. fine-tuning: `--finetune_epochs` over `--finetune_samples` training images
      (train/finetune.py, the MAE protocol shrunk to the mini ViT: AdamW, layer decay 0.75,
      label smoothing, crop + flip; no mixup / RandAugment at 32 px grayscale), top-1 on the test split.
-     blr 5e-3 (peak lr 2.5e-3 at batch 128), not the paper's 5e-4: the schedule is 78 steps, and
+     blr 5e-3 (peak lr 2.5e-3 at batch 128), not the paper's 5e-4: on the quick preset's 78 steps
      with blr 1e-3 MAE's fine-tuning *training* loss still sat at 1.96 (ln 10 = 2.30) at its end,
      1.73 with 5e-3 (seed 0, chosen on that training loss, never on the test split).
 Controls: `random_init` (the same three evaluations of an untrained encoder) and `supervised`
 (the ViT trained from scratch with the fine-tuning recipe on as many images as pretraining and
 fine-tuning see together, in one schedule: the ceiling). Nothing is tuned on the test split: pretraining
 uses the demo presets unchanged, and fine-tuning's one departure (FINETUNE_BLR) was chosen on training loss.
+entries.EXTRA entries run when named: MixedAE's Table A4 ablations (the `ablation` preset) and MLO-MAE with
+unit unroll rates.
 
-Each run lives in runs/study/<entry>/seed<k>/ (pretraining resumes there; a finished entry is
-not run again), its evaluations in result.json; report.py beside this file writes docs/RESULTS.md
-and the figures from them. How a run is evaluated comes from the run itself (common.py): its
-objective's `pool` option (energy: patch mean), its encoder's iRPE (MAE+ / AdPE keep it when
-fine-tuning), its objective's own classifier (MLO-MAE's level-II head, scored on the test split).
+Presets (PRESETS): `quick` (20k pretraining images, 10k fine-tuning images; about 90 minutes for
+seeds 0 and 1 on a 2-core CPU) -> docs/RESULTS_quick.md; `full` (10 epochs, frozen features also
+at epochs 1 and 3, fine-tuning on all 60k images) -> docs/RESULTS.md; `ablation` (3 epochs) ->
+docs/RESULTS_ablation.md and a section of docs/RESULTS.md. Each run lives in
+runs/study[_<preset>]/<entry>/seed<k>/ (pretraining resumes there; a finished entry is not run
+again), its evaluations in result.json; report.py beside this file collects them into run
+summaries (docs/study/<preset>/) and writes the report and figures. How a run is evaluated comes
+from the run itself (common.py): its objective's `pool` option (energy: patch mean), its encoder's
+iRPE (MAE+ / AdPE keep it when fine-tuning), its objective's own classifier (MLO-MAE's level-II
+head, scored on the test split). A GPU runs the same commands unchanged.
 
-The defaults (20k pretraining images, 10k fine-tuning images, seeds 0 and 1) take about 90 minutes
-on a 2-core CPU; a GPU runs the same command unchanged.
-
-    python -m experiments.fashion_mnist.study [--seeds 0,1] [--pretrain_samples 20000] [--finetune_samples 10000] \\
-        [--only mae,mixedae]
+    python -m experiments.fashion_mnist.study [--preset quick|full|ablation] [--seeds 0,1] [--jobs 2] \\
+        [--only mae,mixedae] [--pretrain_samples N] [--finetune_samples N] [--eval_epochs 1,3]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -52,7 +59,8 @@ from experiments.fashion_mnist.common import (
     has_classifier,
     presets,
 )
-from experiments.fashion_mnist.report import write_report
+from experiments.fashion_mnist.entries import ENTRIES, PRESETS, Entry
+from experiments.fashion_mnist.report import publish, write_report
 from train.checkpoint import tag_for
 from train.evaluate import DecodedSet, decode_all, evaluate, load_encoder
 from train.export import export_checkpoint
@@ -60,48 +68,6 @@ from train.run_dir import read_metrics
 
 EVAL_SIZE = 32  # every encoder is evaluated and fine-tuned at the mini ViT's 32 px (MAE+ pretrains on 16 px crops)
 CKPT_EVERY = 100  # pretraining steps between checkpoints: a killed run loses at most this many (energy: ~4 min)
-
-
-@dataclass(frozen=True)
-class Entry:
-    label: str  # as the tables say it
-    method: str = ""  # a registered objective with a demo preset; "": no pretraining (a control)
-    variant: str = ""  # one of train/configs/<method>/variants/, over the demo preset
-
-
-# The study's design: which methods and variants it compares, and the labels of its tables. The
-# paper claims report.py checks name these entries.
-STUDY = {
-    "mae": Entry("MAE", "mae"),
-    "mixedae": Entry("MixedAE", "mixedae"),
-    "mixedae_naive": Entry("MixedAE naive mixing", "mixedae", "naive_mixing"),
-    "maeplus": Entry("MAE+ (RPE)", "maeplus", "maeplus_rpe"),
-    "adpe": Entry("AdPE (RPE-coord, default)", "maeplus", "rpe_coord"),
-    "mlomae": Entry("MLO-MAE", "mlomae"),
-    "energy": Entry("Energy (mixture)", "energy"),
-    "random_init": Entry("random init (control)"),
-    "supervised": Entry("supervised from scratch (ceiling)"),
-}
-# Run only when named (--only): the MixedAE ablations of its Table A4 and MLO-MAE's unit unroll rates.
-EXTRA = {
-    "mixedae_homocon_only": Entry("MixedAE: HomoCon alone", "mixedae", "homocon_only"),
-    "mixedae_no_segment": Entry("MixedAE without segment embeddings", "mixedae", "without_segment_embeddings"),
-    "mixedae_without_mixing": Entry("MixedAE without mixing", "mixedae", "without_mixing"),
-    "mixedae_masked_sa": Entry("MixedAE: masked self-attention", "mixedae", "masked_self_attention"),
-    "mlomae_unit": Entry("MLO-MAE, unit unroll rates", "mlomae", "unit_unroll_lr"),
-}
-ENTRIES = STUDY | EXTRA
-
-# Budgets by name (`--preset`): the quick one-third-epoch study (`make study`), the deciding
-# 10-epoch study (`make study-full`, issue 28) and the reduced budget of the MixedAE ablations.
-PRESETS = {
-    "quick": {"pretrain_samples": 20000, "finetune_epochs": 1.0, "finetune_samples": 10000, "eval_epochs": "",
-              "out": "runs/study", "report": "docs/RESULTS_quick.md"},
-    "full": {"pretrain_samples": 600000, "finetune_epochs": 1.0, "finetune_samples": 60000, "eval_epochs": "1,3",
-             "out": "runs/study_full", "report": "docs/RESULTS.md"},
-    "ablation": {"pretrain_samples": 180000, "finetune_epochs": 1.0, "finetune_samples": 60000, "eval_epochs": "1",
-                 "out": "runs/study_ablation", "report": "docs/RESULTS_ablation.md"},
-}
 
 
 def _run(cmd: list[str]) -> float:
@@ -124,15 +90,6 @@ def _timed(run: Path, cmd: list[str]) -> float:
     return json.loads(record.read_text())["seconds"] if record.is_file() else float("nan")
 
 
-def restoration(rows: list[dict]) -> dict:
-    """Energy: smooth-L1 to the original of the corrupted input and of the last restoration step,
-    mean over the last 5 logged steps (the restoration claim, measured on training batches)."""
-    last = rows[-5:]
-    final = max(k for k in last[-1] if k.startswith("loss_step"))
-    return {"corrupted_l1": sum(r["corrupted_l1"] for r in last) / len(last),
-            "restored_l1": sum(r[final] for r in last) / len(last)}
-
-
 def pretrain(entry: Entry, run: Path, seed: int, epochs: float, train: Path, test: Path, n_train: int,
              keep_epochs: bool) -> dict:
     """Pretrain (resuming in `run`); with `keep_epochs` every epoch's checkpoint stays for epoch_encoders."""
@@ -149,9 +106,8 @@ def pretrain(entry: Entry, run: Path, seed: int, epochs: float, train: Path, tes
     seconds = _timed(run, cmd)
     rows = [r for r in read_metrics(run) if "loss" in r]
     return {"pretrain_seconds": round(seconds, 1), "loss_curve": [(r["step"], r["loss"]) for r in rows],
-            "pretrain_images_per_s": round(sum(r["images_per_s"] for r in rows) / len(rows), 1),
-            "metrics": [{k: v for k, v in r.items() if isinstance(v, (int, float))} for r in rows],
-            **(restoration(rows) if "corrupted_l1" in rows[-1] else {})}
+            "pretrain_images_per_s": round(statistics.median(r["images_per_s"] for r in rows), 1),
+            "metrics": [{k: v for k, v in r.items() if isinstance(v, (int, float))} for r in rows]}
 
 
 def epoch_encoders(run: Path, epochs: list[int]) -> dict[int, Path]:
@@ -183,7 +139,7 @@ def finetune(run: Path, seed: int, epochs: float, samples: int, train: Path, tes
     seconds = _timed(run, cmd)
     rows = [r for r in read_metrics(run) if "loss" in r]
     return {"finetune_top1": json.loads((run / "eval.json").read_text())["eval_top1"], "finetune_seconds": round(seconds, 1),
-            "finetune_images_per_s": round(sum(r["images_per_s"] for r in rows) / len(rows), 1)}
+            "finetune_images_per_s": round(statistics.median(r["images_per_s"] for r in rows), 1)}
 
 
 class Decoded:
@@ -248,6 +204,33 @@ def run_entry(name: str, seed: int, a, train: Path, test: Path, decoded: Decoded
 
 D = " (default: %(default)s)"  # argparse fills in each option's default
 
+
+def run_parallel(a, work: list[tuple[int, str]]) -> list[dict]:
+    """Every (seed, entry) as its own study process, `a.jobs` at a time, each with cores / jobs
+    OpenMP threads (on the 2-core CPU two 1-thread runs train MAE at 600 images/s together, one
+    2-thread run at 500); output in <out>/<entry>/seed<k>/study.log. Entries are taken in the
+    order given: put the longest first. Exits naming the entries that failed, after the rest ran."""
+    threads = max(1, (os.cpu_count() or 1) // a.jobs)
+    budget = [*(["--shards", str(a.shards)] if a.shards else []), "--pretrain_samples", str(a.pretrain_samples), "--finetune_epochs", str(a.finetune_epochs),
+              "--finetune_samples", str(a.finetune_samples), "--eval_epochs", ",".join(map(str, a.eval_epochs))]
+
+    def one(seed: int, name: str) -> int:
+        log = a.out / name / f"seed{seed}" / "study.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "experiments.fashion_mnist.study", "--preset", a.preset, *budget, "--seeds",
+               str(seed), "--only", name, "--out", str(a.out), "--no_report"]
+        print(f"[study] {name} seed {seed} ({threads} threads; log {log})", flush=True)
+        with log.open("a") as f:
+            return subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                  env={**cpu_training_env(), "OMP_NUM_THREADS": str(threads)}).returncode
+
+    with ThreadPoolExecutor(a.jobs) as pool:
+        codes = list(pool.map(lambda w: one(*w), work))
+    failed = [f"{name} seed {seed}" for (seed, name), code in zip(work, codes) if code]
+    if failed:
+        sys.exit(f"[study] failed: {', '.join(failed)}; see study.log in their run folders")
+    return [json.loads((a.out / name / f"seed{seed}" / "result.json").read_text()) for seed, name in work]
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=list(PRESETS), default="quick",
@@ -259,20 +242,37 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--finetune_samples", type=int, help="training images per fine-tuning epoch")
     p.add_argument("--eval_epochs", help="comma-separated earlier epochs whose checkpoints are also evaluated "
                                          "(kNN and linear probe; whole-epoch budgets)")
-    p.add_argument("--only", default="", help="comma-separated entries (default: all of " + ", ".join(STUDY) +
-                   "; also " + ", ".join(EXTRA) + ")")
-    p.add_argument("--out", type=Path, help="run folders")
-    p.add_argument("--report", type=Path, help="the report written from the results")
+    p.add_argument("--only", default="", help="comma-separated entries (default: the preset's; any of " +
+                   ", ".join(ENTRIES) + ")")
+    p.add_argument("--no_report", action="store_true",
+                   help="write no report (--jobs runs each entry this way; the first process writes it)")
+    p.add_argument("--shards", type=Path, help="a folder with Fashion-MNIST's train.json and test.json shard "
+                   "indexes (default: runs/shards/fashion_mnist, written on first use)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="entries run side by side, each a process with cores / jobs threads" + D)
+    p.add_argument("--out", type=Path, help="run folders (default: runs/study for quick, else runs/study_<preset>)")
+    p.add_argument("--report", type=Path, help="write the report of this call's results here (default: the "
+                   "preset's docs/RESULTS*.md from every finished run in --out, with its run summaries)")
     a = p.parse_args(argv)
-    for key, value in PRESETS[a.preset].items():
+    preset = PRESETS[a.preset]
+    for key in ("pretrain_samples", "finetune_epochs", "finetune_samples", "eval_epochs"):
         if getattr(a, key) is None:
-            setattr(a, key, REPO / value if key in ("out", "report") else value)
+            setattr(a, key, preset[key])
+    a.out = a.out or REPO / "runs" / ("study" if a.preset == "quick" else f"study_{a.preset}")
     a.eval_epochs = [int(k) for k in str(a.eval_epochs).split(",") if k]
-    names = [n for n in a.only.split(",") if n] or list(STUDY)
+    if a.jobs < 1:
+        p.error(f"--jobs {a.jobs}: give 1 or more")
+    names = [n for n in a.only.split(",") if n] or preset["entries"]
     unknown = sorted(set(names) - set(ENTRIES))
     if unknown:
         p.error(f"unknown entries {unknown}; choose from {list(ENTRIES)}")
-    train, test = fashion_mnist_shards()
+    if a.shards is None:
+        train, test = fashion_mnist_shards()
+    else:
+        train, test = a.shards / "train.json", a.shards / "test.json"
+        if not (train.is_file() and test.is_file()):
+            p.error(f"--shards {a.shards}: no train.json and test.json there (python -m data.write_shards "
+                    "fashion-mnist DIR writes them)")
     decoded = Decoded(ShardSet.from_index(train), ShardSet.from_index(test))
     n_train = decoded.train_set.num_samples
     if a.pretrain_samples <= 0 or (a.pretrain_samples > n_train and a.pretrain_samples % n_train):
@@ -281,13 +281,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.eval_epochs and (epochs != int(epochs) or not all(0 < k < epochs for k in a.eval_epochs)):
         p.error(f"--eval_epochs {a.eval_epochs}: give whole epochs before the last of a whole-epoch budget "
                 f"(--pretrain_samples {a.pretrain_samples} is {epochs:g} epochs)")
-    results = []
-    for seed in (int(s) for s in a.seeds.split(",")):
-        for name in names:
-            print(f"[study] {name} seed {seed}", flush=True)
-            results.append(run_entry(name, seed, a, train, test, decoded))
-    write_report(results, a.out, a.report, a.report.parent / "study_discussion.md")
-    print(f"[study] wrote {a.report}")
+    seeds = [int(s) for s in a.seeds.split(",")]
+    if a.jobs > 1:
+        results = run_parallel(a, [(seed, name) for seed in seeds for name in names])
+    else:
+        results = []
+        for seed in seeds:
+            for name in names:
+                print(f"[study] {name} seed {seed}", flush=True)
+                results.append(run_entry(name, seed, a, train, test, decoded))
+    if a.no_report:
+        return results
+    if a.report is not None:
+        write_report(results, a.report, a.report.parent / "figures")
+        report = a.report
+    else:
+        report = publish(a.preset, a.out, list(ENTRIES), preset["entries"])
+    print(f"[study] wrote {report}")
     return results
 
 

@@ -136,3 +136,31 @@ def test_fp16_loss_scale_collapse_is_reported_as_such(monkeypatch):
     # with a streak limit below the collapse, the streak stops it first and names the scale
     with pytest.raises(NonFiniteError, match=r"2 consecutive optimizer steps \(1-2\).*fp16 loss scale is 2"):
         _run_fake(FakeFp16Engine(init_scale=8), limit=2)
+
+
+def test_checkpoint_time_inside_a_log_window_is_left_out_of_throughput(monkeypatch):
+    """A checkpoint mid-window (ckpt_every 3, log_every 4): images/s counts the window's 4 steps
+    over their own time, without the save's; a fake clock where each step takes 1 s and the save 10 s."""
+    import train.loop as loop
+
+    clock = [0.0]
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
+
+    class Engine(FakeFp16Engine):
+        def __call__(self, batch):
+            clock[0] += 1.0
+            return {"loss": self.module(batch["image"]).sum()}
+
+        def fp16_enabled(self):
+            return False
+
+    def save(step):
+        clock[0] += 10.0
+
+    logged = {}
+    data = iter(lambda: {"image": torch.ones(4, 2)}, None)
+    settings = LoopSettings(8, log_every=4, ckpt_every=3, global_batch=4)
+    run(Engine(init_scale=8), data, settings, LoopState(0), torch.device("cpu"), torch.float32,
+        lambda step, metrics: logged.update({step: metrics}), save)
+    assert [logged[s]["step_time"] for s in (4, 8)] == [1.0, 1.0]
+    assert logged[4]["images_per_s"] == 4.0

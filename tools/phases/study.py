@@ -63,15 +63,11 @@ def run(check: Check, a) -> None:
     import experiments.fashion_mnist.study as study_module
 
     drop_process_group_env()  # the study's subprocesses must not join this process's group (its port is taken)
-    original = study_module.fashion_mnist_shards
-    study_module.fashion_mnist_shards = lambda: (shards / "train.json", shards / "test.json")
     out = check.work / "runs"
-    try:
-        for entry in entries:  # one entry per call, so the budget can stop between them
-            check.item(entry, est, lambda e=entry: compact(study_module.main(
-                [*options, "--only", e, "--out", str(out), "--report", str(check.work / "RESULTS.md")])[-1]))
-    finally:
-        study_module.fashion_mnist_shards = original
+    for entry in entries:  # one entry per call, so the budget can stop between them
+        check.item(entry, est, lambda e=entry: compact(study_module.main(
+            [*options, "--shards", str(shards), "--only", e, "--out", str(out),
+             "--report", str(check.work / "RESULTS.md")])[-1]))
     keys = ("knn_top1", "linear_probe_top1", "finetune_top1", "pretrain_images_per_s", "pretrain_seconds")
     summary["entries"] = {k: {f: v.get(f) for f in keys} for k, v in check.record["items"].items() if k != "shards"
                           and "skipped" not in v and "error" not in v}

@@ -14,7 +14,7 @@ from experiments.fashion_mnist.common import (
     presets,
     variants,
 )
-from experiments.fashion_mnist.study import STUDY
+from experiments.fashion_mnist.entries import STUDY
 from model.objectives import list_objectives
 from train.config import parse_args, to_dict
 

@@ -1,79 +1,114 @@
-"""docs/RESULTS.md from per-run results: mean and range over seeds, the claims judged against the
-spread, each method's own figures copied (experiments/fashion_mnist/report.py)."""
+"""The study's report from per-run results (experiments/fashion_mnist/report.py): mean and range over
+seeds, accuracy against pretraining at the kept epochs, the claims, run summaries collected from
+run folders and written again without them, each method's own figures."""
+import json
+
 import pytest
 
-from experiments.fashion_mnist.report import judge, judge_restoration, summarize, write_report
-from experiments.fashion_mnist.study import restoration
+from experiments.fashion_mnist.report import epoch_curves, load, paths, publish, summarize, write_report
+
+BUDGET = {"pretrain_samples": 180000, "finetune_epochs": 1, "finetune_samples": 60000, "eval_epochs": [1]}
 
 
 def _result(entry, seed, knn, linear, finetune, **extra):
     return {"entry": entry, "label": entry.upper(), "seed": seed, "knn_top1": knn, "linear_probe_top1": linear,
-            "finetune_top1": finetune, "pretrain_seconds": 100.0 + seed, "pretrain_images_per_s": 500.0,
-            "finetune_seconds": 10.0, "loss_curve": [(1, 1.0), (2, 0.5)], "device": "cpu", "torch_threads": 2,
-            "budget": {"pretrain_samples": 20000, "finetune_epochs": 1, "finetune_samples": 10000}, **extra}
+            "finetune_top1": finetune, "pretrain_seconds": 120.0 + 60 * seed, "pretrain_images_per_s": 500.0,
+            "finetune_seconds": 30.0, "loss_curve": [(1, 1.0), (2, 0.5)], "device": "cpu", "torch_threads": 1,
+            "budget": BUDGET, **extra}
 
 
 RESULTS = [
-    _result("mae", 0, 70.0, 78.0, 85.0), _result("mae", 1, 72.0, 80.0, 87.0),
-    _result("mixedae", 0, 71.0, 79.0, 90.0), _result("mixedae", 1, 71.0, 79.0, 91.0),  # fine-tune: clearly above
-    _result("mixedae_naive", 0, 60.0, 70.0, 86.0), _result("mixedae_naive", 1, 60.0, 70.0, 86.5),  # inside MAE's range
+    _result("mae", 0, 70.0, 78.0, 85.0, at_epochs={"1": {"knn_top1": 60.0, "linear_probe_top1": 70.0}}),
+    _result("mae", 1, 72.0, 80.0, 87.0, at_epochs={"1": {"knn_top1": 62.0, "linear_probe_top1": 71.0}}),
+    _result("mixedae", 0, 71.0, 79.0, 90.0), _result("mixedae", 1, 71.0, 79.0, 91.0),
     _result("mlomae", 0, 60.0, 70.0, 80.0, level2_head_top1=75.0), _result("mlomae", 1, 60.0, 72.0, 80.0),
-    _result("energy", 0, 50.0, 60.0, 70.0, corrupted_l1=0.5, restored_l1=0.4),
-    _result("energy", 1, 50.0, 60.0, 70.0, corrupted_l1=0.5, restored_l1=0.45),
+    _result("random_init", 0, 50.0, 55.0, 60.0), _result("random_init", 1, 52.0, 57.0, 62.0),
 ]
 
 
-def test_summary_means_and_ranges_over_seeds():
+def test_summary_means_ranges_and_earlier_epochs():
     s = summarize(RESULTS)
-    assert list(s) == ["mae", "mixedae", "mixedae_naive", "mlomae", "energy"]  # first-seen order
+    assert list(s) == ["mae", "mixedae", "mlomae", "random_init"]  # first-seen order
     assert s["mae"]["knn_top1"] == (71.0, 70.0, 72.0, 2)
-    assert s["mae"]["pretrain_seconds"] == (100.5, 100.0, 101.0, 2)
+    assert s["mae"]["knn_top1@1"] == (61.0, 60.0, 62.0, 2)
+    assert s["mae"]["pretrain_seconds"] == (150.0, 120.0, 180.0, 2)
     assert s["mlomae"]["level2_head_top1"] == (75.0, 75.0, 75.0, 1)  # only where it was measured
 
 
-def test_claims_are_judged_against_the_spread():
+def test_accuracy_against_pretraining_starts_at_random_init():
     s = summarize(RESULTS)
-    assert judge(s, "mixedae", "mae", "finetune_top1") == "holds"  # 90.5 vs 86: gap 4.5 > spread 2
-    assert judge(s, "mae", "mixedae_naive", "finetune_top1") == "within the spread"  # 86 vs 86.25
-    assert judge(s, "mlomae", "mae", "linear_probe_top1") == "contradicted"  # 71 vs 79: reversed by 8 > 2
-    assert judge(s, "adpe", "maeplus", "finetune_top1") == "not measured"
-    one_seed = summarize([r for r in RESULTS if r["seed"] == 0])
-    assert judge(one_seed, "mixedae", "mae", "finetune_top1") == "one seed only (90.00 vs 85.00): not judged"
+    for row in s.values():
+        row["pretrain_images"], row["pretrain_epochs"] = 180000, 3
+    assert epoch_curves(s) == {"MAE": {"knn_top1": [(0, 51.0), (60000, 61.0), (180000, 71.0)],
+                                       "linear_probe_top1": [(0, 56.0), (60000, 70.5), (180000, 79.0)]}}
 
 
-def test_energy_restoration_from_the_last_logged_steps_and_its_verdict():
-    rows = [{"corrupted_l1": 1.0, "loss_step1": 0.9, "loss_step2": 0.9, "loss": 0.9}] * 3 + \
-        [{"corrupted_l1": 0.5, "loss_step1": 0.45, "loss_step2": 0.4, "loss": 0.425}] * 5
-    assert restoration(rows) == {"corrupted_l1": 0.5, "restored_l1": 0.4}  # the last 5 rows, the last step
-    energy = [r for r in RESULTS if r["entry"] == "energy"]
-    assert judge_restoration(energy) == "holds (restored / corrupted smooth-L1 per seed: 0.800, 0.900)"
-    worse = [dict(energy[0], restored_l1=0.55), energy[1]]
-    assert judge_restoration(worse).startswith("contradicted")
-    assert judge_restoration(RESULTS[:2]) == "not measured"
-
-
-def test_report_table_claims_and_method_figures(tmp_path):
-    out = tmp_path / "runs"
-    vis = out / "mae" / "seed0" / "pretrain" / "vis"
-    vis.mkdir(parents=True)
-    for step in (100, 200):
-        (vis / f"mae_reconstruction_step{step:08d}.png").write_bytes(f"png {step}".encode())
-    report = tmp_path / "docs" / "RESULTS.md"
-    discussion = tmp_path / "study_discussion.md"
+def test_report_tables_claims_and_what_is_still_to_run(tmp_path):
+    report = tmp_path / "RESULTS.md"
+    discussion = tmp_path / "discussion.md"
     discussion.write_text("## Discussion\n\nWritten by hand.\n")
-    write_report(RESULTS, out, report, discussion)
+    write_report(RESULTS, report, tmp_path / "figures", discussion, expected=["mae", "mixedae", "energy"])
     text = report.read_text()
-    assert "| MAE | 71.00 (70.00-72.00) | 79.00 (78.00-80.00) | 86.00 (85.00-87.00) | 100 (100-101) | 500 (500-500) |" \
-        in text
+    # minutes for the costs: 120 s and 180 s of pretraining
+    assert "| MAE | 71.00 (70.00-72.00) | 79.00 (78.00-80.00) | 86.00 (85.00-87.00) | 2.5 (2.0-3.0) | 500 (500-500) " \
+           "| 0.5 (0.5-0.5) |" in text
     assert "| raw pixels (logistic regression) | - | 84.5 |" in text and "| raw pixels (5-NN) | 85.5 | - |" in text
+    assert "| kNN @0 | kNN @1 | kNN @3 | linear @0 | linear @1 | linear @3 |" in text
+    assert "| MAE | 51.00 (50.00-52.00) | 61.00 (60.00-62.00) | 71.00 (70.00-72.00) | 56.00 (55.00-57.00) |" in text
     assert "| MixedAE paper: MixedAE improves on MAE | fine-tune | holds |" in text
-    assert "| MLO-MAE paper: learned masks give better linear accuracy than MAE | linear | contradicted |" in text
-    assert "seeds [0, 1]" in text and "device cpu" in text and "pretraining on 20000 of the 60k" in text
-    assert "gradient descent on the learned energy restores corrupted images" in text and "| holds (" in text
+    assert "learned masks give better linear accuracy than MAE | linear | contradicted |" in text
+    assert "**Still to run:** energy" in text
+    assert "seeds [0, 1]" in text and "pretraining on 180000 training images (3 epochs of the 60k)" in text
     assert text.index("## Discussion\n\nWritten by hand.") > text.index("## The papers' claims")
-    copied = tmp_path / "docs" / "figures" / "mae_mae_reconstruction.png"
-    assert copied.read_bytes() == b"png 200"  # the last step's figure
+
+
+def _finished_run(root, entry, seed, result):
+    run = root / entry / f"seed{seed}"
+    (run / "pretrain" / "vis").mkdir(parents=True)
+    (run / "result.json").write_text(json.dumps(result))
+    (run / "pretrain" / "config.json").write_text(json.dumps({"objective": entry, entry: {"adv_eps": 20.0}}))
+    (run / "pretrain" / "meta.json").write_text(json.dumps({"steps_per_epoch": 468, "total_steps": 600, "code": {"git_commit": "abc1234def"},
+                                                                  "torch": "2.14.1"}))
+    for step in (100, 200):
+        (run / "pretrain" / "vis" / f"{entry}_reconstruction_step{step:08d}.png").write_bytes(f"png {step}".encode())
+
+
+def test_collected_summaries_write_the_report_without_the_run_folders(tmp_path):
+    runs, docs = tmp_path / "runs", tmp_path / "docs"
+    windows = [{"step": 50, "images_per_s": 100.0, "step_time": 1.0, "data_skipped_x": 0, "data_converted_y": 0},
+               {"step": 100, "images_per_s": 900.0, "step_time": 0.1, "data_skipped_x": 0, "data_converted_y": 2},
+               {"step": 150, "images_per_s": 300.0, "step_time": 0.3, "data_skipped_x": 0, "data_converted_y": 0}]
+    for r in RESULTS:
+        _finished_run(runs, r["entry"], r["seed"], dict(r, metrics=windows) if r["entry"] == "mae" else r)
+    ablation = [dict(r, entry=f"{r['entry']}") for r in RESULTS]
+    (docs / "study" / "ablation").mkdir(parents=True)
+    for r in ablation:
+        (docs / "study" / "ablation" / f"{r['entry']}_seed{r['seed']}.json").write_text(json.dumps(r))
+    order = ["random_init", "mlomae", "mixedae", "mae"]
+    report = publish("full", runs, order, order, docs)
+    where = paths("full", docs)
+    assert report == docs / "RESULTS.md" and where["figures"] == docs / "figures"
+    summary = json.loads((where["summaries"] / "mae_seed1.json").read_text())
+    assert summary["objective_config"] == {"adv_eps": 20.0} and summary["trained_at"] == "abc1234def"
+    assert summary["pretrain_images_per_s"] == 300.0  # the median window, not the mean (433.3)
+    assert [sorted(m) for m in summary["metrics"]][1] == ["data_converted_y", "images_per_s", "step", "step_time"]
+    assert summary["pretrain_minutes"] == 0.3 * 600 / 60  # median step time x the run's 600 steps
+    assert [(r["entry"], r["seed"]) for r in load(where["summaries"], order)][:3] == \
+        [("random_init", 0), ("random_init", 1), ("mlomae", 0)]
+    assert (where["figures"] / "mae_mae_reconstruction.png").read_bytes() == b"png 200"  # seed 0's last step
+    text = report.read_text()
     assert "![MAE: mae reconstruction](figures/mae_mae_reconstruction.png)" in text
+    assert "from runs trained at commit(s) abc1234" in text and "torch 2.14.1)" in text
+    assert "MixedAE's Table A4 ablations, at a reduced budget (180000 pretraining images" in text
+    # the run folders gone, the committed summaries write the same report
+    import shutil
+
+    shutil.rmtree(runs)
+    first = text
+    assert publish("full", None, order, order, docs).read_text() == first
+    with pytest.raises(SystemExit, match="no run summaries"):
+        publish("quick", None, order, order, docs)
+    assert paths("quick", docs)["figures"] == docs / "figures" / "quick"
 
 
 def test_report_needs_no_plotting_library(tmp_path, monkeypatch):
@@ -87,7 +122,7 @@ def test_report_needs_no_plotting_library(tmp_path, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    write_report(RESULTS, tmp_path / "runs", tmp_path / "RESULTS.md")
+    write_report(RESULTS, tmp_path / "RESULTS.md", tmp_path / "figures")
     assert "loss_curves.png" not in (tmp_path / "RESULTS.md").read_text()
 
 
@@ -95,7 +130,12 @@ def test_plots_when_matplotlib_is_installed(tmp_path):
     pytest.importorskip("matplotlib")  # the `study` extra; not part of the test install
     from PIL import Image
 
-    write_report(RESULTS, tmp_path / "runs", tmp_path / "RESULTS.md")
-    for name in ("loss_curves.png", "accuracy.png"):
+    topk = [{"step": i, "topk_acc": 0.3 + 0.01 * i} for i in range(12)]
+    adv = [{"step": i, "adv_rpe_0": 0.1 * i} for i in range(12)]
+    extra = [_result("mixedae_naive", 0, 70.0, 78.0, 85.0, metrics=topk),
+             _result("adpe", 0, 70.0, 78.0, 85.0, metrics=adv, objective_config={"adversary": "rpe", "adv_eps": 2.0})]
+    write_report(RESULTS + extra, tmp_path / "RESULTS.md", tmp_path / "figures")
+    text = (tmp_path / "RESULTS.md").read_text()
+    for name in ("loss_curves.png", "accuracy.png", "accuracy_vs_images.png", "topk_accuracy.png", "adversary.png"):
         assert Image.open(tmp_path / "figures" / name).size[0] > 500
-        assert f"![{name}](figures/{name})" in (tmp_path / "RESULTS.md").read_text()
+        assert f"![{name}](figures/{name})" in text

@@ -1,0 +1,124 @@
+"""The papers' claims the Fashion-MNIST study can test, each judged from the per-run results
+(study.py's result.json) against the spread over seeds.
+
+A comparison "holds" when the means are ordered as the paper says and the gap is larger than the
+spread (max - min over seeds) of either side, is "contradicted" when reversed by more than it, and
+is "within the spread" otherwise; with a single seed there is no spread and nothing is judged. A
+claim of equality ("about equal") holds when the gap is within the spread. A claim about a curve
+(TopK accuracy rising, restoration improving with N) holds when it does in every seed.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+METRIC_NAMES = {"knn_top1": "kNN", "linear_probe_top1": "linear", "finetune_top1": "fine-tune"}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    claim: str  # the paper's claim, as the report writes it
+    better: str  # the entry the paper puts above (for "about equal": either side)
+    worse: str
+    metric: str  # a key of METRIC_NAMES
+    equal: bool = False  # the paper says the two are about equal
+
+
+# On the main study (both presets). Entries are study.py's names.
+MAIN = (
+    Comparison("MixedAE paper: naive mixing degrades MAE", "mae", "mixedae_naive", "finetune_top1"),
+    Comparison("MixedAE paper: MixedAE improves on MAE", "mixedae", "mae", "finetune_top1"),
+    Comparison("AdPE paper: adversarial positions improve on MAE+", "adpe", "maeplus", "finetune_top1"),
+    Comparison("MLO-MAE paper: learned masks give better linear accuracy than MAE", "mlomae", "mae",
+               "linear_probe_top1"),
+    Comparison("MLO-MAE paper: learned masks give better fine-tuning accuracy than MAE", "mlomae", "mae",
+               "finetune_top1"),
+    Comparison("MLO-MAE paper, unit unroll rates (the official code's form): better linear accuracy than MAE",
+               "mlomae_unit", "mae", "linear_probe_top1"),
+    Comparison("MLO-MAE paper, unit unroll rates (the official code's form): better fine-tuning accuracy than MAE",
+               "mlomae_unit", "mae", "finetune_top1"),
+    *(Comparison(f"Energy paper: pretraining beats random init ({name})", "energy", "random_init", metric)
+      for metric, name in METRIC_NAMES.items()),
+)
+# On the MixedAE ablations of its Table A4 (fine-tuning top-1 there; the ablation preset here).
+ABLATION = (
+    Comparison("MixedAE Table A4b: HomoCon alone fails (below full MixedAE)", "mixedae", "mixedae_homocon_only",
+               "finetune_top1"),
+    Comparison("MixedAE Table A4b: HomoCon alone fails (below random init)", "random_init", "mixedae_homocon_only",
+               "finetune_top1"),
+    Comparison("MixedAE Table A4c: without segment embeddings is worse than MixedAE", "mixedae",
+               "mixedae_no_segment", "finetune_top1"),
+    Comparison("MixedAE Table A4c: without mixing is worse than without segment embeddings", "mixedae_no_segment",
+               "mixedae_without_mixing", "finetune_top1"),
+    Comparison("MixedAE Table A4a: masked self-attention is about equal to MAE", "mixedae_masked_sa", "mae",
+               "finetune_top1", equal=True),
+)
+
+
+def judge(summary: dict, c: Comparison) -> str:
+    """The verdict on one comparison from summarize()'s {entry: {metric: (mean, min, max, n)}}."""
+    if any(c.metric not in summary.get(e, {}) for e in (c.better, c.worse)):
+        return "not measured"
+    (b, blo, bhi, bn), (w, wlo, whi, wn) = summary[c.better][c.metric], summary[c.worse][c.metric]
+    if min(bn, wn) < 2:  # one seed gives no spread to judge a gap against
+        return f"one seed only ({b:.2f} vs {w:.2f}): not judged"
+    spread = max(bhi - blo, whi - wlo)
+    if c.equal:
+        return "holds" if abs(b - w) <= spread else f"contradicted ({b - w:+.2f} > spread {spread:.2f})"
+    if b - w > spread:
+        return "holds"
+    if w - b > spread:
+        return "contradicted"
+    return "within the spread"
+
+
+def _every_seed(values: list[bool], detail: str, seeds: int) -> str:
+    if seeds < 2:
+        return f"one seed only ({detail}): not judged"
+    return f"{'holds' if all(values) else 'contradicted'} ({detail})"
+
+
+def restoration_curve(metrics: list[dict], last: int = 5) -> list[float]:
+    """Energy: smooth-L1 to the original after N = 0 (the corrupted input), 1, 2, ... gradient steps
+    on the energy, mean over the last `last` logged training steps; [] when the run logs none."""
+    rows = [m for m in metrics if "corrupted_l1" in m][-last:]
+    if not rows:
+        return []
+    steps = sorted(int(k.removeprefix("loss_step")) for k in rows[-1] if k.startswith("loss_step"))
+    keys = ["corrupted_l1", *(f"loss_step{n}" for n in steps)]
+    return [statistics.fmean(r[k] for r in rows) for k in keys]
+
+
+def restoration_by_steps(runs: list[dict]) -> str:
+    """Energy: the claim holds when restoration_curve falls with every step in every seed."""
+    curves = [c for c in (restoration_curve(r.get("metrics", [])) for r in runs) if c]
+    if not curves:
+        return "not measured"
+    detail = "; ".join(" > ".join(f"N={n}: {v:.4f}" for n, v in enumerate(c)) for c in curves)
+    return _every_seed([all(a > b for a, b in zip(c, c[1:])) for c in curves], detail, len(curves))
+
+
+def topk_rises(runs: list[dict]) -> str:
+    """MixedAE: TopK sampling accuracy (share of each query's TopK keys from its own image) at the
+    start and end of training, mean of the first and last 5 logged steps; holds when it rises in
+    every seed."""
+    curves = [[m["topk_acc"] for m in r.get("metrics", []) if "topk_acc" in m] for r in runs]
+    curves = [c for c in curves if len(c) >= 10]
+    if not curves:
+        return "not measured"
+    ends = [(statistics.fmean(c[:5]), statistics.fmean(c[-5:])) for c in curves]
+    detail = "; ".join(f"{a:.3f} -> {b:.3f}" for a, b in ends)
+    return _every_seed([b > a for a, b in ends], detail, len(ends))
+
+
+def adversary_reach(runs: list[dict], eps: float) -> str:
+    """AdPE: the largest adversarial perturbation logged at the end of training, as a share of its
+    budget epsilon (the claim's mechanism: how far the adversary gets)."""
+    finals = []
+    for r in runs:
+        rows = [m for m in r.get("metrics", []) if any(k.startswith("adv_") for k in m)]
+        if rows:
+            finals.append(max(v for k, v in rows[-1].items() if k.startswith("adv_")))
+    if not finals:
+        return "not measured"
+    return "; ".join(f"{v:.3g} of eps {eps:g} ({v / eps:.3f})" for v in finals)

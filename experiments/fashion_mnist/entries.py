@@ -1,0 +1,50 @@
+"""The study's design (study.py, report.py): which methods and variants it compares, the labels of
+its tables, and its budgets by name. The papers' claims (claims.py) name these entries."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Entry:
+    label: str  # as the tables say it
+    method: str = ""  # a registered objective with a demo preset; "": no pretraining (a control)
+    variant: str = ""  # one of train/configs/<method>/variants/, over the demo preset
+
+
+# The study's design: which methods and variants it compares, and the labels of its tables. The
+# paper claims report.py checks name these entries.
+STUDY = {
+    "mae": Entry("MAE", "mae"),
+    "mixedae": Entry("MixedAE", "mixedae"),
+    "mixedae_naive": Entry("MixedAE naive mixing", "mixedae", "naive_mixing"),
+    "maeplus": Entry("MAE+ (RPE)", "maeplus", "maeplus_rpe"),
+    "adpe": Entry("AdPE (RPE-coord, default)", "maeplus", "rpe_coord"),
+    "mlomae": Entry("MLO-MAE", "mlomae"),
+    "energy": Entry("Energy (mixture)", "energy"),
+    "random_init": Entry("random init (control)"),
+    "supervised": Entry("supervised from scratch (ceiling)"),
+}
+# Run only when named (--only): the MixedAE ablations of its Table A4 and MLO-MAE's unit unroll rates.
+EXTRA = {
+    "mixedae_homocon_only": Entry("MixedAE: HomoCon alone", "mixedae", "homocon_only"),
+    "mixedae_no_segment": Entry("MixedAE without segment embeddings", "mixedae", "without_segment_embeddings"),
+    "mixedae_without_mixing": Entry("MixedAE without mixing", "mixedae", "without_mixing"),
+    "mixedae_masked_sa": Entry("MixedAE: masked self-attention", "mixedae", "masked_self_attention"),
+    "mlomae_unit": Entry("MLO-MAE, unit unroll rates", "mlomae", "unit_unroll_lr"),
+}
+ENTRIES = STUDY | EXTRA
+
+# Budgets by name (`--preset`): the quick one-third-epoch study (`make study`), the deciding
+# 10-epoch study (`make study-full`, issue 28) and the MixedAE ablations (Table A4) at 3 epochs, with
+# MAE, MixedAE and random init again at that budget. Reports: report.paths(preset).
+PRESETS = {
+    "quick": {"pretrain_samples": 20000, "finetune_epochs": 1.0, "finetune_samples": 10000, "eval_epochs": "",
+              "entries": list(STUDY)},
+    "full": {"pretrain_samples": 600000, "finetune_epochs": 1.0, "finetune_samples": 60000, "eval_epochs": "1,3",
+             # the longest first, for --jobs (2-core CPU, one thread each: energy ~6.5 h, MAE ~45 min)
+             "entries": ["energy", "supervised", "mlomae", "mlomae_unit", "adpe", "maeplus", "mixedae",
+                         "mixedae_naive", "mae", "random_init"]},
+    "ablation": {"pretrain_samples": 180000, "finetune_epochs": 1.0, "finetune_samples": 60000, "eval_epochs": "1",
+                 "entries": ["mae", "mixedae", *(n for n in EXTRA if n.startswith("mixedae")), "random_init"]},
+}

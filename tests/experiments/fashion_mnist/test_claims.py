@@ -1,0 +1,68 @@
+"""The papers' claims judged from per-run results (experiments/fashion_mnist/claims.py)."""
+from experiments.fashion_mnist.claims import (
+    ABLATION,
+    MAIN,
+    Comparison,
+    adversary_reach,
+    judge,
+    restoration_by_steps,
+    restoration_curve,
+    topk_rises,
+)
+from experiments.fashion_mnist.report import summarize
+
+
+def _r(entry, seed, **metrics):
+    return {"entry": entry, "label": entry, "seed": seed, **metrics}
+
+
+TWO_SEEDS = [_r("mae", 0, finetune_top1=85.0), _r("mae", 1, finetune_top1=87.0),
+             _r("mixedae", 0, finetune_top1=90.0), _r("mixedae", 1, finetune_top1=91.0),
+             _r("naive", 0, finetune_top1=86.0), _r("naive", 1, finetune_top1=86.5),
+             _r("mlomae", 0, finetune_top1=78.0), _r("mlomae", 1, finetune_top1=80.0)]
+
+
+def test_comparisons_against_the_spread():
+    s = summarize(TWO_SEEDS)
+    assert judge(s, Comparison("", "mixedae", "mae", "finetune_top1")) == "holds"  # 90.5 vs 86: gap 4.5 > spread 2
+    assert judge(s, Comparison("", "mae", "naive", "finetune_top1")) == "within the spread"  # 86 vs 86.25
+    assert judge(s, Comparison("", "mlomae", "mae", "finetune_top1")) == "contradicted"  # 79 vs 86, reversed by 7
+    assert judge(s, Comparison("", "adpe", "mae", "finetune_top1")) == "not measured"
+    # "about equal" holds inside the spread and fails outside it
+    assert judge(s, Comparison("", "naive", "mae", "finetune_top1", equal=True)) == "holds"
+    assert judge(s, Comparison("", "mixedae", "mae", "finetune_top1", equal=True)) == \
+        "contradicted (+4.50 > spread 2.00)"
+    one = summarize(TWO_SEEDS[::2])
+    assert judge(one, Comparison("", "mixedae", "mae", "finetune_top1")) == "one seed only (90.00 vs 85.00): not judged"
+
+
+def test_every_claim_names_study_entries():
+    from experiments.fashion_mnist.entries import ENTRIES
+
+    for c in (*MAIN, *ABLATION):
+        assert {c.better, c.worse} <= set(ENTRIES), c.claim
+
+
+def test_restoration_curve_from_the_last_logged_steps():
+    rows = [{"step": 1, "corrupted_l1": 1.0, "loss_step1": 0.9, "loss_step2": 0.8}] * 3 + \
+        [{"step": 9, "corrupted_l1": 0.5, "loss_step1": 0.45, "loss_step2": 0.4}] * 5 + [{"step": 10}]
+    assert restoration_curve(rows) == [0.5, 0.45, 0.4]
+    assert restoration_curve([{"loss": 1.0}]) == []
+    improving = [_r("energy", s, metrics=rows) for s in (0, 1)]
+    assert restoration_by_steps(improving).startswith("holds (N=0: 0.5000 > N=1: 0.4500 > N=2: 0.4000;")
+    flat = [{"corrupted_l1": 0.5, "loss_step1": 0.45, "loss_step2": 0.45}]  # the second step gains nothing
+    assert restoration_by_steps([improving[0], _r("energy", 1, metrics=flat)]).startswith("contradicted")
+    assert restoration_by_steps(improving[:1]).endswith("not judged")
+    assert restoration_by_steps([_r("energy", 0)]) == "not measured"
+
+
+def test_topk_accuracy_rises_and_adversary_reach():
+    rising = [{"step": i, "topk_acc": 0.3 + 0.01 * i} for i in range(20)]
+    falling = [{"step": i, "topk_acc": 0.5 - 0.01 * i} for i in range(20)]
+    assert topk_rises([_r("m", 0, metrics=rising), _r("m", 1, metrics=rising)]) == \
+        "holds (0.320 -> 0.470; 0.320 -> 0.470)"
+    assert topk_rises([_r("m", 0, metrics=rising), _r("m", 1, metrics=falling)]).startswith("contradicted")
+    assert topk_rises([_r("m", 0, metrics=rising[:5])]) == "not measured"  # too few logged steps
+    adv = [{"step": 1, "adv_rpe_0": 0.1, "adv_rpe_1": 0.2}, {"step": 2, "adv_rpe_0": 0.5, "adv_rpe_1": 2.0}]
+    assert adversary_reach([_r("adpe", 0, metrics=adv)], 20.0) == "2 of eps 20 (0.100)"
+    assert adversary_reach([_r("adpe", 0, metrics=rising)], 20.0) == "not measured"
