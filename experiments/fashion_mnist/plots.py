@@ -76,8 +76,8 @@ def accuracy_vs_images(plt, curves: dict[str, dict], figures: Path) -> str | Non
             points = by_metric.get(key, [])
             if points:
                 ax.plot(*zip(*points), marker="o", label=label)
-        ax.set(xlabel="pretraining images", ylabel=f"{title} top-1 (%), test split", xscale="symlog",
-               title=f"{title} on frozen features")
+        ax.set(xlabel="pretraining images", ylabel=f"{title} top-1 (%), test split",
+               title=f"{title} on frozen features (0: random init)")
     axes[0].legend(fontsize=7)
     return _save(fig, figures, "accuracy_vs_images.png")
 

@@ -242,14 +242,16 @@ def write_report(results: list[dict], report: Path, figures: Path, discussion: P
     lines = [
         "# Fashion-MNIST study: every method on the mini ViT", "",
         f"Written by experiments/fashion_mnist/report.py at commit {_git_commit()} from runs trained at commit(s) "
-        f"{', '.join(trained) or 'unknown'}; device {results[0]['device']} ({results[0]['torch_threads']} threads "
+        f"{', '.join(trained) or 'unknown'}; device {results[0]['device']} ({results[0]['torch_threads']} thread(s) "
         f"per run, torch {', '.join(torch_versions) or 'unknown'}); seeds {seeds}. Budget per method: pretraining on {budget['pretrain_samples']} training images "
         f"({budget['pretrain_samples'] / 60000:g} epochs of the 60k), then {budget['finetune_epochs']:g} "
         f"fine-tuning epoch(s) of {budget['finetune_samples']} images. Test split top-1 (%): mean over seeds, "
         "(min-max) in brackets. kNN (k = 20, cosine, weighted) and linear probe on frozen features (cls token; "
         "energy: patch mean); fine-tuning: the MAE protocol shrunk to the mini ViT (experiments/fashion_mnist/"
         f"study.py says how; its one changed setting, blr {FINETUNE_BLR:g}, was chosen on MAE's fine-tuning training "
-        "loss). Nothing was tuned on the test split.",
+        "loss). Nothing was tuned on the test split. Costs: pretraining minutes are the median logged step time x "
+        "the run's steps where the run summary has them (its compute, comparable across resumed runs), else the "
+        "measured wall-clock; fine-tuning minutes are wall-clock, start-up and test evaluation included.",
     ]
     missing = [e for e in expected if e not in summary]
     if missing:
