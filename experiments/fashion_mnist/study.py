@@ -171,10 +171,9 @@ def run_entry(name: str, seed: int, a, train: Path, test: Path, decoded: Decoded
     pretrain_epochs = a.pretrain_samples / train_set.num_samples
     result: dict = {"entry": name, "label": entry.label, "seed": seed, "pool": "cls"}
     if name == "supervised":  # as many training images as pretraining + fine-tuning see, in one schedule
+        # one nominal epoch of that many images (the shard stream repeats past the 60k)
         images = int(a.pretrain_samples + a.finetune_epochs * a.finetune_samples)
-        n = train_set.num_samples
-        epochs, samples = (images // n, n) if images > n and images % n == 0 else (1, images)  # whole epochs past one
-        result |= finetune(out / "finetune", seed, epochs, samples, train, test, None, rpe=False)
+        result |= finetune(out / "finetune", seed, 1, images, train, test, None, rpe=False)
     else:
         rpe = False
         if entry.method:
