@@ -30,6 +30,10 @@ class LoopSettings:
     max_nonfinite_steps: int = 0  # consecutive skipped (non-finite) steps that stop the run; 0 = never
     keep_every: int = 0  # steps between checkpoints that are never pruned (run.keep_every_epochs); 0 = none
 
+    def kept_for_later(self, step: int) -> bool:
+        """The checkpoint at `step` is one that pruning spares (run.keep_every_epochs)."""
+        return bool(self.keep_every) and step % self.keep_every == 0
+
 
 @dataclass
 class LoopState:
@@ -163,8 +167,7 @@ def run(
             on_evaluate(state.step)
         if settings.vis_every and (state.step % settings.vis_every == 0 or last):
             on_visualize(state.step)
-        saved = state.step % settings.ckpt_every == 0 or last or bool(
-            settings.keep_every and state.step % settings.keep_every == 0)
+        saved = state.step % settings.ckpt_every == 0 or last or settings.kept_for_later(state.step)
         if saved:
             t_save = time.perf_counter()
             on_checkpoint(state.step)

@@ -232,10 +232,9 @@ class Trainer:
 
     def on_checkpoint(self, step: int) -> None:
         client = {"step": step, "data": distributed.all_gather_object(self.data.state_dict())}
-        every = self.settings.keep_every  # epoch checkpoints kept for later evaluation: never pruned
         self.last_saved = checkpoint.save(self.engine, self.run_dir / "checkpoints", step, client, self.rank,
                                           self.world, self.ckpt_meta, self.cfg.run.keep_checkpoints,
-                                          pinned=bool(every and step % every == 0))
+                                          pinned=self.settings.kept_for_later(step))
 
     def on_visualize(self, step: int) -> None:  # rank 0 only; no collectives, no global RNG draws
         if self.rank != 0:

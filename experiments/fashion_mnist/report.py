@@ -22,7 +22,7 @@ import subprocess
 from pathlib import Path
 
 from experiments.fashion_mnist import claims, plots
-from experiments.fashion_mnist.common import FINETUNE_BLR, RAW_PIXEL_BASELINES, REPO
+from experiments.fashion_mnist.common import FINETUNE_BLR, RAW_PIXEL_BASELINES, REPO, TRAIN_IMAGES
 from experiments.fashion_mnist.entries import ENTRIES, PRESETS
 
 METRICS = plots.METRICS
@@ -38,7 +38,8 @@ def summarize(results: list[dict]) -> dict[str, dict]:
         by_entry.setdefault(r["entry"], []).append(r)
     out = {}
     for name, runs in by_entry.items():
-        row = {"label": runs[0]["label"], "seeds": sorted(r["seed"] for r in runs)}
+        row = {"label": runs[0]["label"], "seeds": sorted(r["seed"] for r in runs),
+               "pretrain_images": runs[0].get("budget", {}).get("pretrain_samples")}  # one budget per table
         flat = [{**r, **{f"{k}@{e}": v for e, m in r.get("at_epochs", {}).items() for k, v in m.items()}}
                 for r in runs]
         keys = [k for k, _ in METRICS] + list(COSTS) + sorted({k for f in flat for k in f if "@" in k})
@@ -77,9 +78,9 @@ def collect(runs: Path, summaries: Path, figures: Path) -> None:
             config = json.loads((pretrain / "config.json").read_text())
             meta = json.loads((pretrain / "meta.json").read_text())
             result["objective_config"] = config.get(config["objective"], {})
-            result["trained_at"] = meta.get("code", {}).get("git_commit") or meta.get("git", {}).get("commit", "unknown")
+            code, git = meta.get("code", {}), meta.get("git", {})
+            result["trained_at"] = code.get("git_commit") or git.get("commit", "unknown")
             result["torch_version"] = meta.get("torch", "unknown")
-            result["steps_per_epoch"] = meta["steps_per_epoch"]
             if result["seed"] == 0:
                 copy_method_figures(pretrain / "vis", result["entry"], figures)
         rows = result.get("metrics", [])
@@ -110,23 +111,25 @@ def load(summaries: Path, order: list[str]) -> list[dict]:
     return sorted(results, key=lambda r: (rank.get(r["entry"], len(rank)), r["seed"]))
 
 
+def earlier_epochs(row: dict) -> list[int]:
+    """The epochs before the last whose frozen features a summary row holds ("<metric>@<epoch>")."""
+    return sorted({int(k.split("@")[1]) for k in row if "@" in k})
+
+
 def epoch_curves(summary: dict) -> dict[str, dict]:
     """{label: {metric: [(pretraining images, mean top-1), ...]}} for entries with earlier epochs
     evaluated; the random-init control is every curve's point at 0 images."""
     start = summary.get("random_init", {})
-    curves = {}
-    for name, row in summary.items():
-        epochs = sorted({int(k.split("@")[1]) for k in row if "@" in k})
-        if not epochs:
-            continue
-        images = row["pretrain_images"]
-        final = images / row["pretrain_epochs"]
-        curves[row["label"]] = {
-            key: ([(0, start[key][0])] if key in start else []) +
-                 [(e * final, row[f"{key}@{e}"][0]) for e in epochs if f"{key}@{e}" in row] +
-                 ([(images, row[key][0])] if key in row else [])
-            for key, _ in METRICS[:2]}
-    return curves
+    return {row["label"]: {
+        key: ([(0, start[key][0])] if key in start else []) +
+             [(e * TRAIN_IMAGES, row[f"{key}@{e}"][0]) for e in earlier_epochs(row) if f"{key}@{e}" in row] +
+             ([(row["pretrain_images"], row[key][0])] if key in row else [])
+        for key, _ in METRICS[:2]} for row in summary.values() if earlier_epochs(row)}
+
+
+def _minutes(stat: tuple | None) -> tuple | None:
+    """A (mean, min, max, n) of seconds in minutes."""
+    return None if stat is None else (*(v / 60 for v in stat[:3]), stat[3])
 
 
 def table(summary: dict) -> list[str]:
@@ -136,13 +139,10 @@ def table(summary: dict) -> list[str]:
     lines = ["| method | kNN | linear | fine-tune | pretraining (min) | images/s | fine-tuning (min) |",
              "|---|---|---|---|---|---|---|"]
     for row in summary.values():
-        minutes = {k: tuple(v / 60 for v in row[k][:3]) + (row[k][3],) for k in ("pretrain_seconds", "finetune_seconds")
-                   if k in row}
-        if "pretrain_minutes" in row:
-            minutes["pretrain_seconds"] = row["pretrain_minutes"]
+        pretrain = row.get("pretrain_minutes") or _minutes(row.get("pretrain_seconds"))
         lines.append(f"| {row['label']} | " + " | ".join(_cell(row.get(k)) for k, _ in METRICS) +
-                     f" | {_cell(minutes.get('pretrain_seconds'), 1)} | {_cell(row.get('pretrain_images_per_s'), 0)}"
-                     f" | {_cell(minutes.get('finetune_seconds'), 1)} |")
+                     f" | {_cell(pretrain, 1)} | {_cell(row.get('pretrain_images_per_s'), 0)}"
+                     f" | {_cell(_minutes(row.get('finetune_seconds')), 1)} |")
     lines += [f"| raw pixels ({name}) | {value if 'NN' in name else '-'} | {value if 'NN' not in name else '-'} "
               f"| - | - | - | - |" for name, value in RAW_PIXELS.items()]
     for row in summary.values():  # objectives with their own classifier (MLO-MAE)
@@ -157,8 +157,8 @@ def epoch_table(summary: dict) -> list[str]:
     rows = {n: r for n, r in summary.items() if any("@" in k for k in r)}
     if not rows:
         return []
-    epochs = sorted({int(k.split("@")[1]) for r in rows.values() for k in r if "@" in k})
-    last = f"{max(r['pretrain_epochs'] for r in rows.values()):g}"
+    epochs = sorted({e for r in rows.values() for e in earlier_epochs(r)})
+    last = f"{max(r['pretrain_images'] for r in rows.values()) / TRAIN_IMAGES:g}"
     cols = [*epochs, last]
     lines = ["", "## Accuracy against pretraining", "",
              "Frozen features of the checkpoints kept at the end of each listed epoch (the same run: its learning rate "
@@ -231,9 +231,6 @@ def write_report(results: list[dict], report: Path, figures: Path, discussion: P
     """The report from the run results; `discussion` (hand-written about the committed run) verbatim;
     `expected`: the study's entries, those without results listed as still to run."""
     summary = summarize(results)
-    for row, runs in ((summary[r["entry"]], r) for r in results):
-        row["pretrain_images"] = runs["budget"]["pretrain_samples"]
-        row["pretrain_epochs"] = runs["budget"]["pretrain_samples"] / 60000
     figures.mkdir(parents=True, exist_ok=True)
     budget = results[0]["budget"]
     seeds = sorted({r["seed"] for r in results})
@@ -243,8 +240,9 @@ def write_report(results: list[dict], report: Path, figures: Path, discussion: P
         "# Fashion-MNIST study: every method on the mini ViT", "",
         f"Written by experiments/fashion_mnist/report.py at commit {_git_commit()} from runs trained at commit(s) "
         f"{', '.join(trained) or 'unknown'}; device {results[0]['device']} ({results[0]['torch_threads']} thread(s) "
-        f"per run, torch {', '.join(torch_versions) or 'unknown'}); seeds {seeds}. Budget per method: pretraining on {budget['pretrain_samples']} training images "
-        f"({budget['pretrain_samples'] / 60000:g} epochs of the 60k), then {budget['finetune_epochs']:g} "
+        f"per run, torch {', '.join(torch_versions) or 'unknown'}); seeds {seeds}. Budget per method: pretraining "
+        f"on {budget['pretrain_samples']} training images ({budget['pretrain_samples'] / TRAIN_IMAGES:g} epochs of "
+        f"the {TRAIN_IMAGES // 1000}k), then {budget['finetune_epochs']:g} "
         f"fine-tuning epoch(s) of {budget['finetune_samples']} images. Test split top-1 (%): mean over seeds, "
         "(min-max) in brackets. kNN (k = 20, cosine, weighted) and linear probe on frozen features (cls token; "
         "energy: patch mean); fine-tuning: the MAE protocol shrunk to the mini ViT (experiments/fashion_mnist/"

@@ -210,8 +210,9 @@ def run_parallel(a, work: list[tuple[int, str]]) -> list[dict]:
     2-thread run at 500); output in <out>/<entry>/seed<k>/study.log. Entries are taken in the
     order given: put the longest first. Exits naming the entries that failed, after the rest ran."""
     threads = max(1, (os.cpu_count() or 1) // a.jobs)
-    budget = [*(["--shards", str(a.shards)] if a.shards else []), "--pretrain_samples", str(a.pretrain_samples), "--finetune_epochs", str(a.finetune_epochs),
-              "--finetune_samples", str(a.finetune_samples), "--eval_epochs", ",".join(map(str, a.eval_epochs))]
+    budget = [*(["--shards", str(a.shards)] if a.shards else []), "--pretrain_samples", str(a.pretrain_samples),
+              "--finetune_epochs", str(a.finetune_epochs), "--finetune_samples", str(a.finetune_samples),
+              "--eval_epochs", ",".join(map(str, a.eval_epochs))]
 
     def one(seed: int, name: str) -> int:
         log = a.out / name / f"seed{seed}" / "study.log"
@@ -230,6 +231,7 @@ def run_parallel(a, work: list[tuple[int, str]]) -> list[dict]:
         sys.exit(f"[study] failed: {', '.join(failed)}; see study.log in their run folders")
     return [json.loads((a.out / name / f"seed{seed}" / "result.json").read_text()) for seed, name in work]
 
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=list(PRESETS), default="quick",
@@ -244,7 +246,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--only", default="", help="comma-separated entries (default: the preset's; any of " +
                    ", ".join(ENTRIES) + ")")
     p.add_argument("--no_report", action="store_true",
-                   help="write no report (--jobs runs each entry this way; the first process writes it)")
+                   help="write no report (--jobs runs each entry this way; the parent process writes it)")
     p.add_argument("--shards", type=Path, help="a folder with Fashion-MNIST's train.json and test.json shard "
                    "indexes (default: runs/shards/fashion_mnist, written on first use)")
     p.add_argument("--jobs", type=int, default=1,

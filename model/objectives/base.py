@@ -31,6 +31,11 @@ import torch
 from torch import nn
 
 
+class NoClassifierError(NotImplementedError):
+    """Objective.predict called on an objective that trains no classifier (has_classifier() is
+    False): the answer of the contract's default, not a missing implementation."""
+
+
 class ObjectiveConfig:
     """Base of every objective's config dataclass. The checks run before any process starts
     (train/config.py); they raise ValueError with a message naming the option and the fix."""
@@ -100,7 +105,8 @@ class Objective(nn.Module, metaclass=ABCMeta):
         (fine-tuning, linear probe, MLO-MAE's level-II head): data.eval_index scores it. The
         default is the answer "no classifier" (has_classifier() is False; config checks refuse
         data.eval_index for such objectives before start, so this raises only on a direct call)."""
-        raise NotImplementedError(f"objective {self.name!r} has no classifier")
+        raise NoClassifierError(f"objective {self.name!r} has no classifier: predict needs one of "
+                                f"{sorted(n for n, (_, c) in OBJECTIVES.items() if c.has_classifier())}")
 
     @classmethod
     def has_classifier(cls) -> bool:
