@@ -50,6 +50,7 @@ from model.objectives.mae import MAEObjective, per_patch_mse
 from model.objectives.masking import Masking, check_mask_ratio
 from model.objectives.masking_net import (
     MaskingNetwork,
+    mask_statistics,
     top_masking,
     weighted_recon_loss,
 )
@@ -308,8 +309,7 @@ class MLOMAEObjective(MAEObjective):
         per_patch = self.reconstruct(images, masking, tokens)
         loss = weighted_recon_loss(per_patch, masking.mask, probs, self.cfg.straight_through)
         out = {"recon_loss": ((per_patch * masking.mask).sum() / masking.mask.sum()).detach(),
-               "mask_prob_mean": probs.mean().detach(),
-               "mask_prob_masked": ((probs * masking.mask).sum() / masking.mask.sum()).detach()}
+               **mask_statistics(probs, masking.mask)}
         if self.cfg.variant == "blo":  # lower level of Eq. 5: gamma * L1 + CE on D_tr, C fixed in this step
             head = self.aux.head
             logits = F.linear(self.cls_features(images).float(), head.weight.detach(), head.bias.detach())

@@ -4,6 +4,7 @@ import torch
 
 from model.objectives.masking_net import (
     MaskingNetwork,
+    mask_statistics,
     top_masking,
     weighted_recon_loss,
 )
@@ -83,6 +84,38 @@ def test_level1_loss_equals_the_formula():
     per_patch = obj.reconstruct(b["image"], masking)
     expected = (masking.mask * probs * per_patch).sum() / masking.mask.sum()
     torch.testing.assert_close(obj(b)["loss"], expected)
+
+
+def test_mask_statistics_by_hand():
+    probs = torch.tensor([[0.005, 0.5, 0.999, 0.2],
+                          [0.005, 0.7, 0.5, 0.2]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0],
+                         [0.0, 1.0, 1.0, 0.0]])
+    stats = mask_statistics(probs, mask)
+    assert stats["mask_prob_mean"].item() == pytest.approx(3.109 / 8)
+    assert stats["mask_prob_masked"].item() == pytest.approx((0.5 + 0.999 + 0.7 + 0.5) / 4)
+    assert stats["mask_prob_saturated"].item() == pytest.approx(3 / 8)  # 0.005 twice, 0.999 once
+    # per-patch std over the two images (population): 0, 0.1, 0.2495, 0
+    assert stats["mask_prob_spread"].item() == pytest.approx((0.1 + 0.2495) / 4)
+    assert mask_statistics(probs[:1], mask[:1])["mask_prob_spread"].item() == 0.0
+
+
+def test_collapsed_masking_network_shows_in_the_logged_statistics():
+    """At init T's probabilities differ between images; a T whose output is its bias alone (first
+    layer zeroed, last bias +-20) gives every image the same saturated mask, and the level-I
+    loss then reads only the patches with p ~ 1."""
+    obj = objective()
+    out = obj(batch())
+    assert out["mask_prob_spread"].item() > 0 and out["mask_prob_saturated"].item() < 1
+    first, last = obj.aux.mask_net.net[1], obj.aux.mask_net.net[3]
+    with torch.no_grad():
+        first.weight.zero_()
+        first.bias.zero_()
+        last.bias.copy_(torch.tensor([20.0, -20.0, -20.0, 20.0]))
+    out = obj(batch())
+    assert out["mask_prob_spread"].item() == 0.0
+    assert out["mask_prob_saturated"].item() == 1.0
+    assert out["mask_prob_masked"].item() == pytest.approx(1.0)  # patches 0 and 3 masked in every image
 
 
 def snapshot(module):

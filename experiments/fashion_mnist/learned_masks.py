@@ -1,0 +1,88 @@
+"""What MLO-MAE's masking network T gives at each checkpoint of a run, on labeled test images:
+does it still read the image, or has it collapsed to one saturated mask for every image?
+
+    python -m experiments.fashion_mnist.learned_masks RUN_DIR [--tags step00000375,step00001125] \\
+        [--index test.json] [--images 1000]
+
+One JSON line per checkpoint tag (default: every complete tag of the run, oldest first): the
+statistics the run logs per step (masking_net.mask_statistics), here over the same `--images`
+images (a seeded subset of `--index`, default the run's `data.eval_index`) for every tag, plus
+`distinct_masks` (different top-k masks among them; 1 = image-independent) and `always_masked`
+(patches masked in every image). Reads ZeRO-0/1/2 checkpoints (T is replicated, kept in the
+objective's extra state of mp_rank_00_model_states.pt).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from data.shards import ShardSet
+from model.objectives import build_objective
+from model.objectives.masking_net import mask_statistics, top_masking
+from model.objectives.mlomae import MLOMAEObjective
+from train.build import build_encoder
+from train.checkpoint import is_complete, read_meta
+from train.config import parse_args, section
+from train.evaluate import decode_all, subsample
+
+
+def load_mlomae(run: Path, tag_dir: Path) -> MLOMAEObjective:
+    """The run's objective (its config.json) with the weights and T of one checkpoint tag."""
+    cfg = parse_args(["--config", str(run / "config.json"), "--ds_config", str(run / "ds_config.json")])
+    if cfg.objective != "mlomae":
+        raise ValueError(f"{run} trained objective {cfg.objective!r}; only mlomae has a masking network")
+    if read_meta(tag_dir)["zero_stage"] == 3:
+        raise ValueError(f"{tag_dir} is a ZeRO-3 checkpoint; MLO-MAE refuses ZeRO-3, so this is not an mlomae run")
+    obj = build_objective(cfg.objective, build_encoder(cfg), section(cfg))
+    state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
+    missing, unexpected = obj.load_state_dict(state, strict=False)
+    if unexpected or any(not k.startswith("decoder.") for k in missing):  # a decoder-less file is still read
+        raise ValueError(f"{tag_dir} does not match the run's config: missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}")
+    return obj.eval()
+
+
+@torch.no_grad()
+def mask_report(obj: MLOMAEObjective, images: torch.Tensor, batch_size: int = 500) -> dict:
+    """(M, C, H, W) images -> mask_statistics over all M, distinct_masks, always_masked."""
+    probs = torch.cat([obj.mask_probabilities(chunk)[1] for chunk in images.split(batch_size)])  # (M, N)
+    mask = top_masking(probs, obj.cfg.mask_ratio).mask  # (M, N) 1 = masked
+    stats = {k: round(v.item(), 5) for k, v in mask_statistics(probs, mask).items()}
+    return {"images": len(images), "patches": probs.shape[1],
+            "distinct_masks": len(torch.unique(mask.to(torch.uint8), dim=0)),
+            "always_masked": int((mask == 1).all(0).sum()), **stats}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", type=Path, help="an mlomae run folder (config.json, ds_config.json, checkpoints/)")
+    p.add_argument("--tags", default="", help="comma-separated checkpoint tags; empty = every complete tag "
+                                               "(default: empty)")
+    p.add_argument("--index", default="", help="labeled shard index of the images; empty = the run's "
+                                                "data.eval_index (default: empty)")
+    p.add_argument("--images", type=int, default=1000, help="images drawn from the index (default %(default)s)")
+    p.add_argument("--subset_seed", type=int, default=1, help="seed of the image subset (default %(default)s)")
+    a = p.parse_args(argv)
+    root = a.run / "checkpoints"
+    tags = [root / t for t in a.tags.split(",")] if a.tags else sorted(t for t in root.glob("step*") if is_complete(t))
+    if not tags or not all(is_complete(t) for t in tags):
+        p.error(f"no complete checkpoint tag among {[t.name for t in tags] or 'none'} in {root}")
+    index = a.index or json.loads((a.run / "config.json").read_text())["data"]["eval_index"]
+    if not index:
+        p.error(f"{a.run} trained without data.eval_index: name the images with --index <labeled shard index>")
+    reports, images = [], None
+    for tag in tags:
+        obj = load_mlomae(a.run, tag)
+        if images is None:  # decoded once, at the encoder's input size
+            images = decode_all(subsample(ShardSet.from_index(index), a.images, a.subset_seed),
+                                obj.encoder.patch_embed.img_size).images
+        reports.append({"tag": tag.name, **mask_report(obj, images)})
+        print(json.dumps(reports[-1]), flush=True)
+    return reports
+
+
+if __name__ == "__main__":
+    main()
