@@ -197,7 +197,8 @@ def claim_lines(summary: dict, results: list[dict], ablation: list[dict] | None)
                   "| claim | compared on | outcome |", "|---|---|---|"]
         lines += [f"| {c.claim} | {claims.METRIC_NAMES[c.metric]} | {claims.judge(ab, c)} |" for c in claims.ABLATION]
         lines += ["", *table(ab)]
-    lines += ["", claims.__doc__.strip().split("\n\n", 1)[1].replace("\n", " ")]
+    for paragraph in claims.__doc__.strip().split("\n\n")[1:]:  # how a verdict is reached
+        lines += ["", paragraph.replace("\n", " ")]
     return lines
 
 

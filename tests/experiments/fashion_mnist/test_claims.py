@@ -1,4 +1,6 @@
 """The papers' claims judged from per-run results (experiments/fashion_mnist/claims.py)."""
+import pytest
+
 from experiments.fashion_mnist.claims import (
     ABLATION,
     MAIN,
@@ -7,6 +9,7 @@ from experiments.fashion_mnist.claims import (
     judge,
     restoration_by_steps,
     restoration_curve,
+    sampling_noise,
     topk_rises,
 )
 from experiments.fashion_mnist.report import summarize
@@ -33,7 +36,17 @@ def test_comparisons_against_the_spread():
     assert judge(s, Comparison("", "mixedae", "mae", "finetune_top1", equal=True)) == \
         "contradicted (+4.50 > spread 2.00)"
     one = summarize(TWO_SEEDS[::2])
-    assert judge(one, Comparison("", "mixedae", "mae", "finetune_top1")) == "one seed only (90.00 vs 85.00): not judged"
+    # one seed: judged provisionally against the test set's sampling noise (2 SE of the difference)
+    assert sampling_noise(90.0, 85.0) == pytest.approx(0.9327, abs=1e-4)  # 2 sqrt((900 + 1275) / 10000)
+    assert judge(one, Comparison("", "mixedae", "mae", "finetune_top1")) == \
+        "provisional, one seed (90.00 vs 85.00): holds"
+    assert judge(one, Comparison("", "mae", "mixedae", "finetune_top1")) == \
+        "provisional, one seed (85.00 vs 90.00): contradicted"
+    close = summarize([_r("mae", 0, finetune_top1=82.0), _r("mixedae", 0, finetune_top1=82.5)])
+    assert judge(close, Comparison("", "mixedae", "mae", "finetune_top1")) == \
+        "provisional, one seed (82.50 vs 82.00): within the test-set noise (1.08)"
+    assert judge(close, Comparison("", "mixedae", "mae", "finetune_top1", equal=True)) == \
+        "provisional, one seed (82.50 vs 82.00): holds"
 
 
 def test_every_claim_names_study_entries():
@@ -52,7 +65,7 @@ def test_restoration_curve_from_the_last_logged_steps():
     assert restoration_by_steps(improving).startswith("holds (N=0: 0.5000 > N=1: 0.4500 > N=2: 0.4000;")
     flat = [{"corrupted_l1": 0.5, "loss_step1": 0.45, "loss_step2": 0.45}]  # the second step gains nothing
     assert restoration_by_steps([improving[0], _r("energy", 1, metrics=flat)]).startswith("contradicted")
-    assert restoration_by_steps(improving[:1]).endswith("not judged")
+    assert restoration_by_steps(improving[:1]).startswith("provisional, one seed: holds (N=0: 0.5000")
     assert restoration_by_steps([_r("energy", 0)]) == "not measured"
 
 
