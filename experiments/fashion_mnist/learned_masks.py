@@ -56,6 +56,23 @@ def mask_report(obj: MLOMAEObjective, images: torch.Tensor, batch_size: int = 50
             "always_masked": int((mask == 1).all(0).sum()), **stats}
 
 
+def complete_tags(run: Path) -> list[Path]:
+    """The run's complete checkpoint tags, oldest first."""
+    return sorted(t for t in (run / "checkpoints").glob("step*") if is_complete(t))
+
+
+def mask_reports(run: Path, tags: list[Path], index: str, images: int = 1000, subset_seed: int = 1) -> list[dict]:
+    """mask_report of each tag, all on the same `images` images of the labeled shard index."""
+    reports, decoded = [], None
+    for tag in tags:
+        obj = load_mlomae(run, tag)
+        if decoded is None:  # decoded once, at the encoder's input size
+            decoded = decode_all(subsample(ShardSet.from_index(index), images, subset_seed),
+                                 obj.encoder.patch_embed.img_size).images
+        reports.append({"tag": tag.name, "step": read_meta(tag)["step"], **mask_report(obj, decoded)})
+    return reports
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", type=Path, help="an mlomae run folder (config.json, ds_config.json, checkpoints/)")
@@ -66,21 +83,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--images", type=int, default=1000, help="images drawn from the index (default %(default)s)")
     p.add_argument("--subset_seed", type=int, default=1, help="seed of the image subset (default %(default)s)")
     a = p.parse_args(argv)
-    root = a.run / "checkpoints"
-    tags = [root / t for t in a.tags.split(",")] if a.tags else sorted(t for t in root.glob("step*") if is_complete(t))
+    tags = [a.run / "checkpoints" / t for t in a.tags.split(",")] if a.tags else complete_tags(a.run)
     if not tags or not all(is_complete(t) for t in tags):
-        p.error(f"no complete checkpoint tag among {[t.name for t in tags] or 'none'} in {root}")
+        p.error(f"no complete checkpoint tag among {[t.name for t in tags] or 'none'} in {a.run / 'checkpoints'}")
     index = a.index or json.loads((a.run / "config.json").read_text())["data"]["eval_index"]
     if not index:
         p.error(f"{a.run} trained without data.eval_index: name the images with --index <labeled shard index>")
-    reports, images = [], None
-    for tag in tags:
-        obj = load_mlomae(a.run, tag)
-        if images is None:  # decoded once, at the encoder's input size
-            images = decode_all(subsample(ShardSet.from_index(index), a.images, a.subset_seed),
-                                obj.encoder.patch_embed.img_size).images
-        reports.append({"tag": tag.name, **mask_report(obj, images)})
-        print(json.dumps(reports[-1]), flush=True)
+    reports = mask_reports(a.run, tags, index, a.images, a.subset_seed)
+    for report in reports:
+        print(json.dumps(report))
     return reports
 
 

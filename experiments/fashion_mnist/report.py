@@ -1,7 +1,7 @@
 """The study's report (docs/RESULTS.md and its siblings) from the per-run results of study.py beside
 this file: a table of mean and spread over seeds, the cost of each method, accuracy against
 pretraining images (runs with kept epoch checkpoints), the papers' claims judged against the seed
-spread (claims.py) and figures (plots.py with matplotlib when installed; each method's own PNGs).
+spread (claims.py), MLO-MAE's learned masks per kept checkpoint (learned_masks.py) and figures (plots.py with matplotlib when installed; each method's own PNGs).
 
 The results are kept as committed run summaries, docs/study/<preset>/<entry>_seed<k>.json (the
 run's result.json and its objective's options), so the report can be written again without the
@@ -24,6 +24,8 @@ from pathlib import Path
 from experiments.fashion_mnist import claims, plots
 from experiments.fashion_mnist.common import FINETUNE_BLR, RAW_PIXEL_BASELINES, REPO, TRAIN_IMAGES
 from experiments.fashion_mnist.entries import ENTRIES, PRESETS
+from experiments.fashion_mnist.learned_masks import complete_tags, mask_reports
+from train.checkpoint import is_pinned
 
 METRICS = plots.METRICS
 RAW_PIXELS = {"logistic regression": RAW_PIXEL_BASELINES["logistic_regression"], "5-NN": RAW_PIXEL_BASELINES["knn_5"]}
@@ -83,6 +85,8 @@ def collect(runs: Path, summaries: Path, figures: Path) -> None:
             result["torch_version"] = meta.get("torch", "unknown")
             if result["seed"] == 0:
                 copy_method_figures(pretrain / "vis", result["entry"], figures)
+            if config["objective"] == "mlomae" and "total_steps" in meta:
+                result["learned_masks"] = epoch_masks(pretrain, config, meta["total_steps"])
         rows = result.get("metrics", [])
         zero = {k for m in rows for k in m if k.startswith("data_")} - {k for m in rows for k, v in m.items() if v}
         result["metrics"] = [{k: v for k, v in m.items() if k not in zero} for m in rows]  # no all-zero data counters
@@ -93,6 +97,18 @@ def collect(runs: Path, summaries: Path, figures: Path) -> None:
         if step_times and "total_steps" in meta:  # the run's compute, also for runs resumed across sessions
             result["pretrain_minutes"] = round(statistics.median(step_times) * meta["total_steps"] / 60, 1)
         (summaries / f"{result['entry']}_seed{result['seed']}.json").write_text(json.dumps(result, indent=1))
+
+
+def epoch_masks(pretrain: Path, config: dict, total_steps: int) -> list[dict]:
+    """MLO-MAE: learned_masks' statistics at the kept epoch checkpoints and the last one, each with
+    its epoch, on the same 1000 test images."""
+    tags = complete_tags(pretrain)
+    if not tags:
+        return []
+    tags = [t for t in tags if is_pinned(t) or t == tags[-1]]
+    per_epoch = total_steps / config["optim"]["epochs"]
+    return [{**r, "epoch": round(r["step"] / per_epoch, 2)}
+            for r in mask_reports(pretrain, tags, config["data"]["eval_index"])]
 
 
 def copy_method_figures(vis: Path, entry: str, figures: Path) -> None:
@@ -202,6 +218,27 @@ def claim_lines(summary: dict, results: list[dict], ablation: list[dict] | None)
     return lines
 
 
+def mask_lines(results: list[dict]) -> list[str]:
+    """MLO-MAE: what the masking network gives at each kept checkpoint (learned_masks.py)."""
+    runs = [r for r in results if r.get("learned_masks")]
+    if not runs:
+        return []
+    lines = ["", "## MLO-MAE's learned masks", "",
+             f"The masking network T of each kept checkpoint on the same {runs[0]['learned_masks'][0]['images']} test "
+             "images (experiments/fashion_mnist/learned_masks.py): how many different top-k masks it gives them "
+             "(1 = the same mask for every image), how many patches it masks in every image, its mean probability "
+             "p overall and on the masked patches (their weights in the level-I loss), the share of p within 0.01 "
+             "of 0 or 1 (saturated: almost no hypergradient passes), and the std of p over images.", "",
+             "| run | epoch | distinct masks | always masked | p mean | p masked | saturated | spread |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        for m in r["learned_masks"]:
+            lines.append(f"| {r['label']} seed {r['seed']} | {m['epoch']:g} | {m['distinct_masks']} | "
+                         f"{m['always_masked']} of {m['patches']} | {m['mask_prob_mean']:.3f} | "
+                         f"{m['mask_prob_masked']:.3f} | {m['mask_prob_saturated']:.3f} | {m['mask_prob_spread']:.4f} |")
+    return lines
+
+
 def figure_lines(results: list[dict], summary: dict, figures: Path, link: str) -> list[str]:
     """Draw the figures (when matplotlib is installed) and link them with each method's own."""
     drawn: list[str] = []
@@ -255,7 +292,8 @@ def write_report(results: list[dict], report: Path, figures: Path, discussion: P
     missing = [e for e in expected if e not in summary]
     if missing:
         lines += ["", f"**Still to run:** {', '.join(missing)} (the study resumes them; this report is partial)."]
-    lines += ["", *table(summary), *epoch_table(summary), *claim_lines(summary, results, ablation)]
+    lines += ["", *table(summary), *epoch_table(summary), *claim_lines(summary, results, ablation),
+              *mask_lines(results)]
     if discussion is not None and discussion.is_file():
         lines += ["", discussion.read_text().strip()]
     link = figures.relative_to(report.parent).as_posix() if figures.is_relative_to(report.parent) else str(figures)
