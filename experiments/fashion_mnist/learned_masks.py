@@ -29,14 +29,23 @@ from train.config import parse_args, section
 from train.evaluate import decode_all, subsample
 
 
-def load_mlomae(run: Path, tag_dir: Path) -> MLOMAEObjective:
-    """The run's objective (its config.json) with the weights and T of one checkpoint tag."""
+def build_mlomae(run: Path) -> MLOMAEObjective:
+    """The run's objective (its config.json), at init."""
     cfg = parse_args(["--config", str(run / "config.json"), "--ds_config", str(run / "ds_config.json")])
     if cfg.objective != "mlomae":
         raise ValueError(f"{run} trained objective {cfg.objective!r}; only mlomae has a masking network")
+    return build_objective(cfg.objective, build_encoder(cfg), section(cfg))
+
+
+def load_mlomae(run: Path, tag_dir: Path) -> MLOMAEObjective:
+    """The run's objective with the weights and T of one checkpoint tag."""
+    return load_tag(build_mlomae(run), tag_dir)
+
+
+def load_tag(obj: MLOMAEObjective, tag_dir: Path) -> MLOMAEObjective:
+    """`obj` with the weights and T of one checkpoint tag of its run."""
     if read_meta(tag_dir)["zero_stage"] == 3:
         raise ValueError(f"{tag_dir} is a ZeRO-3 checkpoint; MLO-MAE refuses ZeRO-3, so this is not an mlomae run")
-    obj = build_objective(cfg.objective, build_encoder(cfg), section(cfg))
     state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
     missing, unexpected = obj.load_state_dict(state, strict=False)
     if unexpected or any(not k.startswith("decoder.") for k in missing):  # a decoder-less file is still read
@@ -63,12 +72,12 @@ def complete_tags(run: Path) -> list[Path]:
 
 def mask_reports(run: Path, tags: list[Path], index: str, images: int = 1000, subset_seed: int = 1) -> list[dict]:
     """mask_report of each tag, all on the same `images` images of the labeled shard index."""
-    reports, decoded = [], None
+    obj = build_mlomae(run)  # built once; each tag loads into it
+    subset = subsample(ShardSet.from_index(index), images, subset_seed)
+    decoded = decode_all(subset, obj.encoder.patch_embed.img_size).images  # the same images for every tag
+    reports = []
     for tag in tags:
-        obj = load_mlomae(run, tag)
-        if decoded is None:  # decoded once, at the encoder's input size
-            decoded = decode_all(subsample(ShardSet.from_index(index), images, subset_seed),
-                                 obj.encoder.patch_embed.img_size).images
+        load_tag(obj, tag)
         reports.append({"tag": tag.name, "step": read_meta(tag)["step"], **mask_report(obj, decoded)})
     return reports
 
