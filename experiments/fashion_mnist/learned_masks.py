@@ -37,11 +37,6 @@ def build_mlomae(run: Path) -> MLOMAEObjective:
     return build_objective(cfg.objective, build_encoder(cfg), section(cfg))
 
 
-def load_mlomae(run: Path, tag_dir: Path) -> MLOMAEObjective:
-    """The run's objective with the weights and T of one checkpoint tag."""
-    return load_tag(build_mlomae(run), tag_dir)
-
-
 def load_tag(obj: MLOMAEObjective, tag_dir: Path) -> MLOMAEObjective:
     """`obj` with the weights and T of one checkpoint tag of its run."""
     if read_meta(tag_dir)["zero_stage"] == 3:
