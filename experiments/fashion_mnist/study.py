@@ -32,6 +32,7 @@ head, scored on the test split). A GPU runs the same commands unchanged.
 
     python -m experiments.fashion_mnist.study [--preset quick|full|ablation] [--seeds 0,1] [--jobs 2] \\
         [--only mae,mixedae] [--pretrain_samples N] [--finetune_samples N] [--eval_epochs 1,3]
+    python -m experiments.fashion_mnist.study --preset full --status   # where each run stands (progress.py)
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ from experiments.fashion_mnist.common import (
     has_classifier,
     presets,
 )
+from experiments.fashion_mnist import progress
 from experiments.fashion_mnist.entries import ENTRIES, PRESETS, Entry
 from experiments.fashion_mnist.report import publish, write_report
 from train.checkpoint import tag_for
@@ -154,13 +156,19 @@ class Decoded:
         return self.sets
 
 
-def run_entry(name: str, seed: int, a, train: Path, test: Path, decoded: Decoded) -> dict:
-    entry, out = ENTRIES[name], a.out / name / f"seed{seed}"
-    done = out / "result.json"
+def budget_of(a) -> dict:
+    """The budget a result.json records (a finished run is reused only with the same one)."""
     budget = {"pretrain_samples": a.pretrain_samples, "finetune_epochs": a.finetune_epochs,
               "finetune_samples": a.finetune_samples}
     if a.eval_epochs:
         budget["eval_epochs"] = a.eval_epochs
+    return budget
+
+
+def run_entry(name: str, seed: int, a, train: Path, test: Path, decoded: Decoded) -> dict:
+    entry, out = ENTRIES[name], a.out / name / f"seed{seed}"
+    done = out / "result.json"
+    budget = budget_of(a)
     if done.is_file():
         result = json.loads(done.read_text())
         if result["budget"] != budget:  # never mix budgets in one table
@@ -252,6 +260,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--jobs", type=int, default=1,
                    help="entries run side by side, each a process with cores / jobs threads" + D)
     p.add_argument("--out", type=Path, help="run folders (default: runs/study for quick, else runs/study_<preset>)")
+    p.add_argument("--status", action="store_true",
+                   help="print where each run of this preset (seeds, --only) stands, from its run folders, and exit")
     p.add_argument("--report", type=Path, help="write the report of this call's results here (default: the "
                    "preset's docs/RESULTS*.md from every finished run in --out, with its run summaries)")
     a = p.parse_args(argv)
@@ -267,6 +277,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     unknown = sorted(set(names) - set(ENTRIES))
     if unknown:
         p.error(f"unknown entries {unknown}; choose from {list(ENTRIES)}")
+    seeds = [int(s) for s in a.seeds.split(",")]
+    if a.status:
+        print(progress.report([progress.entry_status(a.out, name, seed, budget_of(a)) for seed in seeds
+                               for name in names]))
+        return []
     if a.shards is None:
         train, test = fashion_mnist_shards()
     else:
@@ -282,7 +297,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.eval_epochs and (epochs != int(epochs) or not all(0 < k < epochs for k in a.eval_epochs)):
         p.error(f"--eval_epochs {a.eval_epochs}: give whole epochs before the last of a whole-epoch budget "
                 f"(--pretrain_samples {a.pretrain_samples} is {epochs:g} epochs)")
-    seeds = [int(s) for s in a.seeds.split(",")]
     if a.jobs > 1:
         results = run_parallel(a, [(seed, name) for seed in seeds for name in names])
     else:
