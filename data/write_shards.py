@@ -16,6 +16,7 @@ write whole shards, given the already shuffled order; tar members carry a fixed 
 mode, so the shards and the index are byte-identical for the same input and seed whatever N.
 Shards are written under temporary names and renamed when all are complete; the index comes last.
 
+The datasets are listed (layouts and labels checked) by data/image_datasets.py.
 ImageNet (`imagenet ROOT`): `ROOT/train/<wnid>/*.JPEG`, and `ROOT/val/<wnid>/*.JPEG` or a flat
 `ROOT/val/*.JPEG` labelled by the Kaggle release's LOC_val_solution.csv (ImageId, PredictionString
 starting with the wnid; found in ROOT or up to three folders above, or given by --val_labels).
@@ -30,54 +31,34 @@ unless `--skip_bad` is given, in which case the index records them.
 from __future__ import annotations
 
 import argparse
-import csv
-import gzip
 import io
 import json
 import os
 import random
-import re
-import struct
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import webdataset as wds
 from PIL import Image
 
 from data.faults import Tally
+from data.image_datasets import (
+    FASHION_MNIST_CLASSES,
+    FASHION_MNIST_DIR,
+    LOC_VAL_SOLUTION,
+    ImageFile,
+    Sample,
+    ShardError,
+    fashion_mnist_samples,
+    imagenet_classes,
+    imagenet_val,
+    list_imagefolder,
+)
 
-FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-FASHION_MNIST_CLASSES = ["t-shirt/top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
-                         "ankle boot"]
-WNID = re.compile(r"n\d{8}")  # a WordNet noun id, ImageNet's class folder names
-IMAGENET_1K = 1000
-LOC_VAL_SOLUTION = "LOC_val_solution.csv"
 TAR_MTIME = 0  # webdataset's TarWriter stamps members with time.time() unless told: fixed for identical shards
-
-
-class ShardError(ValueError):
-    """Input that cannot be turned into a complete shard set."""
-
-
-@dataclass
-class Sample:
-    """An encoded image held in memory (Fashion-MNIST, tests): written as it is, unchecked."""
-    data: bytes
-    ext: str  # "jpg" | "png"
-    label: int
-
-
-@dataclass(frozen=True)
-class ImageFile:
-    """An image on disk: read and checked by the worker that writes its shard."""
-    path: Path
-    label: int
-
-
 
 
 def encode_image_file(path: Path) -> tuple[bytes, str]:
@@ -94,162 +75,6 @@ def encode_image_file(path: Path) -> tuple[bytes, str]:
         img.save(buf, format="PNG")
         return buf.getvalue(), "png"
 
-
-def folder_classes(src: Path) -> list[str]:
-    """Sorted sub-folder names: the class order of torchvision's ImageFolder (and so of timm)."""
-    if not src.is_dir():
-        raise ShardError(f"source directory {src} does not exist (expected class sub-folders of images)")
-    classes = sorted(p.name for p in src.iterdir() if p.is_dir())
-    if not classes:
-        raise ShardError(f"{src} has no class sub-folders; expected SRC/<class>/<image files>")
-    return classes
-
-
-def list_imagefolder(src: Path, classes: list[str] | None = None) -> tuple[list[str], list[ImageFile]]:
-    """Every file under SRC/<class>/ with its class index; `classes` (default: the folder's own,
-    sorted) fixes the indices, and a sub-folder outside it is an error. Files are checked when
-    their shard is written."""
-    present = folder_classes(src)
-    classes = present if classes is None else classes
-    unknown = sorted(set(present) - set(classes))
-    if unknown:
-        raise ShardError(f"{len(unknown)} class folder(s) of {src} are not among the {len(classes)} classes "
-                         f"given ({classes[0]} ... {classes[-1]}), e.g. {unknown[:5]}: they have no "
-                         f"class index")
-    empty = [c for c in present if not any(f.is_file() for f in (src / c).rglob("*"))]
-    if empty:
-        raise ShardError(f"{len(empty)} empty class folder(s) in {src}: {empty[:10]}; remove them or add images")
-    index = {c: i for i, c in enumerate(classes)}
-    files = [ImageFile(f, index[c]) for c in present for f in sorted(p for p in (src / c).rglob("*") if p.is_file())]
-    return classes, files
-
-
-def read_idx(path: Path) -> np.ndarray:
-    """An MNIST-style idx file (optionally gzipped) as a uint8 array."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        raw = f.read()
-    zero, dtype, ndim = struct.unpack(">HBB", raw[:4])
-    if zero != 0 or dtype != 0x08:
-        raise ShardError(f"{path} is not an idx file of unsigned bytes")
-    shape = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
-    body = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
-    if body.size != int(np.prod(shape)):
-        raise ShardError(f"{path} is truncated: expected {int(np.prod(shape))} values, found {body.size}")
-    return body.reshape(shape)
-
-
-def _find(src: Path, stem: str) -> Path:
-    for name in (stem, f"{stem}.gz"):
-        if (src / name).is_file():
-            return src / name
-    raise ShardError(
-        f"{src / stem}(.gz) not found. Install the Debian package: apt-get install dataset-fashion-mnist "
-        f"(puts the idx files in {FASHION_MNIST_DIR})"
-    )
-
-
-def fashion_mnist_samples(src: Path, split: str) -> list[Sample]:
-    prefix = "train" if split == "train" else "t10k"
-    images = read_idx(_find(src, f"{prefix}-images-idx3-ubyte"))
-    labels = read_idx(_find(src, f"{prefix}-labels-idx1-ubyte"))
-    if len(images) != len(labels):
-        raise ShardError(f"{split}: {len(images)} images but {len(labels)} labels")
-    out = []
-    for img, label in zip(images, labels, strict=True):
-        buf = io.BytesIO()
-        Image.fromarray(img, mode="L").save(buf, format="PNG")
-        out.append(Sample(buf.getvalue(), "png", int(label)))
-    return out
-
-
-# ---- ImageNet layouts ----
-
-def imagenet_classes(root: Path, classes_from: Path | None) -> list[str]:
-    """Sorted wnids of ROOT/train (or of `classes_from`: a folder of wnid folders, or a shard index
-    whose "classes" it takes). Indices are ImageNet-1k's (timm / torchvision) only with all 1000."""
-    src = classes_from or root / "train"
-    if src.suffix == ".json":
-        if not src.is_file():
-            raise ShardError(f"--classes_from {src}: no such shard index")
-        classes = json.loads(src.read_text()).get("classes")
-        if not isinstance(classes, list) or not classes:
-            raise ShardError(f"--classes_from {src}: the index has no 'classes' list")
-    else:
-        classes = folder_classes(src)
-    not_wnids = [c for c in classes if not WNID.fullmatch(c)]
-    if not_wnids:
-        raise ShardError(f"{len(not_wnids)} of the {len(classes)} classes of {src} are not WordNet ids (n + 8 "
-                         f"digits), e.g. {not_wnids[:5]}; for other class names use the imagefolder subcommand")
-    if len(classes) != IMAGENET_1K:
-        print(f"warning: {src} gives {len(classes)} classes, not ImageNet-1k's {IMAGENET_1K}: labels index these "
-              f"{len(classes)} sorted wnids and do not match timm / torchvision's ImageNet-1k class indices",
-              file=sys.stderr)
-    return classes
-
-
-def find_val_labels(root: Path) -> Path | None:
-    """LOC_val_solution.csv in ROOT or up to three folders above (the Kaggle release keeps it
-    beside ILSVRC/, and ROOT is then ILSVRC/Data/CLS-LOC)."""
-    for folder in [root, *list(root.resolve().parents)[:3]]:
-        if (folder / LOC_VAL_SOLUTION).is_file():
-            return folder / LOC_VAL_SOLUTION
-    return None
-
-
-def read_loc_val_solution(path: Path) -> dict[str, str]:
-    """ImageId -> wnid, the first word of PredictionString ("n01751748 33 90 466 324 ...")."""
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if not {"ImageId", "PredictionString"} <= set(reader.fieldnames or []):
-            raise ShardError(f"{path}: expected the columns ImageId,PredictionString (Kaggle's {LOC_VAL_SOLUTION}), "
-                             f"found {reader.fieldnames}")
-        labels = {}
-        for row in reader:
-            words = (row["PredictionString"] or "").split()
-            if not words:
-                raise ShardError(f"{path}: line {reader.line_num} has no wnid: {row}")
-            labels[row["ImageId"]] = words[0]
-    return labels
-
-
-def imagenet_val(val: Path, classes: list[str], val_labels: Path | None, root: Path) -> list[ImageFile]:
-    if not val.is_dir():
-        raise ShardError(f"{val} does not exist (pass --split train to write the training split only)")
-    if any(p.is_dir() for p in val.iterdir()):  # val/<wnid>/*.JPEG, e.g. after the devkit's valprep.sh
-        return list_imagefolder(val, classes)[1]
-    val_labels = val_labels or find_val_labels(root)
-    if val_labels is None:
-        raise ShardError(f"{val} holds images but no <wnid> folders, and no {LOC_VAL_SOLUTION} was found in {root} "
-                         f"or the three folders above it; pass --val_labels PATH/{LOC_VAL_SOLUTION} (Kaggle's "
-                         f"ImageNet release) or move the images into val/<wnid>/ folders (the devkit's "
-                         f"ILSVRC2012_validation_ground_truth.txt numbers classes in its own order, not read here)")
-    labels = read_loc_val_solution(val_labels)
-    index = {c: i for i, c in enumerate(classes)}
-    files, unlabelled, unknown = [], [], []
-    for f in sorted(p for p in val.iterdir() if p.is_file()):
-        wnid = labels.get(f.stem)
-        if wnid is None:
-            unlabelled.append(f.name)
-        elif wnid not in index:
-            unknown.append(f"{f.name}: {wnid}")
-        else:
-            files.append(ImageFile(f, index[wnid]))
-    if unlabelled:
-        raise ShardError(f"{len(unlabelled)} file(s) in {val} have no row in {val_labels}, e.g. {unlabelled[:5]}")
-    if unknown:
-        raise ShardError(f"{len(unknown)} image(s) in {val} are labelled (by {val_labels}) with wnids that are not "
-                         f"among the {len(classes)} training classes, e.g. {unknown[:5]}; write val with the class "
-                         f"list of the training split that has them (--classes_from)")
-    if not files:
-        raise ShardError(f"{val} holds no images")
-    if len(files) < len(labels):
-        print(f"note: {len(labels) - len(files)} of the {len(labels)} images that {val_labels} lists are not in {val}",
-              file=sys.stderr)
-    return files
-
-
-# ---- writing ----
 
 @dataclass
 class ShardJob:

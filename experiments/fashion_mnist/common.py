@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from data.write_shards import FASHION_MNIST_DIR
+from data.image_datasets import FASHION_MNIST_DIR
 from data.write_shards import main as write_shards
 from model.objectives import OBJECTIVES, list_objectives
 

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from data.shards import ShardSet
+from experiments.fashion_mnist import progress
 from experiments.fashion_mnist.common import (
     FINETUNE_BLR,
     REPO,
@@ -60,7 +61,6 @@ from experiments.fashion_mnist.common import (
     has_classifier,
     presets,
 )
-from experiments.fashion_mnist import progress
 from experiments.fashion_mnist.entries import ENTRIES, PRESETS, Entry
 from experiments.fashion_mnist.report import publish, write_report
 from train.checkpoint import tag_for

@@ -1,0 +1,52 @@
+"""data/image_datasets.py: listing an image folder (sorted class order, a fixed class list) and
+reading idx files, without writing shards (tests/data/test_write_shards.py writes them)."""
+import gzip
+
+import numpy as np
+import pytest
+from conftest import write_idx
+
+from data.image_datasets import (
+    ImageFile,
+    ShardError,
+    list_imagefolder,
+    read_idx,
+    read_loc_val_solution,
+)
+
+
+def test_imagefolder_classes_are_sorted_folder_names_and_files_sorted_within(image_folder):
+    (image_folder / "ant").mkdir()
+    (image_folder / "ant" / "b.png").write_bytes(b"checked later, by the shard's writer")
+    (image_folder / "ant" / "a.png").write_bytes(b"")
+    classes, files = list_imagefolder(image_folder)
+    assert classes == ["ant", "cat", "dog", "eel"]
+    assert files[:2] == [ImageFile(image_folder / "ant" / "a.png", 0), ImageFile(image_folder / "ant" / "b.png", 0)]
+    assert [f.label for f in files] == [0, 0] + [1] * 8 + [2] * 8 + [3] * 8
+
+
+def test_a_given_class_list_fixes_indices_and_refuses_folders_outside_it(image_folder):
+    classes, files = list_imagefolder(image_folder, ["zebra", "eel", "dog", "cat"])
+    assert classes == ["zebra", "eel", "dog", "cat"] and {f.path.parent.name: f.label for f in files} == {
+        "cat": 3, "dog": 2, "eel": 1}
+    with pytest.raises(ShardError, match=r"1 class folder\(s\) .* are not among the 2 classes given.*'eel'"):
+        list_imagefolder(image_folder, ["cat", "dog"])
+
+
+def test_truncated_idx_is_rejected(tmp_path):
+    write_idx(tmp_path / "x.gz", np.arange(4 * 28 * 28).reshape(4, 28, 28) % 256)
+    assert read_idx(tmp_path / "x.gz")[3, 27, 27] == (4 * 28 * 28 - 1) % 256
+    raw = gzip.open(tmp_path / "x.gz").read()
+    with gzip.open(tmp_path / "y.gz", "wb") as f:
+        f.write(raw[:-10])
+    with pytest.raises(ShardError, match="truncated"):
+        read_idx(tmp_path / "y.gz")
+
+
+def test_loc_val_solution_maps_image_ids_to_their_first_wnid(tmp_path):
+    csv = tmp_path / "LOC_val_solution.csv"
+    csv.write_text("ImageId,PredictionString\nILSVRC2012_val_00000001,n01751748 33 90 466 324 n01751748 1 2 3 4\n")
+    assert read_loc_val_solution(csv) == {"ILSVRC2012_val_00000001": "n01751748"}
+    csv.write_text("id,label\nx,n01751748\n")
+    with pytest.raises(ShardError, match="expected the columns ImageId,PredictionString"):
+        read_loc_val_solution(csv)
