@@ -113,17 +113,28 @@ def restoration_by_steps(runs: list[dict]) -> str:
     return _every_seed([all(a > b for a, b in zip(c, c[1:])) for c in curves], detail, len(curves))
 
 
-def topk_rises(runs: list[dict]) -> str:
-    """MixedAE: TopK sampling accuracy (share of each query's TopK keys from its own image) at the
-    start and end of training, mean of the first and last 5 logged steps; holds when it rises in
-    every seed."""
+def topk_rises(runs: list[dict], window: int = 5) -> str:
+    """MixedAE: TopK sampling accuracy (share of each query's TopK keys from its own image), mean of
+    the first and of the last `window` logged steps. It rises when the gain is more than two
+    standard errors of the difference of those means (from the step-to-step variation inside
+    each window); the claim holds when it rises in every seed. Chance, keys drawn at random, is
+    about the mixing ratio r (each image holds r of the N patch keys; the cls key is never the
+    query's own)."""
     curves = [[m["topk_acc"] for m in r.get("metrics", []) if "topk_acc" in m] for r in runs]
-    curves = [c for c in curves if len(c) >= 10]
+    curves = [c for c in curves if len(c) >= 2 * window]
     if not curves:
         return "not measured"
-    ends = [(statistics.fmean(c[:5]), statistics.fmean(c[-5:])) for c in curves]
-    detail = "; ".join(f"{a:.3f} -> {b:.3f}" for a, b in ends)
-    return _every_seed([b > a for a, b in ends], detail, len(ends))
+    parts, rises = [], []
+    for c in curves:
+        first, last = c[:window], c[-window:]
+        gain = statistics.fmean(last) - statistics.fmean(first)
+        noise = 2 * math.sqrt((statistics.variance(first) + statistics.variance(last)) / window)
+        rises.append(gain > noise)
+        parts.append(f"{statistics.fmean(first):.3f} -> {statistics.fmean(last):.3f}, "
+                     f"{'a rise' if gain > noise else 'no rise'} beyond noise {noise:.3f}")
+    ratios = {r.get("objective_config", {}).get("mix_ratio") for r in runs} - {None}
+    chance = f"; chance about r = {ratios.pop():g}" if len(ratios) == 1 else ""
+    return _every_seed(rises, "; ".join(parts) + chance, len(curves))
 
 
 def adversary_reach(runs: list[dict], eps: float) -> str:

@@ -72,9 +72,16 @@ def test_restoration_curve_from_the_last_logged_steps():
 def test_topk_accuracy_rises_and_adversary_reach():
     rising = [{"step": i, "topk_acc": 0.3 + 0.01 * i} for i in range(20)]
     falling = [{"step": i, "topk_acc": 0.5 - 0.01 * i} for i in range(20)]
+    # first / last 5: 0.30..0.34 and 0.45..0.49, sample variance 0.00025 each: noise 2 sqrt(0.0005 / 5) = 0.02
     assert topk_rises([_r("m", 0, metrics=rising), _r("m", 1, metrics=rising)]) == \
-        "holds (0.320 -> 0.470; 0.320 -> 0.470)"
+        "holds (0.320 -> 0.470, a rise beyond noise 0.020; 0.320 -> 0.470, a rise beyond noise 0.020)"
     assert topk_rises([_r("m", 0, metrics=rising), _r("m", 1, metrics=falling)]).startswith("contradicted")
+    # at chance and flat: 0.24, 0.26 alternating; means 0.248 and 0.252, variance 1.2e-4 each:
+    # noise 2 sqrt(2.4e-4 / 5) = 0.0139 > the gain 0.004
+    flat = [{"step": i, "topk_acc": 0.24 + 0.02 * (i % 2)} for i in range(20)]
+    at_chance = {**_r("m", 0, metrics=flat), "objective_config": {"mix_ratio": 0.25}}
+    assert topk_rises([at_chance]) == ("provisional, one seed: contradicted (0.248 -> 0.252, no rise beyond noise "
+                                       "0.014; chance about r = 0.25)")
     assert topk_rises([_r("m", 0, metrics=rising[:5])]) == "not measured"  # too few logged steps
     adv = [{"step": 1, "adv_rpe_0": 0.1, "adv_rpe_1": 0.2}, {"step": 2, "adv_rpe_0": 0.5, "adv_rpe_1": 2.0}]
     assert adversary_reach([_r("adpe", 0, metrics=adv)], 20.0) == "2 of eps 20 (0.100)"
