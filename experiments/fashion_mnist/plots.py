@@ -83,9 +83,10 @@ def accuracy_vs_images(plt, curves: dict[str, dict], figures: Path) -> str | Non
 
 
 def over_training(plt, results: list[dict], figures: Path, pattern: str, ylabel: str, name: str,
-                  scale: dict[str, float] | None = None) -> str | None:
+                  scale: dict[str, float] | None = None, reference: tuple[float, str] | None = None) -> str | None:
     """Every logged metric whose whole name matches the regex `pattern` against the optimizer step,
-    one line per (entry, metric), divided by scale[entry] when given (e.g. an adversary's epsilon)."""
+    one line per (entry, metric), divided by scale[entry] when given (e.g. an adversary's epsilon);
+    `reference` (value, label) draws a dashed level to read them against (chance, epsilon)."""
     series = []
     for r in _first_seed(results):
         rows = r.get("metrics", [])
@@ -98,6 +99,8 @@ def over_training(plt, results: list[dict], figures: Path, pattern: str, ylabel:
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, points in series:
         ax.plot(*zip(*points), label=label)
+    if reference is not None:
+        ax.axhline(reference[0], color="gray", linestyle="--", linewidth=1, label=reference[1])
     ax.set(xlabel="optimizer step", ylabel=ylabel)
     ax.legend(fontsize=7)
     return _save(fig, figures, name)

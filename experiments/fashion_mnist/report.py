@@ -246,13 +246,19 @@ def figure_lines(results: list[dict], summary: dict, figures: Path, link: str) -
     if plt is not None:
         eps = {r["entry"]: r["objective_config"]["adv_eps"] for r in results
                if r.get("objective_config", {}).get("adversary", "none") != "none"}
+        # keys drawn at random come from the query's own image about r of the time (claims.topk_rises)
+        ratios = {r["objective_config"]["mix_ratio"] for r in results if "mix_ratio" in r.get("objective_config", {})}
+        chance = None
+        if len(ratios) == 1:
+            r = ratios.pop()
+            chance = (r, f"chance (r = {r:g})")
         drawn = [n for n in (
             plots.loss_curves(plt, results, figures), plots.accuracy_bars(plt, summary, figures),
             plots.accuracy_vs_images(plt, epoch_curves(summary), figures),
             plots.over_training(plt, results, figures, r"topk_acc", "TopK sampling accuracy (mean over blocks)",
-                                "topk_accuracy.png"),
+                                "topk_accuracy.png", reference=chance),
             plots.over_training(plt, results, figures, r"adv_.*", "largest adversarial offset / epsilon",
-                                "adversary.png", eps)) if n]
+                                "adversary.png", eps, reference=(1.0, "epsilon"))) if n]
     own = [(f"{row['label']}: {png.stem.removeprefix(name + '_').replace('_', ' ')}", png.name)
            for name, row in summary.items() for png in sorted(figures.glob(f"{name}_*.png"))
            if not any(png.stem.startswith(f"{other}_") and len(other) > len(name) for other in summary)]

@@ -137,3 +137,28 @@ def test_plots_when_matplotlib_is_installed(tmp_path):
     for name in ("loss_curves.png", "accuracy.png", "accuracy_vs_images.png", "topk_accuracy.png", "adversary.png"):
         assert Image.open(tmp_path / "figures" / name).size[0] > 500
         assert f"![{name}](figures/{name})" in text
+
+
+def test_curves_over_training_draw_their_reference_level(tmp_path):
+    pytest.importorskip("matplotlib")
+    from experiments.fashion_mnist import plots
+
+    class KeepLines:  # pyplot, reading each figure's lines back before _save clears it
+        def __init__(self, plt):
+            self.plt, self.lines = plt, {}
+
+        def subplots(self, *args, **kwargs):
+            fig, ax = self.plt.subplots(*args, **kwargs)
+            clear = fig.clf
+
+            def read_then_clear():
+                self.lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+                clear()
+
+            fig.clf = read_then_clear
+            return fig, ax
+
+    plt = KeepLines(plots.pyplot())
+    run = _result("mixedae", 0, 70.0, 78.0, 85.0, metrics=[{"step": i, "topk_acc": 0.25} for i in range(3)])
+    assert plots.over_training(plt, [run], tmp_path, "topk_acc", "TopK", "t.png", reference=(0.25, "chance")) == "t.png"
+    assert plt.lines == {"MIXEDAE": [0.25, 0.25, 0.25], "chance": [0.25, 0.25]}  # axhline: two points at the level
