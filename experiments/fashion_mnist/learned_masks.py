@@ -9,7 +9,7 @@ statistics the run logs per step (masking_net.mask_statistics), here over the sa
 images (a seeded subset of `--index`, default the run's `data.eval_index`) for every tag, plus
 `distinct_masks` (different top-k masks among them; 1 = image-independent) and `always_masked`
 (patches masked in every image). Reads ZeRO-0/1/2 checkpoints (T is replicated, kept in the
-objective's extra state of mp_rank_00_model_states.pt).
+objective's extra state of mp_rank_00_model_states.pt; run_checkpoints.py).
 """
 from __future__ import annotations
 
@@ -19,34 +19,10 @@ from pathlib import Path
 
 import torch
 
-from data.shards import ShardSet
-from model.objectives import build_objective
+from experiments.fashion_mnist.run_checkpoints import build_run_objective, complete_tags, load_tag, probe_images
 from model.objectives.masking_net import mask_statistics, top_masking
 from model.objectives.mlomae import MLOMAEObjective
-from train.build import build_encoder
 from train.checkpoint import is_complete, read_meta
-from train.config import parse_args, section
-from train.evaluate import decode_all, subsample
-
-
-def build_mlomae(run: Path) -> MLOMAEObjective:
-    """The run's objective (its config.json), at init."""
-    cfg = parse_args(["--config", str(run / "config.json"), "--ds_config", str(run / "ds_config.json")])
-    if cfg.objective != "mlomae":
-        raise ValueError(f"{run} trained objective {cfg.objective!r}; only mlomae has a masking network")
-    return build_objective(cfg.objective, build_encoder(cfg), section(cfg))
-
-
-def load_tag(obj: MLOMAEObjective, tag_dir: Path) -> MLOMAEObjective:
-    """`obj` with the weights and T of one checkpoint tag of its run."""
-    if read_meta(tag_dir)["zero_stage"] == 3:
-        raise ValueError(f"{tag_dir} is a ZeRO-3 checkpoint; MLO-MAE refuses ZeRO-3, so this is not an mlomae run")
-    state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
-    missing, unexpected = obj.load_state_dict(state, strict=False)
-    if unexpected or any(not k.startswith("decoder.") for k in missing):  # a decoder-less file is still read
-        raise ValueError(f"{tag_dir} does not match the run's config: missing {missing[:5]}, unexpected "
-                         f"{unexpected[:5]}")
-    return obj.eval()
 
 
 @torch.no_grad()
@@ -60,16 +36,10 @@ def mask_report(obj: MLOMAEObjective, images: torch.Tensor, batch_size: int = 50
             "always_masked": int((mask == 1).all(0).sum()), **stats}
 
 
-def complete_tags(run: Path) -> list[Path]:
-    """The run's complete checkpoint tags, oldest first."""
-    return sorted(t for t in (run / "checkpoints").glob("step*") if is_complete(t))
-
-
 def mask_reports(run: Path, tags: list[Path], index: str, images: int = 1000, subset_seed: int = 1) -> list[dict]:
     """mask_report of each tag, all on the same `images` images of the labeled shard index."""
-    obj = build_mlomae(run)  # built once; each tag loads into it
-    subset = subsample(ShardSet.from_index(index), images, subset_seed)
-    decoded = decode_all(subset, obj.encoder.patch_embed.img_size).images  # the same images for every tag
+    obj = build_run_objective(run, "mlomae")  # built once; each tag loads into it
+    decoded = probe_images(index, images, obj.encoder.patch_embed.img_size, subset_seed)  # the same for every tag
     reports = []
     for tag in tags:
         load_tag(obj, tag)

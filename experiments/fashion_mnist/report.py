@@ -24,7 +24,8 @@ from pathlib import Path
 from experiments.fashion_mnist import claims, plots
 from experiments.fashion_mnist.common import FINETUNE_BLR, RAW_PIXEL_BASELINES, REPO, TRAIN_IMAGES
 from experiments.fashion_mnist.entries import ENTRIES, PRESETS
-from experiments.fashion_mnist.learned_masks import complete_tags, mask_reports
+from experiments.fashion_mnist.learned_masks import mask_reports
+from experiments.fashion_mnist.run_checkpoints import complete_tags
 from train.checkpoint import is_pinned
 
 METRICS = plots.METRICS

@@ -92,5 +92,5 @@ def test_a_run_of_another_objective_is_refused(tmp_path):
     cfg = parse_args(["--config", str(REPO / "train" / "configs" / "mae" / "debug.json"), "--ds_config", str(CPU_DS)])
     (run / "config.json").write_text(json.dumps(to_dict(cfg)))
     shutil.copy(CPU_DS, run / "ds_config.json")
-    with pytest.raises(ValueError, match="only mlomae has a masking network"):
+    with pytest.raises(ValueError, match="trained objective 'mae'; this tool reads 'mlomae' runs"):
         learned_masks([str(run), "--index", "unused.json"])

@@ -1,0 +1,49 @@
+"""A pretraining run's objective rebuilt from its own config and loaded from any of its checkpoint
+tags, for the tools that probe what a run learned (learned_masks.py: MLO-MAE's masking network;
+homologous_attention.py: MixedAE's TopK attention), and the test images they probe it on.
+
+Reads ZeRO-0/1/2 checkpoints: mp_rank_00_model_states.pt holds the whole module (parameters and
+any objective state kept outside them, e.g. MLO-MAE's T)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from data.shards import ShardSet
+from model.objectives import build_objective
+from model.objectives.base import Objective
+from train.build import build_encoder
+from train.checkpoint import is_complete, read_meta
+from train.config import parse_args, section
+from train.evaluate import decode_all, subsample
+
+
+def build_run_objective(run: Path, objective: str) -> Objective:
+    """The run's objective (its config.json), at init; refused when the run trained another one."""
+    cfg = parse_args(["--config", str(run / "config.json"), "--ds_config", str(run / "ds_config.json")])
+    if cfg.objective != objective:
+        raise ValueError(f"{run} trained objective {cfg.objective!r}; this tool reads {objective!r} runs")
+    return build_objective(cfg.objective, build_encoder(cfg), section(cfg))
+
+
+def load_tag(obj: Objective, tag_dir: Path) -> Objective:
+    """`obj` with the weights (and extra state) of one checkpoint tag of its run, in eval mode."""
+    if read_meta(tag_dir)["zero_stage"] == 3:
+        raise ValueError(f"{tag_dir} is a ZeRO-3 checkpoint (parameters sharded): export it first (train/export.py)")
+    state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
+    missing, unexpected = obj.load_state_dict(state, strict=False)
+    if unexpected or any(not k.startswith("decoder.") for k in missing):  # a decoder-less file is still read
+        raise ValueError(f"{tag_dir} does not match the run's config: missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}")
+    return obj.eval()
+
+
+def complete_tags(run: Path) -> list[Path]:
+    """The run's complete checkpoint tags, oldest first."""
+    return sorted(t for t in (run / "checkpoints").glob("step*") if is_complete(t))
+
+
+def probe_images(index: str | Path, images: int, img_size: int, subset_seed: int = 1) -> torch.Tensor:
+    """(images, C, H, W): a seeded subset of a labeled shard index, decoded as the evaluations do."""
+    return decode_all(subsample(ShardSet.from_index(index), images, subset_seed), img_size).images
