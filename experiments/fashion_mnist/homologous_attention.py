@@ -52,6 +52,8 @@ def topk_shares(obj: MixedAEObjective, images: torch.Tensor, segments: bool, see
 
 
 def topk_report(obj: MixedAEObjective, images: torch.Tensor) -> dict:
+    """One checkpoint (loaded into `obj`) on (M, C, H, W) images: chance, the shares with the
+    segment embeddings and (when the run has them) without."""
     if obj.cfg.attention != "topk":
         raise ValueError(f"this run's attention is {obj.cfg.attention!r}, not homologous TopK: it has no TopK "
                          f"selection to read")
