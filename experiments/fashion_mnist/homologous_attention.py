@@ -51,12 +51,17 @@ def topk_shares(obj: MixedAEObjective, images: torch.Tensor, segments: bool, see
     return {k: round(v / mixed_images, 4) for k, v in sums.items()}
 
 
+def has_topk(mixedae: dict) -> bool:
+    """Whether a run's `mixedae` options (config.json) select keys by TopK on mixed images."""
+    return mixedae.get("attention", "topk") == "topk" and mixedae.get("mixing", "compose") != "none"
+
+
 def topk_report(obj: MixedAEObjective, images: torch.Tensor) -> dict:
     """One checkpoint (loaded into `obj`) on (M, C, H, W) images: chance, the shares with the
     segment embeddings and (when the run has them) without."""
-    if obj.cfg.attention != "topk":
-        raise ValueError(f"this run's attention is {obj.cfg.attention!r}, not homologous TopK: it has no TopK "
-                         f"selection to read")
+    if not has_topk({"attention": obj.cfg.attention, "mixing": obj.cfg.mixing}):
+        raise ValueError(f"this run has attention {obj.cfg.attention!r} and mixing {obj.cfg.mixing!r}: no homologous "
+                         f"TopK selection on mixed images to read")
     if len(images) % obj.g:
         raise ValueError(f"{len(images)} images do not split into groups of g = {obj.g}: give a multiple of {obj.g}")
     n = obj.encoder.num_patches

@@ -24,6 +24,7 @@ from pathlib import Path
 from experiments.fashion_mnist import claims, plots
 from experiments.fashion_mnist.common import FINETUNE_BLR, RAW_PIXEL_BASELINES, REPO, TRAIN_IMAGES
 from experiments.fashion_mnist.entries import ENTRIES, PRESETS
+from experiments.fashion_mnist.homologous_attention import has_topk, topk_reports
 from experiments.fashion_mnist.learned_masks import mask_reports
 from experiments.fashion_mnist.run_checkpoints import complete_tags
 from train.checkpoint import is_pinned
@@ -88,6 +89,8 @@ def collect(runs: Path, summaries: Path, figures: Path) -> None:
                 copy_method_figures(pretrain / "vis", result["entry"], figures)
             if config["objective"] == "mlomae" and "total_steps" in meta:
                 result["learned_masks"] = epoch_masks(pretrain, config, meta["total_steps"])
+            if config["objective"] == "mixedae" and has_topk(config["mixedae"]) and "total_steps" in meta:
+                result["homologous_attention"] = epoch_topk(pretrain, config, meta["total_steps"])
         rows = result.get("metrics", [])
         zero = {k for m in rows for k in m if k.startswith("data_")} - {k for m in rows for k, v in m.items() if v}
         result["metrics"] = [{k: v for k, v in m.items() if k not in zero} for m in rows]  # no all-zero data counters
@@ -100,16 +103,32 @@ def collect(runs: Path, summaries: Path, figures: Path) -> None:
         (summaries / f"{result['entry']}_seed{result['seed']}.json").write_text(json.dumps(result, indent=1))
 
 
-def epoch_masks(pretrain: Path, config: dict, total_steps: int) -> list[dict]:
-    """MLO-MAE: learned_masks' statistics at the kept epoch checkpoints and the last one, each with
-    its epoch, on the same 1000 test images."""
+def kept_tags(pretrain: Path) -> list[Path]:
+    """The checkpoints kept at epochs' ends (pinned) and the last one."""
     tags = complete_tags(pretrain)
+    return [t for t in tags if is_pinned(t) or t == tags[-1]]
+
+
+def _with_epochs(reports: list[dict], config: dict, total_steps: int) -> list[dict]:
+    per_epoch = total_steps / config["optim"]["epochs"]
+    return [{**r, "epoch": round(r["step"] / per_epoch, 2)} for r in reports]
+
+
+def epoch_masks(pretrain: Path, config: dict, total_steps: int) -> list[dict]:
+    """MLO-MAE: learned_masks' statistics at the kept checkpoints, each with its epoch, on the same
+    1000 test images."""
+    tags = kept_tags(pretrain)
+    return _with_epochs(mask_reports(pretrain, tags, config["data"]["eval_index"]), config, total_steps) if tags else []
+
+
+def epoch_topk(pretrain: Path, config: dict, total_steps: int) -> list[dict]:
+    """MixedAE: homologous_attention's TopK shares at the kept checkpoints, each with its epoch, on 512
+    images of the test split written beside the training index (study.py's shards); [] without it."""
+    tags = kept_tags(pretrain)
     if not tags:
         return []
-    tags = [t for t in tags if is_pinned(t) or t == tags[-1]]
-    per_epoch = total_steps / config["optim"]["epochs"]
-    return [{**r, "epoch": round(r["step"] / per_epoch, 2)}
-            for r in mask_reports(pretrain, tags, config["data"]["eval_index"])]
+    test = Path(config["data"]["train_index"]).with_name("test.json")
+    return _with_epochs(topk_reports(pretrain, tags, str(test)), config, total_steps) if test.is_file() else []
 
 
 def copy_method_figures(vis: Path, entry: str, figures: Path) -> None:
@@ -240,6 +259,29 @@ def mask_lines(results: list[dict]) -> list[str]:
     return lines
 
 
+def topk_lines(results: list[dict]) -> list[str]:
+    """MixedAE: what its homologous TopK attention selects at each kept checkpoint (homologous_attention.py)."""
+    runs = [r for r in results if r.get("homologous_attention")]
+    if not runs:
+        return []
+    first = runs[0]["homologous_attention"][0]
+    blocks = sorted(int(k.removeprefix("topk_acc_block")) for k in first if k.startswith("topk_acc_block"))
+    lines = ["", "## MixedAE's homologous attention", "",
+             f"TopK sampling accuracy (the share of each patch query's kept keys that come from its own image) of "
+             f"each kept checkpoint on the same {first['images']} test images and mixings "
+             "(experiments/fashion_mnist/homologous_attention.py): its mean over blocks, the same with the segment "
+             "embeddings left out of the encoder's input, each block's, and chance (keys drawn at random).", "",
+             "| run | epoch | chance | TopK accuracy | without segment embeddings | " +
+             " | ".join(f"block {b}" for b in blocks) + " |", "|---|---|---|---|---|" + "---|" * len(blocks)]
+    for r in runs:
+        for m in r["homologous_attention"]:
+            without = m.get("without_segments_topk_acc")
+            lines.append(f"| {r['label']} seed {r['seed']} | {m['epoch']:g} | {m.get('chance', float('nan')):.3f} | "
+                         f"{m['topk_acc']:.3f} | {'-' if without is None else f'{without:.3f}'} | " +
+                         " | ".join(f"{m[f'topk_acc_block{b}']:.3f}" for b in blocks) + " |")
+    return lines
+
+
 def figure_lines(results: list[dict], summary: dict, figures: Path, link: str) -> list[str]:
     """Draw the figures (when matplotlib is installed) and link them with each method's own."""
     drawn: list[str] = []
@@ -300,7 +342,7 @@ def write_report(results: list[dict], report: Path, figures: Path, discussion: P
     if missing:
         lines += ["", f"**Still to run:** {', '.join(missing)} (the study resumes them; this report is partial)."]
     lines += ["", *table(summary), *epoch_table(summary), *claim_lines(summary, results, ablation),
-              *mask_lines(results)]
+              *mask_lines(results), *topk_lines(results)]
     if discussion is not None and discussion.is_file():
         lines += ["", discussion.read_text().strip()]
     link = figures.relative_to(report.parent).as_posix() if figures.is_relative_to(report.parent) else str(figures)

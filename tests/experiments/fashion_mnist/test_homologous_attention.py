@@ -10,6 +10,7 @@ from conftest import CPU_DS, REPO, fake_fashion_mnist
 from data.write_shards import main as write_shards
 from experiments.fashion_mnist.homologous_attention import main as homologous_attention
 from experiments.fashion_mnist.homologous_attention import topk_report, topk_shares
+from experiments.fashion_mnist.report import collect, topk_lines
 from model.objectives import build_objective
 from train.build import build_encoder
 from train.config import parse_args, section, to_dict
@@ -50,13 +51,16 @@ def test_chance_and_refusals():
     with pytest.raises(ValueError, match="do not split into groups of g = 4"):
         topk_report(obj, torch.randn(6, 1, 32, 32))
     masked, _ = _objective("--mixedae.attention", "masked")
-    with pytest.raises(ValueError, match="not homologous TopK"):
+    with pytest.raises(ValueError, match="no homologous TopK selection on mixed images"):
         topk_report(masked, torch.randn(8, 1, 32, 32))
     no_segments, _ = _objective("--mixedae.segment_embed", "false")
     assert not any(k.startswith("without_segments") for k in topk_report(no_segments, torch.randn(8, 1, 32, 32)))
 
 
-def test_every_tag_of_a_run_on_the_same_images(tmp_path):
+def mixedae_run(tmp_path):
+    """A mixedae run folder trained (in name) on a fake Fashion-MNIST written beside its test split:
+    the encoder at init saved at step 1 (an epoch's end, pinned) and step 2, another encoder at
+    step 3. Returns (run folder, the test split's index)."""
     shards = tmp_path / "shards"
     write_shards(["fashion-mnist", str(shards), "--src", str(fake_fashion_mnist(tmp_path / "idx", 20, 40)),
                   "--samples_per_shard", "20"])
@@ -66,20 +70,46 @@ def test_every_tag_of_a_run_on_the_same_images(tmp_path):
     run.mkdir()
     (run / "config.json").write_text(json.dumps(to_dict(cfg)))
     shutil.copy(CPU_DS, run / "ds_config.json")
-    for step in (1, 2):
+    for step in (1, 2, 3):
         tag = run / "checkpoints" / f"step{step:08d}"
         tag.mkdir(parents=True)
-        if step == 2:  # another encoder: other attention logits, another selection
+        if step == 3:  # another encoder: other attention logits, another selection
             with torch.no_grad():
                 for p in obj.encoder.parameters():
                     p.add_(torch.randn_like(p))
         torch.save({"module": obj.state_dict()}, tag / "mp_rank_00_model_states.pt")
-        (tag / "complete.json").write_text(json.dumps({"step": step, "zero_stage": 0}))
-    index = ["--index", str(shards / "test.json")]
-    first, second = homologous_attention([str(run), *index, "--images", "32"])
-    assert [first["tag"], second["tag"]] == ["step00000001", "step00000002"]
-    assert first["images"] == second["images"] == 32 and first["topk_acc"] != second["topk_acc"]
+        (tag / "complete.json").write_text(json.dumps({"step": step, "zero_stage": 0, "pinned": step == 1}))
+    return run, shards / "test.json"
+
+
+def test_every_tag_of_a_run_on_the_same_images(tmp_path):
+    run, test = mixedae_run(tmp_path)
+    index = ["--index", str(test)]
+    first, second, third = homologous_attention([str(run), *index, "--images", "32"])
+    assert [first["tag"], third["tag"]] == ["step00000001", "step00000003"] and first == {**second, "tag": first["tag"],
+                                                                                           "step": 1}
+    assert first["images"] == third["images"] == 32 and first["topk_acc"] != third["topk_acc"]
     again = homologous_attention([str(run), *index, "--images", "32", "--tags", "step00000001"])
     assert again == [first]  # the same images and mixings each call
     with pytest.raises(SystemExit):
         homologous_attention([str(run), *index, "--images", "30"])  # not a multiple of g = 4
+
+
+def test_the_report_collects_the_kept_checkpoints_and_tables_them(tmp_path):
+    run, _ = mixedae_run(tmp_path)
+    seed = tmp_path / "study" / "mixedae" / "seed0"
+    seed.mkdir(parents=True)
+    run.rename(seed / "pretrain")
+    (seed / "pretrain" / "meta.json").write_text(json.dumps({"total_steps": 8}))  # 4 epochs: 2 steps each
+    (seed / "result.json").write_text(json.dumps({"entry": "mixedae", "label": "MixedAE", "seed": 0}))
+    collect(tmp_path / "study", tmp_path / "summaries", tmp_path / "figures")
+    summary = json.loads((tmp_path / "summaries" / "mixedae_seed0.json").read_text())
+    kept = summary["homologous_attention"]  # step 1 (pinned) and step 3 (the last); step 2 is neither
+    assert [(m["step"], m["epoch"]) for m in kept] == [(1, 0.5), (3, 1.5)]
+    assert kept[0]["images"] == 40  # the whole (fake) test split: fewer than 512 images
+    lines = topk_lines([summary])
+    assert lines[1] == "## MixedAE's homologous attention"
+    assert lines[-1] == (f"| MixedAE seed 0 | 1.5 | 0.246 | {kept[1]['topk_acc']:.3f} | "
+                         f"{kept[1]['without_segments_topk_acc']:.3f} | {kept[1]['topk_acc_block0']:.3f} | "
+                         f"{kept[1]['topk_acc_block1']:.3f} |")
+    assert topk_lines([{"label": "MAE", "seed": 0}]) == []
