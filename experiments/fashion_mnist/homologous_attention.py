@@ -23,10 +23,9 @@ from pathlib import Path
 
 import torch
 
-from experiments.fashion_mnist.run_checkpoints import build_run_objective, complete_tags, load_tag, probe_images
+from experiments.fashion_mnist.run_checkpoints import chosen_tags, probe_tags
 from model.objectives.mixedae import MixedAEObjective
 from model.objectives.mixing import mix_images
-from train.checkpoint import is_complete, read_meta
 
 
 @torch.no_grad()
@@ -74,13 +73,7 @@ def topk_report(obj: MixedAEObjective, images: torch.Tensor) -> dict:
 
 def topk_reports(run: Path, tags: list[Path], index: str, images: int = 512, subset_seed: int = 1) -> list[dict]:
     """topk_report of each tag, all on the same images and mixings."""
-    obj = build_run_objective(run, "mixedae")  # built once; each tag loads into it
-    decoded = probe_images(index, images, obj.encoder.patch_embed.img_size, subset_seed)
-    reports = []
-    for tag in tags:
-        load_tag(obj, tag)
-        reports.append({"tag": tag.name, "step": read_meta(tag)["step"], **topk_report(obj, decoded)})
-    return reports
+    return probe_tags(run, "mixedae", tags, index, images, subset_seed, topk_report)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -94,9 +87,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                            "group size (default %(default)s)")
     p.add_argument("--subset_seed", type=int, default=1, help="seed of the image subset (default %(default)s)")
     a = p.parse_args(argv)
-    tags = [a.run / "checkpoints" / t for t in a.tags.split(",")] if a.tags else complete_tags(a.run)
-    if not tags or not all(is_complete(t) for t in tags):
-        p.error(f"no complete checkpoint tag among {[t.name for t in tags] or 'none'} in {a.run / 'checkpoints'}")
+    tags = chosen_tags(p, a.run, a.tags)
     try:
         reports = topk_reports(a.run, tags, a.index, a.images, a.subset_seed)
     except ValueError as e:

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-from experiments.fashion_mnist.run_checkpoints import build_run_objective, complete_tags, load_tag, probe_images
+from experiments.fashion_mnist.run_checkpoints import chosen_tags, probe_tags
 from model.objectives.masking_net import mask_statistics, top_masking
 from model.objectives.mlomae import MLOMAEObjective
-from train.checkpoint import is_complete, read_meta
 
 
 @torch.no_grad()
@@ -38,13 +37,7 @@ def mask_report(obj: MLOMAEObjective, images: torch.Tensor, batch_size: int = 50
 
 def mask_reports(run: Path, tags: list[Path], index: str, images: int = 1000, subset_seed: int = 1) -> list[dict]:
     """mask_report of each tag, all on the same `images` images of the labeled shard index."""
-    obj = build_run_objective(run, "mlomae")  # built once; each tag loads into it
-    decoded = probe_images(index, images, obj.encoder.patch_embed.img_size, subset_seed)  # the same for every tag
-    reports = []
-    for tag in tags:
-        load_tag(obj, tag)
-        reports.append({"tag": tag.name, "step": read_meta(tag)["step"], **mask_report(obj, decoded)})
-    return reports
+    return probe_tags(run, "mlomae", tags, index, images, subset_seed, mask_report)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -57,9 +50,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--images", type=int, default=1000, help="images drawn from the index (default %(default)s)")
     p.add_argument("--subset_seed", type=int, default=1, help="seed of the image subset (default %(default)s)")
     a = p.parse_args(argv)
-    tags = [a.run / "checkpoints" / t for t in a.tags.split(",")] if a.tags else complete_tags(a.run)
-    if not tags or not all(is_complete(t) for t in tags):
-        p.error(f"no complete checkpoint tag among {[t.name for t in tags] or 'none'} in {a.run / 'checkpoints'}")
+    tags = chosen_tags(p, a.run, a.tags)
     index = a.index or json.loads((a.run / "config.json").read_text())["data"]["eval_index"]
     if not index:
         p.error(f"{a.run} trained without data.eval_index: name the images with --index <labeled shard index>")

@@ -6,7 +6,9 @@ Reads ZeRO-0/1/2 checkpoints: mp_rank_00_model_states.pt holds the whole module 
 any objective state kept outside them, e.g. MLO-MAE's T)."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -47,3 +49,21 @@ def complete_tags(run: Path) -> list[Path]:
 def probe_images(index: str | Path, images: int, img_size: int, subset_seed: int = 1) -> torch.Tensor:
     """(images, C, H, W): a seeded subset of a labeled shard index, decoded as the evaluations do."""
     return decode_all(subsample(ShardSet.from_index(index), images, subset_seed), img_size).images
+
+
+def probe_tags(run: Path, objective: str, tags: list[Path], index: str | Path, images: int, subset_seed: int,
+               probe: Callable[[Objective, torch.Tensor], dict]) -> list[dict]:
+    """`probe(objective, images)` at each tag, with the tag's name and step: the objective is built
+    once and each tag loaded into it, all on the same images."""
+    obj = build_run_objective(run, objective)
+    decoded = probe_images(index, images, obj.encoder.patch_embed.img_size, subset_seed)
+    return [{"tag": tag.name, "step": read_meta(tag)["step"], **probe(load_tag(obj, tag), decoded)} for tag in tags]
+
+
+def chosen_tags(p: argparse.ArgumentParser, run: Path, names: str) -> list[Path]:
+    """The comma-separated tags of a --tags option, or every complete one; the parser's error when
+    one is missing or incomplete."""
+    tags = [run / "checkpoints" / t for t in names.split(",")] if names else complete_tags(run)
+    if not tags or not all(is_complete(t) for t in tags):
+        p.error(f"no complete checkpoint tag among {[t.name for t in tags] or 'none'} in {run / 'checkpoints'}")
+    return tags
