@@ -11,7 +11,7 @@ mixed the same way (a seeded draw) for every tag:
 - `topk_acc`, `topk_acc_block<i>`: the TopK sampling accuracy the run logs per step (the share of
   each patch query's kept keys that come from its own image), here on those images;
 - `without_segments_*`: the same with the segment embeddings left out of the encoder's input.
-  Equal to `topk_acc`: the attention does not use them to find its own image;
+  Where it equals `topk_acc`, the attention does not use them to find its own image;
 - `chance`: the share that keys drawn at random would give, K / (N + 1) (N patch keys, of which
   K come from the query's image, plus the cls key, never the query's own).
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.fashion_mnist.run_checkpoints import chosen_tags, probe_tags
+from experiments.fashion_mnist.run_checkpoints import add_probe_options, chosen_tags, probe_tags
 from model.objectives.mixedae import MixedAEObjective
 from model.objectives.mixing import mix_images
 
@@ -78,14 +78,9 @@ def topk_reports(run: Path, tags: list[Path], index: str, images: int = 512, sub
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run", type=Path, help="a mixedae run folder (config.json, ds_config.json, checkpoints/)")
-    p.add_argument("--tags", default="", help="comma-separated checkpoint tags; empty = every complete tag "
-                                               "(default: empty)")
+    add_probe_options(p, "mixedae", images=512, images_help=", a multiple of the group size")
     p.add_argument("--index", required=True, help="labeled shard index of the images (e.g. Fashion-MNIST's "
                                                     "test.json)")
-    p.add_argument("--images", type=int, default=512, help="images drawn from the index, a multiple of the "
-                                                           "group size (default %(default)s)")
-    p.add_argument("--subset_seed", type=int, default=1, help="seed of the image subset (default %(default)s)")
     a = p.parse_args(argv)
     tags = chosen_tags(p, a.run, a.tags)
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.fashion_mnist.run_checkpoints import chosen_tags, probe_tags
+from experiments.fashion_mnist.run_checkpoints import add_probe_options, chosen_tags, probe_tags
 from model.objectives.masking_net import mask_statistics, top_masking
 from model.objectives.mlomae import MLOMAEObjective
 
@@ -42,13 +42,9 @@ def mask_reports(run: Path, tags: list[Path], index: str, images: int = 1000, su
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run", type=Path, help="an mlomae run folder (config.json, ds_config.json, checkpoints/)")
-    p.add_argument("--tags", default="", help="comma-separated checkpoint tags; empty = every complete tag "
-                                               "(default: empty)")
+    add_probe_options(p, "mlomae", images=1000)
     p.add_argument("--index", default="", help="labeled shard index of the images; empty = the run's "
                                                 "data.eval_index (default: empty)")
-    p.add_argument("--images", type=int, default=1000, help="images drawn from the index (default %(default)s)")
-    p.add_argument("--subset_seed", type=int, default=1, help="seed of the image subset (default %(default)s)")
     a = p.parse_args(argv)
     tags = chosen_tags(p, a.run, a.tags)
     index = a.index or json.loads((a.run / "config.json").read_text())["data"]["eval_index"]

@@ -60,6 +60,17 @@ def probe_tags(run: Path, objective: str, tags: list[Path], index: str | Path, i
     return [{"tag": tag.name, "step": read_meta(tag)["step"], **probe(load_tag(obj, tag), decoded)} for tag in tags]
 
 
+def add_probe_options(p: argparse.ArgumentParser, objective: str, images: int, images_help: str = "") -> None:
+    """The options both probe tools take: the run folder, --tags, --images, --subset_seed (each
+    tool adds its own --index)."""
+    p.add_argument("run", type=Path, help=f"a {objective} run folder (config.json, ds_config.json, checkpoints/)")
+    p.add_argument("--tags", default="", help="comma-separated checkpoint tags; empty = every complete tag "
+                                               "(default: empty)")
+    p.add_argument("--images", type=int, default=images,
+                   help=f"images drawn from the index{images_help} (default %(default)s)")
+    p.add_argument("--subset_seed", type=int, default=1, help="seed of the image subset (default %(default)s)")
+
+
 def chosen_tags(p: argparse.ArgumentParser, run: Path, names: str) -> list[Path]:
     """The comma-separated tags of a --tags option, or every complete one; the parser's error when
     one is missing or incomplete."""
