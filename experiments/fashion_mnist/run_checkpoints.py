@@ -1,6 +1,7 @@
 """A pretraining run's objective rebuilt from its own config and loaded from any of its checkpoint
 tags, for the tools that probe what a run learned (learned_masks.py: MLO-MAE's masking network;
-homologous_attention.py: MixedAE's TopK attention), and the test images they probe it on.
+homologous_attention.py: MixedAE's TopK attention; segment_features.py: MixedAE's frozen
+features), and the test images they probe it on.
 
 Reads ZeRO-0/1/2 checkpoints: mp_rank_00_model_states.pt holds the whole module (parameters and
 any objective state kept outside them, e.g. MLO-MAE's T)."""

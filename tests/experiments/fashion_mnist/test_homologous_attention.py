@@ -1,31 +1,18 @@
 """homologous_attention.py reads MixedAE's TopK selection back from a run's checkpoints: the same
 accuracy the training step logs, the same again without segment embeddings, and chance K/(N+1)."""
 import json
-import shutil
 
 import pytest
 import torch
-from conftest import CPU_DS, REPO, fake_fashion_mnist
+from mixedae_runs import mixedae_objective, mixedae_run
 
-from data.write_shards import main as write_shards
 from experiments.fashion_mnist.homologous_attention import main as homologous_attention
 from experiments.fashion_mnist.homologous_attention import topk_report, topk_shares
 from experiments.fashion_mnist.report import collect, topk_lines
-from model.objectives import build_objective
-from train.build import build_encoder
-from train.config import parse_args, section, to_dict
-
-PRESET = REPO / "train" / "configs" / "mixedae" / "debug.json"
-
-
-def _objective(*options):
-    cfg = parse_args(["--config", str(PRESET), "--ds_config", str(CPU_DS), *options])
-    torch.manual_seed(0)
-    return build_objective(cfg.objective, build_encoder(cfg), section(cfg)).eval(), cfg
 
 
 def test_shares_are_the_ones_training_logs_and_segments_come_back_on():
-    obj, _ = _objective()
+    obj, _ = mixedae_objective()
     images = torch.randn(16, 1, 32, 32)
     shares = topk_shares(obj, images, segments=True, batch_size=8)  # two batches of 8 images: 2 mixed each
     logged = []
@@ -44,42 +31,17 @@ def test_shares_are_the_ones_training_logs_and_segments_come_back_on():
 
 
 def test_chance_and_refusals():
-    obj, _ = _objective()
+    obj, _ = mixedae_objective()
     report = topk_report(obj, torch.randn(8, 1, 32, 32))
     assert report["chance"] == round(16 / 65, 4)  # 8x8 patches, r = 0.25: K = 16 own keys among 64 + cls
     assert {"topk_acc", "without_segments_topk_acc"} <= set(report) and report["images"] == 8
     with pytest.raises(ValueError, match="do not split into groups of g = 4"):
         topk_report(obj, torch.randn(6, 1, 32, 32))
-    masked, _ = _objective("--mixedae.attention", "masked")
+    masked, _ = mixedae_objective("--mixedae.attention", "masked")
     with pytest.raises(ValueError, match="no homologous TopK selection on mixed images"):
         topk_report(masked, torch.randn(8, 1, 32, 32))
-    no_segments, _ = _objective("--mixedae.segment_embed", "false")
+    no_segments, _ = mixedae_objective("--mixedae.segment_embed", "false")
     assert not any(k.startswith("without_segments") for k in topk_report(no_segments, torch.randn(8, 1, 32, 32)))
-
-
-def mixedae_run(tmp_path):
-    """A mixedae run folder trained (in name) on a fake Fashion-MNIST written beside its test split:
-    the encoder at init saved at step 1 (an epoch's end, pinned) and step 2, another encoder at
-    step 3. Returns (run folder, the test split's index)."""
-    shards = tmp_path / "shards"
-    write_shards(["fashion-mnist", str(shards), "--src", str(fake_fashion_mnist(tmp_path / "idx", 20, 40)),
-                  "--samples_per_shard", "20"])
-    run = tmp_path / "run"
-    obj, cfg = _objective("--model.in_chans", "3", "--data.source", "shards", "--data.train_index",
-                          str(shards / "train.json"))
-    run.mkdir()
-    (run / "config.json").write_text(json.dumps(to_dict(cfg)))
-    shutil.copy(CPU_DS, run / "ds_config.json")
-    for step in (1, 2, 3):
-        tag = run / "checkpoints" / f"step{step:08d}"
-        tag.mkdir(parents=True)
-        if step == 3:  # another encoder: other attention logits, another selection
-            with torch.no_grad():
-                for p in obj.encoder.parameters():
-                    p.add_(torch.randn_like(p))
-        torch.save({"module": obj.state_dict()}, tag / "mp_rank_00_model_states.pt")
-        (tag / "complete.json").write_text(json.dumps({"step": step, "zero_stage": 0, "pinned": step == 1}))
-    return run, shards / "test.json"
 
 
 def test_every_tag_of_a_run_on_the_same_images(tmp_path):
