@@ -137,12 +137,15 @@ def jobs(tmp_path_factory):
         jobs.submit("task", *CPU_JOB)
         jobs.submit("requeue", *CPU_JOB)
         jobs.submit("usr1", *CPU_JOB, "--mode", "node")
-        # The template's warning 180 s ahead of a 1 min limit comes at slurmctld's first time-limit
-        # check (every 30 s): a run stops at its next stop check (every 50 steps), writes a
-        # checkpoint and requeues. Steps 1-100 take 0.3 s longer each (train/fault_injection.py,
-        # slow_step), so the first run outlives that check however fast the machine; no weight changes.
-        jobs.submit("short_time", *CPU_JOB[:-2], "--time", "1", train=("--run.stop_check_every", "50"),
-                    env={"PRETRAIN_FAULTS": "slow_step@1-100"})
+        # The template's warning 180 s ahead of a 4 min limit comes at slurmctld's first time-limit
+        # check (every 30 s) after 60 s: 60-90 s after the job starts, when its step certainly runs.
+        # (With a 1 min limit the warning was due at once: once, a CI run's check fell between the
+        # allocation and the step's launch 1.2 s later, and the job ran 44 s with no warning.) The run
+        # stops at its next stop check (every 50 steps), writes a checkpoint and requeues. Steps 1-150
+        # take 0.7 s longer each (train/fault_injection.py, slow_step): at least 105 s, so the first
+        # run outlives that check however fast the machine; no weight changes.
+        jobs.submit("short_time", *CPU_JOB[:-2], "--time", "4", train=("--run.stop_check_every", "50"),
+                    env={"PRETRAIN_FAULTS": "slow_step@1-150", "PRETRAIN_SLOW_STEP_SECONDS": "0.7"})
         jobs.sbatch("node", "node", *TRAIN)
         # mid-run signals while the jobs run one after another, whatever test is being run meanwhile
         jobs.act("requeue", "scontrol", "requeue", jobs.ids["requeue"])
