@@ -8,8 +8,8 @@ any objective state kept outside them, e.g. MLO-MAE's T)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -19,7 +19,7 @@ from model.objectives.base import Objective
 from train.build import build_encoder
 from train.checkpoint import is_complete, read_meta
 from train.config import parse_args, section
-from train.evaluate import decode_all, subsample
+from train.evaluate import DecodedSet, decode_all, subsample
 
 
 def build_run_objective(run: Path, objective: str) -> Objective:
@@ -47,9 +47,15 @@ def complete_tags(run: Path) -> list[Path]:
     return sorted(t for t in (run / "checkpoints").glob("step*") if is_complete(t))
 
 
+def probe_set(index: str | Path, images: int, img_size: int, subset_seed: int = 1) -> DecodedSet:
+    """A seeded subset of `images` samples of a labeled shard index (0 = all), decoded as the
+    evaluations do: images and labels."""
+    return decode_all(subsample(ShardSet.from_index(index), images, subset_seed), img_size)
+
+
 def probe_images(index: str | Path, images: int, img_size: int, subset_seed: int = 1) -> torch.Tensor:
-    """(images, C, H, W): a seeded subset of a labeled shard index, decoded as the evaluations do."""
-    return decode_all(subsample(ShardSet.from_index(index), images, subset_seed), img_size).images
+    """(images, C, H, W): probe_set's images."""
+    return probe_set(index, images, img_size, subset_seed).images
 
 
 def probe_tags(run: Path, objective: str, tags: list[Path], index: str | Path, images: int, subset_seed: int,

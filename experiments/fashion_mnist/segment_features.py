@@ -27,22 +27,16 @@ from pathlib import Path
 
 import torch
 
-from data.shards import ShardSet
 from experiments.fashion_mnist.run_checkpoints import (
     build_run_objective,
     chosen_tags,
     load_tag,
+    probe_set,
 )
 from kernels import GLOBAL
 from model.objectives.mixedae import MixedAEObjective
 from train.checkpoint import read_meta
-from train.evaluate import (
-    DecodedSet,
-    decode_all,
-    knn_top1,
-    linear_probe_top1,
-    subsample,
-)
+from train.evaluate import DecodedSet, knn_top1, linear_probe_top1
 
 
 @torch.no_grad()
@@ -57,7 +51,7 @@ def cls_features(obj: MixedAEObjective, images: torch.Tensor, source: int | None
         x = enc.add_cls_token(enc.embed_patches(chunk))  # (B, 1+N, D)
         block_input = None
         if source is not None:
-            segments = torch.full(x.shape[:2], source, dtype=torch.long)  # (B, 1+N)
+            segments = torch.full(x.shape[:2], source, dtype=torch.long, device=x.device)  # (B, 1+N)
             segments[:, 0] = GLOBAL  # cls: no segment embedding, as in pretraining
             block_input = obj.segment_input(segments, x.dtype)
         feats.append(enc.forward_tokens(x, block_input)[:, 0])
@@ -114,8 +108,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     try:
         obj = mixedae_with_segments(a.run)
         img_size = obj.encoder.patch_embed.img_size  # decoded as the study's evaluation does
-        train, test = (decode_all(subsample(ShardSet.from_index(index), n, a.subset_seed), img_size)
-                       for index, n in ((a.train_index, a.max_train), (a.test_index, a.max_test)))
+        train = probe_set(a.train_index, a.max_train, img_size, a.subset_seed)
+        test = probe_set(a.test_index, a.max_test, img_size, a.subset_seed)
         reports = []
         for report in segment_reports(obj, tags, train, test, sources):
             print(json.dumps(report), flush=True)
