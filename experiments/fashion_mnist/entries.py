@@ -34,17 +34,24 @@ EXTRA = {
     "mlomae_unit": Entry("MLO-MAE, unit unroll rates", "mlomae", "unit_unroll_lr"),
 }
 ENTRIES = STUDY | EXTRA
+# Entries of the deciding study run at the ablation preset's budget (3 epochs) instead of 10, and judged
+# there against the random-init control. Energy steps about 10x slower than MAE (one thread, 128 images:
+# 4.3-4.9 s on the 2-core AMD EPYC dev machine, MAE 0.44 s), so 10 epochs (4,680 steps) take about 6 hours
+# of one core, more than a working session; a machine replaced between sessions loses an unfinished
+# run (the first 10-epoch energy run was lost that way at step 3,575). 3 epochs finish within a session.
+AT_ABLATION_BUDGET = ("energy",)
 
 # Budgets by name (`--preset`): the quick one-third-epoch study (`make study`), the deciding
-# 10-epoch study (`make study-full`, issue 28) and the MixedAE ablations (Table A4) at 3 epochs, with
-# MAE, MixedAE and random init again at that budget. Reports: report.paths(preset).
+# 10-epoch study (`make study-full`, issue 28) and the reduced 3-epoch budget (`ablation`): MixedAE's
+# Table A4 ablations and energy, with MAE, MixedAE and random init again at that budget. Reports:
+# report.paths(preset).
 PRESETS = {
     "quick": {"pretrain_samples": 20000, "finetune_epochs": 1.0, "finetune_samples": 10000, "eval_epochs": "",
               "entries": list(STUDY)},
     "full": {"pretrain_samples": 600000, "finetune_epochs": 1.0, "finetune_samples": 60000, "eval_epochs": "1,3",
-             # the longest first, for --jobs (2-core CPU, one thread each: energy ~6.5 h, MAE ~45 min)
-             "entries": ["energy", "supervised", "mlomae", "mlomae_unit", "adpe", "maeplus", "mixedae",
+             # the longest first, for --jobs (2-core CPU, one thread each: MLO-MAE ~2 h, MAE ~45 min)
+             "entries": ["supervised", "mlomae", "mlomae_unit", "adpe", "maeplus", "mixedae",
                          "mixedae_naive", "mae", "random_init"]},
     "ablation": {"pretrain_samples": 180000, "finetune_epochs": 1.0, "finetune_samples": 60000, "eval_epochs": "1",
-                 "entries": ["mae", "mixedae", *(n for n in EXTRA if n.startswith("mixedae")), "random_init"]},
+                 "entries": ["energy", "mae", "mixedae", *(n for n in EXTRA if n.startswith("mixedae")), "random_init"]},
 }

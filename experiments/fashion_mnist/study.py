@@ -21,7 +21,8 @@ unit unroll rates.
 
 Presets (PRESETS): `quick` (20k pretraining images, 10k fine-tuning images; about 90 minutes for
 seeds 0 and 1 on a 2-core CPU) -> docs/RESULTS_quick.md; `full` (10 epochs, frozen features also
-at epochs 1 and 3, fine-tuning on all 60k images) -> docs/RESULTS.md; `ablation` (3 epochs) ->
+at epochs 1 and 3, fine-tuning on all 60k images) -> docs/RESULTS.md; `ablation` (3 epochs: the
+MixedAE ablations and energy, entries.AT_ABLATION_BUDGET) ->
 docs/RESULTS_ablation.md and a section of docs/RESULTS.md. Each run lives in
 runs/study[_<preset>]/<entry>/seed<k>/ (pretraining resumes there; a finished entry is not run
 again), its evaluations in result.json; report.py beside this file collects them into run

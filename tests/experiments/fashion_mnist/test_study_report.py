@@ -97,7 +97,7 @@ def test_collected_summaries_write_the_report_without_the_run_folders(tmp_path):
     text = report.read_text()
     assert "![MAE: mae reconstruction](figures/mae_mae_reconstruction.png)" in text
     assert "from runs trained at commit(s) abc1234" in text and "torch 2.14.1)" in text
-    assert "MixedAE's Table A4 ablations, at a reduced budget (180000 pretraining images" in text
+    assert "At a reduced budget (180000 pretraining images, 3-epoch runs; the ablation preset): MixedAE's Table A4" in text
     # the run folders gone, the committed summaries write the same report
     import shutil
 
@@ -162,3 +162,32 @@ def test_curves_over_training_draw_their_reference_level(tmp_path):
     run = _result("mixedae", 0, 70.0, 78.0, 85.0, metrics=[{"step": i, "topk_acc": 0.25} for i in range(3)])
     assert plots.over_training(plt, [run], tmp_path, "topk_acc", "TopK", "t.png", reference=(0.25, "chance")) == "t.png"
     assert plt.lines == {"MIXEDAE": [0.25, 0.25, 0.25], "chance": [0.25, 0.25]}  # axhline: two points at the level
+
+
+def test_energy_is_judged_at_the_ablation_budget_and_drawn_to_its_last_epoch(tmp_path):
+    """entries.AT_ABLATION_BUDGET: energy runs only in the ablation preset (3 epochs); the full report
+    judges its claims on those runs against that preset's random init, and puts its last checkpoint
+    in the accuracy-against-pretraining table as epoch 3."""
+    full_budget = dict(BUDGET, pretrain_samples=600000, eval_epochs=[1, 3])
+    full = [dict(r, budget=full_budget, at_epochs={"1": {"knn_top1": 60.0, "linear_probe_top1": 70.0},
+                                                   "3": {"knn_top1": 65.0, "linear_probe_top1": 75.0}})
+            if r["entry"] == "mae" else dict(r, budget=full_budget) for r in RESULTS]
+    restoration = [{"step": s, "corrupted_l1": 0.5, "loss_step1": 0.45, "loss_step2": 0.4} for s in (1, 2)]
+    ablation = [_result("energy", 0, 40.0, 50.0, 58.0, metrics=restoration,
+                        at_epochs={"1": {"knn_top1": 30.0, "linear_probe_top1": 45.0}}),
+                _result("random_init", 0, 50.0, 55.0, 60.0)]
+    report = tmp_path / "RESULTS.md"
+    write_report(full, report, tmp_path / "figures", ablation=ablation, expected=["mae"])
+    text = report.read_text()
+    # energy vs random init on the 3-epoch runs (one seed each: provisional, test-set noise)
+    assert "| Energy paper: pretraining beats random init (kNN) | kNN, 3-epoch runs | provisional, one seed " \
+           "(40.00 vs 50.00): contradicted |" in text
+    assert "restoration improves with the number of gradient steps N | smooth-L1 to the original, last 5 logged " \
+           "steps | provisional, one seed: holds (N=0: 0.5000 > N=1: 0.4500 > N=2: 0.4000) |" in text
+    # columns 0, 1, 3, 10: energy's last checkpoint (3 epochs) under @3, nothing under @10
+    assert "| ENERGY (3 epochs in all) | 51.00 (50.00-52.00) | 30.00 | 40.00 | - | 56.00 (55.00-57.00) | 45.00 | " \
+           "50.00 | - |" in text
+    assert "| MAE | 51.00 (50.00-52.00) | 60.00 (60.00-60.00) | 65.00 (65.00-65.00) | 71.00 (70.00-72.00) |" in text
+    assert "Still to run" not in text
+    write_report(full, report, tmp_path / "figures", ablation=ablation[1:], expected=["mae"])
+    assert "**Still to run:** energy at the ablation preset's budget" in report.read_text()
