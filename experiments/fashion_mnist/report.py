@@ -213,11 +213,10 @@ def epoch_table(summary: dict) -> list[str]:
     return lines
 
 
-def reduced_budget_rows(summary: dict, ablation: list[dict] | None) -> dict[str, dict]:
-    """The rows of entries.AT_ABLATION_BUDGET (energy) from the ablation preset's runs, shaped for the
+def reduced_budget_rows(summary: dict, reduced: dict) -> dict[str, dict]:
+    """The rows of entries.AT_ABLATION_BUDGET (energy) from the ablation preset's summary, shaped for the
     accuracy-against-pretraining table and figure: their last checkpoint becomes one more earlier
     epoch ("<metric>@3"), so the curve stops at 3 epochs instead of reaching the 10-epoch column."""
-    reduced = summarize(ablation or [])
     rows = {}
     for name in AT_ABLATION_BUDGET:
         if name in reduced and name not in summary:
@@ -230,10 +229,10 @@ def reduced_budget_rows(summary: dict, ablation: list[dict] | None) -> dict[str,
     return rows
 
 
-def claim_lines(summary: dict, results: list[dict], ablation: list[dict] | None) -> list[str]:
+def claim_lines(summary: dict, results: list[dict], ablation: list[dict] | None, ab: dict) -> list[str]:
     """The claims: MAIN on this study's runs, except those naming an entry run at the ablation
-    preset's budget (energy), judged there against that budget's random-init control."""
-    ab = summarize(ablation or [])
+    preset's budget (energy), judged there (`ab`: summarize(ablation)) against that budget's
+    random-init control."""
     reduced = f"{ablation[0]['budget']['pretrain_samples'] / TRAIN_IMAGES:g}-epoch runs" if ablation else ""
     lines = ["", "## The papers' claims at this scale", "", "| claim | compared on | outcome |", "|---|---|---|"]
     for c in claims.MAIN:
@@ -241,9 +240,9 @@ def claim_lines(summary: dict, results: list[dict], ablation: list[dict] | None)
             lines.append(f"| {c.claim} | {claims.METRIC_NAMES[c.metric]}, {reduced} | {claims.judge(ab, c)} |")
         else:
             lines.append(f"| {c.claim} | {claims.METRIC_NAMES[c.metric]} | {claims.judge(summary, c)} |")
-    by_entry = {e: [r for r in results if r["entry"] == e] for e in ("mixedae", "adpe", "energy")}
-    if not by_entry["energy"]:
-        by_entry["energy"] = [r for r in ablation or [] if r["entry"] == "energy"]
+    # each curve claim from this study's runs, else from the ablation preset's (AT_ABLATION_BUDGET)
+    by_entry = {e: [r for r in results if r["entry"] == e] or [r for r in ablation or [] if r["entry"] == e]
+                for e in ("mixedae", "adpe", "energy")}
     eps = {r["entry"]: r.get("objective_config", {}).get("adv_eps") for r in by_entry["adpe"]}
     lines += [
         f"| MixedAE paper (Fig. 6): TopK sampling accuracy rises over training (about 0.8 at ImageNet scale) | "
@@ -367,13 +366,14 @@ def write_report(results: list[dict], report: Path, figures: Path, discussion: P
         "the run's steps where the run summary has them (its compute, comparable across resumed runs), else the "
         "measured wall-clock; fine-tuning minutes are wall-clock, start-up and test evaluation included.",
     ]
+    reduced = summarize(ablation or [])
     missing = [e for e in expected if e not in summary]
     if ablation is not None:  # the full study: its entries run at the ablation preset's budget
-        missing += [f"{e} at the ablation preset's budget" for e in AT_ABLATION_BUDGET if e not in {r["entry"] for r in ablation}]
-    curves = summary | reduced_budget_rows(summary, ablation)
+        missing += [f"{e} at the ablation preset's budget" for e in AT_ABLATION_BUDGET if e not in reduced]
+    curves = summary | reduced_budget_rows(summary, reduced)
     if missing:
         lines += ["", f"**Still to run:** {', '.join(missing)} (the study resumes them; this report is partial)."]
-    lines += ["", *table(summary), *epoch_table(curves), *claim_lines(summary, results, ablation),
+    lines += ["", *table(summary), *epoch_table(curves), *claim_lines(summary, results, ablation, reduced),
               *mask_lines(results), *topk_lines(results)]
     if discussion is not None and discussion.is_file():
         lines += ["", discussion.read_text().strip()]
