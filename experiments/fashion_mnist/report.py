@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import subprocess
@@ -48,7 +49,7 @@ def summarize(results: list[dict]) -> dict[str, dict]:
                 for r in runs]
         keys = [k for k, _ in METRICS] + list(COSTS) + sorted({k for f in flat for k in f if "@" in k})
         for key in keys:
-            values = [f[key] for f in flat if f.get(key) is not None]
+            values = [f[key] for f in flat if f.get(key) is not None and math.isfinite(f[key])]  # NaN: not timed (resumed)
             if values:
                 row[key] = (statistics.fmean(values), min(values), max(values), len(values))
         out[name] = row

@@ -70,7 +70,7 @@ from train.export import export_checkpoint
 from train.run_dir import read_metrics
 
 EVAL_SIZE = 32  # every encoder is evaluated and fine-tuned at the mini ViT's 32 px (MAE+ pretrains on 16 px crops)
-CKPT_EVERY = 100  # pretraining steps between checkpoints: a killed run loses at most this many (energy: ~4 min)
+CKPT_EVERY = 100  # steps between checkpoints, pretraining and fine-tuning: a killed run loses at most this many (energy: ~4 min)
 
 
 def _run(cmd: list[str]) -> float:
@@ -80,6 +80,12 @@ def _run(cmd: list[str]) -> float:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:2])} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return time.perf_counter() - t0
+
+
+def resumable(run: Path, seed: int) -> list[str]:
+    """Options every pretraining and fine-tuning run gets: a run killed with its session (the study spans
+    several) resumes in `run` from its last checkpoint, and resumes exactly (tests/train/test_*_run.py)."""
+    return ["--output_dir", str(run), "--resume", "auto", "--seed", str(seed), "--run.ckpt_every", str(CKPT_EVERY)]
 
 
 def _timed(run: Path, cmd: list[str]) -> float:
@@ -99,8 +105,7 @@ def pretrain(entry: Entry, run: Path, seed: int, epochs: float, train: Path, tes
     configs = presets(entry.method, entry.variant)
     cmd = ["-m", "train.pretrain", "--ds_config", "ds_configs/cpu_demo.json",
            *[a for p in configs for a in ("--config", str(p))], "--data.train_index", str(train),
-           "--output_dir", str(run), "--resume", "auto", "--seed", str(seed), "--run.progress", "false",
-           "--run.ckpt_every", str(CKPT_EVERY), "--run.vis_every", str(10**9),  # figures at the last step only
+           *resumable(run, seed), "--run.progress", "false", "--run.vis_every", str(10**9),  # figures at the last step only
            *epoch_options(epochs, n_train)]
     if keep_epochs:
         cmd += ["--run.keep_every_epochs", "1"]
@@ -133,8 +138,8 @@ def finetune(run: Path, seed: int, epochs: float, samples: int, train: Path, tes
            "--finetune.mixup", "0", "--finetune.cutmix", "0", "--data.train_transform", "crop_flip",
            "--data.crop_scale_min", "0.35", "--data.num_workers", "1", "--data.train_index", str(train),
            "--data.eval_index", str(test), "--optim.blr", str(FINETUNE_BLR), "--optim.layer_decay", "0.75",
-           "--run.log_every", "50", "--run.ckpt_every", "100000", "--run.progress", "false", "--run.export", "false",
-           "--output_dir", str(run), "--resume", "auto", "--seed", str(seed), *epoch_options(epochs, samples)]
+           "--run.log_every", "50", "--run.progress", "false", "--run.export", "false",
+           *resumable(run, seed), *epoch_options(epochs, samples)]
     if epochs == int(epochs):
         cmd += ["--data.epoch_size", str(samples)]
     if init is not None:

@@ -72,3 +72,30 @@ def test_demo_help_lists_the_methods_and_refuses_an_unknown_variant_before_train
         demo.main(["--method", "energy", "--variant", "no_such"])
     assert e.value.code == 2
     assert "convnext_atto" in capsys.readouterr().err
+
+
+class _Launched(Exception):
+    """Raised in place of launching: the test reads the command the study would run."""
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+def test_pretraining_and_fine_tuning_both_checkpoint_often_enough_to_resume(tmp_path, monkeypatch, stage):
+    # the study spans sessions that end by killing their processes: a fine-tune that checkpoints only at
+    # its end loses everything it did (stop 36 lost 22% of the supervised control's 70 minutes)
+    from experiments.fashion_mnist import study
+    from train.finetune import RECIPE
+
+    def launched(run, cmd):
+        raise _Launched(cmd)
+
+    monkeypatch.setattr(study, "_timed", launched)
+    with pytest.raises(_Launched) as seen:
+        if stage == "pretrain":
+            study.pretrain(STUDY["mae"], tmp_path, 3, 1.0, tmp_path / "train.json", tmp_path / "test.json", 600, False)
+        else:
+            study.finetune(tmp_path, 3, 1.0, 600, tmp_path / "train.json", tmp_path / "test.json", None, False)
+    cmd = seen.value.args[0]
+    assert cmd[:2] == ["-m", f"train.{stage}"]
+    cfg = parse_args((RECIPE if stage == "finetune" else []) + cmd[2:])  # the options the run will get
+    assert (cfg.resume, cfg.seed, cfg.output_dir) == ("auto", 3, str(tmp_path))
+    assert cfg.run.ckpt_every == study.CKPT_EVERY

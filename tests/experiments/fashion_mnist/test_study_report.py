@@ -35,6 +35,12 @@ def test_summary_means_ranges_and_earlier_epochs():
     assert s["mlomae"]["level2_head_top1"] == (75.0, 75.0, 75.0, 1)  # only where it was measured
 
 
+def test_a_run_resumed_in_another_session_has_no_wall_clock_and_the_summary_leaves_it_out():
+    resumed = [{**RESULTS[0], "finetune_seconds": float("nan")}, RESULTS[1]]  # study._timed: NaN when resumed
+    assert summarize(resumed)["mae"]["finetune_seconds"] == (30.0, 30.0, 30.0, 1)
+    assert "finetune_seconds" not in summarize(resumed[:1])["mae"]  # the table prints "-", not "nan"
+
+
 def test_accuracy_against_pretraining_starts_at_random_init():
     s = summarize(RESULTS)
     assert epoch_curves(s) == {"MAE": {"knn_top1": [(0, 51.0), (60000, 61.0), (180000, 71.0)],
