@@ -31,7 +31,7 @@ def _first_seed(results: list[dict]) -> list[dict]:
 def _save(fig, figures: Path, name: str) -> str:
     fig.tight_layout()
     fig.savefig(figures / name, dpi=120)
-    fig.clf()
+    pyplot().close(fig)  # clf() alone leaves pyplot holding every figure a report draws
     return name
 
 

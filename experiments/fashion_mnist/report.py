@@ -230,14 +230,24 @@ def reduced_budget_rows(summary: dict, reduced: dict) -> dict[str, dict]:
     return rows
 
 
-def claim_lines(summary: dict, results: list[dict], ablation: list[dict] | None, ab: dict) -> list[str]:
-    """The claims: MAIN on this study's runs, except those naming an entry run at the ablation
-    preset's budget (energy), judged there (`ab`: summarize(ablation)) against that budget's
-    random-init control."""
+def claim_lines(summary: dict, results: list[dict], ablation: list[dict] | None, ab: dict,
+                expected: list[str] = ()) -> list[str]:
+    """The claims whose entries this study runs (`expected`, or has results for): MAIN on its runs,
+    except those naming an entry run at the ablation preset's budget (energy), judged there (`ab`:
+    summarize(ablation)) against that budget's random-init control. The ablation preset's own
+    report (no `ablation`) judges its Table A4 claims in the same table."""
     reduced = f"{ablation[0]['budget']['pretrain_samples'] / TRAIN_IMAGES:g}-epoch runs" if ablation else ""
+    here = set(expected) | set(summary)
+    elsewhere = set(AT_ABLATION_BUDGET) if ablation else set()  # judged on the ablation preset's runs
+
+    def run_here(*entries: str) -> bool:
+        return set(entries) <= here | elsewhere
+
     lines = ["", "## The papers' claims at this scale", "", "| claim | compared on | outcome |", "|---|---|---|"]
-    for c in claims.MAIN:
-        if {c.better, c.worse} & set(AT_ABLATION_BUDGET) and reduced:
+    for c in claims.MAIN + (() if ablation else claims.ABLATION):
+        if not run_here(c.better, c.worse):
+            continue
+        if {c.better, c.worse} & elsewhere:
             lines.append(f"| {c.claim} | {claims.METRIC_NAMES[c.metric]}, {reduced} | {claims.judge(ab, c)} |")
         else:
             lines.append(f"| {c.claim} | {claims.METRIC_NAMES[c.metric]} | {claims.judge(summary, c)} |")
@@ -245,14 +255,15 @@ def claim_lines(summary: dict, results: list[dict], ablation: list[dict] | None,
     by_entry = {e: [r for r in results if r["entry"] == e] or [r for r in ablation or [] if r["entry"] == e]
                 for e in ("mixedae", "adpe", "energy")}
     eps = {r["entry"]: r.get("objective_config", {}).get("adv_eps") for r in by_entry["adpe"]}
-    lines += [
-        f"| MixedAE paper (Fig. 6): TopK sampling accuracy rises over training (about 0.8 at ImageNet scale) | "
-        f"first vs last 5 logged steps | {claims.topk_rises(by_entry['mixedae'])} |",
-        f"| AdPE paper: the adversary's perturbation (how far it gets toward epsilon) | largest logged offset at the "
-        f"end | {claims.adversary_reach(by_entry['adpe'], eps.get('adpe') or float('nan'))} |",
-        f"| Energy paper: restoration improves with the number of gradient steps N | smooth-L1 to the original, "
-        f"last 5 logged steps | {claims.restoration_by_steps(by_entry['energy'])} |",
-    ]
+    curves = {
+        "mixedae": f"| MixedAE paper (Fig. 6): TopK sampling accuracy rises over training (about 0.8 at ImageNet "
+                   f"scale) | first vs last 5 logged steps | {claims.topk_rises(by_entry['mixedae'])} |",
+        "adpe": f"| AdPE paper: the adversary's perturbation (how far it gets toward epsilon) | largest logged offset "
+                f"at the end | {claims.adversary_reach(by_entry['adpe'], eps.get('adpe') or float('nan'))} |",
+        "energy": f"| Energy paper: restoration improves with the number of gradient steps N | smooth-L1 to the "
+                  f"original, last 5 logged steps | {claims.restoration_by_steps(by_entry['energy'])} |",
+    }
+    lines += [line for entry, line in curves.items() if run_here(entry)]
     if ablation:
         budget = ablation[0]["budget"]
         lines += ["", f"At a reduced budget ({budget['pretrain_samples']} pretraining images, {reduced}; the ablation "
@@ -374,7 +385,7 @@ def write_report(results: list[dict], report: Path, figures: Path, discussion: P
     curves = summary | reduced_budget_rows(summary, reduced)
     if missing:
         lines += ["", f"**Still to run:** {', '.join(missing)} (the study resumes them; this report is partial)."]
-    lines += ["", *table(summary), *epoch_table(curves), *claim_lines(summary, results, ablation, reduced),
+    lines += ["", *table(summary), *epoch_table(curves), *claim_lines(summary, results, ablation, reduced, expected),
               *mask_lines(results), *topk_lines(results)]
     if discussion is not None and discussion.is_file():
         lines += ["", discussion.read_text().strip()]

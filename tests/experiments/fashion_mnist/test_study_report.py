@@ -149,19 +149,19 @@ def test_curves_over_training_draw_their_reference_level(tmp_path):
     pytest.importorskip("matplotlib")
     from experiments.fashion_mnist import plots
 
-    class KeepLines:  # pyplot, reading each figure's lines back before _save clears it
+    class KeepLines:  # pyplot, reading each figure's lines back as _save writes it (then closes it)
         def __init__(self, plt):
             self.plt, self.lines = plt, {}
 
         def subplots(self, *args, **kwargs):
             fig, ax = self.plt.subplots(*args, **kwargs)
-            clear = fig.clf
+            save = fig.savefig
 
-            def read_then_clear():
+            def read_then_save(*a, **k):
                 self.lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
-                clear()
+                save(*a, **k)
 
-            fig.clf = read_then_clear
+            fig.savefig = read_then_save
             return fig, ax
 
     plt = KeepLines(plots.pyplot())
@@ -197,3 +197,21 @@ def test_energy_is_judged_at_the_ablation_budget_and_drawn_to_its_last_epoch(tmp
     assert "Still to run" not in text
     write_report(full, report, tmp_path / "figures", ablation=ablation[1:], expected=["mae"])
     assert "**Still to run:** energy at the ablation preset's budget" in report.read_text()
+
+
+def test_a_reports_claims_are_those_its_preset_runs_and_the_ablation_report_judges_table_a4(tmp_path):
+    ablation = [_result(entry, 0, 60.0, 70.0, top1) for entry, top1 in
+                [("mae", 80.0), ("mixedae", 81.0), ("mixedae_no_segment", 79.0), ("mixedae_without_mixing", 77.0),
+                 ("mixedae_homocon_only", 60.0), ("mixedae_masked_sa", 80.2), ("random_init", 76.0)]]
+    report = tmp_path / "RESULTS_ablation.md"
+    expected = ["energy", "mae", "mixedae", "mixedae_homocon_only", "mixedae_no_segment", "mixedae_without_mixing",
+                "mixedae_masked_sa", "random_init"]
+    write_report(ablation, report, tmp_path / "figures", expected=expected)
+    claims_table = report.read_text().split("## The papers' claims at this scale")[1].split("\n\n")[1]
+    assert "| MixedAE Table A4c: without mixing is worse than without segment embeddings | fine-tune | " \
+           "provisional, one seed (79.00 vs 77.00): holds |" in claims_table
+    assert "| MixedAE Table A4a: masked self-attention is about equal to MAE | fine-tune | provisional, one seed " \
+           "(80.20 vs 80.00): holds |" in claims_table
+    assert "MixedAE paper: MixedAE improves on MAE | fine-tune" in claims_table
+    assert "pretraining beats random init (kNN) | kNN | not measured" in claims_table  # energy: in the preset, no run
+    assert "AdPE" not in claims_table and "MLO-MAE" not in claims_table and "naive" not in claims_table
