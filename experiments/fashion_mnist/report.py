@@ -420,7 +420,8 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--preset", choices=list(PRESETS), default="full", help="which study (default %(default)s)")
     p.add_argument("--runs", type=Path, help="the study's run folder to collect first (default: the summaries only)")
     a = p.parse_args(argv)
-    report = publish(a.preset, a.runs, list(ENTRIES), PRESETS[a.preset]["entries"])
+    controls_last = sorted(ENTRIES, key=lambda name: not ENTRIES[name].method)  # random init, supervised
+    report = publish(a.preset, a.runs, controls_last, PRESETS[a.preset]["entries"])
     print(f"wrote {report}")
     return report
 
