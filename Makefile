@@ -44,8 +44,8 @@ study: $(STAMP) $(FASHION_MNIST)
 
 # The deciding study: 10 epochs per method (frozen features also at 1 and 3), fine-tuning on all 60k
 # images, then energy and MixedAE's Table A4 ablations at 3 epochs; STUDY_JOBS runs side by side (cores / jobs
-# threads each) -> docs/RESULTS.md, docs/figures/, docs/study/ (run summaries). About 8-9 hours per seed
-# on 2 CPU cores (partly estimated, README): stop it any time (Ctrl-C) and run it again to resume.
+# threads each) -> docs/RESULTS.md, docs/figures/, docs/study/ (run summaries). About 8 hours per seed
+# on 2 CPU cores (README): stop it any time (Ctrl-C) and run it again to resume.
 STUDY_SEEDS ?= 0,1
 STUDY_JOBS ?= 2
 study-full: $(STAMP) $(FASHION_MNIST)
