@@ -49,7 +49,8 @@ def summarize(results: list[dict]) -> dict[str, dict]:
                 for r in runs]
         keys = [k for k, _ in METRICS] + list(COSTS) + sorted({k for f in flat for k in f if "@" in k})
         for key in keys:
-            values = [f[key] for f in flat if f.get(key) is not None and math.isfinite(f[key])]  # NaN: not timed (resumed)
+            # NaN: a wall-clock not taken (study._timed: the run was resumed)
+            values = [f[key] for f in flat if f.get(key) is not None and math.isfinite(f[key])]
             if values:
                 row[key] = (statistics.fmean(values), min(values), max(values), len(values))
         out[name] = row
@@ -255,15 +256,17 @@ def claim_lines(summary: dict, results: list[dict], ablation: list[dict] | None,
     by_entry = {e: [r for r in results if r["entry"] == e] or [r for r in ablation or [] if r["entry"] == e]
                 for e in ("mixedae", "adpe", "energy")}
     eps = {r["entry"]: r.get("objective_config", {}).get("adv_eps") for r in by_entry["adpe"]}
-    curves = {
-        "mixedae": f"| MixedAE paper (Fig. 6): TopK sampling accuracy rises over training (about 0.8 at ImageNet "
-                   f"scale) | first vs last 5 logged steps | {claims.topk_rises(by_entry['mixedae'])} |",
-        "adpe": f"| AdPE paper: the adversary's perturbation (how far it gets toward epsilon) | largest logged offset "
-                f"at the end | {claims.adversary_reach(by_entry['adpe'], eps.get('adpe') or float('nan'))} |",
-        "energy": f"| Energy paper: restoration improves with the number of gradient steps N | smooth-L1 to the "
-                  f"original, last 5 logged steps | {claims.restoration_by_steps(by_entry['energy'])} |",
+    curves = {  # entry: (claim, compared on, verdict), judged only where the entry is run
+        "mixedae": ("MixedAE paper (Fig. 6): TopK sampling accuracy rises over training (about 0.8 at ImageNet scale)",
+                    "first vs last 5 logged steps", lambda: claims.topk_rises(by_entry["mixedae"])),
+        "adpe": ("AdPE paper: the adversary's perturbation (how far it gets toward epsilon)",
+                 "largest logged offset at the end",
+                 lambda: claims.adversary_reach(by_entry["adpe"], eps.get("adpe") or float("nan"))),
+        "energy": ("Energy paper: restoration improves with the number of gradient steps N",
+                   "smooth-L1 to the original, last 5 logged steps",
+                   lambda: claims.restoration_by_steps(by_entry["energy"])),
     }
-    lines += [line for entry, line in curves.items() if run_here(entry)]
+    lines += [f"| {claim} | {on} | {verdict()} |" for entry, (claim, on, verdict) in curves.items() if run_here(entry)]
     if ablation:
         budget = ablation[0]["budget"]
         lines += ["", f"At a reduced budget ({budget['pretrain_samples']} pretraining images, {reduced}; the ablation "

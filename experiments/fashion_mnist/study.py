@@ -70,7 +70,7 @@ from train.export import export_checkpoint
 from train.run_dir import read_metrics
 
 EVAL_SIZE = 32  # every encoder is evaluated and fine-tuned at the mini ViT's 32 px (MAE+ pretrains on 16 px crops)
-CKPT_EVERY = 100  # steps between checkpoints, pretraining and fine-tuning: a killed run loses at most this many (energy: ~4 min)
+CKPT_EVERY = 100  # steps between checkpoints (pretraining and fine-tuning): a killed run loses at most this many
 
 
 def _run(cmd: list[str]) -> float:
@@ -105,8 +105,8 @@ def pretrain(entry: Entry, run: Path, seed: int, epochs: float, train: Path, tes
     configs = presets(entry.method, entry.variant)
     cmd = ["-m", "train.pretrain", "--ds_config", "ds_configs/cpu_demo.json",
            *[a for p in configs for a in ("--config", str(p))], "--data.train_index", str(train),
-           *resumable(run, seed), "--run.progress", "false", "--run.vis_every", str(10**9),  # figures at the last step only
-           *epoch_options(epochs, n_train)]
+           *resumable(run, seed), "--run.progress", "false",
+           "--run.vis_every", str(10**9), *epoch_options(epochs, n_train)]  # figures at the last step only
     if keep_epochs:
         cmd += ["--run.keep_every_epochs", "1"]
     if has_classifier(entry.method):  # its own head (MLO-MAE's level II) is scored on the test split at the end
