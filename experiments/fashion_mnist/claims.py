@@ -63,14 +63,17 @@ ABLATION = (
 
 
 def judge(summary: dict, c: Comparison) -> str:
-    """The verdict on one comparison from summarize()'s {entry: {metric: (mean, min, max, n)}}."""
+    """The verdict on one comparison from summarize()'s {entry: {metric: (mean, min, max, n)}}, with the
+    means, their gap and the margin it was judged against, e.g. "holds (81.90 vs 80.50: +1.40, spread 1.07)"."""
     if any(c.metric not in summary.get(e, {}) for e in (c.better, c.worse)):
         return "not measured"
     (b, blo, bhi, bn), (w, wlo, whi, wn) = summary[c.better][c.metric], summary[c.worse][c.metric]
     if min(bn, wn) < 2:  # one seed gives no spread: the test set's sampling noise stands in, provisionally
-        noise = sampling_noise(b, w)
-        return f"provisional, one seed ({b:.2f} vs {w:.2f}): {_verdict(b, w, noise, c.equal, 'test-set noise')}"
-    return _verdict(b, w, max(bhi - blo, whi - wlo), c.equal, "spread")
+        margin, name = sampling_noise(b, w), "test-set noise"
+    else:
+        margin, name = max(bhi - blo, whi - wlo), "spread"
+    verdict = f"{_verdict(b - w, margin, c.equal, name)} ({b:.2f} vs {w:.2f}: {b - w:+.2f}, {name} {margin:.2f})"
+    return f"provisional, one seed: {verdict}" if name != "spread" else verdict
 
 
 def sampling_noise(a: float, b: float, n: int = TEST_IMAGES) -> float:
@@ -78,14 +81,14 @@ def sampling_noise(a: float, b: float, n: int = TEST_IMAGES) -> float:
     return 2 * math.sqrt((a * (100 - a) + b * (100 - b)) / n)
 
 
-def _verdict(b: float, w: float, margin: float, equal: bool, name: str) -> str:
+def _verdict(gap: float, margin: float, equal: bool, name: str) -> str:
     if equal:
-        return "holds" if abs(b - w) <= margin else f"contradicted ({b - w:+.2f} > {name} {margin:.2f})"
-    if b - w > margin:
+        return "holds" if abs(gap) <= margin else "contradicted"
+    if gap > margin:
         return "holds"
-    if w - b > margin:
+    if -gap > margin:
         return "contradicted"
-    return f"within the {name} ({margin:.2f})" if name != "spread" else "within the spread"
+    return f"within the {name}"
 
 
 def _every_seed(values: list[bool], detail: str, seeds: int) -> str:

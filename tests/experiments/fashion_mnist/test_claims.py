@@ -27,26 +27,30 @@ TWO_SEEDS = [_r("mae", 0, finetune_top1=85.0), _r("mae", 1, finetune_top1=87.0),
 
 def test_comparisons_against_the_spread():
     s = summarize(TWO_SEEDS)
-    assert judge(s, Comparison("", "mixedae", "mae", "finetune_top1")) == "holds"  # 90.5 vs 86: gap 4.5 > spread 2
-    assert judge(s, Comparison("", "mae", "naive", "finetune_top1")) == "within the spread"  # 86 vs 86.25
-    assert judge(s, Comparison("", "mlomae", "mae", "finetune_top1")) == "contradicted"  # 79 vs 86, reversed by 7
+    assert judge(s, Comparison("", "mixedae", "mae", "finetune_top1")) == \
+        "holds (90.50 vs 86.00: +4.50, spread 2.00)"  # gap 4.5 > spread 2
+    assert judge(s, Comparison("", "mae", "naive", "finetune_top1")) == \
+        "within the spread (86.00 vs 86.25: -0.25, spread 2.00)"
+    assert judge(s, Comparison("", "mlomae", "mae", "finetune_top1")) == \
+        "contradicted (79.00 vs 86.00: -7.00, spread 2.00)"  # reversed by more than the spread
     assert judge(s, Comparison("", "adpe", "mae", "finetune_top1")) == "not measured"
     # "about equal" holds inside the spread and fails outside it
-    assert judge(s, Comparison("", "naive", "mae", "finetune_top1", equal=True)) == "holds"
+    assert judge(s, Comparison("", "naive", "mae", "finetune_top1", equal=True)) == \
+        "holds (86.25 vs 86.00: +0.25, spread 2.00)"
     assert judge(s, Comparison("", "mixedae", "mae", "finetune_top1", equal=True)) == \
-        "contradicted (+4.50 > spread 2.00)"
+        "contradicted (90.50 vs 86.00: +4.50, spread 2.00)"
     one = summarize(TWO_SEEDS[::2])
     # one seed: judged provisionally against the test set's sampling noise (2 SE of the difference)
     assert sampling_noise(90.0, 85.0) == pytest.approx(0.9327, abs=1e-4)  # 2 sqrt((900 + 1275) / 10000)
     assert judge(one, Comparison("", "mixedae", "mae", "finetune_top1")) == \
-        "provisional, one seed (90.00 vs 85.00): holds"
+        "provisional, one seed: holds (90.00 vs 85.00: +5.00, test-set noise 0.93)"
     assert judge(one, Comparison("", "mae", "mixedae", "finetune_top1")) == \
-        "provisional, one seed (85.00 vs 90.00): contradicted"
+        "provisional, one seed: contradicted (85.00 vs 90.00: -5.00, test-set noise 0.93)"
     close = summarize([_r("mae", 0, finetune_top1=82.0), _r("mixedae", 0, finetune_top1=82.5)])
     assert judge(close, Comparison("", "mixedae", "mae", "finetune_top1")) == \
-        "provisional, one seed (82.50 vs 82.00): within the test-set noise (1.08)"
+        "provisional, one seed: within the test-set noise (82.50 vs 82.00: +0.50, test-set noise 1.08)"
     assert judge(close, Comparison("", "mixedae", "mae", "finetune_top1", equal=True)) == \
-        "provisional, one seed (82.50 vs 82.00): holds"
+        "provisional, one seed: holds (82.50 vs 82.00: +0.50, test-set noise 1.08)"
 
 
 def test_every_claim_names_study_entries():

@@ -59,8 +59,9 @@ def test_report_tables_claims_and_what_is_still_to_run(tmp_path):
     assert "| raw pixels (logistic regression) | - | 84.5 |" in text and "| raw pixels (5-NN) | 85.5 | - |" in text
     assert "| kNN @0 | kNN @1 | kNN @3 | linear @0 | linear @1 | linear @3 |" in text
     assert "| MAE | 51.00 (50.00-52.00) | 61.00 (60.00-62.00) | 71.00 (70.00-72.00) | 56.00 (55.00-57.00) |" in text
-    assert "| MixedAE paper: MixedAE improves on MAE | fine-tune | holds |" in text
-    assert "learned masks give better linear accuracy than MAE | linear | contradicted |" in text
+    assert "| MixedAE paper: MixedAE improves on MAE | fine-tune | holds (90.50 vs 86.00: +4.50, spread 2.00) |" in text
+    assert "learned masks give better linear accuracy than MAE | linear | contradicted (71.00 vs 79.00: -8.00, " \
+           "spread 2.00) |" in text
     assert "**Still to run:** energy" in text
     assert "seeds [0, 1]" in text and "pretraining on 180000 training images (3 epochs of the 60k)" in text
     assert text.index("## Discussion\n\nWritten by hand.") > text.index("## The papers' claims")
@@ -186,8 +187,8 @@ def test_energy_is_judged_at_the_ablation_budget_and_drawn_to_its_last_epoch(tmp
     write_report(full, report, tmp_path / "figures", ablation=ablation, expected=["mae"])
     text = report.read_text()
     # energy vs random init on the 3-epoch runs (one seed each: provisional, test-set noise)
-    assert "| Energy paper: pretraining beats random init (kNN) | kNN, 3-epoch runs | provisional, one seed " \
-           "(40.00 vs 50.00): contradicted |" in text
+    assert "| Energy paper: pretraining beats random init (kNN) | kNN, 3-epoch runs | provisional, one seed: " \
+           "contradicted (40.00 vs 50.00: -10.00, test-set noise 1.40) |" in text
     assert "restoration improves with the number of gradient steps N | smooth-L1 to the original, last 5 logged " \
            "steps | provisional, one seed: holds (N=0: 0.5000 > N=1: 0.4500 > N=2: 0.4000) |" in text
     # columns 0, 1, 3, 10: energy's last checkpoint (3 epochs) under @3, nothing under @10
@@ -209,9 +210,9 @@ def test_a_reports_claims_are_those_its_preset_runs_and_the_ablation_report_judg
     write_report(ablation, report, tmp_path / "figures", expected=expected)
     claims_table = report.read_text().split("## The papers' claims at this scale")[1].split("\n\n")[1]
     assert "| MixedAE Table A4c: without mixing is worse than without segment embeddings | fine-tune | " \
-           "provisional, one seed (79.00 vs 77.00): holds |" in claims_table
-    assert "| MixedAE Table A4a: masked self-attention is about equal to MAE | fine-tune | provisional, one seed " \
-           "(80.20 vs 80.00): holds |" in claims_table
+           "provisional, one seed: holds (79.00 vs 77.00: +2.00, test-set noise 1.17) |" in claims_table
+    assert "| MixedAE Table A4a: masked self-attention is about equal to MAE | fine-tune | provisional, one seed: " \
+           "holds (80.20 vs 80.00: +0.20, test-set noise 1.13) |" in claims_table
     assert "MixedAE paper: MixedAE improves on MAE | fine-tune" in claims_table
     assert "pretraining beats random init (kNN) | kNN | not measured" in claims_table  # energy: in the preset, no run
     assert "AdPE" not in claims_table and "MLO-MAE" not in claims_table and "naive" not in claims_table
