@@ -64,16 +64,14 @@ ABLATION = (
 
 def judge(summary: dict, c: Comparison) -> str:
     """The verdict on one comparison from summarize()'s {entry: {metric: (mean, min, max, n)}}, with the
-    means, their gap and the margin it was judged against, e.g. "holds (81.90 vs 80.50: +1.40, spread 1.07)"."""
+    means, their gap and the margin it was judged against, e.g. "holds (90.50 vs 86.00: +4.50, spread 2.00)"."""
     if any(c.metric not in summary.get(e, {}) for e in (c.better, c.worse)):
         return "not measured"
     (b, blo, bhi, bn), (w, wlo, whi, wn) = summary[c.better][c.metric], summary[c.worse][c.metric]
-    if min(bn, wn) < 2:  # one seed gives no spread: the test set's sampling noise stands in, provisionally
-        margin, name = sampling_noise(b, w), "test-set noise"
-    else:
-        margin, name = max(bhi - blo, whi - wlo), "spread"
+    provisional = min(bn, wn) < 2  # one seed gives no spread: the test set's sampling noise stands in
+    margin, name = (sampling_noise(b, w), "test-set noise") if provisional else (max(bhi - blo, whi - wlo), "spread")
     verdict = f"{_verdict(b - w, margin, c.equal, name)} ({b:.2f} vs {w:.2f}: {b - w:+.2f}, {name} {margin:.2f})"
-    return f"provisional, one seed: {verdict}" if name != "spread" else verdict
+    return f"provisional, one seed: {verdict}" if provisional else verdict
 
 
 def sampling_noise(a: float, b: float, n: int = TEST_IMAGES) -> float:
