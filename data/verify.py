@@ -11,6 +11,11 @@ training (and evaluation) index before a run starts, refusing it with exit statu
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a script: our packages are at the repository root
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import io
 import os

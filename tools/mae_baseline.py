@@ -11,8 +11,10 @@ on the host every step (`loss.item()`, to stop on a non-finite loss).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from functools import partial
+from typing import Callable
 
 import torch
 from timm.models.vision_transformer import Block
@@ -100,33 +102,53 @@ class BaselineMAE(nn.Module):
         return (per_patch * removed).sum() / removed.sum()
 
 
-def optimizer(model: nn.Module, lr: float, weight_decay: float = 0.05) -> torch.optim.AdamW:
-    """AdamW with weight decay on weight matrices only (not on biases, norms, tokens)."""
+def optimizer(model: nn.Module, lr: float, weight_decay: float = 0.05, fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW with weight decay on weight matrices only (not on biases, norms, tokens); `fused` None
+    is torch's default (foreach on CUDA), True the fused kernel."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95))
+                             lr=lr, betas=(0.9, 0.95), fused=fused)
+
+
+def no_phases(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+class BaselineStep:
+    """One training step of the reference loop: autocast forward, (scaled) backward, AdamW step,
+    `loss.item()`. `phase(name)` marks its parts (data, forward, backward, step, loop) for the
+    census (train/census.py); the default marks nothing."""
+
+    def __init__(self, model: BaselineMAE, batches, dtype: torch.dtype, device: torch.device,
+                 fused: bool | None = None, lr: float = 1.5e-4):
+        self.model, self.batches, self.dtype, self.device = model, batches, dtype, device
+        self.opt = optimizer(model, lr=lr, fused=fused)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        self.losses: list[float] = []
+        model.train()
+
+    def __call__(self, phase: Callable[[str], contextlib.AbstractContextManager] = no_phases) -> None:
+        with phase("data"):
+            images = next(self.batches)["image"]
+        with phase("forward"), torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            loss = self.model(images)
+        with phase("loop"):
+            self.losses.append(loss.item())  # the reference loop's per-step finiteness check (a host sync)
+        with phase("step"):
+            self.opt.zero_grad(set_to_none=True)
+        with phase("backward"):
+            self.scaler.scale(loss).backward()
+        with phase("step"):
+            self.scaler.step(self.opt)
+            self.scaler.update()
 
 
 def time_training(model: BaselineMAE, batches, steps: int, warmup: int, dtype: torch.dtype,
-                  device: torch.device) -> dict:
+                  device: torch.device, fused: bool | None = None) -> dict:
     """Images/s and step time of `steps` training steps after `warmup`; `batches` yields {"image": (B, C, H, W)}
     on `device`. fp16 uses a GradScaler; peak memory (CUDA) is taken over the timed steps."""
-    opt = optimizer(model, lr=1.5e-4)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    losses: list[float] = []
-
-    def step() -> None:
-        images = next(batches)["image"]
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = model(images)
-        losses.append(loss.item())  # the reference loop's per-step finiteness check (a host sync)
-        opt.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-
-    model.train()
+    step = BaselineStep(model, batches, dtype, device, fused)
     for _ in range(warmup):
         step()
     if device.type == "cuda":
@@ -139,8 +161,9 @@ def time_training(model: BaselineMAE, batches, steps: int, warmup: int, dtype: t
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
     batch = images_per_batch(batches)
-    out = {"images_per_s": steps * batch / elapsed, "step_time_s": elapsed / steps, "loss": losses[-1],
-           "dtype": str(dtype).removeprefix("torch."), "grad_scaler": dtype == torch.float16}
+    out = {"images_per_s": steps * batch / elapsed, "step_time_s": elapsed / steps, "loss": step.losses[-1],
+           "dtype": str(dtype).removeprefix("torch."), "grad_scaler": dtype == torch.float16,
+           "optimizer": "fused" if step.opt.defaults.get("fused") else "foreach"}
     if device.type == "cuda":
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return out

@@ -22,6 +22,11 @@ host sync per window), so they include data loading and every objective hook.
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a script: our packages are at the repository root
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import json
 import os
 import platform

@@ -13,6 +13,11 @@ Ratio: "<method>_over_<baseline>" = time(method) / time(baseline). JSON to bench
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a script: our packages are at the repository root
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import time
 from pathlib import Path

@@ -18,15 +18,16 @@ from model.objectives import build_objective
 from model.registry import create_model
 from train import checkpoint
 from train.config import ConfigError, PretrainConfig, encoder_img_size, section, to_dict
-from train.ds_config import BatchPlan, activation_checkpointing, precision, zero_stage
-from train.nonfinite import skip_nonfinite_steps
+from train.ds_config import BatchPlan, activation_checkpointing
+from train.engine import Engine, EngineConfig
 from train.optim import WarmupCosineSchedule, build_optimizer, build_param_groups
 
 log = logging.getLogger("pretrain")
 
 
-def build_encoder(cfg: PretrainConfig):
-    overrides = {"in_chans": cfg.model.in_chans, "attn_backend": cfg.model.attn_backend, "rpe": cfg.model.rpe,
+def build_encoder(cfg: PretrainConfig, arch: dict | None = None):
+    """The configured encoder; `arch` overrides its registry entry's sizes (tools/census.py's narrow widths)."""
+    overrides = {**(arch or {}), "in_chans": cfg.model.in_chans, "attn_backend": cfg.model.attn_backend, "rpe": cfg.model.rpe,
                  "global_pool": cfg.model.global_pool, "drop_path_rate": cfg.model.drop_path_rate}
     if cfg.model.img_size:
         overrides["img_size"] = cfg.model.img_size
@@ -89,17 +90,16 @@ def profile_config(cfg: PretrainConfig, ds_config: dict, micro: int, fused_kerne
 
 def compute_dtype(engine) -> torch.dtype:
     """The dtype the engine's module computes in (what the loop casts images to)."""
-    return torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
+    return engine.dtype
 
 
 def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, peak_lr: float,
-                 warmup_steps: float, total_steps: int):
-    """Encoder + objective (identical initial weights on every rank), AdamW, schedule, engine.
-    Returns (engine, objective, param_split: how the parameters split between decay / no decay)."""
-    import deepspeed
-
+                 warmup_steps: float, total_steps: int, arch: dict | None = None):
+    """Encoder + objective (identical initial weights on every rank), optimizer, schedule, engine
+    (train/engine.py; ZeRO-3: train/engine_fsdp.py). Returns (engine, objective, param_split: how
+    the parameters split between decay / no decay)."""
     torch.manual_seed(cfg.seed)
-    objective = build_objective(cfg.objective, build_encoder(cfg), section(cfg))
+    objective = build_objective(cfg.objective, build_encoder(cfg, arch), section(cfg))
     if cfg.model.init_from:
         try:
             state = None
@@ -112,11 +112,21 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
             raise ConfigError(f"model.init_from: {e}") from None
     apply_execution_options(objective, activation_checkpointing(ds_config), cfg.run.compile)
     groups, param_split = build_param_groups(objective, cfg.optim.weight_decay, cfg.optim.layer_decay)
-    optimizer = build_optimizer(groups, cfg.optim, device.type == "cuda")
-    if zero_stage(ds_config) == 0 and precision(ds_config) == "fp32":
-        optimizer = skip_nonfinite_steps(optimizer)  # the one engine without DeepSpeed's own check
-    scheduler = WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, warmup_steps, total_steps)
-    engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    engine_cfg = EngineConfig.from_ds_config(ds_config)
+
+    def make_schedule(optimizer):
+        return WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, warmup_steps, total_steps)
+
+    def make_optimizer(opt_groups):
+        return build_optimizer(opt_groups, cfg.optim)
+
+    if engine_cfg.stage == 3:
+        from train.engine_fsdp import FSDPEngine
+
+        engine = FSDPEngine(objective, groups, make_optimizer, make_schedule, engine_cfg, device)
+    else:
+        engine = Engine(objective, groups, make_optimizer, make_schedule, engine_cfg, device,
+                        per_param=cfg.optim.name == "lars")
     return engine, objective, param_split
 
 

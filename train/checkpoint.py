@@ -1,9 +1,10 @@
-"""Checkpoints through the DeepSpeed engine, plus what DeepSpeed does not save per rank.
+"""Checkpoints: the engine's files (train/engine.py), each rank's RNG, and what makes a tag trustworthy.
 
 Layout of `<output_dir>/checkpoints/`:
     step00000100/                 one tag per save
-        mp_rank_00_model_states.pt, *_optim_states.pt   DeepSpeed's files (module, optimizer,
-                                                        scheduler, client state)
+        model.pt                  fp32 weights by name, buffers, objective state, schedule, counters,
+                                  client state (rank 0)
+        optim_rank{r:05d}.pt      optimizer state of rank r's part of the flat weights, by name
         rng_rank{r}.pt            RNG states of rank r (torch, CUDA, numpy, python)
         complete.json             written last, after every rank finished: step, world size,
                                   the size of every file of the tag
@@ -17,8 +18,9 @@ after a disk filled up or a copy was cut short, makes it fall back to the tag be
 
 Client state holds the step, the config and every rank's data position; complete.json also
 holds the run's config and global batch (readable without unpickling, checked before a resume
-starts any process group). A run resumed on another world size reads the tag through
-DeepSpeed's universal checkpoint, converted into `<tag>/universal/` the first time.
+starts any process group). Weights and optimizer state are recorded by parameter name and flat
+range, so a tag resumes on any world size and any ZeRO stage. Every file loads with
+`weights_only=True` (tensors and plain containers, nothing executed).
 """
 from __future__ import annotations
 
@@ -39,7 +41,6 @@ from train.distributed import barrier
 log = logging.getLogger("checkpoint")
 COMPLETE = "complete.json"
 LATEST = "latest"
-UNIVERSAL = "universal"  # DeepSpeed universal checkpoint of a tag, made when the world size changes
 TAG_RE = re.compile(r"^step(\d{8})$")
 PARTIAL = ".partial"  # suffix of a tag being written
 
@@ -86,8 +87,9 @@ def save(engine, root: Path, step: int, client_state: dict, rank: int, world: in
     partial = root / f"{tag}{PARTIAL}"
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save of this step
+        partial.mkdir(parents=True)
     barrier()
-    engine.save_checkpoint(str(root), tag=partial.name, client_state=client_state, save_latest=False)
+    engine.save(partial, client_state)
     torch.save(rng_state(), partial / f"rng_rank{rank}.pt")
     fault_injection.at("checkpoint_write", step)
     barrier()  # every rank's files are on disk before the tag is declared complete
@@ -188,74 +190,17 @@ def read_meta(tag_dir: Path) -> dict:
     return json.loads((tag_dir / COMPLETE).read_text())
 
 
-# Plain data classes DeepSpeed pickles into its optimizer files; nothing else may appear.
-DEEPSPEED_DATA_GLOBALS = {
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-}
-
-
 def verify_safe(tag_dir: Path) -> None:
-    """Refuse a checkpoint whose pickles name any global beyond tensors, plain containers and the
-    DeepSpeed data classes above. DeepSpeed's loader unpickles without restriction, so this scan
-    (which reads the pickle opcodes without executing them) runs first. A universal folder's
-    per-parameter files sit in sub-folders, so the scan is recursive there."""
+    """Refuse a checkpoint whose pickles name any global beyond tensors and plain containers (a
+    scan of the pickle opcodes, nothing executed), before any process group starts; the loads
+    use weights_only=True as well."""
     from torch.serialization import get_unsafe_globals_in_checkpoint
 
-    files = tag_dir.rglob("*.pt") if tag_dir.name == UNIVERSAL else tag_dir.glob("*.pt")
-    for f in sorted(files):
-        unexpected = set(get_unsafe_globals_in_checkpoint(f)) - DEEPSPEED_DATA_GLOBALS
+    for f in sorted(tag_dir.glob("*.pt")):
+        unexpected = set(get_unsafe_globals_in_checkpoint(f))
         if unexpected:
             raise ValueError(f"{f} would unpickle {sorted(unexpected)}; refusing to load it (not a checkpoint "
                              f"written by this code, or tampered with)")
-
-
-def needs_universal(tag_dir: Path) -> bool:
-    """ZeRO 1-3 and DeepSpeed's bf16 optimizer save optimizer state partitioned per rank: another
-    world size loads it through a universal checkpoint. Stage 0 keeps it whole in the model file."""
-    return any(tag_dir.glob("*optim_states.pt"))
-
-
-def to_universal(tag_dir: Path) -> Path:
-    """`<tag>/universal/`: DeepSpeed's world-size-independent form of the tag (fp32 weights and
-    optimizer moments per parameter), converted once (rank 0; the others wait) and reused.
-    Written under a temporary name and renamed when complete."""
-    out = tag_dir / UNIVERSAL
-    if out.is_dir():
-        return out
-    from argparse import Namespace
-
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
-    verify_safe(tag_dir)  # the converter unpickles without restriction
-    tmp = tag_dir / f".{UNIVERSAL}.tmp{os.getpid()}"
-    staging = tag_dir / f".{UNIVERSAL}_input.tmp{os.getpid()}"
-    for d in (tmp, staging):
-        shutil.rmtree(d, ignore_errors=True)
-    model_file = tag_dir / "mp_rank_00_model_states.pt"
-    source = tag_dir
-    if model_file.is_file():
-        state = torch.load(model_file, map_location="cpu", weights_only=False)  # verified above
-        if any(not isinstance(v, torch.Tensor) for v in state["module"].values()):
-            # objectives' extra state (AdPE adversaries, MLO-MAE's networks and optimizers) is not a
-            # weight, and the converter expects only tensors: convert a copy without it, then put
-            # the whole model file back, so the universal load restores the extra state too
-            staging.mkdir()
-            for f in tag_dir.glob("*.pt"):
-                (staging / f.name).symlink_to(f.resolve())
-            (staging / model_file.name).unlink()
-            state["module"] = {k: v for k, v in state["module"].items() if isinstance(v, torch.Tensor)}
-            torch.save(state, staging / model_file.name)
-            source = staging
-    ds_to_universal(Namespace(input_folder=str(source), output_folder=str(tmp), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
-    if source is staging:
-        shutil.copy2(model_file, tmp / model_file.name)
-        shutil.rmtree(staging)
-    os.replace(tmp, out)
-    return out
 
 
 def reseed(seed: int, rank: int, step: int) -> None:
@@ -270,23 +215,12 @@ def reseed(seed: int, rank: int, step: int) -> None:
 def load(engine, tag_dir: Path, rank: int, world: int, seed: int) -> dict:
     """Restore engine state and RNG; returns the client state. On the world size of the checkpoint
     everything continues exactly (this rank's RNG too). On another world size (the caller checked
-    that the global batch is the same and, for partitioned optimizer state, initialised the engine
-    with `checkpoint.load_universal`) weights, optimizer moments, schedule and step carry over and
+    that the global batch is the same) weights, optimizer moments, schedule and step carry over and
     the RNG streams start afresh from (seed, rank, step)."""
     meta = read_meta(tag_dir)
-    same_world = meta["world_size"] == world
-    source = tag_dir
-    if not same_world and needs_universal(tag_dir):
-        if rank == 0:
-            to_universal(tag_dir)
-        barrier()
-        source = tag_dir / UNIVERSAL
-    verify_safe(source)
-    _, client = engine.load_checkpoint(str(source.parent), tag=source.name,
-                                       load_optimizer_states=True, load_lr_scheduler_states=True)
-    if client is None:
-        raise RuntimeError(f"DeepSpeed could not load {source}")
-    if same_world:
+    verify_safe(tag_dir)
+    client = engine.load(tag_dir)
+    if meta["world_size"] == world:
         set_rng_state(torch.load(tag_dir / f"rng_rank{rank}.pt", weights_only=True))
     else:
         reseed(seed, rank, client["step"])

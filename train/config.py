@@ -76,7 +76,6 @@ class OptimConfig:
     epochs: int = 800  # schedule length in epochs of data.epoch_size samples
     warmup_epochs: float = 40.0  # linear warmup, then half-cycle cosine to min_lr
     min_lr: float = 0.0  # the cosine schedule's floor
-    fused: str = "auto"  # auto (fused AdamW on CUDA, foreach on CPU) | yes | no
     name: str = "adamw"  # adamw | lars (momentum 0.9, trust 0.001; needs ZeRO stage 0)
     layer_decay: float = 1.0  # layer-wise lr decay of the encoder (1.0 = none; MAE fine-tuning 0.65 B / 0.75 L)
 
@@ -186,8 +185,6 @@ class PretrainConfig:
             raise ConfigError(f"optim.min_lr (the lr the cosine ends at) must be >= 0, got {self.optim.min_lr}")
         if not self.optim.weight_decay >= 0:
             raise ConfigError(f"optim.weight_decay must be >= 0 (0 = none), got {self.optim.weight_decay}")
-        if self.optim.fused not in ("auto", "yes", "no"):
-            raise ConfigError(f"optim.fused must be auto, yes or no, got {self.optim.fused!r}")
         if self.optim.warmup_epochs > self.optim.epochs:
             raise ConfigError(f"optim.warmup_epochs ({self.optim.warmup_epochs}) exceeds optim.epochs ({self.optim.epochs})")
         if self.run.keep_checkpoints < 0:

@@ -1,8 +1,7 @@
-"""Process-group set-up shared by the deepspeed launcher, Slurm (launchers/slurm.py) and plain
-single-process runs."""
+"""Process-group set-up shared by the deepspeed launcher (and torchrun, mpirun), Slurm
+(launchers/slurm.py) and plain single-process runs."""
 from __future__ import annotations
 
-import glob
 import os
 import socket
 
@@ -11,7 +10,7 @@ import torch
 from train import slurm_env
 
 if not torch.cuda.is_available():
-    # DeepSpeed otherwise probes for accelerators and warns; say CPU outright.
+    # DeepSpeed (its launcher, its config classes) otherwise probes for accelerators and warns: say CPU outright
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -29,15 +28,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# mpirun (DeepSpeed's openmpi / mvapich launchers) says who is who in its own variables
+MPI_ENV = {"RANK": "OMPI_COMM_WORLD_RANK", "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
+           "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK"}
+
+
 def init() -> tuple[int, int, torch.device]:
-    """Start the process group; a plain `python` run becomes rank 0 of a world of 1.
-
-    Returns (rank, world_size, device).
-    """
-    import deepspeed
-
+    """Start the process group (NCCL on GPUs, gloo on CPU); a plain `python` run becomes rank 0 of
+    a world of 1. Returns (rank, world_size, device)."""
     if "RANK" not in os.environ and slurm_env.in_task_step(os.environ):  # srun: one task per GPU
-        os.environ.update(slurm_env.task_env(os.environ))  # DeepSpeed's init does not read SLURM_*
+        os.environ.update(slurm_env.task_env(os.environ))
+    if "RANK" not in os.environ and MPI_ENV["RANK"] in os.environ:
+        os.environ.update({k: os.environ[v] for k, v in MPI_ENV.items() if v in os.environ})
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -47,24 +49,10 @@ def init() -> tuple[int, int, torch.device]:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    rank = torch.distributed.get_rank()
-    release_shm_names(rank)
-    return rank, torch.distributed.get_world_size(), device
-
-
-def release_shm_names(rank: int) -> None:
-    """DeepSpeed's CPU all-reduce maps a 69 MB /dev/shm buffer per rank and never unlinks it, so
-    every CPU run leaks them until the machine runs out of memory. Once every rank has mapped
-    every peer's buffer (init_distributed returns only then; the barrier makes it true for all),
-    the names can go: the mappings stay valid until the processes exit, also after a crash."""
-    torch.distributed.barrier()
-    port = os.environ.get("MASTER_PORT", "")
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_{rank}"):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                             device_id=device if device.type == "cuda" else None)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 
 def barrier() -> None:

@@ -15,6 +15,11 @@ snippet's model against the file's names and shapes; an encoder timm cannot hold
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a script: our packages are at the repository root
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import json
 import warnings
@@ -23,7 +28,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from train.checkpoint import find_resume, read_meta, verify_safe
+from train.checkpoint import find_resume, read_meta
+from train.engine import MODEL_FILE
 
 ENCODER_PREFIX = "encoder."
 # Our registry name at 224 px -> timm's model name, for users who prefer timm.create_model.
@@ -34,25 +40,12 @@ TIMM_NAMES = {
 }
 
 
-def _module_state(tag_dir: Path, zero_stage: int) -> dict[str, torch.Tensor]:
-    """Full-precision module weights. ZeRO-1/2 mixed-precision and ZeRO-3 runs keep the fp32
-    master weights only in the optimizer shards, so those are consolidated through DeepSpeed
-    (ZeRO-3 writes no whole-model file at all)."""
-    half = False
-    if zero_stage < 3:
-        states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
-        # objectives' extra state (e.g. AdPE adversaries under `_extra_state`) is not weights
-        states = {k: v for k, v in states.items() if isinstance(v, torch.Tensor)}
-        half = any(v.dtype in (torch.float16, torch.bfloat16) for v in states.values())
-    if zero_stage == 3 or (zero_stage >= 1 and half):
-        from deepspeed.utils.zero_to_fp32 import (
-            get_fp32_state_dict_from_zero_checkpoint,
-        )
-
-        verify_safe(tag_dir)  # DeepSpeed's reader unpickles without restriction
-
-        return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
-    return states
+def _module_state(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The module's tensors in a checkpoint tag: fp32 weights of every trained parameter (the
+    engine's master copy), frozen tables and buffers in the training dtype. Objectives' extra
+    state (e.g. AdPE's adversaries under `_extra_state`) is not weights and is left out."""
+    states = torch.load(tag_dir / MODEL_FILE, map_location="cpu", weights_only=True, mmap=True)["module"]
+    return {k: v for k, v in states.items() if isinstance(v, torch.Tensor)}
 
 
 def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -63,7 +56,7 @@ def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tenso
 def encoder_state(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """The encoder's fp32 weights (timm names) from a checkpoint tag, and its complete.json."""
     meta = read_meta(tag_dir)
-    encoder = _strip(_module_state(tag_dir, meta["zero_stage"]), ENCODER_PREFIX)
+    encoder = _strip(_module_state(tag_dir), ENCODER_PREFIX)
     if not encoder:
         raise ValueError(f"{tag_dir} holds no '{ENCODER_PREFIX}*' weights")
     return encoder, meta
@@ -73,7 +66,7 @@ def pretrained_state(tag_dir: Path) -> dict[str, torch.Tensor]:
     """Encoder (timm names) and, when the run had one, its MAE decoder (official MAE names:
     decoder_embed, decoder_blocks, ...) in fp32: what continued pretraining starts from."""
     encoder, meta = encoder_state(tag_dir)
-    return {**encoder, **_strip(_module_state(tag_dir, meta["zero_stage"]), "decoder.")}
+    return {**encoder, **_strip(_module_state(tag_dir), "decoder.")}
 
 
 def _arguments(kwargs: dict) -> str:

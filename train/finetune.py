@@ -13,6 +13,11 @@ exported to timm at the end.
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a script: our packages are at the repository root
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 if __name__ == "__main__":  # before the heavy imports below: Ctrl-C / kill in start-up end it at once, quietly
     from train import early_signals
 

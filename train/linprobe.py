@@ -10,6 +10,11 @@ Without --model.init_from the same architecture is probed at random init (the co
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a script: our packages are at the repository root
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 if __name__ == "__main__":  # before the heavy imports below: Ctrl-C / kill in start-up end it at once, quietly
     from train import early_signals
 

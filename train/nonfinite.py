@@ -1,21 +1,17 @@
 """Optimizer steps with a non-finite loss or gradients: skipped, counted, and a run that keeps
 producing them stopped with a message saying so.
 
-Skipping is DeepSpeed's: every engine except ZeRO-0 fp32 checks the gradients before the update
-(fp16 and bf16 overflow checks; ZeRO 1-3 fp32 through the gradient norm) and skips a step that
-fails, without advancing the lr schedule; `engine.was_step_applied()` says which. Two gaps are
-closed here:
-  - a non-finite loss whose gradients happen to be finite (e.g. a NaN term that no weight
-    feeds) would be applied: `nan_if_not_finite` turns it into NaN gradients, which every check
-    catches;
-  - a ZeRO-0 fp32 engine hands the optimizer over as is and applies every step:
-    `skip_nonfinite_steps` gives it the same check, reported the way DeepSpeed's optimizers
-    report an overflow (an `overflow` attribute the engine reads).
-`StepHealth` counts the skipped steps and stops the run after `limit` consecutive ones, or at
-once when fp16's dynamic loss scale collapses (DeepSpeed raises once it would go below its
-minimum); the run stops without writing a checkpoint, so the last complete one stays newest.
-When no step of the run was ever finite, the message blames the objective's configuration and
-input rather than the lr: a diverging lr first trains, then breaks.
+Skipping is the engine's (train/engine.py): the fused optimizer step takes a `found_inf` flag
+computed on the device from the gradients' sum of squares and leaves weights and moments as they
+were, without a host read. `nan_if_not_finite` closes one gap: a non-finite loss whose gradients
+happen to be finite (a NaN term that no weight feeds) becomes NaN gradients, which the check
+catches. `DeviceHealth` keeps the counters on the device; the loop reads them with its window at
+log steps and before every checkpoint, and `StepHealth` stops the run when `limit` consecutive
+steps were skipped, or when fp16's dynamic loss scale collapsed (an overflow at its minimum).
+The run stops without writing a checkpoint, so the last complete one stays newest (the weights
+of skipped steps are unchanged, so a checkpoint written between two reads is sound). When no
+step of the run was ever finite, the message blames the objective's configuration and input
+rather than the lr: a diverging lr first trains, then breaks.
 """
 from __future__ import annotations
 
@@ -52,69 +48,65 @@ def nan_if_not_finite(loss: torch.Tensor) -> torch.Tensor:
     return loss * factor
 
 
-def skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Make `optimizer.step()` skip (and flag in `optimizer.overflow`) a step whose gradients are
-    not all finite. For ZeRO-0 fp32 engines only: the others check already. Costs one host sync
-    per step (free on CPU; fp32 without ZeRO is a CPU / debugging set-up)."""
-    inner = optimizer.step
+class DeviceHealth:
+    """Skipped-step counters as 0-dim fp32 tensors on the device, updated in the step (4 kernels)."""
 
-    def step(closure=None):
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        optimizer.overflow = bool(grads) and not bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())
-        return None if optimizer.overflow else inner(closure)
+    def __init__(self, device: torch.device):
+        self.skipped = torch.zeros((), device=device)  # skipped optimizer steps, whole run
+        self.streak = torch.zeros((), device=device)  # consecutive skipped steps up to the last one
+        self.worst = torch.zeros((), device=device)  # the longest streak since the loop's last read
 
-    optimizer.overflow = False
-    optimizer.step = step
-    return optimizer
+    def update(self, found_inf: torch.Tensor) -> None:
+        self.skipped.add_(found_inf)
+        self.streak.add_(1).mul_(found_inf)
+        torch.maximum(self.worst, self.streak, out=self.worst)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"skipped_steps": self.skipped, "nonfinite_streak": self.streak, "nonfinite_worst": self.worst}
 
-def loss_scale(engine) -> float | None:
-    """DeepSpeed's current fp16 loss scale (a host float); None when the engine is not fp16."""
-    if not engine.fp16_enabled():
-        return None
-    return float(getattr(engine.optimizer, "cur_scale", None) or getattr(engine.optimizer, "loss_scale", 0.0))
+    def window_read(self) -> None:
+        """After the loop read the counters: the next window's worst streak starts from the current one."""
+        self.worst.copy_(self.streak)
+
+    def state_dict(self) -> dict:
+        return {"skipped": self.skipped.item(), "streak": self.streak.item()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped.fill_(state["skipped"])
+        self.streak.fill_(state["streak"])
+        self.worst.fill_(state["streak"])
 
 
 class StepHealth:
-    """Follows `engine.was_step_applied()` after each optimizer step (host values DeepSpeed has
-    already synced for its own check: no extra sync)."""
+    """Judges the counters the loop read (DeviceHealth's, and the fp16 scaler's collapse flag)."""
 
     def __init__(self, limit: int):
         self.limit = limit  # consecutive skipped steps that stop the run (0 = never)
-        self.streak = 0
-        self.first_bad = 0
-        self.any_applied = False  # whether a step of this run (this process) was ever applied
+        self.last_read = 0  # the optimizer step of the previous read
 
-    def step(self, engine, optimizer_step: int) -> None:
-        """After the engine.step() that ended optimizer step `optimizer_step` (counted from 1)."""
-        if engine.was_step_applied():
-            self.streak = 0
-            self.any_applied = True
-            return
-        self.streak += 1
-        if self.streak == 1:
-            self.first_bad = optimizer_step
-        if self.limit and self.streak >= self.limit:
-            scale = loss_scale(engine)
-            fp16 = f"; the fp16 loss scale is {scale:g}" if scale is not None else ""
-            skipped = (f"{self.streak} consecutive optimizer steps ({self.first_bad}-{optimizer_step}) had a "
-                       f"non-finite loss or gradients and were skipped (run.max_nonfinite_steps {self.limit}){fp16}")
-            if not self.any_applied:  # non-finite from this run's first step: nothing trained that an lr could break
-                raise NonFiniteError(
-                    f"{skipped}. No step of this run had a finite loss, so the lr is an unlikely cause: the likely "
-                    f"one is the configuration or the input of the {describe_objective(engine.module)}, e.g. a "
-                    f"mask ratio that leaves nothing to reconstruct, or images that do not fit the model (model.*, "
-                    f"data.*). Training stopped without writing a checkpoint; fix the option and start again")
+    def check(self, values: dict[str, float], step: int, module: torch.nn.Module) -> None:
+        """`values` read at optimizer step `step` (counted from 1); raises NonFiniteError to stop."""
+        since, self.last_read = self.last_read, step
+        applied = step - round(values["skipped_steps"])
+        scale = values.get("loss_scale")
+        if values.get("loss_scale_collapsed", 0.0) > 0:
             raise NonFiniteError(
-                f"{skipped}. Training stopped without writing a checkpoint, so the last complete one is kept: {REMEDY}")
-
-
-def loss_scale_collapse(error: Exception, engine, optimizer_step: int) -> NonFiniteError | None:
-    """DeepSpeed's fp16 scaler raises a bare Exception once the scale cannot go lower: the error
-    that says what it means, or None for any other exception."""
-    if "loss scale already at minimum" not in str(error):
-        return None
-    return NonFiniteError(
-        f"fp16 loss-scale collapse at step {optimizer_step}: the gradients still overflow at the minimum loss "
-        f"scale ({loss_scale(engine):g}), so fp16 cannot represent this model's gradients any more. Training "
-        f"stopped without writing a checkpoint, so the last complete one is kept: {REMEDY}")
+                f"fp16 loss-scale collapse by step {step}: the gradients still overflow at the minimum loss "
+                f"scale ({scale:g}), so fp16 cannot represent this model's gradients any more. Training stopped "
+                f"without writing a checkpoint, so the last complete one is kept: {REMEDY}")
+        worst, streak = round(values["nonfinite_worst"]), round(values["nonfinite_streak"])
+        if not self.limit or worst < self.limit:
+            return
+        where = (f"({step - streak + 1}-{step})" if streak == worst
+                 else f"(a run of them between steps {since + 1} and {step})")
+        fp16 = f"; the fp16 loss scale is {scale:g}" if scale is not None else ""
+        skipped = (f"{worst} consecutive optimizer steps {where} had a non-finite loss or gradients and were "
+                   f"skipped (run.max_nonfinite_steps {self.limit}){fp16}")
+        if applied <= 0:  # non-finite from this run's first step: nothing trained that an lr could break
+            raise NonFiniteError(
+                f"{skipped}. No step of this run had a finite loss, so the lr is an unlikely cause: the likely "
+                f"one is the configuration or the input of the {describe_objective(module)}, e.g. a "
+                f"mask ratio that leaves nothing to reconstruct, or images that do not fit the model (model.*, "
+                f"data.*). Training stopped without writing a checkpoint; fix the option and start again")
+        raise NonFiniteError(
+            f"{skipped}. Training stopped without writing a checkpoint, so the last complete one is kept: {REMEDY}")

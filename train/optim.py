@@ -42,16 +42,12 @@ def param_groups(module: nn.Module, weight_decay: float) -> tuple[list[dict], di
     return [g for g in groups if g["params"]], summary
 
 
-def build_optimizer(groups: list[dict], optim_cfg, on_cuda: bool) -> torch.optim.Optimizer:
+def build_optimizer(groups: list[dict], optim_cfg) -> torch.optim.Optimizer:
+    """The engine's optimizer over its flat tensors: PyTorch's fused AdamW (one kernel per group
+    that also unscales the gradients and skips a step flagged non-finite: train/engine.py), or LARS."""
     if optim_cfg.name == "lars":
         return LARS(groups, lr=0.0)
-    return build_adamw(groups, optim_cfg.betas, optim_cfg.fused, on_cuda)
-
-
-def build_adamw(groups: list[dict], betas: tuple[float, float], fused: str, on_cuda: bool) -> torch.optim.AdamW:
-    """PyTorch's fused AdamW on CUDA (the default fast path); foreach elsewhere."""
-    use_fused = on_cuda if fused == "auto" else fused == "yes"
-    return torch.optim.AdamW(groups, lr=0.0, betas=betas, fused=use_fused or None, foreach=None if use_fused else True)
+    return torch.optim.AdamW(groups, lr=0.0, betas=optim_cfg.betas, fused=True)
 
 
 def warmup_cosine(step: int, peak_lr: float, min_lr: float, warmup_steps: float, total_steps: int) -> float:
@@ -155,6 +151,8 @@ class LARS(torch.optim.Optimizer):
     For parameters with more than one dimension: g <- g + wd * w, then g <- g * trust * ||w|| / ||g||
     when both norms are positive; biases and norm parameters (1-D) take the plain momentum step.
     Then mu <- momentum * mu + g; w <- w - lr * mu.
+    Like the fused AdamW, it reads `grad_scale` (gradients are divided by it) and `found_inf` (1:
+    the step leaves weights and momentum as they were) when the engine sets them, without a host read.
     """
 
     def __init__(self, params, lr: float = 0.0, weight_decay: float = 0.0, momentum: float = 0.9,
@@ -162,14 +160,20 @@ class LARS(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
                                       trust_coefficient=trust_coefficient))
 
+    @staticmethod
+    def init_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The state of `p` before its first step (the engine makes it so a checkpoint can load into it)."""
+        return {"mu": torch.zeros_like(p)}
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad
+                g = p.grad if grad_scale is None else p.grad / grad_scale
                 if p.ndim > 1:
                     g = g.add(p, alpha=group["weight_decay"])
                     w_norm, g_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(g)
@@ -178,7 +182,13 @@ class LARS(torch.optim.Optimizer):
                     g = g.mul(ratio)
                 state = self.state[p]
                 if "mu" not in state:
-                    state["mu"] = torch.zeros_like(p)
-                mu = state["mu"].mul_(group["momentum"]).add_(g)
-                p.add_(mu, alpha=-group["lr"])
+                    state.update(self.init_state(p))
+                if found_inf is None:
+                    mu = state["mu"].mul_(group["momentum"]).add_(g)
+                    p.add_(mu, alpha=-group["lr"])
+                else:  # a skipped step keeps both
+                    mu = state["mu"] * group["momentum"] + g
+                    keep = found_inf > 0
+                    state["mu"].copy_(torch.where(keep, state["mu"], mu))
+                    p.copy_(torch.where(keep, p, p - group["lr"] * mu))
         return loss

@@ -5,6 +5,11 @@ Trainer); its builders are train/build.py.
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a script: our packages are at the repository root
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 if __name__ == "__main__":  # before the heavy imports below: a stop signal from now on waits for the loop;
     from train import early_signals  # Ctrl-C / kill outside Slurm before the loop ends it at once, no traceback
 

@@ -100,8 +100,8 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     per_epoch, total_steps, warmup_steps = schedule_steps(cfg, plan)
     run_dir = Path(cfg.output_dir)
     resume_from = checkpoint.find_resume(cfg.resume, run_dir)
-    if resume_from is not None and check_resume(resume_from, cfg, plan):
-        ds_config["checkpoint"] = {"load_universal": True}  # partitioned optimizer state, re-laid out
+    if resume_from is not None:
+        check_resume(resume_from, cfg, plan)
     # options that do not break the resume (e.g. the lr) may change: said at start, kept in resumes.jsonl
     changes = resume_changes(checkpoint.read_meta(resume_from)["config"], cfg) if resume_from is not None else {}
     try:
@@ -111,16 +111,13 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     return CheckedRun(ds_config, plan, per_epoch, total_steps, warmup_steps, run_dir, resume_from, changes)
 
 
-def check_resume(resume_from: Path, cfg: PretrainConfig, plan: BatchPlan) -> bool:
-    """The checkpoint is safe to load and fits this run; True when it must load as a universal
-    checkpoint (written by another world size with partitioned optimizer state)."""
-    try:  # DeepSpeed's loader unpickles without restriction: scan the files before anything starts
+def check_resume(resume_from: Path, cfg: PretrainConfig, plan: BatchPlan) -> None:
+    """The checkpoint is safe to load and fits this run (any world size, any ZeRO stage)."""
+    try:  # scan the files before anything starts
         checkpoint.verify_safe(resume_from)
     except ValueError as e:
         raise ConfigError(f"--resume: {e}") from None
-    meta = checkpoint.read_meta(resume_from)
-    check_resume_compatible(meta, cfg, plan)
-    return meta["world_size"] != plan.world and checkpoint.needs_universal(resume_from)
+    check_resume_compatible(checkpoint.read_meta(resume_from), cfg, plan)
 
 
 def seed_global_rngs(seed: int) -> None:
@@ -171,7 +168,7 @@ class Trainer:
         if self.rank == 0 and checked.resume_from is not None:
             record_resume(self.run_dir, self.state.step, checked.resume_from, checked.resume_changes)
         self.settings = loop_settings(cfg, checked)
-        self.ckpt_meta = {"zero_stage": self.engine.zero_optimization_stage(), "objective": cfg.objective,
+        self.ckpt_meta = {"zero_stage": self.engine.stage, "objective": cfg.objective,
                           "config": to_dict(cfg), "global_batch": plan.global_batch,
                           "encoder_timm_kwargs": self.encoder.timm_kwargs(), "model_name": cfg.model.name}
         self.last_saved: Path | None = None  # the newest checkpoint tag this run wrote

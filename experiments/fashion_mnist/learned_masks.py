@@ -13,6 +13,11 @@ objective's extra state of mp_rank_00_model_states.pt; run_checkpoints.py).
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a script: our packages are at the repository root
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
 import argparse
 import json
 from pathlib import Path

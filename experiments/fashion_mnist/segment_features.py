@@ -20,6 +20,11 @@ only restrict which of its own keys each query sees.
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a script: our packages are at the repository root
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
 import argparse
 import json
 from collections.abc import Iterator

@@ -37,6 +37,11 @@ head, scored on the test split). A GPU runs the same commands unchanged.
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a script: our packages are at the repository root
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
 import argparse
 import json
 import os

@@ -1,0 +1,232 @@
+"""Kernel launches, collectives and host-device syncs per training step and phase, through the real
+engine and loop, beside the plain-PyTorch MAE loop (tools/mae_baseline.py) at the same shapes;
+optionally the host time per step of both (train/counting.py says what is counted and how).
+
+    python -m tools.census --ds_config FILE [--config PRESET] [--key value ...] [census options]
+
+Census options (the rest are train/pretrain.py options; data.source defaults to synthetic here):
+    --steps N (4)             optimizer steps run: the first warms up, the last logs, those between are reported
+    --width W (0)             encoder (and decoder, where the objective has one) width W at the model's depth
+                              and heads: the same tensors and ops at negligible compute (0 = the model's own)
+    --baseline KIND (fused)   the baseline's AdamW: fused | foreach (torch's CUDA default) | none
+    --host_time R (0)         then R rounds of 10 steps of ours and 10 of the baseline, alternating, nothing
+                              counted: the median milliseconds per step of each (on CPU with one thread)
+    --json FILE               where the record goes (default benchmarks/results/census_<objective>_<model>_<time>.json)
+
+The record holds device, versions, commit, the final ds_config, shapes, and per phase of a
+reported step: launches, comm, syncs (the worst reported step), the ops behind the launches,
+and every sync with the line that made it.
+"""
+from __future__ import annotations
+
+if __name__ == "__main__" and not __package__:  # run as a script: our packages are at the repository root
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from train.cli import cli, pop_flags
+from train.config import ConfigError, PretrainConfig, encoder_img_size, help_text, parse_args, section, to_dict
+from train.counting import PHASES, Tally, counting
+
+CENSUS_FLAGS = {"--steps": int, "--width": int, "--baseline": str, "--host_time": int, "--json": str}
+HOST_TIME_STEPS = 10
+
+
+def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
+    """(census options, run options with data.source synthetic unless given)."""
+    opts = {"steps": 4, "width": 0, "baseline": "fused", "host_time": 0, "json": ""}
+    found, rest = pop_flags(argv, CENSUS_FLAGS)
+    opts.update(found)
+    if opts["steps"] < 3:
+        raise ConfigError("--steps must be >= 3: a warm-up step, a reported step and a logging step")
+    if opts["baseline"] not in ("fused", "foreach", "none"):
+        raise ConfigError(f"--baseline takes fused, foreach or none, got {opts['baseline']!r}")
+    if not any(a.startswith("--data.source") for a in rest):
+        rest = ["--data.source", "synthetic", *rest]
+    return opts, rest
+
+
+def narrowed(cfg: PretrainConfig, width: int) -> tuple[PretrainConfig, dict]:
+    """(cfg with the objective's decoder at `width`, encoder overrides with embed_dim `width`)."""
+    if not width:
+        return cfg, {}
+    sec = section(cfg)
+    if any(f.name == "decoder_dim" for f in dataclasses.fields(sec)):
+        cfg = dataclasses.replace(cfg, **{cfg.objective: dataclasses.replace(sec, decoder_dim=width)})
+    return cfg, {"embed_dim": width}
+
+
+@dataclasses.dataclass
+class Subject:
+    """One training loop to count: `run(phase, n)` runs n optimizer steps with the phase marker."""
+    name: str
+    run: object
+    accum: int
+
+
+def our_subject(cfg: PretrainConfig, arch: dict, steps: int) -> tuple[Subject, dict]:
+    """The real engine and loop (train/build.py, train/loop.py), one optimizer step per call; and
+    what the record says of the run (ds_config, batch, dtype, device)."""
+    from train import distributed
+    from train.build import build_engine, compute_dtype, peak_lr, schedule_steps, training_source
+    from train.ds_config import resolve
+    from train.loop import LoopSettings, LoopState, run
+
+    ds_config, plan = resolve(cfg, distributed.world_size_from_env())
+    rank, world, device = distributed.init()
+    _, total, warmup = schedule_steps(cfg, plan)
+    engine, objective, _ = build_engine(cfg, ds_config, device, peak_lr(cfg, plan), warmup, total, arch)
+    dtype = compute_dtype(engine)
+    data = training_source(cfg, objective.encoder.img_size, plan, rank, world, device)
+    state = LoopState()
+
+    def steps(phase, n: int) -> None:  # one log window: the loop logs (reads its window) at the n-th step only
+        settings = LoopSettings(state.step + n, 10**12, 10**12, plan.global_batch)
+        run(engine, data, settings, state, device, dtype, lambda s, m: None, lambda s: None, phase=phase)
+
+    run_info = {"ds_config": ds_config, "batch": dataclasses.asdict(plan) | {"global": plan.global_batch},
+                "dtype": str(dtype).removeprefix("torch."), "device": str(device), "world_size": world,
+                "zero_stage": engine.stage, "tensors": sum(1 for p in objective.parameters()
+                                                                                if p.requires_grad)}
+    return Subject("ours", steps, plan.accum), run_info
+
+
+def baseline_subject(cfg: PretrainConfig, arch: dict, micro: int, dtype: torch.dtype, device: torch.device,
+                     fused: bool) -> Subject:
+    """tools/mae_baseline.py with our model's shapes, MAE settings, micro-batch and synthetic data."""
+    from data.synthetic import SyntheticImages
+    from model.registry import model_arch
+    from tools.mae_baseline import BaselineMAE, BaselineStep
+
+    a = model_arch(cfg.model.name, **arch)
+    img = encoder_img_size(cfg)
+    mae = cfg.mae
+    width = arch.get("embed_dim")
+    torch.manual_seed(0)
+    model = BaselineMAE(img, a["patch_size"], cfg.model.in_chans, a["embed_dim"], a["depth"], a["num_heads"],
+                        width or mae.decoder_dim, mae.decoder_depth, mae.decoder_heads, mae.mask_ratio,
+                        mae.norm_pix_loss).to(device)
+    data = SyntheticImages(micro, img, cfg.model.in_chans, 10, cfg.seed, 0, device)
+    base = BaselineStep(model, data, dtype, device, fused=fused or None)
+
+    def steps(phase, n: int) -> None:
+        for _ in range(n):
+            base(phase)
+
+    return Subject(f"baseline ({'fused' if fused else 'foreach'} AdamW)", steps, 1)
+
+
+def count(subject: Subject, steps: int) -> dict:
+    """Run `steps` optimizer steps counting everything: the worst of the steps between the first
+    (warm-up) and the last (the loop's log step), the log step's extra, the ops and the syncs."""
+    tally = Tally()
+    tally.accum = subject.accum
+    with counting(tally) as syncs:
+        subject.run(tally, steps)
+    reported = range(2, steps)
+    per_step = {s: tally.per_step(s) for s in reported}
+    worst = max(reported, key=lambda s: (per_step[s]["total"]["launches"], per_step[s]["total"]["syncs"]))
+    return {"per_phase": per_step[worst], "step": worst,
+            "steps": {s: per_step[s]["total"] for s in reported},
+            "top_ops": {p: tally.top_ops(worst, p) for p in PHASES},
+            "syncs": [dataclasses.asdict(r) for r in syncs.records if r.step in reported],
+            "log_step_syncs": [dataclasses.asdict(r) for r in syncs.records if r.step == steps]}
+
+
+def host_time(subjects: list[Subject], rounds: int) -> dict[str, float]:
+    """Median ms per step of each subject over `rounds` alternating rounds of HOST_TIME_STEPS steps."""
+    from train.loop import no_phases
+
+    times: dict[str, list[float]] = {s.name: [] for s in subjects}
+    threads = torch.get_num_threads()
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)  # narrow widths: a second thread only contends
+    try:
+        for _ in range(rounds):
+            for s in subjects:
+                start = time.perf_counter()
+                s.run(no_phases, HOST_TIME_STEPS)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                times[s.name].append((time.perf_counter() - start) / HOST_TIME_STEPS * 1e3)
+    finally:
+        torch.set_num_threads(threads)
+    return {name: statistics.median(t) for name, t in times.items()} | {"rounds": rounds}
+
+
+def census(argv: list[str]) -> dict:
+    """The record of one census (see the module docstring)."""
+    from train.bench import cpu_name, versions
+    from train.run_dir import git_commit
+
+    opts, rest = split_argv(argv)
+    cfg = parse_args([*rest, "--run.tensorboard", "false", "--run.progress", "false", "--run.export", "false"])
+    cfg, arch = narrowed(cfg, opts["width"])
+    ours, run_info = our_subject(cfg, arch, opts["steps"])
+    device = torch.device(run_info["device"])
+    subjects = [ours]
+    if opts["baseline"] != "none":
+        dtype = getattr(torch, run_info["dtype"])
+        subjects.append(baseline_subject(cfg, arch, run_info["batch"]["micro"], dtype, device,
+                                         opts["baseline"] == "fused"))
+    record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_commit(),
+              "versions": versions(), "machine": torch.cuda.get_device_name() if device.type == "cuda" else cpu_name(),
+              "threads": torch.get_num_threads(), "argv": rest, "census": opts, "objective": cfg.objective,
+              "model": cfg.model.name, "img_size": encoder_img_size(cfg), "arch_overrides": arch, **run_info,
+              "counts": {s.name: count(s, opts["steps"]) for s in subjects}}
+    if opts["host_time"]:
+        record["host_time_ms"] = host_time(subjects, opts["host_time"])
+    return record
+
+
+def table(record: dict) -> str:
+    """The per-phase counts of every subject, one row per phase."""
+    names = list(record["counts"])
+    head = "phase".ljust(10) + "".join(f"{n[:34]:>36}" for n in names)
+    lines = [f"{record['objective']} {record['model']} {record['img_size']} px, micro-batch "
+             f"{record['batch']['micro']} x {record['batch']['accum']}, {record['dtype']}, ZeRO "
+             f"{record['zero_stage']}, {record['world_size']} rank(s), {record['tensors']} trained tensors",
+             "launches / comm / syncs per optimizer step", head]
+    for phase in (*PHASES, "total"):
+        row = phase.ljust(10)
+        for n in names:
+            c = record["counts"][n]["per_phase"][phase]
+            row += f"{c['launches']:>24} / {c['comm']:>3} / {c['syncs']:>3}"
+        lines.append(row)
+    if "host_time_ms" in record:
+        lines.append("host time per step (median ms): " + ", ".join(
+            f"{n}: {v:.1f}" for n, v in record["host_time_ms"].items() if n != "rounds"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    argv = sys.argv[1:] if argv is None else argv
+    asked, _ = pop_flags(argv, {"--help": None, "-h": None})
+    if asked:
+        print(__doc__ + "\n" + help_text())
+        raise SystemExit(0)
+    record = census(argv)
+    print(table(record))
+    from train.run_dir import REPO
+
+    out = Path(record["census"]["json"]) if record["census"]["json"] else (
+        REPO / "benchmarks" / "results" /
+        f"census_{record['objective']}_{record['model']}_{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1, default=str))
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    cli(main)

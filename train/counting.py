@@ -1,0 +1,230 @@
+"""Counting what makes a training step slow on a GPU, on any device: kernel launches and
+collectives (a TorchDispatchMode) and host-device syncs (patched calls), each attributed to the
+phase of the step it happened in (tools/census.py reports them).
+
+  launches  every aten op that runs a device kernel: views, aliases, allocations and metadata
+            changes are not kernels (NOT_KERNELS); a foreach or fused multi-tensor op counts once
+            (on CUDA it launches one kernel per chunk of tensors)
+  comm      collectives (c10d ops)
+  syncs     calls that make the host wait for the device (SYNC_CALLS), wherever they are made: on
+            CPU nothing waits, so each call is counted where it would wait on CUDA
+Phases: data, forward, backward, step (the optimizer step), hook (the objective's after-step hook), loop
+(the rest), marked by the loops through `Tally` as their phase marker.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections import Counter, defaultdict
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from unittest import mock
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+PHASES = ("data", "forward", "backward", "step", "hook", "loop")
+aten = torch.ops.aten
+# Ops that change metadata or allocate without running a kernel (views are recognised by their schema)
+NOT_KERNELS = {
+    aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.new_empty.default,
+    aten.new_empty_strided.default, aten.resize_.default, aten._unsafe_view.default, aten.lift_fresh.default,
+    aten.detach_.default, aten.set_.source_Storage, aten.set_.source_Storage_storage_offset,
+    aten.set_.source_Tensor, aten.set_.default, aten.as_strided_.default, aten.squeeze_.default,
+    aten.squeeze_.dim, aten.unsqueeze_.default, aten.t_.default, aten.transpose_.default,
+    aten._local_scalar_dense.default,  # .item(): a device-to-host read, counted as a sync
+    aten.is_same_size.default, aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
+}
+COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+
+
+def _is_kernel(func) -> bool:
+    if func.namespace == "profiler" or func in NOT_KERNELS:
+        return False
+    return not func.is_view
+
+
+class Tally:
+    """Counts by (step, phase): launches, comm, syncs, and the ops behind the launches."""
+
+    def __init__(self):
+        self.phase = "loop"
+        self.step = 0  # optimizer steps begun
+        self.micro = 0  # data phases begun in this step
+        self.accum = 1
+        self.counts: dict[tuple[int, str], Counter] = defaultdict(Counter)
+        self.ops: dict[tuple[int, str], Counter] = defaultdict(Counter)
+        self.syncs: list[tuple[int, str, str, str]] = []  # (step, phase, call, where)
+
+    @contextmanager
+    def __call__(self, name: str):
+        """The phase marker the loops take (train/loop.py, tools/mae_baseline.py)."""
+        if name == "data":
+            if self.micro % self.accum == 0:
+                self.step += 1
+                self.micro = 0
+            self.micro += 1
+        outer, self.phase = self.phase, name
+        try:
+            yield
+        finally:
+            self.phase = outer
+
+    def add(self, kind: str, op: str = "") -> None:
+        self.counts[self.step, self.phase][kind] += 1
+        if op:
+            self.ops[self.step, self.phase][op] += 1
+
+    def per_step(self, step: int) -> dict[str, dict[str, int]]:
+        """{phase: {"launches", "comm", "syncs"}} and "total" for one step."""
+        out = {p: {k: self.counts[step, p][k] for k in ("launches", "comm", "syncs")} for p in PHASES}
+        out["total"] = {k: sum(out[p][k] for p in PHASES) for k in ("launches", "comm", "syncs")}
+        return out
+
+    def top_ops(self, step: int, phase: str, n: int = 8) -> list[tuple[str, int]]:
+        return self.ops[step, phase].most_common(n)
+
+
+class LaunchCounter(TorchDispatchMode):
+    def __init__(self, tally: Tally):
+        super().__init__()
+        self.tally = tally
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in COMM_NAMESPACES:
+            self.tally.add("comm", func.name())
+        elif _is_kernel(func):
+            self.tally.add("launches", func.name())
+        return func(*args, **(kwargs or {}))
+
+
+# --- host-device syncs -------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parent.parent
+OURS = tuple(REPO / d for d in ("train", "model", "data", "kernels", "tools"))
+
+
+@functools.lru_cache(maxsize=None)
+def _where(filename: str) -> str | None:
+    """A frame's file as shown: ours relative to the repository, a library's from its package; None
+    for torch's own files (skipped to the frame that called torch)."""
+    path = Path(filename).resolve()
+    if any(path.is_relative_to(d) for d in OURS):
+        return str(path.relative_to(REPO))
+    parts = path.parts
+    if "site-packages" in parts:
+        rel = parts[parts.index("site-packages") + 1:]
+        return None if rel[0] == "torch" else "/".join(rel)
+    return None if "torch" in parts else path.name
+
+
+def _bool_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+# Tensor methods / torch functions that read a device value on the host or need a data-dependent
+# shape (the host waits for the device), with the test that makes a call one (None: always).
+SYNC_METHODS = {name: None for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu",
+                                        "numpy", "__array__", "nonzero", "argwhere", "masked_select", "unique")}
+SYNC_METHODS["__getitem__"] = lambda self, index: _bool_index(index)
+SYNC_METHODS["__setitem__"] = lambda self, index, value: _bool_index(index)
+SYNC_METHODS["repeat_interleave"] = lambda self, repeats, *a, **k: (isinstance(repeats, torch.Tensor)
+                                                                    and k.get("output_size") is None)
+SYNC_FUNCTIONS = {name: None for name in ("nonzero", "argwhere", "masked_select", "unique")}
+SYNC_FUNCTIONS["where"] = lambda *args, **kwargs: len(args) + len(kwargs) == 1
+SYNC_FUNCTIONS["repeat_interleave"] = lambda x, repeats=None, *a, **k: (isinstance(repeats, torch.Tensor)
+                                                                        and k.get("output_size") is None)
+SYNC_CALLS = (*(f"Tensor.{m}" for m in SYNC_METHODS), *(f"torch.{f}" for f in SYNC_FUNCTIONS),
+              "torch.cuda.synchronize", "Stream.synchronize", "Event.synchronize", "accelerator.synchronize",
+              "dist.barrier")
+# torch.optim's read of a host-side `step` tensor (AdamW without fused / capturable): host memory on CUDA too
+_HOST_SCALAR_READ = None
+
+
+def _host_scalar_read():
+    global _HOST_SCALAR_READ
+    if _HOST_SCALAR_READ is None:
+        from torch.optim.optimizer import _get_value
+        _HOST_SCALAR_READ = _get_value.__code__
+    return _HOST_SCALAR_READ
+
+
+@dataclass
+class SyncRecord:
+    what: str  # the call
+    where: str  # file:line (function) of the innermost frame outside torch
+    phase: str
+    step: int
+
+
+@dataclass
+class SyncCounter:
+    """Every sync call made while `counting_syncs` is active, with where it was made."""
+    tally: Tally | None = None
+    records: list[SyncRecord] = field(default_factory=list)
+
+    def __post_init__(self):
+        self._inside = threading.local()
+
+    def record(self, what: str) -> None:
+        frame = sys._getframe(2)  # the caller of the patched function
+        if frame.f_code is _host_scalar_read():
+            return
+        where = "?"
+        while frame is not None:
+            shown = _where(frame.f_code.co_filename)
+            if shown is not None:
+                where = f"{shown}:{frame.f_lineno} ({frame.f_code.co_name})"
+                break
+            frame = frame.f_back
+        phase, step = (self.tally.phase, self.tally.step) if self.tally else ("", 0)
+        self.records.append(SyncRecord(what, where, phase, step))
+        if self.tally is not None:
+            self.tally.add("syncs")
+
+    def wrap(self, what: str, fn, counts=None):
+        """`fn`, counted when called from outside another counted call and `counts(*args)` (if
+        given) says its arguments make it a sync."""
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            if getattr(self._inside, "on", False):
+                return fn(*args, **kwargs)
+            if counts is None or counts(*args, **kwargs):
+                self.record(what)
+            self._inside.on = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._inside.on = False
+        return counted
+
+
+@contextmanager
+def counting_syncs(tally: Tally | None = None):
+    """Patch every call of SYNC_CALLS with a counter (yielded)."""
+    counter = SyncCounter(tally)
+    patches = [(torch.Tensor, name, f"Tensor.{name}", counts) for name, counts in SYNC_METHODS.items()]
+    patches += [(torch, name, f"torch.{name}", counts) for name, counts in SYNC_FUNCTIONS.items()]
+    patches += [(torch.cuda, "synchronize", "torch.cuda.synchronize", None),
+                (torch.cuda.Stream, "synchronize", "Stream.synchronize", None),
+                (torch.cuda.Event, "synchronize", "Event.synchronize", None),
+                (torch.distributed, "barrier", "dist.barrier", None)]
+    try:  # DeepSpeed's accelerator, where it is installed and imported
+        import deepspeed
+
+        patches.append((type(deepspeed.get_accelerator()), "synchronize", "accelerator.synchronize", None))
+    except ImportError:
+        pass
+    with ExitStack() as stack:
+        for owner, name, label, counts in patches:
+            stack.enter_context(mock.patch.object(owner, name, counter.wrap(label, getattr(owner, name), counts)))
+        yield counter
+
+
+@contextmanager
+def counting(tally: Tally):
+    """Launches and syncs into `tally` while active."""
+    with counting_syncs(tally) as syncs, LaunchCounter(tally):
+        yield syncs
