@@ -41,6 +41,6 @@ def mixedae_run(tmp_path):
             with torch.no_grad():
                 for p in obj.encoder.parameters():
                     p.add_(torch.randn_like(p))
-        torch.save({"module": obj.state_dict()}, tag / "mp_rank_00_model_states.pt")
+        torch.save({"module": obj.state_dict()}, tag / "model.pt")
         (tag / "complete.json").write_text(json.dumps({"step": step, "zero_stage": 0, "pinned": step == 1}))
     return run, shards / "test.json"

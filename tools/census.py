@@ -9,6 +9,8 @@ Census options (the rest are train/pretrain.py options; data.source defaults to 
     --width W (0)             encoder (and decoder, where the objective has one) width W at the model's depth
                               and heads: the same tensors and ops at negligible compute (0 = the model's own)
     --baseline KIND (fused)   the baseline's AdamW: fused | foreach (torch's CUDA default) | none
+    --deepspeed               also DeepSpeed's own engine training our objective with the same ds_config
+                              (tools/deepspeed_step.py: the step before train/engine.py)
     --host_time R (0)         then R rounds of 10 steps of ours and 10 of the baseline, alternating, nothing
                               counted: the median milliseconds per step of each (on CPU with one thread)
     --json FILE               where the record goes (default benchmarks/results/census_<objective>_<model>_<time>.json)
@@ -38,13 +40,14 @@ from train.cli import cli, pop_flags
 from train.config import ConfigError, PretrainConfig, encoder_img_size, help_text, parse_args, section, to_dict
 from train.counting import PHASES, Tally, counting
 
-CENSUS_FLAGS = {"--steps": int, "--width": int, "--baseline": str, "--host_time": int, "--json": str}
+CENSUS_FLAGS = {"--steps": int, "--width": int, "--baseline": str, "--deepspeed": None, "--host_time": int,
+                "--json": str}
 HOST_TIME_STEPS = 10
 
 
 def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
     """(census options, run options with data.source synthetic unless given)."""
-    opts = {"steps": 4, "width": 0, "baseline": "fused", "host_time": 0, "json": ""}
+    opts = {"steps": 4, "width": 0, "baseline": "fused", "deepspeed": False, "host_time": 0, "json": ""}
     found, rest = pop_flags(argv, CENSUS_FLAGS)
     opts.update(found)
     if opts["steps"] < 3:
@@ -56,13 +59,14 @@ def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
     return opts, rest
 
 
-def narrowed(cfg: PretrainConfig, width: int) -> tuple[PretrainConfig, dict]:
-    """(cfg with the objective's decoder at `width`, encoder overrides with embed_dim `width`)."""
+def narrowed(argv: list[str], width: int) -> tuple[PretrainConfig, dict]:
+    """(the config of `argv`, with the objective's decoder at `width` where it has one; encoder
+    overrides with embed_dim `width`); `width` 0 changes nothing."""
+    cfg = parse_args(argv)
     if not width:
         return cfg, {}
-    sec = section(cfg)
-    if any(f.name == "decoder_dim" for f in dataclasses.fields(sec)):
-        cfg = dataclasses.replace(cfg, **{cfg.objective: dataclasses.replace(sec, decoder_dim=width)})
+    if any(f.name == "decoder_dim" for f in dataclasses.fields(section(cfg))):
+        cfg = parse_args([*argv, f"--{cfg.objective}.decoder_dim", str(width)])
     return cfg, {"embed_dim": width}
 
 
@@ -95,9 +99,10 @@ def our_subject(cfg: PretrainConfig, arch: dict, steps: int) -> tuple[Subject, d
         run(engine, data, settings, state, device, dtype, lambda s, m: None, lambda s: None, phase=phase)
 
     run_info = {"ds_config": ds_config, "batch": dataclasses.asdict(plan) | {"global": plan.global_batch},
+                "peak_lr": peak_lr(cfg, plan),
                 "dtype": str(dtype).removeprefix("torch."), "device": str(device), "world_size": world,
-                "zero_stage": engine.stage, "tensors": sum(1 for p in objective.parameters()
-                                                                                if p.requires_grad)}
+                "zero_stage": engine.stage, "tensors": sum(1 for p in objective.parameters() if p.requires_grad),
+                "optimizer_groups": len(engine.optimizer.param_groups)}
     return Subject("ours", steps, plan.accum), run_info
 
 
@@ -124,6 +129,24 @@ def baseline_subject(cfg: PretrainConfig, arch: dict, micro: int, dtype: torch.d
             base(phase)
 
     return Subject(f"baseline ({'fused' if fused else 'foreach'} AdamW)", steps, 1)
+
+
+def deepspeed_subject(cfg: PretrainConfig, arch: dict, run_info: dict, device: torch.device) -> Subject:
+    """DeepSpeed's engine on our objective (tools/deepspeed_step.py), the same ds_config and data."""
+    from tools.deepspeed_step import DeepSpeedStep
+    from train.build import training_source
+    from train.ds_config import BatchPlan
+
+    plan = BatchPlan(**{k: run_info["batch"][k] for k in ("micro", "accum", "world")})
+    rank = torch.distributed.get_rank()
+    data = training_source(cfg, encoder_img_size(cfg), plan, rank, plan.world, device)
+    step = DeepSpeedStep(cfg, run_info["ds_config"], data, device, run_info["peak_lr"], arch)
+
+    def steps(phase, n: int) -> None:
+        for _ in range(n):
+            step(phase)
+
+    return Subject("DeepSpeed's engine", steps, step.accum)
 
 
 def count(subject: Subject, steps: int) -> dict:
@@ -170,8 +193,8 @@ def census(argv: list[str]) -> dict:
     from train.run_dir import git_commit
 
     opts, rest = split_argv(argv)
-    cfg = parse_args([*rest, "--run.tensorboard", "false", "--run.progress", "false", "--run.export", "false"])
-    cfg, arch = narrowed(cfg, opts["width"])
+    cfg, arch = narrowed([*rest, "--run.tensorboard", "false", "--run.progress", "false", "--run.export", "false"],
+                         opts["width"])
     ours, run_info = our_subject(cfg, arch, opts["steps"])
     device = torch.device(run_info["device"])
     subjects = [ours]
@@ -179,6 +202,8 @@ def census(argv: list[str]) -> dict:
         dtype = getattr(torch, run_info["dtype"])
         subjects.append(baseline_subject(cfg, arch, run_info["batch"]["micro"], dtype, device,
                                          opts["baseline"] == "fused"))
+    if opts["deepspeed"]:
+        subjects.append(deepspeed_subject(cfg, arch, run_info, device))
     record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_commit(),
               "versions": versions(), "machine": torch.cuda.get_device_name() if device.type == "cuda" else cpu_name(),
               "threads": torch.get_num_threads(), "argv": rest, "census": opts, "objective": cfg.objective,

@@ -5,8 +5,9 @@ meaning), written as tensor arithmetic so that the step never waits for the devi
   - an overflow (non-finite gradients) uses up one unit of hysteresis; with none left the
     scale halves (not below min_loss_scale); an overflow at the minimum with no hysteresis
     left is a collapse, which the loop reports at its next read (train/nonfinite.py);
-  - `loss_scale_window` overflow-free steps in a row double the scale and restore the
-    hysteresis (every overflow-free step restores it with consecutive_hysteresis);
+  - an overflow-free step that follows k x `loss_scale_window` overflow-free steps (k >= 1)
+    doubles the scale and restores the hysteresis (every overflow-free step restores it with
+    consecutive_hysteresis);
   - `loss_scale` > 0 is a static scale that never changes.
 torch's GradScaler (`torch._amp_update_scale_`) has no hysteresis and no minimum, hence this.
 """
@@ -22,7 +23,7 @@ class LossScaleConfig:
     """A ds_config `fp16` section's scaler settings (DeepSpeed's defaults)."""
     loss_scale: float = 0.0  # 0 = dynamic; > 0 = this static scale
     initial_scale_power: int = 16  # dynamic: start at 2**power
-    loss_scale_window: int = 1000  # overflow-free steps before the scale doubles
+    loss_scale_window: int = 1000  # overflow-free steps after which the next one doubles the scale
     hysteresis: int = 2  # overflows tolerated before the scale halves
     consecutive_hysteresis: bool = False  # every overflow-free step restores the hysteresis
     min_loss_scale: float = 1.0
@@ -57,7 +58,8 @@ class DeviceLossScale:
         self.collapsed.copy_(torch.maximum(self.collapsed, shrink * (self.scale <= cfg.min_loss_scale)))
         halved = torch.clamp_min(self.scale / 2, cfg.min_loss_scale)
         self.good_steps.copy_((self.good_steps + 1) * ok)
-        grow = ok * (torch.remainder(self.good_steps, cfg.loss_scale_window) == 0)
+        stable = self.good_steps - 1  # DeepSpeed's "stable interval": the overflow-free steps before this one
+        grow = ok * (stable > 0) * (torch.remainder(stable, cfg.loss_scale_window) == 0)
         self.scale.copy_(torch.where(shrink > 0, halved, torch.where(grow > 0, self.scale * 2, self.scale)))
         restore = ok if cfg.consecutive_hysteresis else grow
         self.hysteresis_left.copy_(torch.where(restore > 0, float(cfg.hysteresis),

@@ -3,8 +3,8 @@ tags, for the tools that probe what a run learned (learned_masks.py: MLO-MAE's m
 homologous_attention.py: MixedAE's TopK attention; segment_features.py: MixedAE's frozen
 features), and the test images they probe it on.
 
-Reads ZeRO-0/1/2 checkpoints: mp_rank_00_model_states.pt holds the whole module (parameters and
-any objective state kept outside them, e.g. MLO-MAE's T)."""
+Reads a tag's model.pt: the whole module (fp32 weights and any objective state kept outside
+them, e.g. MLO-MAE's T), whatever the ZeRO stage that wrote it."""
 from __future__ import annotations
 
 import argparse
@@ -32,9 +32,7 @@ def build_run_objective(run: Path, objective: str) -> Objective:
 
 def load_tag(obj: Objective, tag_dir: Path) -> Objective:
     """`obj` with the weights (and extra state) of one checkpoint tag of its run, in eval mode."""
-    if read_meta(tag_dir)["zero_stage"] == 3:
-        raise ValueError(f"{tag_dir} is a ZeRO-3 checkpoint (parameters sharded): export it first (train/export.py)")
-    state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)["module"]
+    state = torch.load(tag_dir / "model.pt", map_location="cpu", weights_only=True)["module"]
     missing, unexpected = obj.load_state_dict(state, strict=False)
     if unexpected or any(not k.startswith("decoder.") for k in missing):  # a decoder-less file is still read
         raise ValueError(f"{tag_dir} does not match the run's config: missing {missing[:5]}, unexpected "

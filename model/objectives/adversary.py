@@ -31,36 +31,6 @@ UPDATES = ("steepest", "sign", "normalised", "adam")
 ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-8  # AdPE's official adversary optimizer (its main optimizer's betas)
 
 
-# Tensor arithmetic only (no data-dependent Python branches), so a step never waits on the device.
-
-def project_(a: torch.Tensor, norm: str, eps: float) -> torch.Tensor:
-    """In place: onto the l_inf box or the l_2 ball of radius eps."""
-    if norm == "linf":
-        return a.clamp_(-eps, eps)
-    return a.mul_((eps / a.norm().clamp_min(1e-12)).clamp(max=1.0))
-
-
-def ascent_step_(a: torch.Tensor, grad: torch.Tensor, norm: str, step: float) -> torch.Tensor:
-    """In place: one steepest-ascent step of size `step` for the given norm (a zero gradient: no move)."""
-    if norm == "linf":
-        return a.add_(step * grad.sign())
-    return a.add_(grad * (step / grad.norm().clamp_min(1e-30)))
-
-
-def adam_ascent_step_(a: torch.Tensor, grad: torch.Tensor, state: dict, step: float) -> torch.Tensor:
-    """In place: one Adam step up the gradient (Adam on -L with lr `step`); state holds
-    exp_avg, exp_avg_sq (shape of a) and step count t (0-dim), created on the first call."""
-    if not state:
-        state.update(exp_avg=torch.zeros_like(a), exp_avg_sq=torch.zeros_like(a), t=torch.zeros((), device=a.device))
-    b1, b2 = ADAM_BETAS
-    state["t"].add_(1)
-    state["exp_avg"].mul_(b1).add_(grad, alpha=1 - b1)
-    state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
-    m_hat = state["exp_avg"] / (1 - b1 ** state["t"])
-    v_hat = state["exp_avg_sq"] / (1 - b2 ** state["t"])
-    return a.add_(step * m_hat / (v_hat.sqrt() + ADAM_EPS))
-
-
 class Adversaries:
     """Named fp32 perturbation tensors with projected ascent updates; owned by an objective (not an nn.Module)."""
 
@@ -86,29 +56,68 @@ class Adversaries:
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
+        """One projected ascent step of every perturbation, on one flat vector of them all (a few
+        kernels, whatever their number); a step whose gradients are not all finite (an fp16
+        overflow, a skipped optimizer step) moves nothing."""
         if not self.tensors:
             return
-        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in self.tensors.values()]
-        if dist.is_available() and dist.is_initialized():  # same update on every rank: the mean gradient
-            flat = torch.cat([g.flatten() for g in grads])
-            dist.all_reduce(flat)
-            flat /= dist.get_world_size()
-            grads = list(flat.split([g.numel() for g in grads]))
-        for name, t, g in zip(self.tensors, self.tensors.values(), grads):
-            g = g.view_as(t)
-            finite = torch.isfinite(g).all()  # an fp16 overflow step is skipped by the optimizer too
-            g = torch.nan_to_num(g)
+        leaves = list(self.tensors.values())
+        sizes = [t.numel() for t in leaves]
+        grad = torch.cat([(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1) for t in leaves])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(grad)  # same update on every rank: the mean gradient (a sum: sign and
+            # normalised steps ignore the scale, Adam nearly so; divided below for Adam's moments)
             if self.update == "adam":
-                state = self.adam[name]
-                before = {k: v.clone() for k, v in state.items()}
-                moved = adam_ascent_step_(t.detach().clone(), g, state, lr * self.scale)
-                for k, v in state.items():  # an overflow step leaves the moments as they were
-                    v.copy_(torch.where(finite, v, before[k] if k in before else torch.zeros_like(v)))
-            else:
-                moved = ascent_step_(t.detach().clone(), g, "linf" if self.update == "sign" else "l2",
-                                     lr * self.scale)
-            t.copy_(torch.where(finite, project_(moved, self.norm, self.eps), t))
+                grad /= dist.get_world_size()
+        finite = torch.isfinite(grad.sum())  # NaN / inf anywhere makes the sum so
+        grad = torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
+        flat = torch.cat([t.detach().reshape(-1) for t in leaves])
+        step = lr * self.scale
+        if self.update == "adam":
+            moved = self._adam_flat(flat, grad, sizes, finite, step)
+        elif self.update == "sign":
+            moved = flat + step * grad.sign()
+        else:  # normalised: each tensor's own gradient norm
+            norms = torch.stack(torch._foreach_norm(list(grad.split(sizes)))).clamp_min(1e-30)
+            moved = flat + grad * (step / norms).repeat_interleave(torch.tensor(sizes, device=grad.device),
+                                                                     output_size=grad.numel())
+        moved = self._project_flat(moved, sizes)
+        new = torch.where(finite, moved, flat).split(sizes)
+        torch._foreach_copy_([t.detach() for t in leaves], [n.view_as(t) for n, t in zip(new, leaves)])
+        for t in leaves:
             t.grad = None
+
+    def _project_flat(self, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Each tensor's part onto its l_inf box or l_2 ball of radius eps."""
+        if self.norm == "linf":
+            return flat.clamp(-self.eps, self.eps)
+        norms = torch.stack(torch._foreach_norm(list(flat.split(sizes)))).clamp_min(1e-12)
+        factor = (self.eps / norms).clamp(max=1.0)
+        return flat * factor.repeat_interleave(torch.tensor(sizes, device=flat.device), output_size=flat.numel())
+
+    def _adam_flat(self, flat: torch.Tensor, grad: torch.Tensor, sizes: list[int], finite: torch.Tensor,
+                   step: float) -> torch.Tensor:
+        """Adam up the gradient over the flat vector; the per-tensor moments (kept by name, as
+        checkpoints hold them) advance only on a finite step."""
+        names = list(self.tensors)
+        if not self.adam[names[0]]:
+            for name, t in self.tensors.items():
+                self.adam[name] = {"exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t),
+                                   "t": torch.zeros((), device=t.device)}
+        b1, b2 = ADAM_BETAS
+        m = torch.cat([self.adam[n]["exp_avg"].reshape(-1) for n in names])
+        v = torch.cat([self.adam[n]["exp_avg_sq"].reshape(-1) for n in names])
+        t = self.adam[names[0]]["t"] + 1  # every tensor has taken the same steps
+        m_new, v_new = m * b1 + grad * (1 - b1), v * b2 + grad * grad * (1 - b2)
+        moved = flat + step * (m_new / (1 - b1 ** t)) / ((v_new / (1 - b2 ** t)).sqrt() + ADAM_EPS)
+        m, v = torch.where(finite, m_new, m).split(sizes), torch.where(finite, v_new, v).split(sizes)
+        t_kept = torch.where(finite, t, t - 1)
+        for name, mi, vi in zip(names, m, v):
+            state = self.adam[name]
+            state["exp_avg"].copy_(mi.view_as(state["exp_avg"]))
+            state["exp_avg_sq"].copy_(vi.view_as(state["exp_avg_sq"]))
+            state["t"].copy_(t_kept)
+        return moved
 
     def norms(self) -> dict[str, torch.Tensor]:
         """0-dim tensors to log: each perturbation's norm in the constraint's norm."""
@@ -146,8 +155,11 @@ class RPEPerturbation:
     use (embedding mode; one shared vector for all rows would shift each query's logits by a
     constant, which the softmax ignores)."""
 
-    def __init__(self, masked: torch.Tensor, delta: torch.Tensor | None = None, embed: torch.Tensor | None = None):
-        self.masked, self.delta, self.embed = masked, delta, embed
+    def __init__(self, masked: torch.Tensor, delta: torch.Tensor | None = None, embed: torch.Tensor | None = None,
+                 corners: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """`corners`: bilinear_corners(rpe.rel + delta) made beforehand (for every block at once:
+        `coordinate_corners`), which `delta` would otherwise give at every call."""
+        self.masked, self.delta, self.embed, self.corners = masked, delta, embed, corners
 
     def __call__(self, rpe: ContextualRPE, q: torch.Tensor, qr: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """q (B, H, T, d), qr (B, H, T, buckets) scaled per-bucket scores, bias (B, H, T, T) -> perturbed bias."""
@@ -155,9 +167,9 @@ class RPEPerturbation:
         scale = d**-0.5
         c = rpe.num_cls
         rows = self.masked[:, None, :, None]  # (B, 1, N, 1): perturbed query rows
-        if self.delta is not None:
+        if self.delta is not None or self.corners is not None:
             N = T - c
-            corners, weights = bilinear_corners(rpe.rel + self.delta.to(rpe.rel.dtype), **rpe.index_args)
+            corners, weights = self.corners or bilinear_corners(rpe.rel + self.delta.to(rpe.rel.dtype), **rpe.index_args)
             patch_qr = qr[:, :, c:]  # (B, H, N, buckets)
             picked = patch_qr.gather(-1, corners.reshape(1, 1, N, N * 4).expand(B, H, N, N * 4))
             continuous = (picked.reshape(B, H, N, N, 4) * weights.to(q.dtype)).sum(-1)  # (B, H, N, N)
@@ -170,3 +182,10 @@ class RPEPerturbation:
             shift = torch.where(rows, extra, torch.zeros_like(extra))
             bias = bias + torch.cat([torch.zeros_like(bias[:, :, :c]), shift], dim=2)
         return bias
+
+
+def coordinate_corners(rpe: ContextualRPE, deltas: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """deltas (L, 2), one offset shift per block of a stack sharing `rpe`'s grid and index ->
+    each block's (corners (N, N, 4), weights (N, N, 4)), computed in one pass for all L blocks."""
+    corners, weights = bilinear_corners(rpe.rel + deltas[:, None, None].to(rpe.rel.dtype), **rpe.index_args)
+    return list(zip(corners.unbind(0), weights.unbind(0)))

@@ -28,7 +28,7 @@ from torch import nn
 
 from model.irpe import grid_coords
 from model.mae_decoder import MAEDecoder
-from model.objectives.adversary import NORMS, UPDATES, Adversaries, RPEPerturbation
+from model.objectives.adversary import NORMS, UPDATES, Adversaries, RPEPerturbation, coordinate_corners
 from model.objectives.base import Objective, ObjectiveConfig, register_objective
 from model.objectives.mae import masked_patch_loss
 from model.objectives.masking import check_mask_ratio, random_masking
@@ -179,11 +179,13 @@ class MAEPlusObjective(Objective):
         kind = self.cfg.adversary
         if kind not in ("rpe_embed", "rpe_coord"):
             return None
-        advs = []
-        for i in range(depth):
-            value = self.adversaries.get(f"rpe_{prefix}{i}", masked.device, torch.float32 if kind == "rpe_coord" else dtype)
-            advs.append(RPEPerturbation(masked, delta=value) if kind == "rpe_coord" else RPEPerturbation(masked, embed=value))
-        return advs
+        if kind == "rpe_coord":  # every block's shifted offsets in one pass: (depth, 2) deltas
+            blocks = self.encoder.blocks if prefix == "enc" else self.decoder.decoder_blocks
+            deltas = torch.stack([self.adversaries.get(f"rpe_{prefix}{i}", masked.device, torch.float32)
+                                  for i in range(depth)])
+            return [RPEPerturbation(masked, corners=c) for c in coordinate_corners(blocks[0].attn.rpe, deltas)]
+        return [RPEPerturbation(masked, embed=self.adversaries.get(f"rpe_{prefix}{i}", masked.device, dtype))
+                for i in range(depth)]
 
     def reconstruct(self, crops: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         """crops (M, C, s, s), masked (M, N) bool -> predictions (M, N, p*p*C)."""

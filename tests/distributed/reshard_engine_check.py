@@ -1,13 +1,13 @@
 """Run under the deepspeed launcher by test_world_size_change.py (not collected by pytest).
 
-    reshard_engine_check.py OUT_DIR train|resume
+    reshard_engine_check.py OUT_DIR train|resume STAGE
 
 A debug MAE trains on a fixed sequence of global batches (16 images + masking noise per step,
 generated from the step number, so the data do not depend on the world size). `train` (2 ranks,
-ZeRO-2, micro 8 x accumulation 1) writes a checkpoint after step 3 and records the losses of steps
-4-5; `resume` (1 rank, micro 8 x accumulation 2, the same global batch) loads that checkpoint
-through DeepSpeed's universal format and trains steps 4-5 on the same batches. Equal losses mean
-weights, Adam moments, step count and schedule all carried over.
+micro 8 x accumulation 1) writes a checkpoint after step 3 and records the losses of steps 4-5;
+`resume` (1 rank, micro 8 x accumulation 2, the same global batch, any ZeRO stage) loads that
+checkpoint and trains steps 4-5 on the same batches. Equal losses mean weights, Adam moments,
+step count and schedule all carried over.
 """
 import json
 import sys
@@ -29,14 +29,14 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(GLOBAL, 1, 28, 28, generator=g), torch.rand(GLOBAL, 49, generator=g)
 
 
-def main(out: Path, phase: str) -> None:
-    ds_file = out / "ds.json"
+def main(out: Path, phase: str, stage: int) -> None:
+    ds_file = out / f"ds_{stage}.json"
+    ds_file.write_text(json.dumps({"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": MICRO,
+                                   "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}}))
     cfg = parse_args(["--ds_config", str(ds_file), "--config", str(REPO / "train/configs/mae/debug.json"),
                       "--output_dir", str(out / "run")])
     ds, plan = resolve(cfg, distributed.world_size_from_env())
     tag = out / "run" / "checkpoints" / checkpoint.tag_for(SAVE_AT)
-    if phase == "resume":
-        ds["checkpoint"] = {"load_universal": True}
     rank, world, device = distributed.init()
     engine, objective, _ = build_engine(cfg, ds, device, peak_lr=2e-3, warmup_steps=2, total_steps=20)
     first = 1
@@ -58,7 +58,7 @@ def main(out: Path, phase: str) -> None:
             total /= world
         losses[step] = total.item()
         if phase == "train" and step == SAVE_AT:
-            meta = {"zero_stage": engine.zero_optimization_stage(), "objective": "mae", "config": {},
+            meta = {"zero_stage": engine.stage, "objective": "mae", "config": {},
                     "global_batch": plan.global_batch}
             checkpoint.save(engine, tag.parent, step, {"step": step, "data": [{}] * world}, rank, world, meta)
     if rank == 0:
@@ -68,4 +68,4 @@ def main(out: Path, phase: str) -> None:
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    main(Path(args[0]), args[1])
+    main(Path(args[0]), args[1], int(args[2]))

@@ -1,5 +1,5 @@
-"""Resuming on another world size: DeepSpeed's universal checkpoint for the weights and optimizer
-state, the shard stream re-laid out for the data (2 CPU ranks -> 1)."""
+"""Resuming on another world size and ZeRO stage: weights and optimizer state by parameter name
+(train/engine.py), the shard stream re-laid out for the data (2 CPU ranks -> 1)."""
 import json
 import os
 import subprocess
@@ -30,18 +30,20 @@ def write_ds(path: Path, stage: int = 2, **extra) -> Path:
     return path
 
 
-def test_weights_moments_and_schedule_carry_over_from_2_ranks_to_1(tmp_path):
-    write_ds(tmp_path / "ds.json")
+@pytest.mark.parametrize("stages", [(0, 3), (1, 2), (2, 0), (3, 1)])
+def test_weights_moments_and_schedule_carry_over_from_2_ranks_to_1_and_across_zero_stages(tmp_path, stages):
     script = str(REPO / "tests" / "distributed" / "reshard_engine_check.py")
-    deepspeed(2, script, str(tmp_path), "train")
-    deepspeed(1, script, str(tmp_path), "resume")
+    deepspeed(2, script, str(tmp_path), "train", str(stages[0]))
+    deepspeed(1, script, str(tmp_path), "resume", str(stages[1]))
     want = json.loads((tmp_path / "losses_train.json").read_text())
     got = json.loads((tmp_path / "losses_resume.json").read_text())
     assert list(got) == ["4", "5"]
     assert got["4"] == pytest.approx(want["4"], rel=1e-6)  # weights after step 3
     assert got["5"] == pytest.approx(want["5"], rel=1e-5)  # + Adam moments, step count, lr of step 4
     assert got["5"] != pytest.approx(want["4"], rel=1e-3)  # the step changed the loss
-    assert (tmp_path / "run" / "checkpoints" / "step00000003" / "universal" / "zero").is_dir()
+    tag = tmp_path / "run" / "checkpoints" / "step00000003"
+    written = {p.name for p in tag.glob("optim_rank*.pt")}  # stage 0 keeps the whole optimizer state on rank 0
+    assert written == ({"optim_rank00000.pt"} if stages[0] == 0 else {"optim_rank00000.pt", "optim_rank00001.pt"})
 
 
 def test_pretrain_on_shards_under_zero3_with_checkpointing_continues_on_one_rank(tmp_path):

@@ -14,7 +14,7 @@ def test_killed_while_writing_step_4_resumes_from_step_2_and_repeats_its_losses(
     proc = run_pretrain(tmp_path, *args, faults="checkpoint_write@4", check=False)
     assert proc.returncode == -9  # SIGKILL with step 4's files written, before the tag was declared complete
     root = tmp_path / "checkpoints"
-    assert (root / "step00000004.partial" / "mp_rank_00_model_states.pt").is_file()  # the files are there
+    assert (root / "step00000004.partial" / "model.pt").is_file()  # the files are there
     assert not (root / "step00000004").exists()  # but under the temporary name
     assert (root / LATEST).read_text() == "step00000002"
     before_crash = {r["step"]: r for r in read_metrics(tmp_path)}
@@ -43,14 +43,14 @@ def _tag(root, step, files=None):
 
 def test_a_damaged_newest_tag_falls_back_to_the_one_before(tmp_path, caplog):
     root = tmp_path / "checkpoints"
-    good = _tag(root, 2, {"mp_rank_00_model_states.pt": b"x" * 100})
-    bad = _tag(root, 4, {"mp_rank_00_model_states.pt": b"x" * 100, "rng_rank0.pt": b"y" * 10})
+    good = _tag(root, 2, {"model.pt": b"x" * 100})
+    bad = _tag(root, 4, {"model.pt": b"x" * 100, "rng_rank0.pt": b"y" * 10})
     (root / LATEST).write_text(bad.name)
     assert latest_complete(root) == bad
-    (bad / "mp_rank_00_model_states.pt").write_bytes(b"x" * 60)  # truncated (disk full, cut copy)
+    (bad / "model.pt").write_bytes(b"x" * 60)  # truncated (disk full, cut copy)
     assert latest_complete(root) == good
     assert "has 60 bytes, 100 were written" in caplog.text
-    (bad / "mp_rank_00_model_states.pt").write_bytes(b"x" * 100)
+    (bad / "model.pt").write_bytes(b"x" * 100)
     (bad / "rng_rank0.pt").unlink()
     assert latest_complete(root) == good and "rng_rank0.pt is missing" in caplog.text
     (bad / COMPLETE).write_text("{not json")

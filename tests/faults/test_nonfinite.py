@@ -1,14 +1,18 @@
 """Non-finite losses and gradients: the step is skipped and counted; a streak stops the run with
-its last checkpoint kept; an fp16 loss-scale collapse is reported as one."""
+its last checkpoint kept; an fp16 loss-scale collapse is reported as one. (The engine's skip
+itself, weights and moments unchanged, is tests/train/test_engine.py.)"""
 import json
 
 import pytest
 import torch
 from conftest import CPU_DS, run_pretrain
 
+from train.engine import Engine, EngineConfig
 from train.fault_injection import parse
 from train.loop import LoopSettings, LoopState, run
-from train.nonfinite import NonFiniteError, nan_if_not_finite, skip_nonfinite_steps
+from train.loss_scale import LossScaleConfig
+from train.nonfinite import NonFiniteError, nan_if_not_finite
+from train.optim import WarmupCosineSchedule
 from train.run_dir import read_metrics
 
 
@@ -24,17 +28,6 @@ def test_a_nonfinite_loss_poisons_every_gradient_and_a_finite_one_is_untouched()
     assert nan_if_not_finite(loss).item() == loss.item()
     nan_if_not_finite(loss).backward()
     assert torch.equal(w.grad, 2 * w.detach())
-
-
-def test_zero0_fp32_optimizer_skips_and_flags_a_step_with_nonfinite_gradients():
-    p = torch.nn.Parameter(torch.ones(3))
-    opt = skip_nonfinite_steps(torch.optim.AdamW([p], lr=0.1))
-    p.grad = torch.tensor([1.0, float("nan"), 1.0])
-    opt.step()
-    assert opt.overflow and torch.equal(p.detach(), torch.ones(3)) and not opt.state  # nothing moved, no moments
-    p.grad = torch.ones(3)
-    opt.step()
-    assert not opt.overflow and (p.detach() < 1).all()
 
 
 def test_fault_spec_parsing():
@@ -63,79 +56,66 @@ def test_a_streak_of_nonfinite_steps_stops_the_run_and_keeps_the_last_checkpoint
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text() == "step00000004"  # step 6 (the third bad one) wrote nothing
     assert not (root / "step00000006").exists()
-    state = torch.load(root / "step00000004" / "mp_rank_00_model_states.pt", weights_only=True)["module"]
-    assert all(torch.isfinite(v).all() for v in state.values())
+    state = torch.load(root / "step00000004" / "model.pt", weights_only=True)["module"]
+    assert all(torch.isfinite(v).all() for v in state.values() if isinstance(v, torch.Tensor))
     assert not (tmp_path / "encoder.safetensors").exists()  # no export of a diverged run
 
 
-class FakeFp16Engine:
-    """The surface of a DeepSpeed fp16 engine the loop uses, with DeepSpeed's own dynamic loss
-    scaler deciding: a non-finite gradient is an overflow (skip, halve the scale)."""
+class Diverging(torch.nn.Module):
+    """An objective whose loss is NaN at the given calls (counted from 1; None: every call)."""
 
-    def __init__(self, init_scale: float):
-        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    def __init__(self, nan_at: set[int] | None = None, clock: list[float] | None = None):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(2))
+        self.nan_at, self.calls, self.clock = nan_at, 0, clock
 
-        self.scaler = DynamicLossScaler(init_scale=init_scale, scale_window=1000, min_scale=1, delayed_shift=1,
-                                        consecutive_hysteresis=False)
-        self.optimizer = self.scaler  # `cur_scale`, as DeepSpeed's fp16 optimizers expose it
-        self.module = torch.nn.Linear(2, 1)
-        self.module.after_optimizer_step = lambda lr, batches: {}  # the objective hook the loop calls
-        self.skipped_steps, self.applied = 0, True
+    def forward(self, batch):
+        self.calls += 1
+        if self.clock is not None:
+            self.clock[0] += 1.0  # each step takes a second of a fake clock
+        nan = self.nan_at is None or self.calls in self.nan_at
+        return {"loss": (self.w.float() * batch["image"]).sum() * (float("nan") if nan else 1.0)}
 
-    def __call__(self, batch):
-        return {"loss": self.module(batch["image"]).sum() * float("nan")}  # diverged: every loss is NaN
-
-    def backward(self, loss):
-        loss.backward()
-
-    def step(self):
-        overflow = not all(torch.isfinite(p.grad).all() for p in self.module.parameters())
-        self.scaler.update_scale(overflow)  # raises at the minimum scale, as in DeepSpeed
-        self.applied = not overflow
-        self.skipped_steps += overflow
-        self.module.zero_grad()
-
-    def was_step_applied(self):
-        return self.applied
-
-    def gradient_accumulation_steps(self):
-        return 1
-
-    def zero_optimization_stage(self):
-        return 2
-
-    def fp16_enabled(self):
-        return True
-
-    def bfloat16_enabled(self):
-        return False
-
-    def get_lr(self):
-        return [0.1]
-
-    def get_global_grad_norm(self):
-        return None
+    def after_optimizer_step(self, lr, batches):
+        return {}
 
 
-def _run_fake(engine, limit: int) -> list[int]:
+def engine_for(module: Diverging, precision: str = "fp32", init_power: int = 16, hysteresis: int = 1) -> Engine:
+    scale = LossScaleConfig(initial_scale_power=init_power, hysteresis=hysteresis, min_loss_scale=1)
+    return Engine(module, [{"params": [module.w], "weight_decay": 0.0}],
+                  lambda groups: torch.optim.AdamW(groups, lr=0.0, fused=True),
+                  lambda opt: WarmupCosineSchedule(opt, 0.1, 0.0, 0, 100),
+                  EngineConfig(0, precision, 1, 0.0, scale), torch.device("cpu"))
+
+
+def fp16_engine(init_power: int, hysteresis: int = 1) -> Engine:
+    return engine_for(Diverging(), "fp16", init_power, hysteresis)
+
+
+def _run(engine, limit: int, log_every: int = 1) -> list[int]:
     saved: list[int] = []
-    data = iter(lambda: {"image": torch.ones(4, 2)}, None)
-    settings = LoopSettings(40, log_every=100, ckpt_every=2, global_batch=4, max_nonfinite_steps=limit)
-    run(engine, data, settings, LoopState(0), torch.device("cpu"), torch.float32, lambda step, metrics: None, saved.append)
+    data = iter(lambda: {"image": torch.ones(2)}, None)
+    settings = LoopSettings(40, log_every=log_every, ckpt_every=100, global_batch=4, max_nonfinite_steps=limit)
+    run(engine, data, settings, LoopState(0), torch.device("cpu"), torch.float16, lambda step, metrics: None, saved.append)
     return saved
 
 
-def test_fp16_loss_scale_collapse_is_reported_as_such(monkeypatch):
-    import deepspeed.runtime.fp16.loss_scaler as loss_scaler
-
-    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda: 0)  # the scaler logs from rank 0 only
-    engine = FakeFp16Engine(init_scale=8)  # 8 -> 4 -> 2 -> 1, then the scale cannot go lower
-    with pytest.raises(NonFiniteError, match=r"fp16 loss-scale collapse at step 4: .* minimum loss scale \(1\)"):
-        _run_fake(engine, limit=0)
-    assert engine.skipped_steps == 3
+def test_fp16_loss_scale_collapse_is_reported_as_such():
+    engine = fp16_engine(init_power=3)  # 8 -> 4 -> 2 -> 1, then an overflow at the minimum
+    with pytest.raises(NonFiniteError, match=r"fp16 loss-scale collapse by step 4: .* minimum loss scale \(1\)"):
+        _run(engine, limit=0)
+    assert engine.device_state()["skipped_steps"].item() == 4
     # with a streak limit below the collapse, the streak stops it first and names the scale
     with pytest.raises(NonFiniteError, match=r"2 consecutive optimizer steps \(1-2\).*fp16 loss scale is 2"):
-        _run_fake(FakeFp16Engine(init_scale=8), limit=2)
+        _run(fp16_engine(init_power=3), limit=2)
+
+
+def test_a_streak_that_ended_between_two_reads_is_still_caught_at_the_next():
+    """Log every 5 steps, limit 2: NaN at steps 2-3 only; the read at step 5 sees the streak it missed."""
+    engine = engine_for(Diverging(nan_at={2, 3}))
+    with pytest.raises(NonFiniteError, match=r"2 consecutive optimizer steps \(a run of them between steps 1 and 5\)"):
+        _run(engine, limit=2, log_every=5)
+    assert engine.steps == 5  # stopped at the read of step 5
 
 
 def test_checkpoint_time_inside_a_log_window_is_left_out_of_throughput(monkeypatch):
@@ -146,21 +126,13 @@ def test_checkpoint_time_inside_a_log_window_is_left_out_of_throughput(monkeypat
     clock = [0.0]
     monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
 
-    class Engine(FakeFp16Engine):
-        def __call__(self, batch):
-            clock[0] += 1.0
-            return {"loss": self.module(batch["image"]).sum()}
-
-        def fp16_enabled(self):
-            return False
-
     def save(step):
         clock[0] += 10.0
 
     logged = {}
-    data = iter(lambda: {"image": torch.ones(4, 2)}, None)
+    data = iter(lambda: {"image": torch.ones(2)}, None)
     settings = LoopSettings(8, log_every=4, ckpt_every=3, global_batch=4)
-    run(Engine(init_scale=8), data, settings, LoopState(0), torch.device("cpu"), torch.float32,
-        lambda step, metrics: logged.update({step: metrics}), save)
+    run(engine_for(Diverging(nan_at=set(), clock=clock)), data, settings, LoopState(0), torch.device("cpu"),
+        torch.float32, lambda step, metrics: logged.update({step: metrics}), save)
     assert [logged[s]["step_time"] for s in (4, 8)] == [1.0, 1.0]
     assert logged[4]["images_per_s"] == 4.0

@@ -30,7 +30,7 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path, capsys, monke
     meta = {"step": 4, "world_size": 1, "global_batch": 8, "config": to_dict(parse_args(argv))}
     (tag / "complete.json").write_text(json.dumps(meta))
     torch.save({"module": {"w": torch.zeros(2)}, "step": 4, "data": [RunsCode(marker)]},
-               tag / "mp_rank_00_model_states.pt")
+               tag / "model.pt")
     with pytest.raises(SystemExit) as exit_info:
         cli(lambda: main([*argv, "--resume", str(tag)]))
     assert exit_info.value.code == 2

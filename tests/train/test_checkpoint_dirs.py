@@ -64,9 +64,9 @@ def test_verify_safe_refuses_foreign_objects(tmp_path):
     from train.checkpoint import verify_safe
 
     tag = _tag(tmp_path, 1)
-    torch.save({"module": {"w": torch.zeros(2)}, "step": 1}, tag / "mp_rank_00_model_states.pt")
+    torch.save({"module": {"w": torch.zeros(2)}, "step": 1}, tag / "model.pt")
     verify_safe(tag)  # tensors and plain containers pass
-    torch.save({"module": {"w": torch.zeros(2)}, "x": Payload()}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    torch.save({"module": {"w": torch.zeros(2)}, "x": Payload()}, tag / "optim_rank00000.pt")
     with pytest.raises(ValueError, match="builtins.print"):
         verify_safe(tag)
 

@@ -1,5 +1,6 @@
 """The dry run over every shipped ds_config, for the methods each serves, and what it rejects."""
 import json
+import math
 import sys
 
 import pytest
@@ -46,8 +47,33 @@ def test_every_shipped_ds_config_passes_the_dry_run_for_its_methods(path):
         run = check(cfg, world, gpu)
         assert run.ok, f"{path.name} {options}: {run.problems}"
         assert run.memory is not None and run.memory.fits(gpu)
-        if path.name.startswith("vit_"):
-            assert run.memory.largest_micro(gpu) >= 2 * json.loads(path.read_text())["train_micro_batch_size_per_gpu"]
+
+
+def test_shipped_micro_batches_are_the_largest_the_memory_estimate_allows_with_a_margin():
+    """ds_configs/generate.py's rule: the largest power of two at most MARGIN x the largest micro-batch
+    the estimate fits for the group's hungriest method, and at most the global batch over 16 GPUs."""
+    sys.path.insert(0, str(DS))
+    try:
+        from generate import GLOBAL, HUNGRIEST, MARGIN, config, matrix
+    finally:
+        sys.path.remove(str(DS))
+    for name in matrix():
+        group = "pretrain" if name.startswith("vit_") else name.split("_vit_")[0]
+        group = "pretrain_actckpt" if "actckpt" in name else group
+        model, gpu = name.split("vit_")[1][0], gpu_in_filename(name)
+        stage = int(name.split("zero")[1][0])
+        probe = DS / "probe.json"  # any micro-batch: the estimate scales the activations per sample
+        try:
+            probe.write_text(json.dumps(config(group, model, gpu, stage, micro=8)))
+            options = [*(str(REPO / o) if o.endswith(".json") else o for o in HUNGRIEST[group]), "--model.name",
+                       MODELS[model], *(["--model.img_size", "112"] if group.startswith("pretrain") else [])]
+            run = check(parse_args(["--ds_config", str(probe), "--data.source", "synthetic", *options]), 8,
+                        gpu_named(gpu))
+        finally:
+            probe.unlink()
+        largest = run.memory.largest_micro(gpu_named(gpu))
+        want = min(GLOBAL[group] // 16, 2 ** int(math.log2(MARGIN * largest)))
+        assert json.loads((DS / name).read_text())["train_micro_batch_size_per_gpu"] == want, (name, largest)
 
 
 def test_matrix_files_are_the_generators_output():
@@ -93,12 +119,11 @@ def test_memory_estimate_reacts_to_zero_stage_checkpointing_and_micro_batch(tmp_
     z1 = estimate()
     z2 = estimate(zero_optimization={**base["zero_optimization"], "stage": 2})
     z3 = estimate(zero_optimization={"stage": 3}, activation_checkpointing={})
-    # ZeRO-1 holds every fp16 gradient until the boundary, ZeRO-2 its partition only (which is all
-    # DeepSpeed's zero2 estimator counts for both: train/memory.py)
-    assert z1.memory.extra_gradients == 2 * z1.memory.trainable and z2.memory.extra_gradients == 0
-    assert z2.memory.gradients == z1.memory.gradients and z2.memory.fixed < z1.memory.fixed
-    # ZeRO-3 partitions weights, gathering one layer at a time
-    assert z3.memory.weights == pytest.approx(z1.memory.weights / 8 + 2 * z1.memory.largest_layer)
+    # ZeRO-1 sums the micro-batches' gradients whole in fp32, ZeRO-2 reduces each micro-batch and
+    # keeps its partition only (train/memory.py)
+    assert z2.memory.gradients < z1.memory.gradients and z2.memory.fixed < z1.memory.fixed
+    # ZeRO-3 partitions the fp32 weights, gathering one block (and the next) at a time
+    assert z3.memory.weights == pytest.approx(4 * z1.memory.params / 8 + 2 * 2 * z1.memory.largest_layer)
     assert z3.memory.activations < z1.memory.activations / 5  # checkpointing keeps block inputs only
     big = estimate(train_micro_batch_size_per_gpu=512)
     assert not big.ok and "exceeds" in big.problems[0] and f"at most {z1.memory.largest_micro(gpu_named('v100'))}" \
@@ -117,7 +142,7 @@ def test_cli_exit_codes(capsys):
     code, out = run("--ds_config", str(DS / "vit_l_8xa100_bf16_zero2.json"), "--model.name", "vit_large_patch16",
                     "--data.source", "synthetic", "--world_size", "16")
     assert code == 0, out
-    assert "16 x A100 SXM4 80GB: global batch 4096 = micro 128 x accumulation 2 x 16 ranks" in out
+    assert "16 x A100 SXM4 80GB: global batch 4096 = micro 256 x accumulation 1 x 16 ranks" in out
     code, out = run("--ds_config", str(DS / "vit_l_8xa100_bf16_zero2.json"), "--data.source", "synthetic",
                     "--gpu", "v100")
     assert code == 2 and "PROBLEM: ds_config enables bf16, which this GPU lacks" in out

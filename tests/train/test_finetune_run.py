@@ -74,7 +74,7 @@ def test_resume_is_exact_with_mixup_randaug_and_drop_path(setup, tmp_path):
 def test_export_is_a_timm_classifier_with_the_same_logits(setup):
     _, run = setup
     timm_model = load_timm_encoder(run / "encoder.safetensors").eval()
-    module = torch.load(run / "checkpoints" / "step00000006" / "mp_rank_00_model_states.pt", weights_only=True)["module"]
+    module = torch.load(run / "checkpoints" / "step00000006" / "model.pt", weights_only=True)["module"]
     ours = build_objective("finetune", create_model("vit_debug_patch4", global_pool="avg"), FinetuneConfig(num_classes=3))
     ours.load_state_dict(module)
     x = torch.randn(2, 3, 28, 28)
@@ -90,7 +90,7 @@ def test_a_pretraining_run_folder_initialises_finetuning(setup, tmp_path):
     assert "initialised encoder (new: fc_norm.bias, fc_norm.weight, head.bias, head.weight)" in proc.stderr
     from safetensors.torch import load_file
 
-    module = torch.load(tmp_path / "checkpoints" / "step00000001" / "mp_rank_00_model_states.pt",
+    module = torch.load(tmp_path / "checkpoints" / "step00000001" / "model.pt",
                         weights_only=True)["module"]
     exported = load_file(mae_dir + "/encoder.safetensors")
     assert torch.equal(module["encoder.blocks.0.attn.qkv.weight"], exported["blocks.0.attn.qkv.weight"])  # lr 0 at step 1

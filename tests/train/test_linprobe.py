@@ -48,7 +48,7 @@ def test_linear_probe_on_a_frozen_encoder(image_folder, tmp_path):
     assert final_eval["step"] == 6 and final_eval["eval_samples"] == 24
 
     # the encoder stayed frozen, the head moved, and the logged accuracy is reproducible from the checkpoint
-    module = torch.load(out / "checkpoints" / "step00000006" / "mp_rank_00_model_states.pt", weights_only=True)["module"]
+    module = torch.load(out / "checkpoints" / "step00000006" / "model.pt", weights_only=True)["module"]
     from safetensors.torch import load_file
 
     for k, v in load_file(str(encoder_file)).items():

@@ -1,52 +1,57 @@
-"""Model states of the dry run's memory estimate (train/memory.py) against DeepSpeed's own
-estimators, called with the parameter counts DeepSpeed's model_to_params takes from the real model."""
+"""The memory estimate's model states (train/memory.py) against what the engine really allocates:
+train/engine.py builds MAE on CPU and every buffer it holds is counted, for each ZeRO stage and
+precision on one rank; the partitioned stages' shares follow the same layout on more ranks."""
 import json
 
 import pytest
 import torch
 from conftest import REPO
-from deepspeed.runtime.zero import stage3
-from deepspeed.runtime.zero import stage_1_and_2 as stage12
 
-from model.objectives import build_objective
-from train.build import build_encoder
+from train.build import build_engine
 from train.config import parse_args
 from train.ds_config import resolve
-from train.gpus import gpu_named
-from train.memory import estimate
-
-GPUS = 8  # one node, no offload
+from train.memory import largest_layer, model_states
 
 
-def mae(model: str, ds_path, stage: int, tmp_path):
-    """The dry run's estimate of MAE on `model` with a shipped bf16 file set to ZeRO `stage`, and
-    DeepSpeed's (total params, largest layer params) of the same objective."""
-    ds = json.loads(ds_path.read_text())
-    ds["zero_optimization"]["stage"] = stage
+def engine_bytes(engine) -> dict[str, int]:
+    """Bytes of what the engine holds: the module's trained parameters (one flat buffer), its fp32
+    master copy if separate, its gradient buffers, the optimizer's state tensors."""
+    def size(t):
+        return t.numel() * t.element_size()
+
+    master = 0 if engine.master.data_ptr() == engine.flat_params.data_ptr() else size(engine.master)
+    grads = size(engine.flat_grads) + (size(engine.shard_grads) if engine.sharded else 0)
+    optimizer = sum(size(v) for t in engine.opt_tensors for v in engine.optimizer.state[t].values() if v.ndim)
+    return {"weights": size(engine.flat_params) + master, "gradients": grads, "optimizer": optimizer}
+
+
+@pytest.mark.parametrize("precision,stage", [("fp32", 0), ("bf16", 0), ("bf16", 1), ("bf16", 2), ("fp32", 2)])
+def test_model_states_are_what_the_engine_allocates(tmp_path, precision, stage):
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+          "zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"}}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    cfg = parse_args(["--ds_config", str(tmp_path / "ds.json"), "--model.name", model, "--data.source", "synthetic"])
-    final, plan = resolve(cfg, GPUS, cuda=True, bf16_ok=True)
-    with torch.device("meta"):
-        objective = build_objective(cfg.objective, build_encoder(cfg), cfg.mae)
-    objective.to_empty(device="cpu")  # real storages (model_to_params tells shared ones apart by address), unfilled
-    return estimate(cfg, final, plan, gpu_named("a100")), stage3.model_to_params(objective)
+    cfg = parse_args(["--ds_config", str(tmp_path / "ds.json"), "--config", str(REPO / "train/configs/mae/debug.json")])
+    final, _ = resolve(cfg, 1)
+    engine, objective, _ = build_engine(cfg, final, torch.device("cpu"), 1e-3, 1, 10)
+    trained = sum(p.numel() for p in objective.parameters() if p.requires_grad)
+    params = sum(p.numel() for p in objective.parameters())
+    want = model_states(params, trained, largest_layer(objective), precision, stage, 1)
+    real = engine_bytes(engine)
+    padding = engine.layout.padded - trained  # the flat buffers' alignment: under 64 elements per tensor
+    w = 2 if precision == "bf16" else 4
+    frozen = (params - trained) * w  # fixed sin-cos tables: module weights outside the flat buffer
+    assert real["weights"] + frozen == pytest.approx(want.weights, abs=padding * (w + 4))
+    assert real["gradients"] == pytest.approx(want.gradients, abs=padding * 4)
+    assert real["optimizer"] == pytest.approx(want.optimizer, abs=padding * 8)
+    assert want.extra_gradients == w * trained  # autograd's gradients, in the compute dtype
 
 
-@pytest.mark.parametrize("model,ds", [("vit_base_patch16", "vit_b_8xa100_bf16_zero1.json"),
-                                      ("vit_large_patch16", "vit_l_8xa100_bf16_zero1.json")])
-def test_model_states_agree_with_deepspeeds_estimators(model, ds, tmp_path):
-    for stage in (1, 2, 3):
-        mem, (total, largest) = mae(model, REPO / "ds_configs" / ds, stage, tmp_path)
-        if stage == 3:
-            _, want, _ = stage3.estimate_zero3_model_states_mem_needs(
-                total, largest, num_gpus_per_node=GPUS, num_nodes=1, cpu_offload=False, cpu_offload_params=False)
-        else:  # DeepSpeed has no ZeRO-1 estimator: its zero2 one is the convention for stage 1 too
-            _, want = stage12.estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=GPUS, num_nodes=1,
-                                                                    cpu_offload=False)
-        states = mem.weights + mem.gradients + mem.optimizer
-        assert states == pytest.approx(want, rel=0.05), (model, stage, states / want)
-        assert total == mem.params and largest == mem.largest_layer
-        # what DeepSpeed 0.19 holds beyond its estimators: ZeRO-1's unpartitioned bf16 gradients,
-        # ZeRO-3's flat bf16 gradient partition; nothing for ZeRO-2
-        assert mem.extra_gradients == {1: 2 * mem.trainable, 2: 0, 3: 2 * mem.trainable / GPUS}[stage]
-        assert mem.total > states + mem.extra_gradients + mem.buffers  # activations come on top
+def test_partitioned_stages_divide_what_they_partition():
+    P, psi, L = 1000, 900, 100
+    z0 = model_states(P, psi, L, "bf16", 0, 8)
+    z1, z2, z3 = (model_states(P, psi, L, "bf16", s, 8) for s in (1, 2, 3))
+    assert z0.optimizer == 8 * psi and z1.optimizer == z2.optimizer == 8 * psi / 8
+    assert z0.weights == 2 * P + 4 * psi and z1.weights == 2 * P + 4 * psi / 8  # fp32 masters partitioned
+    assert z1.gradients == 4 * psi + 4 * psi / 8 and z2.gradients == 2 * psi + 6 * psi / 8  # ZeRO-2: one micro-batch
+    assert z3.weights == 4 * P / 8 + 4 * L and z3.optimizer == 8 * psi / 8
+    assert model_states(P, psi, L, "bf16", 1, 1) == z0  # one rank: nothing to partition

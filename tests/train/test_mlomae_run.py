@@ -64,13 +64,11 @@ def test_two_cpu_ranks_on_labeled_shards(image_folder, tmp_path):
 
 REPLICATION = textwrap.dedent("""
     import sys
-    import torch, torch.distributed as dist, deepspeed
+    import torch, torch.distributed as dist
     sys.path.insert(0, "tests/model/objectives")
     from test_mlomae import batch, objective
-    from train.distributed import release_shm_names
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = dist.get_rank()
-    release_shm_names(rank)
+    from train import distributed
+    rank, _, _ = distributed.init()
     obj = objective(seed=0)
     init = torch.cat([p.detach().flatten().clone() for p in [*obj.aux.mask_net.parameters(), *obj.aux.head.parameters()]])
     for step in range(3):

@@ -120,9 +120,9 @@ def test_trains_checkpoints_and_resumes_exactly(tmp_path):
     assert all(torch.isfinite(torch.tensor(r["loss"])) and "pred_mean" in r for r in rows)
     config = json.loads((straight / "config.json").read_text())
     assert config["objective"] == NAME and config[NAME] == {"target_scale": 1.0}
-    client = torch.load(straight / "checkpoints" / f"step{STEPS:08d}" / "mp_rank_00_model_states.pt",
+    client = torch.load(straight / "checkpoints" / f"step{STEPS:08d}" / "model.pt",
                         weights_only=True)
-    assert client["step"] == STEPS and "head.weight" in client["module"]
+    assert client["client"]["step"] == STEPS and "head.weight" in client["module"]
 
     assert (stopped / "checkpoints" / "latest").read_text() == "step00000002"
     pretrain_runs((stopped, ["--run.max_steps", str(STEPS), "--run.ckpt_every", "2", "--resume", "auto"]))

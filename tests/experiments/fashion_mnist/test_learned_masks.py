@@ -20,7 +20,7 @@ PRESET = REPO / "train" / "configs" / "mlomae" / "debug.json"
 def save_tag(root, step, obj, pinned=False):
     tag = root / f"step{step:08d}"
     tag.mkdir(parents=True)
-    torch.save({"module": obj.state_dict()}, tag / "mp_rank_00_model_states.pt")
+    torch.save({"module": obj.state_dict()}, tag / "model.pt")
     (tag / "complete.json").write_text(json.dumps({"step": step, "zero_stage": 0, "pinned": pinned}))
 
 

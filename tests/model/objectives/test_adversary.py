@@ -10,6 +10,41 @@ def _with_grad(a: Adversaries, name: str, g: torch.Tensor) -> None:
     a.tensors[name].grad = g.clone()
 
 
+# The update rules one tensor at a time, written from their definitions: the reference for the
+# flat update over every tensor at once.
+def project(a: torch.Tensor, norm: str, eps: float) -> torch.Tensor:
+    return a.clamp(-eps, eps) if norm == "linf" else a * (eps / a.norm().clamp_min(1e-12)).clamp(max=1.0)
+
+
+def ascent(a: torch.Tensor, g: torch.Tensor, update: str, step: float, state: dict) -> torch.Tensor:
+    if update == "sign":
+        return a + step * g.sign()
+    if update == "normalised":
+        return a + g * (step / g.norm().clamp_min(1e-30))
+    b1, b2 = 0.9, 0.95
+    state["t"] = state.get("t", 0) + 1
+    state["m"] = b1 * state.get("m", torch.zeros_like(a)) + (1 - b1) * g
+    state["v"] = b2 * state.get("v", torch.zeros_like(a)) + (1 - b2) * g * g
+    return a + step * (state["m"] / (1 - b1 ** state["t"])) / ((state["v"] / (1 - b2 ** state["t"])).sqrt() + 1e-8)
+
+
+@pytest.mark.parametrize("norm,update", [("linf", "sign"), ("l2", "normalised"), ("l2", "adam"), ("linf", "adam")])
+def test_the_flat_update_of_many_tensors_equals_each_tensors_own(norm, update):
+    torch.manual_seed(0)
+    shapes = {"a": (2,), "b": (3, 4), "c": (5, 2, 3)}
+    adv = Adversaries(shapes, norm, eps=0.3, scale=0.7, update=update)
+    ref = {n: torch.zeros(s) for n, s in shapes.items()}
+    states = {n: {} for n in shapes}
+    for _ in range(4):
+        grads = {n: torch.randn(s) for n, s in shapes.items()}
+        for n, g in grads.items():
+            _with_grad(adv, n, g)
+            ref[n] = project(ascent(ref[n], g, update, 0.05 * 0.7, states[n]), norm, 0.3)
+        adv.step(lr=0.05)
+        for n in shapes:
+            torch.testing.assert_close(adv.tensors[n].detach(), ref[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
 def test_one_adam_ascent_step_matches_a_hand_computation():
     torch.manual_seed(0)
     a = Adversaries({"x": (5,)}, "linf", eps=10.0, scale=2.0, update="adam")

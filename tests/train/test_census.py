@@ -1,0 +1,110 @@
+"""Kernel launches and host-device syncs per training step (tools/census.py, train/counting.py):
+each objective's ViT-B preset at ViT-B depth and heads with narrow widths, through the real
+engine and loop with a shipped A100 ds_config (bf16, ZeRO-1) at a CPU-sized micro-batch. The
+ceilings are the counts of the lean step; a change that adds launches or a sync fails here.
+docs/PERFORMANCE.md has the same census at ViT-B/16 widths and the numbers before the engine."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import REPO
+
+from tools.census import census
+from train.counting import Tally, counting
+
+CONFIGS = REPO / "train" / "configs"
+WIDTH = 48  # ViT-B's 12 blocks and heads, its 252 trained tensors (MAE), negligible compute
+PRESETS = {
+    "mae": ["--model.name", "vit_base_patch16"],
+    "mixedae": ["--config", str(CONFIGS / "mixedae/vit_b.json")],
+    "maeplus": ["--config", str(CONFIGS / "maeplus/vit_b.json")],
+    "adpe": ["--config", str(CONFIGS / "maeplus/vit_b.json"), "--config", str(CONFIGS / "maeplus/variants/rpe_coord.json")],
+    "mlomae": ["--config", str(CONFIGS / "mlomae/vit_b.json")],
+    "energy": ["--config", str(CONFIGS / "energy/vit_b.json"), "--model.img_size", "64"],
+    "finetune": ["--objective", "finetune", "--model.name", "vit_base_patch16", "--finetune.num_classes", "10",
+                 "--optim.layer_decay", "0.65", "--data.num_classes", "10"],
+}
+# launches per optimizer step (the worst reported step, all phases); syncs: none
+CEILINGS = {"mae": 780, "mixedae": 1338, "maeplus": 775, "adpe": 2257, "mlomae": 5342, "energy": 7204, "finetune": 561}
+
+
+@pytest.fixture(scope="module")
+def ds_config(tmp_path_factory):
+    """ds_configs/vit_b_8xa100_bf16_zero1.json with a global batch of 4 (one rank, no accumulation)."""
+    ds = json.loads((REPO / "ds_configs" / "vit_b_8xa100_bf16_zero1.json").read_text())
+    ds.update(train_batch_size=4, train_micro_batch_size_per_gpu=4)
+    path = tmp_path_factory.mktemp("census") / "ds.json"
+    path.write_text(json.dumps(ds))
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_one_process_group():
+    """One thread (narrow widths: a second one only contends); the process group the censuses
+    share (a world of 1) ends with this module, and the environment it set goes back."""
+    env, threads = dict(os.environ), torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def run_census(ds_config, name: str, baseline: str = "none") -> dict:
+    return census(["--ds_config", str(ds_config), *PRESETS[name], "--width", str(WIDTH), "--steps", "3",
+                   "--baseline", baseline])
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_launches_and_syncs_per_step_stay_under_the_ceiling(ds_config, name):
+    record = run_census(ds_config, name)
+    ours = record["counts"]["ours"]
+    total = ours["per_phase"]["total"]
+    assert total["syncs"] == 0 and not ours["syncs"], ours["syncs"]  # nothing waits for the device in a step
+    assert total["launches"] <= CEILINGS[name], (total, ours["top_ops"])
+    assert total["comm"] == 0 or name in ("adpe", "mlomae")  # one rank: no collective but the hooks' own
+    # the optimizer step: 3 kernels per parameter group (torch's fused AdamW: step counts up, update,
+    # step count back where the step is skipped) and 14 for the whole step; the loop adds none
+    assert ours["per_phase"]["step"]["launches"] <= 14 + 3 * record["optimizer_groups"]
+    assert ours["per_phase"]["loop"]["launches"] == 0
+    # the log step reads its window once: one .tolist() in train/loop.py
+    log = ours["log_step_syncs"]
+    assert [s["what"] for s in log] == ["Tensor.tolist"] and log[0]["where"].startswith("train/loop.py:"), log
+
+
+def test_the_mae_step_launches_fewer_kernels_than_the_plain_pytorch_loop(ds_config):
+    """tools/mae_baseline.py at the same shapes, fused AdamW (its fewest): ours launches fewer in
+    every phase but the optimizer step, fewer in all, and has no sync where the baseline reads its loss."""
+    record = run_census(ds_config, "mae", baseline="fused")
+    ours, base = (record["counts"][k]["per_phase"] for k in ("ours", "baseline (fused AdamW)"))
+    assert record["tensors"] == 252  # ViT-B's encoder and MAE's decoder, as at full width
+    for phase in ("forward", "backward"):
+        assert ours[phase]["launches"] < base[phase]["launches"], phase
+    assert ours["total"]["launches"] < base["total"]["launches"]
+    assert ours["total"]["syncs"] == 0 and base["total"]["syncs"] == 1
+
+
+def test_the_counter_sees_kernels_collectives_and_syncs_by_phase():
+    tally = Tally()
+    x = torch.arange(6.0)
+    with counting(tally) as syncs:
+        with tally("data"):
+            y = x.view(2, 3).t()  # views: no kernel
+            z = torch.empty(4)  # an allocation: no kernel
+        with tally("forward"):
+            y = y * 2 + 1  # two kernels
+            torch._foreach_add_([x, z], 1.0)  # one multi-tensor op
+        with tally("step"):
+            bool(x.sum() > 0)  # a kernel each for sum and gt, and a sync
+            x[x > 2]  # a kernel (gt), a boolean-mask index (sync) and its kernels
+    counts = tally.per_step(1)
+    assert counts["data"] == {"launches": 0, "comm": 0, "syncs": 0}
+    assert counts["forward"]["launches"] == 3
+    assert counts["step"]["syncs"] == 2 and counts["step"]["launches"] >= 3
+    assert [s.what for s in syncs.records] == ["Tensor.__bool__", "Tensor.__getitem__"]
+    assert syncs.records[0].where.startswith("test_census.py:")  # outside the library: the file's name

@@ -1,0 +1,62 @@
+"""DeepSpeed's own engine training our objective: the step this codebase ran before train/engine.py,
+kept as a baseline to measure the engine against (tools/census.py --deepspeed, the GPU kit's bench).
+
+The same objective, parameter groups, fused AdamW and schedule as train/build.py's, handed to
+`deepspeed.initialize` with the run's final ds_config (ZeRO stage, precision, buckets, clipping as
+DeepSpeed reads them). Its loop is the plain one: per micro-batch forward, engine.backward,
+engine.step; the objective's after-step hook after the last.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from train.build import build_encoder
+from train.config import PretrainConfig, section
+from train.optim import WarmupCosineSchedule, build_param_groups
+
+
+def no_phases(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+class DeepSpeedStep:
+    """One optimizer step of DeepSpeed's engine per call; `phase(name)` marks data, forward,
+    backward, step and hook for the census."""
+
+    def __init__(self, cfg: PretrainConfig, ds_config: dict, data, device: torch.device, peak_lr: float,
+                 arch: dict | None = None):
+        import deepspeed
+
+        from model.objectives import build_objective
+
+        torch.manual_seed(cfg.seed)
+        objective = build_objective(cfg.objective, build_encoder(cfg, arch), section(cfg))
+        groups, _ = build_param_groups(objective, cfg.optim.weight_decay, cfg.optim.layer_decay)
+        optimizer = torch.optim.AdamW(groups, lr=0.0, betas=cfg.optim.betas, fused=True)
+        schedule = WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, 1, 10**6)
+        ds = {k: v for k, v in ds_config.items() if k != "activation_checkpointing"}
+        self.engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, lr_scheduler=schedule,
+                                                    config=ds)
+        self.dtype = (torch.bfloat16 if self.engine.bfloat16_enabled() else
+                      torch.float16 if self.engine.fp16_enabled() else torch.float32)
+        self.data, self.device = data, device
+        self.accum = self.engine.gradient_accumulation_steps()
+
+    def __call__(self, phase: Callable[[str], contextlib.AbstractContextManager] = no_phases) -> None:
+        batches = []
+        for _ in range(self.accum):
+            with phase("data"):
+                batch = {k: v.to(self.device, non_blocking=True) for k, v in next(self.data).items()}
+                batch["image"] = batch["image"].to(self.dtype)
+                batches.append(batch)
+            with phase("forward"):
+                loss = self.engine(batch)["loss"]
+            with phase("backward"):
+                self.engine.backward(loss)
+            with phase("step"):
+                self.engine.step()
+        with phase("hook"):
+            self.engine.module.after_optimizer_step(self.engine.get_lr()[0], batches)
