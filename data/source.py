@@ -84,18 +84,20 @@ def build_source(data_cfg, img_size: int, in_chans: int, batch_size: int, seed: 
                  device: torch.device, split: LabeledSplit | None = None, val_every: int = 1):
     """The training stream; with a labeled split, D_tr batches carrying a D_val batch every
     `val_every` (data/split.py)."""
+    crops = data_cfg.num_crops if data_cfg.train_transform == "multicrop" else 0  # synthetic: the same shape
     if split is not None:
         val_seed = seed + 1_000_003  # the D_val stream's own order and augmentation
         if data_cfg.source == "synthetic":
-            return SplitSource(SyntheticImages(batch_size, img_size, in_chans, data_cfg.num_classes, seed, rank, device),
+            return SplitSource(SyntheticImages(batch_size, img_size, in_chans, data_cfg.num_classes, seed, rank, device,
+                                               crops),
                                SyntheticImages(batch_size, img_size, in_chans, data_cfg.num_classes, val_seed, rank,
-                                               device), val_every)
+                                               device, crops), val_every)
         return SplitSource(_shard_loader(data_cfg, img_size, in_chans, batch_size, seed, rank, world, device,
                                          split.keep_train),
                            _shard_loader(data_cfg, img_size, in_chans, batch_size, val_seed, rank, world, device,
                                          split.is_val), val_every)
     if data_cfg.source == "synthetic":
-        return SyntheticImages(batch_size, img_size, in_chans, data_cfg.num_classes, seed, rank, device)
+        return SyntheticImages(batch_size, img_size, in_chans, data_cfg.num_classes, seed, rank, device, crops)
     return _shard_loader(data_cfg, img_size, in_chans, batch_size, seed, rank, world, device)
 
 

@@ -16,9 +16,11 @@ from data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 
 class SyntheticImages:
+    """`crops` > 0: each sample is `crops` images (B, crops, C, s, s), the multi-crop transform's shape."""
+
     def __init__(self, batch_size: int, img_size: int, in_chans: int, num_classes: int, seed: int, rank: int,
-                 device: torch.device | str = "cpu"):
-        self.batch_size, self.img_size, self.in_chans = batch_size, img_size, in_chans
+                 device: torch.device | str = "cpu", crops: int = 0):
+        self.batch_size, self.img_size, self.in_chans, self.crops = batch_size, img_size, in_chans, crops
         self.num_classes, self.seed, self.rank = num_classes, seed, rank
         self.device = torch.device(device)
         self.position = 0  # batches produced so far on this rank
@@ -34,10 +36,13 @@ class SyntheticImages:
         gen = torch.Generator(self.device).manual_seed(int(key) & (2**63 - 1))
         self.position += 1
         low = max(2, self.img_size // 4)
-        coarse = torch.rand(self.batch_size, self.in_chans, low, low, generator=gen, device=self.device)  # (B, C, s/4, s/4)
-        images = F.interpolate(coarse, size=self.img_size, mode="bilinear", align_corners=False)
+        n = self.batch_size * max(1, self.crops)
+        coarse = torch.rand(n, self.in_chans, low, low, generator=gen, device=self.device)  # (n, C, s/4, s/4)
+        images = (F.interpolate(coarse, size=self.img_size, mode="bilinear", align_corners=False) - self.mean) / self.std
+        if self.crops:
+            images = images.unflatten(0, (self.batch_size, self.crops))  # (B, crops, C, s, s)
         labels = torch.randint(self.num_classes, (self.batch_size,), generator=gen, device=self.device)
-        return {"image": (images - self.mean) / self.std, "label": labels}
+        return {"image": images, "label": labels}
 
     def state_dict(self) -> dict:
         return {"position": self.position, "rank": self.rank, "seed": self.seed}

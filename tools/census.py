@@ -8,6 +8,7 @@ Census options (the rest are train/pretrain.py options; data.source defaults to 
     --steps N (4)             optimizer steps run: the first warms up, the last logs, those between are reported
     --width W (0)             encoder (and decoder, where the objective has one) width W at the model's depth
                               and heads: the same tensors and ops at negligible compute (0 = the model's own)
+    --micro M (0)             the ds_config's micro-batch set to M, its global batch to M x ranks (0 = as given)
     --baseline KIND (fused)   the baseline's AdamW: fused | foreach (torch's CUDA default) | none
     --deepspeed               also DeepSpeed's own engine training our objective with the same ds_config
                               (tools/deepspeed_step.py: the step before train/engine.py)
@@ -40,14 +41,14 @@ from train.cli import cli, pop_flags
 from train.config import ConfigError, PretrainConfig, encoder_img_size, help_text, parse_args, section, to_dict
 from train.counting import PHASES, Tally, counting
 
-CENSUS_FLAGS = {"--steps": int, "--width": int, "--baseline": str, "--deepspeed": None, "--host_time": int,
-                "--json": str}
+CENSUS_FLAGS = {"--steps": int, "--width": int, "--micro": int, "--baseline": str, "--deepspeed": None,
+                "--host_time": int, "--json": str}
 HOST_TIME_STEPS = 10
 
 
 def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
     """(census options, run options with data.source synthetic unless given)."""
-    opts = {"steps": 4, "width": 0, "baseline": "fused", "deepspeed": False, "host_time": 0, "json": ""}
+    opts = {"steps": 4, "width": 0, "micro": 0, "baseline": "fused", "deepspeed": False, "host_time": 0, "json": ""}
     found, rest = pop_flags(argv, CENSUS_FLAGS)
     opts.update(found)
     if opts["steps"] < 3:
@@ -56,17 +57,39 @@ def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
         raise ConfigError(f"--baseline takes fused, foreach or none, got {opts['baseline']!r}")
     if not any(a.startswith("--data.source") for a in rest):
         rest = ["--data.source", "synthetic", *rest]
+    if opts["micro"]:
+        rest = with_micro(rest, opts["micro"])
     return opts, rest
+
+
+def with_micro(argv: list[str], micro: int) -> list[str]:
+    """argv with --ds_config pointing at a copy of the file whose micro-batch is `micro` and global
+    batch micro x ranks (no accumulation), in a temporary folder."""
+    import os
+    import tempfile
+
+    from train.distributed import world_size_from_env
+
+    i = argv.index("--ds_config") + 1
+    ds = json.loads(Path(argv[i]).read_text())
+    ds = {k: v for k, v in ds.items() if k != "gradient_accumulation_steps"}
+    ds.update(train_micro_batch_size_per_gpu=micro, train_batch_size=micro * world_size_from_env())
+    folder = Path(tempfile.mkdtemp(prefix="census_"))
+    path = folder / f"{Path(argv[i]).stem}_micro{micro}_rank{os.environ.get('RANK', '0')}.json"
+    path.write_text(json.dumps(ds))
+    return [*argv[:i], str(path), *argv[i + 1:]]
 
 
 def narrowed(argv: list[str], width: int) -> tuple[PretrainConfig, dict]:
     """(the config of `argv`, with the objective's decoder at `width` where it has one; encoder
     overrides with embed_dim `width`); `width` 0 changes nothing."""
-    cfg = parse_args(argv)
+    from train.bench import NOT_READ
+
+    cfg = parse_args(argv, NOT_READ)
     if not width:
         return cfg, {}
     if any(f.name == "decoder_dim" for f in dataclasses.fields(section(cfg))):
-        cfg = parse_args([*argv, f"--{cfg.objective}.decoder_dim", str(width)])
+        cfg = parse_args([*argv, f"--{cfg.objective}.decoder_dim", str(width)], NOT_READ)
     return cfg, {"embed_dim": width}
 
 
@@ -193,8 +216,7 @@ def census(argv: list[str]) -> dict:
     from train.run_dir import git_commit
 
     opts, rest = split_argv(argv)
-    cfg, arch = narrowed([*rest, "--run.tensorboard", "false", "--run.progress", "false", "--run.export", "false"],
-                         opts["width"])
+    cfg, arch = narrowed(rest, opts["width"])
     ours, run_info = our_subject(cfg, arch, opts["steps"])
     device = torch.device(run_info["device"])
     subjects = [ours]
@@ -206,7 +228,8 @@ def census(argv: list[str]) -> dict:
         subjects.append(deepspeed_subject(cfg, arch, run_info, device))
     record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_commit(),
               "versions": versions(), "machine": torch.cuda.get_device_name() if device.type == "cuda" else cpu_name(),
-              "threads": torch.get_num_threads(), "argv": rest, "census": opts, "objective": cfg.objective,
+              "threads": torch.get_num_threads(), "command": " ".join(["python -m tools.census", *argv]),
+              "census": opts, "objective": cfg.objective,
               "model": cfg.model.name, "img_size": encoder_img_size(cfg), "arch_overrides": arch, **run_info,
               "counts": {s.name: count(s, opts["steps"]) for s in subjects}}
     if opts["host_time"]:

@@ -2,8 +2,8 @@
 kept as a baseline to measure the engine against (tools/census.py --deepspeed, the GPU kit's bench).
 
 The same objective, parameter groups, fused AdamW and schedule as train/build.py's, handed to
-`deepspeed.initialize` with the run's final ds_config (ZeRO stage, precision, buckets, clipping as
-DeepSpeed reads them). Its loop is the plain one: per micro-batch forward, engine.backward,
+`deepspeed.initialize` with the run's batch sizes, ZeRO stage, precision and clipping and the
+bucket settings the shipped files had for it (`old_defaults`). Its loop is the plain one: per micro-batch forward, engine.backward,
 engine.step; the objective's after-step hook after the last.
 """
 from __future__ import annotations
@@ -22,6 +22,21 @@ def no_phases(name: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def old_defaults(ds_config: dict) -> dict:
+    """`ds_config` with the DeepSpeed settings the shipped files carried for DeepSpeed's engine:
+    overlapped, bucketed gradient reduction (50M elements), contiguous gradients, its throughput
+    timer off."""
+    zero = {"stage": ds_config.get("zero_optimization", {}).get("stage", 0)}
+    if zero["stage"] in (1, 2):
+        zero.update(overlap_comm=True, contiguous_gradients=True, reduce_bucket_size=50_000_000,
+                    allgather_bucket_size=50_000_000)
+    elif zero["stage"] == 3:
+        zero.update(overlap_comm=True, contiguous_gradients=True, reduce_bucket_size=50_000_000,
+                    stage3_prefetch_bucket_size=50_000_000, stage3_param_persistence_threshold=100_000)
+    return {**{k: v for k, v in ds_config.items() if k != "activation_checkpointing"}, "zero_optimization": zero,
+            "wall_clock_breakdown": False, "timers": {"throughput": {"enabled": False}}, "steps_per_print": 10**9}
+
+
 class DeepSpeedStep:
     """One optimizer step of DeepSpeed's engine per call; `phase(name)` marks data, forward,
     backward, step and hook for the census."""
@@ -37,9 +52,8 @@ class DeepSpeedStep:
         groups, _ = build_param_groups(objective, cfg.optim.weight_decay, cfg.optim.layer_decay)
         optimizer = torch.optim.AdamW(groups, lr=0.0, betas=cfg.optim.betas, fused=True)
         schedule = WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, 1, 10**6)
-        ds = {k: v for k, v in ds_config.items() if k != "activation_checkpointing"}
         self.engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, lr_scheduler=schedule,
-                                                    config=ds)
+                                                    config=old_defaults(ds_config))
         self.dtype = (torch.bfloat16 if self.engine.bfloat16_enabled() else
                       torch.float16 if self.engine.fp16_enabled() else torch.float32)
         self.data, self.device = data, device

@@ -48,6 +48,15 @@ from train.gpus import current_gpu, gpu_named
 from train.loop import LoopSettings, LoopState, run
 from train.run_dir import REPO, git_commit
 
+# Run options a benchmark does not read (it times one window of --steps after --warmup, writes its
+# record to --out_dir and nothing else): refused when set (train/config.py check_read)
+NOT_READ = {
+    **{k: "a benchmark writes no run folder, only its record (--out_dir)" for k in (
+        "output_dir", "resume", "run.overwrite", "run.export", "run.tensorboard", "run.progress", "run.ckpt_every",
+        "run.keep_checkpoints", "run.keep_every_epochs", "run.vis_every")},
+    "run.max_steps": "it runs --warmup then --steps steps", "run.log_every": "it times one window of --steps",
+    "run.eval_every": "it evaluates nothing", "run.max_nonfinite_steps": "it does not stop on skipped steps",
+}
 BENCH_FLAGS = {"--steps": int, "--warmup": int, "--activation_checkpointing": str, "--gpu": str, "--out_dir": str,
                "--loader_only": None}
 
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None) -> Path:
         print(__doc__ + "\n" + help_text())
         raise SystemExit(0)
     opts, rest = split_argv(argv)
-    cfg = parse_args([*rest, "--run.tensorboard", "false", "--run.progress", "false", "--run.export", "false"])
+    cfg = parse_args(rest, NOT_READ)
     img_size = encoder_img_size(cfg)
     record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_commit(),
               "versions": versions(), "argv": rest, "bench": opts, "config": to_dict(cfg)}

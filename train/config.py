@@ -366,8 +366,70 @@ def help_text() -> str:
     return "\n".join(head + option_lines(sections))
 
 
-def parse_args(argv: list[str]) -> PretrainConfig:
-    """Parse `--key value` / `--key=value` pairs; `--local_rank` (added by the deepspeed launcher) is ignored."""
+def _shards(cfg: PretrainConfig) -> bool:
+    return cfg.data.source == "shards"
+
+
+def _eval(cfg: PretrainConfig) -> bool:
+    return bool(cfg.data.eval_index)
+
+
+SHARDS = "--data.source shards"
+# Options read only under a condition: option -> (the condition, what would read the option, whether
+# the condition is the data source). Objective sections are read by their objective only.
+READ_ONLY_WHEN: dict[str, tuple[Any, str, bool]] = {
+    **{f"data.{k}": (_shards, SHARDS, True) for k in (
+        "train_index", "label_key", "num_workers", "shuffle_buffer", "crop_scale_min", "decode",
+        "max_bad_fraction", "max_image_pixels", "verify_shards")},
+    "data.allow_pipe_urls": (lambda c: _shards(c) or _eval(c), f"{SHARDS} or --data.eval_index", True),
+    "data.randaug": (lambda c: _shards(c) and c.data.train_transform == "randaug",
+                     "--data.source shards with --data.train_transform randaug", True),
+    "data.reprob": (lambda c: _shards(c) and c.data.train_transform == "randaug",
+                    "--data.source shards with --data.train_transform randaug", True),
+    "data.num_crops": (lambda c: c.data.train_transform == "multicrop", "--data.train_transform multicrop", False),
+    "data.num_classes": (lambda c: c.data.source == "synthetic", "--data.source synthetic (shards carry their "
+                         "classes)", True),
+    "data.eval_crop_pct": (_eval, "--data.eval_index", False),
+    "run.eval_every": (_eval, "--data.eval_index", False),
+}
+IF_OBJECTIVE = "if_objective"  # a preset's sections applied only when the run's objective is theirs
+
+
+def check_read(cfg: PretrainConfig, origins: dict[str, str], entry_point_reads_not: dict[str, str]) -> None:
+    """Refuse an option set away from its default (on the command line or in a preset) that nothing
+    of this run would read: another objective's section, a data option of the other source or
+    transform, an option the entry point ignores. A preset may set options that depend on the data
+    source and stay unread when the command line picks the other source (it describes its recipe's
+    pipeline), and sections under "if_objective" (applied to their objective only)."""
+    default = PretrainConfig()
+    for key, origin in origins.items():
+        section, _, name = key.partition(".")
+        value = _get(cfg, key)
+        if value == _get(default, key):
+            continue
+        where = "on the command line" if origin == "command line" else f"by the preset {origin}"
+        if key in entry_point_reads_not:
+            raise ConfigError(f"--{key} (set {where}) is not read by this command: {entry_point_reads_not[key]}")
+        if section in cfg.sections and section != cfg.objective:
+            raise ConfigError(f"--{key} (set {where}) is read only by --objective {section}, and this run's "
+                              f"objective is {cfg.objective}: add --objective {section}, or drop the option")
+        if key in READ_ONLY_WHEN:
+            condition, reader, by_source = READ_ONLY_WHEN[key]
+            if not condition(cfg) and not (by_source and origin != "command line"):
+                raise ConfigError(f"--{key} (set {where}) is read only with {reader}, which this run does not "
+                                  f"have: add it, or drop the option")
+
+
+def _get(cfg: PretrainConfig, key: str) -> Any:
+    target = cfg
+    for part in key.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def parse_args(argv: list[str], entry_point_reads_not: dict[str, str] | None = None) -> PretrainConfig:
+    """Parse `--key value` / `--key=value` pairs; `--local_rank` (added by the deepspeed launcher) is
+    ignored. `entry_point_reads_not`: options the calling command does not read -> why (refused when set)."""
     pairs: list[tuple[str, str]] = []
     i = 0
     while i < len(argv):
@@ -385,15 +447,27 @@ def parse_args(argv: list[str]) -> PretrainConfig:
         if key != "local_rank":
             pairs.append((key, value))
     cfg, keys = PretrainConfig(), valid_keys()
+    origins: dict[str, str] = {}
+    conditional: list[tuple[str, dict]] = []  # (objective, its section) of presets' if_objective parts
     for key, value in pairs:
         if key == "config":
             preset = json.loads(Path(value).read_text())
+            for name, section in preset.pop(IF_OBJECTIVE, {}).items():
+                conditional.append((name, section))
             for k, v in _flatten(preset, keys).items():
                 _set(cfg, k, v, keys)
+                origins[k] = value
     for key, value in pairs:
         if key != "config":
             _set(cfg, key, value, keys)
+            origins[key] = "command line"
+    for name, section in conditional:  # the preset's defaults for that objective, under what the command line sets
+        if name == cfg.objective:
+            for k, v in _flatten({name: section}, keys).items():
+                if origins.get(k) != "command line":
+                    _set(cfg, k, v, keys)
     cfg.validate()
+    check_read(cfg, origins, entry_point_reads_not or {})
     return cfg
 
 

@@ -74,7 +74,7 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
     stage = zero_stage(ds)
     prec = precision(ds)
     run.lines.append(f"{world} x {gpu.name if gpu is not None else 'CPU'}: global batch {plan.global_batch} = micro {plan.micro} x accumulation "
-                     f"{plan.accum} x {world} ranks; {prec}; ZeRO {stage}; activation checkpointing "
+                     f"{plan.accum} x {world} ranks; {prec}; ZeRO {stage}; offload none; activation checkpointing "
                      f"{'on' if activation_checkpointing(ds) else 'off'}")
     if gpu is not None and cfg.model.attn_backend == "flash_attn" and not gpu.sm80:
         run.problems.append(f"model.attn_backend flash_attn needs an sm80+ GPU (FlashAttention-2); {gpu.name} has "

@@ -1,11 +1,14 @@
 """Load, check and complete a DeepSpeed JSON before any process group starts.
 
-The JSON owns batch sizes, precision, ZeRO stage and gradient clipping. Optimizer and
-scheduler come from the run options (one source of truth), so those DeepSpeed sections are
-rejected rather than silently overridden.
+The JSON owns batch sizes, precision, ZeRO stage and gradient clipping: what the engine reads
+(train/engine.py). Every other key is checked by train/ds_keys.py (typos, DeepSpeed's own
+validation of its sections, settings the engine does not implement). Optimizer and scheduler
+come from the run options (one source of truth), so those DeepSpeed sections are rejected rather
+than silently overridden.
 """
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +17,7 @@ import torch
 
 from train.config import ConfigError, PretrainConfig
 from train.device_checks import check_kernels, this_device
+from train.ds_keys import check_keys
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,12 @@ def activation_checkpointing(ds: dict) -> bool:
     section = ds.get("activation_checkpointing")
     if section is None:
         return False
+    for key in section:
+        if key not in UNSUPPORTED_CHECKPOINTING + ("number_checkpoints",):
+            close = difflib.get_close_matches(key, UNSUPPORTED_CHECKPOINTING + ("number_checkpoints",), n=1)
+            raise ConfigError(f"ds_config activation_checkpointing.{key} is not a DeepSpeed setting"
+                              f"{f'; did you mean {close[0]!r}?' if close else ''} (the section's presence switches "
+                              f"recomputation on: an empty section {{}} is enough)")
     on = [k for k in UNSUPPORTED_CHECKPOINTING if section.get(k)]
     if on or section.get("number_checkpoints"):
         raise ConfigError(f"ds_config activation_checkpointing sets {on or ['number_checkpoints']}, which apply to "
@@ -111,6 +121,9 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
     for section, owner in (("optimizer", "--optim.*"), ("scheduler", "--optim.* (warmup + cosine)")):
         if section in ds:
             raise ConfigError(f"ds_config has an '{section}' section; it is set by {owner}. Remove it from the JSON")
+    if isinstance(ds.get("zero_optimization"), dict) and zero_stage(ds) not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_optimization.stage must be 0-3, got {zero_stage(ds)}")
+    check_keys(ds)  # every key takes effect or is refused (train/ds_keys.py)
     if "gradient_clipping" not in ds:
         raise ConfigError(
             "ds_config must state gradient_clipping explicitly (0.0 for the MAE recipe): DeepSpeed >= 0.19.3 "
@@ -157,8 +170,4 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
         train_micro_batch_size_per_gpu=plan.micro,
         gradient_accumulation_steps=plan.accum,
     )
-    final.setdefault("steps_per_print", 10**9)  # our own logger reports progress
-    # DeepSpeed's throughput timer, on by default, synchronizes the device twice per micro-batch
-    # (deepspeed/utils/timer.py); the loop measures throughput itself at log steps
-    final.setdefault("timers", {"throughput": {"enabled": False}})
     return final, plan

@@ -192,14 +192,16 @@ class Trainer:
         cfg, checked, plan = self.cfg, self.checked, self.checked.plan
         write_run_files(self.run_dir, to_dict(cfg), checked.ds_config, {
             "world_size": self.world, "device": str(self.device), "precision": str(self.dtype).removeprefix("torch."),
+            "zero_stage": self.engine.stage, "offload": "none",
             "batch": asdict(plan) | {"global": plan.global_batch}, "peak_lr": self.peak_lr,
             "steps_per_epoch": checked.per_epoch, "total_steps": checked.total_steps,
             "accelerators": describe_accelerators(), "attention_backend": backend, "attention_paths": attention_paths,
             "param_split": param_split, "code": code_version.describe(),  # which code ran (a submit.py snapshot?)
         })
-        log.info("world %d on %s, %s, global batch %d = %d x %d x %d, peak lr %.3g, %d steps (%d/epoch)",
-                 self.world, self.device, self.dtype, plan.global_batch, plan.micro, plan.accum, self.world,
-                 self.peak_lr, checked.total_steps, checked.per_epoch)
+        log.info("world %d on %s, %s, ZeRO stage %d, offload none, global batch %d = %d x %d x %d, peak lr %.3g, "
+                 "%d steps (%d/epoch)", self.world, self.device, str(self.dtype).removeprefix("torch."),
+                 self.engine.stage, plan.global_batch, plan.micro, plan.accum, self.world, self.peak_lr,
+                 checked.total_steps, checked.per_epoch)
         log.info("attention: %s", "; ".join(f"{kind}: {path}" for kind, path in attention_paths.items()))
         log.info("weight decay on %d tensors (%d params), none on %d tensors (%d params)",
                  param_split["decay_tensors"], param_split["decay_params"], param_split["no_decay_tensors"],

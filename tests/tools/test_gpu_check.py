@@ -26,10 +26,10 @@ def records(tmp_path_factory):
     return {"files": files, **jsons}
 
 
-def test_one_json_per_phase_and_one_log_at_most_eight_files(records):
+def test_one_json_per_phase_one_log_one_trace_at_most_eight_files(records):
     files = records["files"]
-    assert len(files) == len(PHASES) + 1 <= 8  # what comes back from the device: 8 files at most
-    assert sum(f.endswith(".log") for f in files) == 1
+    assert len(files) == len(PHASES) + 2 <= 8  # what comes back from the device: 8 files at most
+    assert sum(f.endswith(".log") for f in files) == 1 and sum(f.endswith("_trace.json.gz") for f in files) == 1
     for phase in PHASES:
         r = records[phase]
         assert r["mode"] == "smoke" and r["commit"] and r["versions"]["torch"] == torch.__version__
@@ -67,6 +67,21 @@ def test_bench_phase_alternates_ours_and_the_baseline_and_reports_their_ratio(re
         items["debug_ours_activation_checkpointing"]["images_per_s"] / row["ours_images_per_s"])
     assert "CUDA" in items["debug_largest_micro"]["skipped"] and "GPU" in items["debug_ours_compile"]["skipped"]
     assert items["debug_baseline_r0"]["dtype"] == "float32" and row["tflops_per_gpu"] > 0
+
+
+def test_bench_phase_attributes_each_variant_of_the_step(records):
+    items, rows = records["bench"]["items"], records["bench"]["summary"]["attribution"]
+    assert set(rows) == {"ours_micro8", "baseline_micro8"}
+    for name in rows:
+        r = items[f"attribution_{name}"]
+        assert r["steps"] == 2 and r["micro_batch"] == 8 and r["kernels_per_step"] > 100
+        assert 0 < r["host_ms_per_step"] <= r["wall_ms_per_step"] * 1.01
+        assert set(r["host_ms_per_phase"]) >= {"data", "forward", "backward", "step"}
+        assert 0 < len(r["top_kernels"]) <= 15 and r["top_kernels"][0]["ms"] >= r["top_kernels"][-1]["ms"]
+        assert r["device_busy_fraction"] is None  # measured on a GPU only
+    trace = items["attribution_ours_micro8"]["trace"]
+    assert trace["written"] and trace["file"] in records["files"] and trace["bytes"] < 16 * 2**20
+    assert "GPU only" in items["attribution_deepspeed_old_defaults_micro8"]["skipped"]
 
 
 def test_methods_phase_reports_every_step_ratio_from_its_own_timings(records):

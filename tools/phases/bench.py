@@ -1,9 +1,15 @@
 """Phase `bench`: MAE ViT-B/L, ours (train/bench.py) alternating with the plain-PyTorch baseline
 (tools/mae_baseline.py); MFU, peak memory vs the dry run, activation checkpointing, the largest
-micro-batch, compile."""
+micro-batch, compile; then the attribution of each variant of the step (tools/profile_step.py:
+device busy fraction, kernels per step, the kernels with the most time, host time per step, the
+longest idle gaps): the engine against DeepSpeed's with the settings it shipped before
+(tools/deepspeed_step.py), micro-batches 128 / 256 / 512, run.compile off and on, and the baseline; one
+gzipped trace of the engine's step."""
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -117,6 +123,67 @@ def run(check: Check, a) -> None:
             if "images_per_s" in v and summary.get(key, {}).get("ours_images_per_s"):
                 summary[key][f"{variant}_over_eager"] = v["images_per_s"] / summary[key]["ours_images_per_s"]
     check.save()
+    attribution_items(check)
+
+def attribution_items(check: Check) -> None:
+    """The profiled variants (module docstring), each an item with its tools/profile_step.py summary."""
+    from tools import census
+    from tools.profile_step import attribution
+
+    if check.cuda:
+        model, micros, steps = ["--model.name", "vit_base_patch16"], (128, 256, 512), 5
+        traced = 256
+    else:
+        model, micros, steps = ["--config", str(DEBUG_PRESET)], (8,), 2
+        traced = 8
+
+    def argv(micro: int, *extra: str) -> list[str]:
+        return ["--ds_config", str(ds_config(check, f"attribution_{micro}", micro)), *model, "--data.source",
+                "synthetic", *extra]
+
+    def profiled(subject_of, micro: int, trace: bool = False) -> dict:
+        cfg, arch = census.narrowed(argv(micro), 0)
+        subject = subject_of(cfg, arch, micro)
+        trace_path = check.path.with_name(check.path.stem + "_trace.json.gz") if trace else None
+        try:
+            return {"micro_batch": micro, **attribution(subject, steps, check.device, trace_path)}
+        finally:
+            del subject
+            free_memory()
+
+    def ours(cfg, arch, micro):
+        return census.our_subject(cfg, arch, steps)[0]
+
+    def baseline(cfg, arch, micro):
+        dtype = torch.bfloat16 if check.cuda else torch.float32
+        return census.baseline_subject(cfg, arch, micro, dtype, check.device, fused=True)
+
+    def deepspeed(cfg, arch, micro):
+        ds = json.loads(Path(cfg.ds_config).read_text())  # tools/deepspeed_step.py adds DeepSpeed's old settings
+        ds.update(gradient_accumulation_steps=1)
+        info = {"ds_config": ds, "batch": {"micro": micro, "accum": 1, "world": 1}, "peak_lr": 1e-4}
+        return census.deepspeed_subject(cfg, arch, info, check.device)
+
+    for micro in micros:
+        check.item(f"attribution_ours_micro{micro}", 60, lambda: profiled(ours, micro, trace=micro == traced))
+    first = micros[0]
+    check.item(f"attribution_baseline_micro{first}", 45, lambda: profiled(baseline, first))
+    if check.cuda:
+        check.item(f"attribution_deepspeed_old_defaults_micro{first}", 90, lambda: profiled(deepspeed, first))
+        check.item(f"attribution_ours_compile_micro{traced}", 180, lambda: profiled(
+            lambda cfg, arch, m: census.our_subject(census.narrowed(argv(m, "--run.compile", "true"), 0)[0], arch,
+                                                    steps)[0], traced))
+    else:
+        check.skip(f"attribution_deepspeed_old_defaults_micro{first}",
+                   "DeepSpeed's engine on the CPU first compiles its shared-memory collectives (minutes): GPU only")
+        check.skip(f"attribution_ours_compile_micro{traced}", "torch.compile is measured on the GPU only (CPU smoke)")
+    rows = {name.removeprefix("attribution_"): {k: v.get(k) for k in ("micro_batch", "wall_ms_per_step",
+                                                                      "host_ms_per_step", "device_busy_fraction",
+                                                                      "kernels_per_step")}
+            for name, v in check.record["items"].items() if name.startswith("attribution_") and "steps" in v}
+    check.record["summary"]["attribution"] = rows
+    check.save()
+
 
 def largest_micro(check: Check, key: str, model: str, micro: int, summary: dict) -> dict:
     """Peak memory at 2x the micro-batch beside the eager run's gives the per-sample slope; the
