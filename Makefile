@@ -1,6 +1,6 @@
-# `make test` and `make demo` do all set-up on a fresh machine: a virtual env in .venv with the
-# dependencies (pyproject.toml installs no packages: the code runs from this folder, `python -m ...`),
-# then the suite / the demo run.
+# `make test` and `make demo` do all set-up on a fresh machine, without root: a virtual env in .venv
+# with the dependencies (pyproject.toml installs no packages: the code runs from this folder,
+# `python -m ...`), then the suite / the demo run. Nothing is installed outside the venv.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 #   rm -rf .venv && make install TORCH_INDEX=https://download.pytorch.org/whl/cu126
 TORCH_INDEX ?=
 
-.PHONY: install test demo study study-full clean kernel-sweep slurm gpu-wheels gpu-smoke
+.PHONY: install test demo fashion-mnist study study-full clean kernel-sweep slurm gpu-wheels gpu-smoke
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,20 +25,27 @@ endif
 
 install: $(STAMP)
 
-test: $(STAMP) slurm
+# The suite. The real-Slurm tests (tests/launchers/test_real_slurm.py) need Debian's slurm-wlm and
+# munge, which CI (.ci/run) installs; elsewhere they skip, saying why (optional: `make slurm`).
+test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
-FASHION_MNIST := /usr/share/datasets/fashion-mnist
-
 # Fashion-MNIST shards -> MAE pretraining of the mini ViT on CPU -> kNN / linear probe vs random
-# init (experiments/fashion_mnist/demo.py). Installs the Debian data package when it is missing and we are root.
-demo: $(STAMP) $(FASHION_MNIST)
+# init (experiments/fashion_mnist/demo.py). The idx files come from Debian's dataset-fashion-mnist
+# (/usr/share/datasets/fashion-mnist) when it is installed, else from runs/fashion-mnist, where they
+# are downloaded from Zalando's published location and checked when missing (data/fashion_mnist.py).
+demo: $(STAMP)
 	$(PY) -m experiments.fashion_mnist.demo
+
+# The Fashion-MNIST shards the demo and the studies share (runs/shards/fashion_mnist), written once
+# from the idx files found or downloaded as for the demo.
+fashion-mnist: $(STAMP)
+	$(PY) -c "from experiments.fashion_mnist.common import fashion_mnist_shards; fashion_mnist_shards()"
 
 # The quick study: every method on Fashion-MNIST with a third of an epoch, 2 seeds, kNN / linear probe /
 # fine-tuning -> docs/RESULTS_quick.md + docs/figures/quick/ (experiments/fashion_mnist/study.py; about
 # 90 min on 2 CPU cores). Reruns skip finished runs.
-study: $(STAMP) $(FASHION_MNIST)
+study: $(STAMP) fashion-mnist
 	$(PY) -m pip install -q -e ".[study]"
 	$(PY) -m experiments.fashion_mnist.study
 
@@ -48,21 +55,21 @@ study: $(STAMP) $(FASHION_MNIST)
 # on 2 CPU cores (README): stop it any time (Ctrl-C) and run it again to resume.
 STUDY_SEEDS ?= 0,1
 STUDY_JOBS ?= 2
-study-full: $(STAMP) $(FASHION_MNIST)
+study-full: $(STAMP) fashion-mnist
 	$(PY) -m pip install -q -e ".[study]"
 	$(PY) -m experiments.fashion_mnist.study --preset full --jobs $(STUDY_JOBS) --seeds $(STUDY_SEEDS)
 	$(PY) -m experiments.fashion_mnist.study --preset ablation --jobs $(STUDY_JOBS) --seeds $(STUDY_SEEDS)
 	$(PY) -m experiments.fashion_mnist.report --preset full
 
 # Compile the fused Triton kernels for sm_80 and sm_90 at every shape x dtype x mode, no GPU needed
-# (kernels/compile_check.py, about 15 min on 2 cores): shared memory, registers, spills ->
+# (kernels/compile_check.py): shared memory, registers, spills ->
 # docs/kernel_sweep.md and .json, the table in docs/KERNELS.md. `make test` compiles a subset.
 kernel-sweep: $(STAMP)
 	$(PY) -m kernels.compile_check --sweep full --json docs/kernel_sweep.json --markdown docs/kernel_sweep.md
 
-# cp312 wheels of what the lent GPU machine lacks (Python 3.12, torch 2.11; no network there), at
-# the versions this venv runs, into the git-ignored .whl/ (~5 MB) for the device tool's `carry`;
-# there: pip install --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD
+# cp312 wheels of what a GPU machine without network access lacks (Python 3.12, torch 2.11 there), at
+# the versions this venv runs, into the git-ignored .whl/ (~5 MB), copied there with the code; there:
+# pip install --no-index --no-deps --target SITE .whl/*.whl; PYTHONPATH=SITE:$PWD
 GPU_WHEELS := deepspeed pydantic pydantic-core annotated-types typing-inspection webdataset braceexpand hjson
 gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl/src
@@ -79,26 +86,14 @@ gpu-wheels: $(STAMP)
 gpu-smoke: $(STAMP)
 	$(PY) -m tools.gpu_check tests bench methods loader study --smoke --out runs/gpu_smoke
 
-$(FASHION_MNIST):
-	@if [ "$$(id -u)" = 0 ]; then \
-		apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; \
-	else \
-		echo "Fashion-MNIST is missing: run 'sudo apt-get install dataset-fashion-mnist', then 'make demo' again"; \
-		exit 1; \
-	fi
-
-# Debian's Slurm and munge for tests/launchers/test_real_slurm.py, which starts a one-node cluster on
-# localhost. Installed only as root and only when missing; a failed install only makes those tests
-# skip, saying why.
+# Optional, for developers (no target depends on it): Debian's Slurm and munge, with which `make test`
+# also runs tests/launchers/test_real_slurm.py (a one-node cluster on localhost, run as root). As root
+# (sudo make slurm); CI's .ci/run installs the same before `make test`.
 slurm:
-	@if [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] && [ -x /usr/sbin/munged ]; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing slurm-wlm and munge for the real-Slurm tests"; \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-			slurm-wlm munge >/dev/null) || echo "could not install slurm-wlm and munge: the real-Slurm tests will skip"; \
-	else \
-		echo "slurm-wlm and munge are missing (root installs them: make slurm): the real-Slurm tests will skip"; \
-	fi
+	@if [ "$$(id -u)" != 0 ]; then echo "make slurm installs Debian packages: run it as root (sudo make slurm)"; exit 1; fi
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge
 
+# Also removes runs/fashion-mnist, the downloaded idx files.
 clean:
 	rm -rf $(VENV) runs .pytest_cache

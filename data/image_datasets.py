@@ -55,10 +55,18 @@ def folder_classes(src: Path) -> list[str]:
     return classes
 
 
-def list_imagefolder(src: Path, classes: list[str] | None = None) -> tuple[list[str], list[ImageFile]]:
-    """Every file under SRC/<class>/ with its class index; `classes` (default: the folder's own,
-    sorted) fixes the indices, and a sub-folder outside it is an error. Files are checked when
-    their shard is written."""
+def is_image_name(path: Path) -> bool:
+    """A file name of a format PIL opens (.jpg, .png, .webp, .tif, ...); README.txt, .DS_Store and
+    the like are not images (torchvision's ImageFolder skips them the same way)."""
+    return path.suffix.lower() in {ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN}
+
+
+def list_imagefolder(src: Path, classes: list[str] | None = None,
+                     ignored: list[Path] | None = None) -> tuple[list[str], list[ImageFile]]:
+    """Every image file under SRC/<class>/ with its class index; `classes` (default: the folder's own,
+    sorted) fixes the indices, and a sub-folder outside it is an error. Files whose names are no
+    image format's are left out (and appended to `ignored`); images are checked when their shard
+    is written."""
     present = folder_classes(src)
     classes = present if classes is None else classes
     unknown = sorted(set(present) - set(classes))
@@ -66,11 +74,16 @@ def list_imagefolder(src: Path, classes: list[str] | None = None) -> tuple[list[
         raise ShardError(f"{len(unknown)} class folder(s) of {src} are not among the {len(classes)} classes "
                          f"given ({classes[0]} ... {classes[-1]}), e.g. {unknown[:5]}: they have no "
                          f"class index")
-    empty = [c for c in present if not any(f.is_file() for f in (src / c).rglob("*"))]
+    listed = {c: sorted(p for p in (src / c).rglob("*") if p.is_file()) for c in present}
+    if ignored is not None:
+        ignored += [f for c in present for f in listed[c] if not is_image_name(f)]
+    listed = {c: [f for f in files if is_image_name(f)] for c, files in listed.items()}
+    empty = [c for c in present if not listed[c]]
     if empty:
-        raise ShardError(f"{len(empty)} empty class folder(s) in {src}: {empty[:10]}; remove them or add images")
+        raise ShardError(f"{len(empty)} class folder(s) of {src} hold no image files: {empty[:10]}; remove them or "
+                         f"add images")
     index = {c: i for i, c in enumerate(classes)}
-    files = [ImageFile(f, index[c]) for c in present for f in sorted(p for p in (src / c).rglob("*") if p.is_file())]
+    files = [ImageFile(f, index[c]) for c in present for f in listed[c]]
     return classes, files
 
 

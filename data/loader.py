@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from data.faults import ERROR_KINDS, CorruptDataError, padded
+from data.faults import ERROR_KINDS, CorruptDataError, padded, verify_hint
 from data.image_modes import CONVERTED_KINDS
 from data.reshard import ReaderLayout, consumed
 from data.shards import DEFAULT_MAX_IMAGE_PIXELS, ShardSet, ShardStream, StreamStart, check_split, shards_for
@@ -195,6 +195,21 @@ class ShardLoader:
         skipped = {f"data_skipped_{k}": int(v) for k, v in zip(ERROR_KINDS, self._skipped().tolist(), strict=True)}
         converted = zip(CONVERTED_KINDS, self._converted().tolist(), strict=True)
         return {**skipped, **{f"data_converted_{k}": int(v) for k, v in converted}}
+
+    def check_unusable(self, counters: dict[str, int]) -> None:
+        """The give-up rule over the whole run so far, for `counters` summed over every rank (the
+        loop's read at a run's last step): each reader applies it only once it has seen a shard's
+        worth of samples, which a short run may never reach. Raises CorruptDataError."""
+        bad = sum(v for k, v in counters.items() if k.startswith("data_skipped_"))
+        examined = self.batches * self.batch_size * self.world + bad
+        if bad and bad > self.max_bad_fraction * examined:
+            raise CorruptDataError(
+                f"{bad} of {examined} samples read were unusable ({bad / examined:.1%}), above data.max_bad_fraction "
+                f"{self.max_bad_fraction:g} (by kind: " + ", ".join(
+                    f"{k.removeprefix('data_skipped_')} {v}" for k, v in counters.items()
+                    if k.startswith("data_skipped_") and v) + "). Fix or rewrite the shards (data/write_shards.py; "
+                f"--skip_bad leaves unreadable files out), or raise data.max_bad_fraction (1.0 disables this check). "
+                + verify_hint(self.shards.index))
 
     def state_dict(self) -> dict:
         return {"batches": self.batches, "last": [list(p) for p in self.last], "errors": self._skipped().tolist(),

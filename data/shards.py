@@ -143,6 +143,11 @@ class ShardSet:
         """Raises FileNotFoundError for a missing index or shard file, ShardIndexError for an index
         that cannot feed training (no shards, empty shards, malformed entries, refused URLs)."""
         path = Path(path)
+        if path.is_dir():
+            found = sorted(p.name for p in path.glob("*.json"))
+            hint = f" (it holds {', '.join(found[:3])})" if found else ""
+            raise FileNotFoundError(f"shard index {path} is a folder{hint}: give the index file itself, the "
+                                    f"<name>.json that data/write_shards.py or data/index_shards.py wrote into it")
         if not path.is_file():
             raise FileNotFoundError(f"shard index {path} not found; write shards with data/write_shards.py")
         index = json.loads(path.read_text())
@@ -207,9 +212,13 @@ def check_split(shards: ShardSet, world: int, num_workers: int) -> None:
         raise ValueError(f"data.num_workers must be >= 0, or -1 for auto, got {num_workers}")
     readers = world * max(1, num_workers)
     if len(shards.files) < readers:
+        fewer = (f", or use fewer workers (--data.num_workers {len(shards.files) // world})"
+                 if num_workers > 1 and len(shards.files) >= world else "")
+        what = f"{world} ranks x {num_workers} workers" if num_workers > 0 else \
+            f"{world} ranks (each reads in its own process with --data.num_workers 0)"
         raise ValueError(
-            f"{len(shards.files)} shards cannot feed {world} ranks x {max(1, num_workers)} workers = {readers} "
-            f"readers; write at least {readers} shards (--samples_per_shard smaller) or use fewer workers"
+            f"{len(shards.files)} shards cannot feed {what} = {readers} readers: each reads whole shards. Write "
+            f"at least {readers} shards (data/write_shards.py with a smaller --samples_per_shard){fewer}"
         )
 
 

@@ -159,7 +159,7 @@ class PretrainTransform:
 
 
 class MultiCropTransform:
-    """MAE+ multi-crop tokenization (METHODS.md section 2): `num_crops` independent
+    """MAE+ multi-crop tokenization (AdPE, Wang et al. 2023, arXiv:2303.07598, section 3.2): `num_crops` independent
     RandomResizedCrop(size, scale (0.08, 1), bicubic) + flip views of one image -> (k, 3, size, size)
     uint8. Crop c of a sample uses its own seed derived from (sample seed, c); the image is decoded
     once (with cpu_draft, at the reduction the smallest crop allows)."""

@@ -2,7 +2,7 @@
 
     python -m data.write_shards imagefolder SRC_DIR OUT_DIR --name train [--samples_per_shard 1000]
     python -m data.write_shards imagenet ROOT OUT_DIR [--split train|val|both] [--val_labels LOC_val_solution.csv]
-    python -m data.write_shards fashion-mnist OUT_DIR [--src /usr/share/datasets/fashion-mnist]
+    python -m data.write_shards fashion-mnist OUT_DIR [--src IDX_DIR]
 
 Each sample is `<key>.jpg` or `<key>.png` (the original encoded bytes; other decodable formats
 are re-encoded to PNG) plus `<key>.cls` (the class index as text). Samples are shuffled with a
@@ -17,6 +17,9 @@ mode, so the shards and the index are byte-identical for the same input and seed
 Shards are written under temporary names and renamed when all are complete; the index comes last.
 
 The datasets are listed (layouts and labels checked) by data/image_datasets.py.
+Fashion-MNIST (`fashion-mnist OUT_DIR`): the four idx files in --src, or without it in the folder
+data/fashion_mnist.py finds (Debian's package, else runs/fashion-mnist), downloaded and checked
+there when missing.
 ImageNet (`imagenet ROOT`): `ROOT/train/<wnid>/*.JPEG`, and `ROOT/val/<wnid>/*.JPEG` or a flat
 `ROOT/val/*.JPEG` labelled by the Kaggle release's LOC_val_solution.csv (ImageId, PredictionString
 starting with the wnid; found in ROOT or up to three folders above, or given by --val_labels).
@@ -47,9 +50,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import webdataset as wds
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
+from data.fashion_mnist import CACHE, find_or_download
 from data.faults import Tally
+from data.folders import unwritable
 from data.image_datasets import (
     FASHION_MNIST_CLASSES,
     FASHION_MNIST_DIR,
@@ -69,7 +74,11 @@ TAR_MTIME = 0  # webdataset's TarWriter stamps members with time.time() unless t
 def encode_image_file(path: Path) -> tuple[bytes, str]:
     """Read a file and check that it decodes; JPEG/PNG bytes are kept as they are."""
     data = path.read_bytes()
-    with Image.open(io.BytesIO(data)) as img:
+    try:
+        opened = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:  # its message would name the in-memory buffer, not the file
+        raise UnidentifiedImageError("not an image: no format PIL reads recognises its bytes") from None
+    with opened as img:
         img.load()  # full decode: truncated files fail here, not at training time
         fmt = img.format
         if fmt == "JPEG":
@@ -96,13 +105,20 @@ def write_one_shard(job: ShardJob) -> tuple[int, Tally]:
                 try:
                     data, ext = encode_image_file(smp.path)
                 except OSError as e:  # PIL raises OSError subclasses for undecodable data too
-                    rejected.add(smp.path, f"{type(e).__name__}: {e}")
+                    rejected.add(smp.path, f"{type(e).__name__}: {e}")  # named by its path
                     continue
             else:
                 data, ext = smp.data, smp.ext
             sink.write({"__key__": key, ext: data, "cls": str(smp.label).encode()})
             written += 1
     return written, rejected
+
+
+def check_output_folder(out: Path) -> None:
+    """Before any file is read or written: the output folder can be written."""
+    problem = unwritable(out)
+    if problem:
+        raise ShardError(f"output folder {out} {problem}")
 
 
 def default_workers() -> int:
@@ -185,9 +201,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     imagenet.add_argument("--classes_from", type=Path, default=None,
                           help="the class list: a folder of <wnid> folders or a shard index (e.g. an earlier "
                                "train.json) (default: ROOT/train)")
-    fm = sub.add_parser("fashion-mnist", help="the idx files of the Debian package dataset-fashion-mnist")
+    fm = sub.add_parser("fashion-mnist",
+                        help="Fashion-MNIST's four idx files (found or downloaded: data/fashion_mnist.py)")
     fm.add_argument("out", type=Path, help="output folder of train.json / test.json and their shards")
-    fm.add_argument("--src", type=Path, default=FASHION_MNIST_DIR, help="the idx files (default %(default)s)")
+    fm.add_argument("--src", type=Path, default=None,
+                    help=f"the folder of the idx files (default: {FASHION_MNIST_DIR}, Debian's dataset-fashion-mnist, "
+                         f"else {CACHE}, downloaded there and checked when missing)")
     for p in (folder, imagenet):
         p.add_argument("--skip_bad", action="store_true", help="write the readable files, record the rest")
     for p in (folder, imagenet, fm):
@@ -202,20 +221,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     indexes = []
     try:
         start = time.perf_counter()
+        check_output_folder(args.out)
+        ignored: list[Path] = []
         if args.kind == "imagefolder":
-            classes, files = list_imagefolder(args.src)
+            classes, files = list_imagefolder(args.src, ignored=ignored)
             indexes.append(write_shards(files, args.out, args.name, classes, skip_bad=args.skip_bad, **opts))
         elif args.kind == "imagenet":
             classes = imagenet_classes(args.root, args.classes_from)
             # val is listed (its labels checked) first: a val/ that cannot be labelled fails before train is written
             val = imagenet_val(args.root / "val", classes, args.val_labels, args.root) if args.split != "train" else []
             if args.split != "val":
-                train = list_imagefolder(args.root / "train", classes)[1]
+                train = list_imagefolder(args.root / "train", classes, ignored)[1]
                 indexes.append(write_shards(train, args.out, "train", classes, skip_bad=args.skip_bad, **opts))
             if val:
                 indexes.append(write_shards(val, args.out, "val", classes, skip_bad=args.skip_bad, **opts))
         else:
-            indexes = [write_shards(fashion_mnist_samples(args.src, split), args.out, split, FASHION_MNIST_CLASSES,
+            src = args.src if args.src is not None else find_or_download()
+            indexes = [write_shards(fashion_mnist_samples(src, split), args.out, split, FASHION_MNIST_CLASSES,
                                     **opts) for split in ("train", "test")]
         seconds = time.perf_counter() - start
     except ShardError as e:
@@ -224,6 +246,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for idx in indexes:
         print(f"{idx['name']}: {idx['num_samples']} samples in {len(idx['shards'])} shards ({idx['pattern']}), "
               f"{idx['rejected']['count']} rejected")
+    if ignored:
+        print(f"{len(ignored)} file(s) left out, their names being no image format's, e.g. "
+              f"{', '.join(str(f) for f in ignored[:3])}")
     total = sum(idx["num_samples"] + idx["rejected"]["count"] for idx in indexes)
     print(f"{total} samples read and written in {seconds:.1f} s ({total / seconds:.0f}/s, {workers} worker(s))")
     return indexes

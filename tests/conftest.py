@@ -106,6 +106,15 @@ def image_folder(tmp_path):
     return root
 
 
+@pytest.fixture
+def rgb_shards(tmp_path, image_folder):
+    """image_folder written as 6 RGB shards of 4 samples; the index's path."""
+    from data.write_shards import main as write_shards
+
+    [index] = write_shards(["imagefolder", str(image_folder), str(tmp_path / "shards"), "--samples_per_shard", "4"])
+    return tmp_path / "shards" / f"{index['name']}.json"
+
+
 # A fake ImageNet (tests/data/test_write_shards.py, tests/test_readme_commands.py): wnids created out of
 # order, so that sorting them (timm / torchvision's class order) matters
 WNIDS = ["n02102040", "n01440764", "n01443537"]

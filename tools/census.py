@@ -109,7 +109,10 @@ def our_subject(cfg: PretrainConfig, arch: dict, steps: int) -> tuple[Subject, d
     from train.ds_config import resolve
     from train.loop import LoopSettings, LoopState, run
 
-    ds_config, plan = resolve(cfg, distributed.world_size_from_env())
+    cuda = torch.cuda.is_available()
+    # on CPU the census counts a GPU's configuration as if the machine had one (fp16 included)
+    ds_config, plan = resolve(cfg, distributed.world_size_from_env(), cuda=True if not cuda else None,
+                              bf16_ok=True if not cuda else None)
     rank, world, device = distributed.init()
     _, total, warmup = schedule_steps(cfg, plan)
     engine, objective, _ = build_engine(cfg, ds_config, device, peak_lr(cfg, plan), warmup, total, arch)

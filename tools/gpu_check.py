@@ -1,5 +1,6 @@
-"""GPU validation kit (issue 20): one phase of measurements per call, run from the repo root on a
-lent GPU machine, one compact JSON (+ one log per call) into $OUT when set, else benchmarks/results/.
+"""GPU validation kit: one or several phases of measurements per call, run from the repository root
+on a GPU machine, one compact JSON per phase (+ one log per call) into --out (else the folder the OUT
+environment variable names, else benchmarks/results/). How to install and run it: docs/GPU.md.
 
     python -m tools.gpu_check PHASE [PHASE ...] [--budget_s 480] [--smoke] [--out DIR]
 
@@ -20,8 +21,8 @@ Phases (tools/phases/, one module each; each reuses the project's own entry poin
 needs CUDA is skipped with the reason in the JSON. Without CUDA and without --smoke: exit 2.
 --budget_s: wall-clock seconds for the whole call; an item whose estimate no longer fits is
 recorded as skipped, and the JSON is rewritten after every item, so a killed call still leaves
-what it measured. Installs nothing: the device command puts the carried wheels on PYTHONPATH
-(README, "GPU validation"). The commit is $GPU_CHECK_COMMIT, else git's, else "unknown".
+what it measured. Installs nothing (docs/GPU.md: online, or offline from `make gpu-wheels`). The
+commit is $GPU_CHECK_COMMIT, else git's, else "unknown".
 """
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     p.add_argument("phases", nargs="+", choices=PHASES)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny models, few steps (the test suite's mode)")
     p.add_argument("--budget_s", type=float, default=480.0, help="seconds for the whole call (default 8 min)")
-    p.add_argument("--out", type=Path, default=None, help="default: $OUT, else benchmarks/results")
+    p.add_argument("--out", type=Path, default=None, help="default: the folder in the OUT environment variable, else benchmarks/results")
     p.add_argument("--fashion_mnist", type=Path, default=None,
                    help="study: folder of the Fashion-MNIST idx files (default: runs/fashion-mnist, then "
                         "/usr/share/datasets/fashion-mnist)")

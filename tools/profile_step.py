@@ -11,6 +11,9 @@ Subject under the profiler, each phase of a step (data, forward, backward, step,
   top_kernels          the 15 with the most device time (CPU: self CPU time): name, ms, count
   longest_gaps         the 5 longest stretches with no device activity (CUDA), with the kernels
                        on either side
+  cuda_syncs_per_step  the host-device syncs PyTorch reports in the steps, with where the first
+                       ones came from (CUDA: torch.cuda.set_sync_debug_mode("warn"), one more run
+                       of `steps` steps, unprofiled)
 and, when `trace` is given, writes the Chrome trace gzipped there if it stays under 16 MiB.
 """
 from __future__ import annotations
@@ -94,7 +97,26 @@ def attribution(subject, steps: int, device: torch.device, trace: Path | None = 
                           for name, (us, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:15]]
     if trace is not None:
         out["trace"] = _write_trace(prof, trace)
+    if cuda:
+        out.update(cuda_syncs(subject, steps))
     return out
+
+
+def cuda_syncs(subject, steps: int) -> dict:
+    """Syncs PyTorch's sync debug mode reports while `subject` runs `steps` steps (one log read
+    among them: the loop's window at the last step)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            subject.run(lambda name: contextlib.nullcontext(), steps)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message)]
+    return {"cuda_syncs_per_step": len(syncs) / steps, "cuda_sync_examples": syncs[:5]}
 
 
 def _write_trace(prof, path: Path) -> dict:

@@ -74,6 +74,12 @@ def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
     return opts, rest
 
 
+def _relative(path: str) -> str:
+    """`path` relative to the repository when it is inside it."""
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else path
+
+
 def versions() -> dict:
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("deepspeed", "timm", "triton", "torchvision", "PIL"):
@@ -126,8 +132,10 @@ def main(argv: list[str] | None = None) -> Path:
     opts, rest = split_argv(argv)
     cfg = parse_args(rest, NOT_READ)
     img_size = encoder_img_size(cfg)
+    # paths as the command gave them (records are committed: no machine's absolute paths in them)
+    shown = {**opts, "out_dir": _relative(opts["out_dir"])}
     record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_commit(),
-              "versions": versions(), "argv": rest, "bench": opts, "config": to_dict(cfg)}
+              "versions": versions(), "argv": rest, "bench": shown, "config": to_dict(cfg)}
     if opts["loader_only"]:
         record["device"] = cpu_name()
         record["loader"] = loader_throughput(cfg, opts, img_size, 0, 1)

@@ -51,7 +51,10 @@ def schedule_steps(cfg: PretrainConfig, plan: BatchPlan) -> tuple[int, int, floa
     epoch_size = nominal_epoch_size(cfg.data, labeled_split(cfg))
     per_epoch = epoch_size // plan.global_batch
     if per_epoch < 1:
-        raise ConfigError(f"the epoch ({epoch_size} samples) is smaller than the global batch {plan.global_batch}")
+        raise ConfigError(f"the epoch ({epoch_size} samples) is smaller than the global batch {plan.global_batch} "
+                          f"({plan.micro} x {plan.accum} x {plan.world} ranks), so there is no whole step in it: give "
+                          f"a ds_config with a smaller train_batch_size, or more samples (data.epoch_size, or more "
+                          f"shards)")
     return per_epoch, per_epoch * cfg.optim.epochs, per_epoch * cfg.optim.warmup_epochs
 
 
@@ -155,7 +158,10 @@ def check_resume_compatible(meta: dict, cfg: PretrainConfig, plan: BatchPlan) ->
             # an option added to the code after the checkpoint was written counts as its default
             was = {**{k: v for k, v in default[key].items() if k not in was}, **was}
         if was != is_:
-            raise ConfigError(f"--resume: the checkpoint was trained with {key}={saved.get(key)}, this run has {now[key]}")
+            raise ConfigError(f"--resume: the checkpoint was trained with {key}={saved.get(key)}, this run has "
+                              f"{now[key]}; to continue that run, give its {key} again; to train this one from the "
+                              f"checkpoint's weights, start it in another --output_dir with --model.init_from "
+                              f"<the checkpoint>")
 
 
 def _dotted(d: dict, prefix: str = "") -> dict:

@@ -398,9 +398,10 @@ IF_OBJECTIVE = "if_objective"  # a preset's sections applied only when the run's
 def check_read(cfg: PretrainConfig, origins: dict[str, str], entry_point_reads_not: dict[str, str]) -> None:
     """Refuse an option set away from its default (on the command line or in a preset) that nothing
     of this run would read: another objective's section, a data option of the other source or
-    transform, an option the entry point ignores. A preset may set options that depend on the data
-    source and stay unread when the command line picks the other source (it describes its recipe's
-    pipeline), and sections under "if_objective" (applied to their objective only)."""
+    transform, an option the command ignores (given on its command line). A preset may set options
+    that depend on the data source and stay unread when the command line picks the other source
+    (it describes its recipe's pipeline), and sections under "if_objective" (applied to their
+    objective only)."""
     default = PretrainConfig()
     for key, origin in origins.items():
         section, _, name = key.partition(".")
@@ -408,7 +409,7 @@ def check_read(cfg: PretrainConfig, origins: dict[str, str], entry_point_reads_n
         if value == _get(default, key):
             continue
         where = "on the command line" if origin == "command line" else f"by the preset {origin}"
-        if key in entry_point_reads_not:
+        if key in entry_point_reads_not and origin == "command line":  # a preset describes a run, not a command
             raise ConfigError(f"--{key} (set {where}) is not read by this command: {entry_point_reads_not[key]}")
         if section in cfg.sections and section != cfg.objective:
             raise ConfigError(f"--{key} (set {where}) is read only by --objective {section}, and this run's "

@@ -50,14 +50,10 @@ def default_world(ds_config: str) -> int:
     return 8
 
 
-def default_gpu(ds_config: str) -> GPU:
+def default_gpu(ds_config: str) -> GPU | None:
+    """The GPU a shipped file names, else this machine's; None (CPU ranks) on a machine without one."""
     name = gpu_in_filename(Path(ds_config).name)
-    if name is not None:
-        return gpu_named(name)
-    here = current_gpu()
-    if here is None:
-        raise ConfigError("name the GPU to check against with --gpu (one of v100, a100, h100, ...)")
-    return here
+    return gpu_named(name) if name is not None else current_gpu()
 
 
 def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
@@ -126,10 +122,10 @@ def main(argv: list[str]) -> int:
     flags, rest = pop_flags(argv, {"--dry-run": None, "--world_size": int, "--gpu": str})
     world, gpu_name = flags.get("world_size"), flags.get("gpu")
     cfg = parse_args(rest)
-    try:
-        gpu = gpu_named(gpu_name) if gpu_name else default_gpu(cfg.ds_config)
+    try:  # --gpu cpu: CPU ranks, as launchers/submit.py checks them with --gpus_per_node 0
+        gpu = None if gpu_name == "cpu" else gpu_named(gpu_name) if gpu_name else default_gpu(cfg.ds_config)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(f"{e} (or cpu for CPU ranks)") from None
     run = check(cfg, world or default_world(cfg.ds_config), gpu)
     print(f"dry run of {cfg.objective} on {cfg.model.name} with {cfg.ds_config}")
     for line in run.lines:

@@ -147,9 +147,9 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
             raise ConfigError(f"ds_config enables bf16, which this GPU lacks (V100 has none); use an fp16 config, "
                               f"e.g. ds_configs/*_8xv100_fp16_*.json{gpu}")
     if cfg.optim.name == "lars" and (stage != 0 or prec == "bf16"):
-        raise ConfigError("optim.name lars needs whole per-layer tensors for its trust ratio, but ZeRO stages "
-                          ">= 1 and DeepSpeed's bf16 optimizer hand it flat partitions; use a ds_config with ZeRO "
-                          "stage 0 in fp32 or fp16")
+        raise ConfigError("optim.name lars needs whole per-layer tensors for its trust ratio, which ZeRO stages "
+                          ">= 1 partition; use a ds_config with ZeRO stage 0 in fp32 or fp16 "
+                          "(ds_configs/linprobe_8xa100_fp32_zero0.json; on CPU ds_configs/cpu_linprobe.json)")
     if stage == 3 and cfg.run.compile:
         raise ConfigError("run.compile is not supported under ZeRO-3 (its parameter gathering hooks around every "
                           "block); use ZeRO stage <= 2 or run.compile false")

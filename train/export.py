@@ -22,6 +22,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
 
 import argparse
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -120,11 +121,19 @@ def timm_loading(kwargs: dict, model_name: str, state: dict[str, torch.Tensor], 
     return {"timm_model_name": name, "timm_create_kwargs": create, "timm_snippet": snippet}
 
 
+def readable_as_umask_says(path: Path) -> None:
+    """Give `path` the mode a plain open() would have (0666 less the umask)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)
+
+
 def export_checkpoint(tag_dir: Path, out: Path) -> Path:
     encoder, meta = encoder_state(tag_dir)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(encoder, str(out), metadata={"format": "pt"})
+    readable_as_umask_says(out)  # safetensors writes 0600: teammates on a shared file system could not read it
     kwargs = meta["encoder_timm_kwargs"]
     info = {
         "timm_kwargs": kwargs,

@@ -33,10 +33,7 @@ from train.cli import run_script
 # 0.1, global average pool + fc_norm, RandAug(9, 0.5) + random erasing 0.25, mixup 0.8,
 # cutmix 1.0, label smoothing 0.1, RandomResizedCrop(scale 0.08-1) + flip. The whole encoder trains,
 # pos_embed included (layer id 0, no weight decay: model/objectives/finetune.py).
-RECIPE = ["--objective", "finetune", "--optim.blr", "5e-4", "--optim.betas", "0.9,0.999",
-          "--optim.weight_decay", "0.05", "--optim.layer_decay", "0.65", "--optim.epochs", "100",
-          "--optim.warmup_epochs", "5", "--model.drop_path_rate", "0.1", "--model.global_pool", "avg",
-          "--data.train_transform", "randaug", "--data.crop_scale_min", "0.08"]
+RECIPE = ["--config", str(Path(__file__).resolve().parent / "configs" / "finetune" / "mae_recipe.json")]
 
 
 def main(argv: list[str] | None = None) -> Path:

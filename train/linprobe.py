@@ -29,9 +29,7 @@ from train.cli import run_script
 # cls feature + BN(no affine) + Linear, LARS (momentum 0.9, trust 0.001), no weight decay,
 # blr 0.1 (lr = blr x batch / 256; the recipe's batch is 16384), 90 epochs with 10 warmup,
 # RandomResizedCrop(scale 0.08-1) + flip; the encoder is unchanged, so nothing is exported.
-RECIPE = ["--objective", "linprobe", "--optim.name", "lars", "--optim.blr", "0.1", "--optim.weight_decay", "0",
-          "--optim.epochs", "90", "--optim.warmup_epochs", "10", "--data.crop_scale_min", "0.08",
-          "--run.export", "false"]
+RECIPE = ["--config", str(Path(__file__).resolve().parent / "configs" / "linprobe" / "mae_recipe.json")]
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from data.folders import unwritable
 from train.checkpoint import is_complete
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,35 +48,57 @@ def never_trained(run_dir: Path, checkpoints: list[Path]) -> bool:
     return not checkpoints and (not metrics.is_file() or not metrics.read_text().strip())
 
 
+def check_writable_folder(path: Path, what: str) -> None:
+    """ValueError naming `path` when it cannot be (or become) a folder this process writes into."""
+    problem = unwritable(path)
+    if problem:
+        raise ValueError(f"{what} {path} {problem}")
+
+
 def check_run_folder(run_dir: Path, config: dict, resuming: bool, overwrite: bool) -> None:
     """A run that does not resume must not mix into another run's folder: refuse one that holds
     checkpoints, or a config.json of another experiment, unless `overwrite` (then delete the old
     run's outputs). A folder whose run never trained (`never_trained`) is no other run: its
     outputs are deleted and the folder reused. Raises ValueError naming the way out; runs before
     any process group starts."""
+    check_writable_folder(run_dir, "--output_dir")
     if resuming or not run_dir.is_dir():
         return
-    old_config = run_dir / "config.json"
-    checkpoints = sorted(p for p in (run_dir / "checkpoints").glob("step*") if is_complete(p))
-    if never_trained(run_dir, checkpoints):
-        if old_config.is_file():  # a failed start's config.json, meta.json, empty logs, partial checkpoint
+    if never_trained(run_dir, complete_checkpoints(run_dir)):
+        if (run_dir / "config.json").is_file():  # a failed start's config.json, meta.json, empty logs, partial checkpoint
             clear_run_outputs(run_dir)
         return
-    problem = ""
-    if checkpoints:
-        problem = f"holds the checkpoints of a run ({checkpoints[-1].name} ...)"
-    elif old_config.is_file():
-        saved = json.loads(old_config.read_text())
-        now = json.loads(json.dumps(config))  # as stored: tuples become lists
-        differing = sorted(k for k in set(_experiment(saved)) | set(_experiment(now)) if saved.get(k) != now.get(k))
-        if differing:
-            problem = f"holds a run with another config (sections differing: {', '.join(differing)})"
+    problem = other_run(run_dir, config)
     if not problem:
         return
     if not overwrite:
         raise ValueError(f"output_dir {run_dir} {problem}; continue it with --resume auto, choose another "
                          f"--output_dir, or start afresh with --run.overwrite true (deletes its checkpoints and logs)")
     clear_run_outputs(run_dir)
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    return sorted(p for p in (run_dir / "checkpoints").glob("step*") if is_complete(p))
+
+
+def other_run(run_dir: Path, config: dict) -> str:
+    """What in `run_dir` belongs to a run that trained ("holds the checkpoints of a run ..."), '' if
+    nothing does; reads only (the submit check uses it too)."""
+    if not run_dir.is_dir():
+        return ""
+    checkpoints = complete_checkpoints(run_dir)
+    if never_trained(run_dir, checkpoints):
+        return ""
+    if checkpoints:
+        return f"holds the checkpoints of a run ({checkpoints[-1].name} ...)"
+    old_config = run_dir / "config.json"
+    if old_config.is_file():
+        saved = json.loads(old_config.read_text())
+        now = json.loads(json.dumps(config))  # as stored: tuples become lists
+        differing = sorted(k for k in set(_experiment(saved)) | set(_experiment(now)) if saved.get(k) != now.get(k))
+        if differing:
+            return f"holds a run with another config (sections differing: {', '.join(differing)})"
+    return ""
 
 
 def clear_run_outputs(run_dir: Path) -> None:

@@ -43,7 +43,7 @@ from train.export import export_checkpoint
 from train.loop import LoopSettings, LoopState
 from train.loop import run as run_loop
 from train.preemption import Interrupted, StopSignal, requeue_job, resume_hint
-from train.run_dir import Reporter, check_run_folder, record_resume, write_run_files
+from train.run_dir import Reporter, check_run_folder, check_writable_folder, record_resume, write_run_files
 from train.visualize import write_figures
 
 log = logging.getLogger("pretrain")
@@ -90,6 +90,10 @@ class CheckedRun:
 
 def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     """Everything that rejects bad input (ConfigError) before any process group starts."""
+    try:  # where the run writes, first: nothing else matters if it cannot
+        check_writable_folder(Path(cfg.output_dir), "--output_dir")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     ds_config, plan = resolve(cfg, distributed.world_size_from_env())
     check_objective_fits(cfg, plan.micro, plan.accum, zero_stage(ds_config))
     try:
@@ -203,9 +207,14 @@ class Trainer:
                  self.engine.stage, plan.global_batch, plan.micro, plan.accum, self.world, self.peak_lr,
                  checked.total_steps, checked.per_epoch)
         log.info("attention: %s", "; ".join(f"{kind}: {path}" for kind, path in attention_paths.items()))
-        log.info("weight decay on %d tensors (%d params), none on %d tensors (%d params)",
-                 param_split["decay_tensors"], param_split["decay_params"], param_split["no_decay_tensors"],
-                 param_split["no_decay_params"])
+        if cfg.optim.weight_decay == 0:
+            log.info("no weight decay (optim.weight_decay 0): %d tensors (%d params) trained",
+                     param_split["decay_tensors"] + param_split["no_decay_tensors"],
+                     param_split["decay_params"] + param_split["no_decay_params"])
+        else:
+            log.info("weight decay on %d tensors (%d params), none on %d tensors (%d params)",
+                     param_split["decay_tensors"], param_split["decay_params"], param_split["no_decay_tensors"],
+                     param_split["no_decay_params"])
 
     def record_labeled_split(self) -> None:
         """Rank 0: the record of the objective's D_tr / D_val split of the shards (split.json)."""
@@ -247,9 +256,10 @@ class Trainer:
     def on_evaluate(self, step: int) -> None:
         module = self.engine.module
         module.eval()
-        result = classification_accuracy(module.predict, self.eval_shards, self.encoder.img_size,
-                                         self.cfg.data.eval_crop_pct, self.rank, self.world, self.device, self.dtype,
-                                         num_workers=self.cfg.data.num_workers)
+        with self.engine.gathered():  # ZeRO-3: predict() runs outside the objective's forward
+            result = classification_accuracy(module.predict, self.eval_shards, self.encoder.img_size,
+                                             self.cfg.data.eval_crop_pct, self.rank, self.world, self.device,
+                                             self.dtype, num_workers=self.cfg.data.num_workers)
         module.train()
         if self.reporter is not None:
             self.reporter.log_eval(step, result)
@@ -259,7 +269,13 @@ class Trainer:
         """Train to the stop step (or a stop signal: checkpoint, requeue), export; the run folder."""
         # Slurm's SIGUSR1 / SIGTERM: checkpoint, (requeue), exit 0; SIGINT / SIGTERM elsewhere: checkpoint, exit 130 / 143
         stop = StopSignal(self.cfg.run.stop_check_every, self.device)
-        on_log = self.reporter.log if self.reporter else lambda step, metrics: None
+        report = self.reporter.log if self.reporter else lambda step, metrics: None
+
+        def on_log(step: int, metrics: dict) -> None:  # every rank: the metrics are reduced over ranks
+            if step == self.settings.stop_step and hasattr(self.data, "check_unusable"):
+                self.data.check_unusable(metrics)  # the give-up rule over the whole run, before its last checkpoint
+            report(step, metrics)
+
         try:
             stopped = run_loop(self.engine, self.data, self.settings, self.state, self.device, self.dtype, on_log,
                                self.on_checkpoint, self.on_visualize,

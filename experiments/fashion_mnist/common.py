@@ -13,24 +13,30 @@ import os
 import sys
 from pathlib import Path
 
+from data.fashion_mnist import find_or_download
 from data.image_datasets import FASHION_MNIST_DIR
+from data.image_datasets import ShardError
 from data.write_shards import main as write_shards
 from model.objectives import OBJECTIVES, list_objectives
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "train" / "configs"
 SHARDS = REPO / "runs" / "shards" / "fashion_mnist"
-RAW_PIXEL_BASELINES = {"logistic_regression": 84.5, "knn_5": 85.5}  # test split, raw pixels (see README)
+RAW_PIXEL_BASELINES = {"logistic_regression": 84.5, "knn_5": 85.5}  # test split, raw pixels (benchmarks/fashion_mnist_raw_pixels.py)
 TRAIN_IMAGES = 60000  # Fashion-MNIST's training split: one pretraining epoch
 FINETUNE_BLR = 5e-3  # the study's fine-tuning blr; study.py's docstring says why not the paper's 5e-4
 
 
 def fashion_mnist_shards() -> tuple[Path, Path]:
-    """(train index, test index) of the Fashion-MNIST shards, written once from the idx files."""
+    """(train index, test index) of the Fashion-MNIST shards, written once from the idx files that
+    data/fashion_mnist.py finds (Debian's package, else runs/fashion-mnist) or downloads; without
+    them the process exits, saying where to put them."""
     if not (SHARDS / "train.json").is_file() or not (SHARDS / "test.json").is_file():
-        if not FASHION_MNIST_DIR.is_dir():
-            sys.exit(f"Fashion-MNIST not found in {FASHION_MNIST_DIR}: run `apt-get install dataset-fashion-mnist`")
-        write_shards(["fashion-mnist", str(SHARDS), "--src", str(FASHION_MNIST_DIR), "--samples_per_shard", "2500"])
+        try:
+            src = find_or_download(system=FASHION_MNIST_DIR)
+        except ShardError as e:
+            sys.exit(f"error: {e}")
+        write_shards(["fashion-mnist", str(SHARDS), "--src", str(src), "--samples_per_shard", "2500"])
     return SHARDS / "train.json", SHARDS / "test.json"
 
 
@@ -40,7 +46,7 @@ def cpu_training_env() -> dict[str, str]:
     OpenMP thread per core and its loader worker decodes beside them; spinning threads then take
     the worker's core at every matmul barrier. On the 2-core dev machine (AMD EPYC, AVX2, torch
     2.14.1) the MAE demo step with 1 worker ran at 456 images/s spinning and 519 sleeping (medians of
-    3 runs each, train.bench, 60 steps; README, `make demo`). libgomp reads it once, at start-up, so it
+    3 runs each, train.bench, 60 steps). libgomp reads it once, at start-up, so it
     cannot be set from inside an already started process."""
     return {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 

@@ -1,6 +1,8 @@
 """The Fashion-MNIST demo (`make demo`): shards -> pretraining -> frozen-feature evaluation.
 
-1. Writes train/test shards from the idx files of the Debian package dataset-fashion-mnist.
+1. Writes train/test shards from Fashion-MNIST's idx files: those of the Debian package
+   dataset-fashion-mnist, else of runs/fashion-mnist, downloaded there and checked when missing
+   (data/fashion_mnist.py).
 2. Pretrains on the mini ViT (32x32 input, patch 4) with train/pretrain.py, the same entry
    point as every run, in a single process on the CPU (resumes if interrupted). The method is
    MAE by default; `--method NAME` runs any registered objective that has a demo preset
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 
 from data.shards import ShardSet
+from experiments.fashion_mnist import common
 from experiments.fashion_mnist.common import (
     RAW_PIXEL_BASELINES,
     REPO,
@@ -62,6 +65,7 @@ EVAL_SIZE = 32  # the mini ViT's input (MAE+ pretrains on 16 px crops; its sin-c
 
 
 D = " (default: %(default)s)"  # argparse fills in each option's default
+
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -78,13 +78,6 @@ def checkpoint_named(line: str, run_dir: Path, world: int) -> tuple[int, Path]:
     return step, tag
 
 
-@pytest.fixture
-def rgb_shards(tmp_path, image_folder):
-    from data.write_shards import main as write_shards
-
-    [index] = write_shards(["imagefolder", str(image_folder), str(tmp_path / "shards"), "--samples_per_shard", "4"])
-    return tmp_path / "shards" / f"{index['name']}.json"
-
 
 def test_ctrl_c_checkpoints_the_step_exits_130_and_the_printed_command_continues(tmp_path, rgb_shards):
     """A Ctrl-C reaches the whole foreground group, loader workers included (they ignore it)."""
@@ -156,6 +149,29 @@ def test_two_ranks_under_the_deepspeed_launcher_stop_on_ctrl_c_with_one_checkpoi
                                                                   "(without --run.overwrite)")
     checkpoint_named(line, run_dir, world=2)
     assert "Traceback" not in out + err.split("KeyboardInterrupt")[-1]  # none from the ranks (the runner's is deepspeed's)
+
+
+def test_under_a_deepspeed_command_that_ignores_ctrl_c_the_launcher_ends_with_1_after_the_checkpoint(tmp_path):
+    """A `deepspeed ... &` in a script ignores SIGINT (a non-interactive shell's background job):
+    Ctrl-C then reaches only DeepSpeed's per-node launcher (launch.py) and the ranks. The ranks stop
+    at a common step and write the checkpoint as above; the launcher, once they have ended, exits
+    with 1 whatever their status (its own rule), and the `deepspeed` command passes that on.
+    docs/RELIABILITY.md says so."""
+    run_dir = tmp_path / "run"
+    launcher = str(Path(sys.executable).parent / "deepspeed")
+    from conftest import _free_port
+
+    proc = start([launcher, "--num_gpus", "2", "--master_port", str(_free_port()), str(REPO / "train" / "pretrain.py"),
+                  *options(run_dir, "--run.stop_check_every", "1")],
+                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    wait_for_steps(proc, run_dir)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    [line] = [x for x in (out + err).splitlines() if x.startswith(STOP_LINE)]
+    checkpoint_named(line, run_dir, world=2)
+    reliability = (REPO / "docs" / "RELIABILITY.md").read_text()
+    assert "ends with 1" in reliability and "130" in reliability
 
 
 def catches(pid: int, sig: int) -> bool:

@@ -3,6 +3,8 @@ and what it refuses before anything is written (what a real cluster showed: issu
 import json
 import os
 import re
+import shlex
+from pathlib import Path
 
 import pytest
 from conftest import CPU_DS, DEBUG_PRESET, REPO
@@ -79,7 +81,9 @@ def test_every_cluster_option_reaches_sbatch_and_dry_prints_the_command(tmp_path
     assert "--gpus-per-node" not in printed
 
     assert main([*opts, *cpu_job(tmp_path / "run", "--data.epoch_size", "96")]) == 0
-    assert calls(log)[-1][:len(printed) - 1] == printed[1:]  # what --dry printed is what ran
+    resources = printed.index("--output")
+    assert calls(log)[-1][:resources - 1] == printed[1:resources]  # the resources --dry printed are what ran
+    assert Path(printed[printed.index("--ds_config") + 1]).is_file()  # the printed command's files exist
     assert main(["--nodes", "1", "--gpus_per_node", "4", "--gpu", "a100", "--gres", "gpu:a100:4",
                  *cpu_job(tmp_path / "run4")]) == 0  # GPUs as GRES: no --gpus-per-node besides
     gres = calls(log)[-1]
@@ -88,13 +92,6 @@ def test_every_cluster_option_reaches_sbatch_and_dry_prints_the_command(tmp_path
     assert main(["--nodes", "1", "--gpus_per_node", "4", *cpu_job(tmp_path / "run5")]) == 2  # which GPU?
     assert "--gpu" in capsys.readouterr().err
 
-
-@pytest.fixture
-def rgb_shards(tmp_path, image_folder):
-    from data.write_shards import main as write_shards
-
-    [index] = write_shards(["imagefolder", str(image_folder), str(tmp_path / "shards"), "--samples_per_shard", "4"])
-    return tmp_path / "shards" / f"{index['name']}.json"
 
 
 def test_shards_that_do_not_fit_the_model_are_refused_before_any_process_starts(tmp_path, rgb_shards,
@@ -161,3 +158,59 @@ def test_submit_options_after_the_separator_and_a_missing_separator_are_refused(
         main(["--nodes", "1", "--gpus_per_node", "0", "--dry"])
     assert stop.value.code == 2 and "give the pretraining options after --" in capsys.readouterr().err
     assert not (tmp_path / "run").exists() and not log.exists()
+
+
+def test_a_submission_never_continues_another_run_by_accident(tmp_path, monkeypatch, capsys):
+    """A folder with a run's checkpoint: refused without --continue (nothing written, nothing
+    submitted), accepted with it; --continue where there is nothing to continue is refused too."""
+    log = fake_sbatch(tmp_path, monkeypatch)
+    run = tmp_path / "run"
+    tag = run / "checkpoints" / "step00000004"
+    tag.mkdir(parents=True)
+    (tag / "complete.json").write_text(json.dumps({"step": 4, "world_size": 1, "files": {}}))
+    job = ["--nodes", "1", "--gpus_per_node", "0", *cpu_job(run, "--optim.blr", "3e-3")]
+    assert main(job) == 2
+    err = capsys.readouterr().err
+    assert f"--output_dir {run} holds the checkpoints of a run (step00000004 ...)" in err and "--continue" in err
+    assert not (run / "launch").exists() and not log.exists()
+    assert main(["--continue", *job]) == 0  # asked for: the job resumes it (--resume auto)
+    assert "--resume" in (run / "launch").iterdir().__next__().joinpath("pretrain.sbatch").read_text()
+    assert main(["--continue", "--nodes", "1", "--gpus_per_node", "0", *cpu_job(tmp_path / "new")]) == 2
+    assert "holds no run to continue" in capsys.readouterr().err
+    assert main(["--nodes", "1", "--gpus_per_node", "0", *cpu_job(tmp_path / "new2", "--run.overwrite", "true")]) == 2
+    assert "--run.overwrite is not for a submission" in capsys.readouterr().err
+
+
+def test_without_output_dir_each_submission_gets_its_own_folder(tmp_path, monkeypatch, capsys):
+    log = fake_sbatch(tmp_path, monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    job = ["--nodes", "1", "--gpus_per_node", "0", "--", "--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET)]
+    assert main(job) == 0
+    monkeypatch.setattr("launchers.submit.datetime", _LaterClock)
+    assert main(job) == 0
+    folders = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert len(folders) == 2 and all(f.startswith("mae_vit_debug_patch4_") for f in folders)
+    outs = [c[c.index("--output_dir") + 1] for c in calls(log) if "--test-only" not in c]
+    assert len(set(outs)) == 2 and all(Path(o).parent == tmp_path / "runs" for o in outs)
+
+
+class _LaterClock:
+    """datetime for the second submission: a later second, so its stamp differs."""
+    @staticmethod
+    def now(tz=None):
+        from datetime import datetime, timedelta
+
+        return datetime.now(tz) + timedelta(seconds=5)
+
+
+def test_dry_prints_a_command_that_runs_as_printed(tmp_path, monkeypatch, capsys):
+    """--dry writes nothing; the command it prints names the checkout's job script and the given
+    configs, all of which exist (a submit's snapshot would not exist yet)."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no sbatch: --dry needs none
+    assert main(["--nodes", "1", "--gpus_per_node", "0", "--dry", *cpu_job(tmp_path / "run")]) == 0
+    cmd = shlex.split(capsys.readouterr().out.strip().splitlines()[-1])
+    script = next(a for a in cmd if a.endswith("pretrain.sbatch"))
+    assert Path(script) == REPO / "launchers" / "pretrain.sbatch"
+    assert Path(cmd[cmd.index("--ds_config") + 1]).is_file() and Path(cmd[cmd.index("--config") + 1]).is_file()
+    assert f"VITPRETRAIN_CODE={REPO}," in cmd[cmd.index("--export") + 1]
+    assert not (tmp_path / "run").exists()

@@ -1,4 +1,4 @@
-"""What the phases share: the debug preset and configs, the targets the README reports against, a
+"""What the phases share: the debug preset and configs, the targets docs/GPU.md reports against, a
 ds_config written for one GPU, one run of train/bench.py, and the compact form of its result."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Phase `tests`: DeepSpeed engines on the GPU (fp16 with dynamic loss scaling, bf16 ZeRO-1/2), resume
+"""Phase `tests`: the engine on the GPU (fp16 with dynamic loss scaling, bf16 ZeRO-1/2), resume
 equality, then `pytest -m gpu` with its junit summary."""
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def run(check: Check, a) -> None:
         if check.cuda:
             check.item(f"engine_{name}", 60, lambda n=name, p=precision, s=stage: engine(n, p, s))
         else:
-            check.skip(f"engine_{name}", "fp16/bf16 DeepSpeed engines need CUDA (CPU smoke)")
+            check.skip(f"engine_{name}", "fp16/bf16 engines need CUDA (CPU smoke)")
     if not check.cuda:  # the same measurement in fp32 on CPU, so the smoke test sees the plumbing work
         check.item("engine_fp32_cpu", 0, lambda: engine("fp32_cpu", "fp32", 2))
 

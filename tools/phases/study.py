@@ -40,8 +40,8 @@ def run(check: Check, a) -> None:
     if check.cuda:
         src = fashion_mnist_dir(a)
         if src is None:
-            check.skip("study", "Fashion-MNIST idx files not found: carry runs/fashion-mnist (README, 'GPU "
-                       "validation') or pass --fashion_mnist DIR")
+            check.skip("study", "Fashion-MNIST idx files not found: copy them to runs/fashion-mnist (docs/GPU.md) "
+                       "or pass --fashion_mnist DIR")
             return
         options = ["--seeds", "0", "--pretrain_samples", str(a.study_pretrain_samples), "--finetune_samples", "10000"]
         entries = ["mae", "mixedae", "maeplus", "adpe", "mlomae", "energy", "random_init"]
