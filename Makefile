@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Where torch and torchvision come from. Empty (default): PyPI, whose torch 2.14 wheels are CUDA 13
 # builds with kernels for sm_75 ... sm_120, none for V100 (sm_70). For V100s, PyTorch's own index
-# of CUDA 12.6 builds, which still ship sm_70 kernels, into a fresh venv (README, "GPUs"):
+# of CUDA 12.6 builds, which still ship sm_70 kernels, into a fresh venv (docs/GPU.md):
 #   rm -rf .venv && make install TORCH_INDEX=https://download.pytorch.org/whl/cu126
 TORCH_INDEX ?=
 
@@ -52,7 +52,7 @@ study: $(STAMP) fashion-mnist
 # The deciding study: 10 epochs per method (frozen features also at 1 and 3), fine-tuning on all 60k
 # images, then energy and MixedAE's Table A4 ablations at 3 epochs; STUDY_JOBS runs side by side (cores / jobs
 # threads each) -> docs/RESULTS.md, docs/figures/, docs/study/ (run summaries). About 8 hours per seed
-# on 2 CPU cores (README): stop it any time (Ctrl-C) and run it again to resume.
+# on 2 CPU cores (docs/FASHION_MNIST.md): stop it any time (Ctrl-C) and run it again to resume.
 STUDY_SEEDS ?= 0,1
 STUDY_JOBS ?= 2
 study-full: $(STAMP) fashion-mnist

@@ -1,7 +1,7 @@
 """ImageNet-like JPEG shards for loader benchmarks, made from any folder of photographs.
 
-    apt-get download mate-backgrounds && dpkg -x mate-backgrounds_*.deb /tmp/photos   # Debian's wallpapers
-    python -m benchmarks.photo_shards /tmp/photos/usr/share/backgrounds/mate runs/shards/photos --count 2000
+    apt-get download mate-backgrounds && dpkg -x mate-backgrounds_*.deb runs/photos   # Debian's wallpapers
+    python -m benchmarks.photo_shards runs/photos/usr/share/backgrounds/mate runs/shards/photos --count 2000
     python -m train.bench --loader_only --ds_config ds_configs/cpu_demo.json --data.source shards \\
         --data.train_index runs/shards/photos/train.json --model.name vit_base_patch16 --data.num_workers 2
 

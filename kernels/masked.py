@@ -1,4 +1,5 @@
-"""Restricted attention for mixed inputs (MixedAE, METHODS.md section 1): plain PyTorch references.
+"""Restricted attention for mixed inputs (MixedAE, Chen et al. 2023, arXiv:2303.17152, section 3):
+plain PyTorch references.
 
 Two ways to restrict which keys a query attends to, both on (B, H, T, d) tensors and passed to
 `kernels.attention(..., mask=...)` as a per-call spec:
@@ -13,7 +14,7 @@ Two ways to restrict which keys a query attends to, both on (B, H, T, d) tensors
   The first `num_global` queries (cls) attend every key. K is an int or one value per query (B, T).
 
 The references materialise the (B, H, T, T) logits in at least fp32 and are twice
-differentiable. Fused kernels (issue 6) must match them forward and backward.
+differentiable. The fused kernels (kernels/restricted_triton.py) must match them forward and backward.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     python -m launchers.submit --nodes 2 --gpus_per_node 8 --gpu a100 [--mode task|node] \\
         [--ranks_per_node N] [--cpus_per_task C] [--gres SPEC | --no_gpus_per_node] [--constraint C] \\
         [--time 72:00:00] [--partition P] [--account A] [--qos Q] [--exclusive] [--job_name N] \\
-        [--sbatch=--mail-type=END ...] [--dry] \\
+        [--sbatch=--mail-type=END ...] [--dry] [--continue] \\
         -- --ds_config ds_configs/vit_l_8xa100_bf16_zero1.json --model.name vit_large_patch16 \\
            --data.train_index /data/in1k/train.json --output_dir runs/mae_vitl
 
@@ -16,6 +16,10 @@
    would fail, or not fit, is refused here with the problems listed (exit 2) and nothing is
    submitted or written. So is a request Slurm itself refuses (`sbatch --test-only` first: an
    unknown partition, GRES the cluster lacks, more CPUs per task than a node has).
+   A submission starts a new run: an --output_dir that holds another run (its checkpoints, or a
+   config.json of another experiment) is refused unless --continue says to continue that run;
+   without --output_dir each submission gets a folder of its own, runs/<objective>_<model>_<UTC
+   time>. The job itself always runs with --resume auto, so its requeues continue where it stopped.
 2. `<output_dir>/launch/<UTC time>/` gets a snapshot of the code (the checkout's files as they
    are now, those git ignores left out), the ds_config and --config presets, the commit and
    `git diff HEAD`, and submit.json (arguments, sbatch command, code hash, job id). The job runs
@@ -26,7 +30,9 @@
    on the snapshot, with the nodes, tasks (one per rank;
    in node mode one launcher per node starts them), CPUs per task (default: data.num_workers + 1,
    the rank and its loader workers), GPUs (--gpus-per-node, or --gres, or none), time, partition,
-   account, QOS and the log file in the launch folder; --dry prints the command and writes nothing.
+   account, QOS and the log file in the launch folder; --dry writes nothing and prints the sbatch
+   command that runs the checkout as it is (the ds_config and presets where they are), which works
+   as printed.
 
 `--help` lists the options; without sbatch on PATH (not a Slurm login node) a submit is refused
 (exit 2) before anything is written, while --dry needs no sbatch.
@@ -124,6 +130,8 @@ def parser() -> argparse.ArgumentParser:
                    help="an extra sbatch argument, passed through (repeat; --sbatch=--mail-type=END)")
     p.add_argument("--dry", action="store_true",
                    help="check and print the sbatch command; submit nothing, write nothing (no sbatch needed)")
+    p.add_argument("--continue", dest="continue_run", action="store_true",
+                   help="continue the run already in --output_dir (refused without it: a submission starts a new run)")
     return p
 
 
@@ -170,6 +178,26 @@ def job_script() -> str:
     return "".join(line for line in lines if not RESOURCE_DIRECTIVE.match(line))
 
 
+def new_run_problem(out: Path, cfg, continue_run: bool) -> str:
+    """Why the submission may not use `out` as its run folder ('' when it may)."""
+    from train.config import to_dict
+    from train.run_dir import other_run
+
+    if cfg.run.overwrite:
+        return ("--run.overwrite is not for a submission: every start of the job (its requeues too) runs --resume "
+                "auto; delete the old run's folder yourself, or give another --output_dir")
+    if cfg.resume and cfg.resume != "auto":
+        return (f"--resume {cfg.resume}: a submission continues its own run folder only (with --continue); "
+                f"to start from another run's weights use --model.init_from")
+    held = other_run(out, to_dict(cfg))
+    if held and not continue_run:
+        return (f"--output_dir {out} {held}: the job would continue that run. Add --continue (before the --) to "
+                f"resume it, or give another --output_dir")
+    if continue_run and not held:
+        return f"--continue: --output_dir {out} holds no run to continue; leave --continue out to start one"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     ours, pretrain_args = split(sys.argv[1:] if argv is None else argv)
     p = parser()
@@ -207,8 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     # the rank and its loader workers (data.num_workers -1, auto: as many as the rank's CPUs allow, up to 4)
     cpus_per_task = a.cpus_per_task or (cfg.data.num_workers if cfg.data.num_workers >= 0 else MAX_AUTO_WORKERS) + 1
 
-    out = Path(cfg.output_dir).resolve()
-    launch = out / "launch" / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    given = option(pretrain_args, "--output_dir")
+    out = Path(given).resolve() if given else Path("runs", f"{cfg.objective}_{cfg.model.name}_{stamp}").resolve()
+    problem = new_run_problem(out, cfg, a.continue_run)
+    if problem:
+        print(f"not submitted: {problem}", file=sys.stderr)
+        return 2
+    launch = out / "launch" / stamp
     code = launch / "code"
     args = list(pretrain_args)
     copies = {}
@@ -225,9 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     script = job_script()
     cmd = ["sbatch", *resources, "--output", str(launch / "slurm-%j.out"), *export, str(launch / "pretrain.sbatch"),
            *args]
-    if a.dry:  # nothing written: the paths below are where a submit would write
-        print(f"--dry: nothing written or submitted; a submit would snapshot the code into {code} and run:\n"
-              f"{shlex.join(cmd)}")
+    if a.dry:  # nothing written: a command on the checkout and the given files, which works as printed
+        here = [*pretrain_args] + ([] if given else ["--output_dir", str(out)])
+        dry = ["sbatch", *resources, "--output", str(out / "slurm-%j.out"), "--export",
+               f"ALL,VITPRETRAIN_CODE={REPO},PYTHON={sys.executable},LAUNCH_MODE={a.mode}",
+               str(REPO / "launchers" / "pretrain.sbatch"), *here]
+        print(f"--dry: nothing written or submitted. A submit snapshots the code and configs into {launch} and runs "
+              f"the job from there; this command runs the checkout as it is now:\n{shlex.join(dry)}")
         return 0
 
     # Slurm's own verdict on the request before anything is written (the script on stdin)

@@ -1,4 +1,4 @@
-"""The MAE initialisation (METHODS.md section 0).
+"""The MAE initialisation (MAE, He et al. 2022, arXiv:2111.06377, appendix A.1).
 
 xavier_uniform for every Linear and for the patch-embedding conv viewed as a 2-D matrix, zero
 biases, LayerNorm (1, 0). Tokens (cls, mask) are drawn N(0, 0.02) by the modules that own them.

@@ -1,4 +1,5 @@
-"""iRPE relative-position index functions (Wu et al. 2021; METHODS.md section 2, AdPE section 4.2).
+"""iRPE relative-position index functions (iRPE, Wu et al. 2021, arXiv:2107.14222; as AdPE uses them,
+Wang et al. 2023, arXiv:2303.07598, section 4.2).
 
 Relative offsets x = x_i - x_j (per axis, in patches) map to table indices by the piecewise
 function g: exact (rounded) near the query, log-compressed further away, clipped at beta:

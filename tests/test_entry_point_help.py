@@ -1,5 +1,5 @@
 """Every argparse entry point's --help: each option has a description, and each option with a
-value shows its default (issue 22: `--help` for every entry point). The config-driven ones
+value shows its default. The config-driven ones
 (pretrain, finetune, linprobe) are tests/train/test_options_help.py."""
 import argparse
 import importlib

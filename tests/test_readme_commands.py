@@ -1,27 +1,32 @@
-"""The README's CPU path for a new user, run as written (issue 22): Fashion-MNIST shards -> each
-method's debug preset on them -> export -> the timm snippet -> evaluate. The commands are read
-from README.md (tests/readme_commands.py), not copied here, so a README command that stops
-working fails this file, naming its README line.
+"""The commands a new user copies, run as written on CPU. Each is read from the page that gives it
+(tests/readme_commands.py), not copied here, so a command that stops working fails this file naming
+its file and line:
+- docs/DATA.md: Fashion-MNIST shards, and "Your own data": each command of its three ways in, on tiny
+  inputs (ImageFolder / ImageNet -> write_shards; shards from webdataset's own ShardWriter, labeled by
+  `cls` for the brace pattern, img2dataset's unlabeled layout for the folder, a json field + class
+  names -> index_shards; the unlabeled index -> MAE pretraining, and what needs labels
+  (`--objective linprobe`) refusing that index before start, as the page says);
+- docs/TRAINING.md: the entry point with each method's debug preset on those shards, with the flags
+  the page says to add;
+- docs/CHECKPOINTS.md: export and the timm snippet it prints; docs/EVALUATION.md: evaluate;
+- README.md: its commands are the docs pages' (verbatim, so they are tested there), its `make`
+  targets exist, its one-node command passes the dry run for 8 A100s, and its Slurm command passes
+  `launchers/submit.py --dry`.
 
-What the tests change, and why: `python` -> this interpreter; the README's `shards/...` and
-`runs/...` paths -> tmp folders; `--src` (write_shards' option) points at tiny idx files instead
-of the 70k-image Debian package; the pretraining runs get `--output_dir` (the default would write
-runs/pretrain in the repository) and `--run.max_steps 2`: a preset's few dozen steps would take a
-minute for energy alone (1-3 s a step on 2 cores); the planned schedule is still checked.
-
-"Your own data" (issue 23) too: each command of its three ways in, as written, on tiny inputs, the
-README's `/data/pets`, `/data/imagenet`, `shards/...` and `names.txt` mapped to tmp folders:
-ImageFolder / ImageNet -> write_shards; shards from webdataset's own ShardWriter (labeled by `cls`
-for the brace pattern, img2dataset's unlabeled layout for the folder, a json field + class names)
--> index_shards; and the unlabeled index -> MAE pretraining (again `--output_dir` and
-`--run.max_steps 2`, for the reasons above), which also checks that what needs labels
-(`--objective linprobe`) refuses that index before start, as the README says.
+What the tests change, and why: `python` -> this interpreter; the pages' `shards/...`, `runs/...`,
+`/data/...`, `/scratch/...` paths and `names.txt` -> tmp folders; `--src` (write_shards' option)
+points at tiny idx files instead of the 70k-image dataset; the pretraining runs get `--output_dir`
+(the default would write runs/pretrain in the repository) and `--run.max_steps 2`: a preset's few
+dozen steps would take a minute for energy alone (1-3 s a step on 2 cores); the planned schedule is
+still checked. The GPU commands run their checks only: `deepspeed --num_gpus 8` becomes
+`--dry-run --world_size 8 --gpu a100`, and the Slurm submit gets `--dry`.
 """
 import json
 import math
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -29,10 +34,11 @@ import torch
 import webdataset as wds
 from conftest import WNIDS, fake_fashion_mnist, fake_imagenet
 from readme_commands import (
-    README,
     REPO,
+    Doc,
     Snippet,
     code_block,
+    code_lines,
     command,
     paragraph,
     quoted,
@@ -49,62 +55,75 @@ STEPS = 2
 # every registered method with a debug preset (finetune and linprobe have none: they need an encoder)
 METHODS = [m for m in list_objectives() if (REPO / "train" / "configs" / m / "debug.json").exists()]
 
-# The anchors: where each command lives in README.md.
-WRITE_SHARDS = ("python -m data.write_shards fashion-mnist", "Data: webdataset shards")
-PRETRAIN = ("python -m train.pretrain --ds_config ds_configs/cpu_debug.json", "The entry point")
-EXPORT = ("python -m train.export --checkpoint", "Export to timm")
-TIMM_SNIPPET = ("import safetensors.torch, timm", "Export to timm")
-EVALUATE = ("python -m train.evaluate", "Evaluation on frozen features")
+# The anchors: (page, the start of the command, its section[, the words it follows]).
+README, DATA, TRAINING, CHECKPOINTS, EVALUATION = ("README.md", "docs/DATA.md", "docs/TRAINING.md",
+                                                   "docs/CHECKPOINTS.md", "docs/EVALUATION.md")
+FMNIST = "runs/shards/fashion_mnist"  # where the pages (and make demo) put the Fashion-MNIST shards
+WRITE_SHARDS = (DATA, "python -m data.write_shards fashion-mnist", "Writing shards")
+PRETRAIN = (TRAINING, "python train/pretrain.py --ds_config ds_configs/cpu_debug.json", "Entry points")
+EXPORT = (CHECKPOINTS, "python train/export.py --checkpoint", "Export to timm")
+TIMM_SNIPPET = (CHECKPOINTS, "import safetensors.torch, timm", "Export to timm")
+EVALUATE = (EVALUATION, "python train/evaluate.py", "Frozen features: kNN and a quick linear probe")
 # "Your own data": each way in follows its bold lead (the section repeats the laion index command)
 OWN = "Your own data"
 WAY_1, WAY_2, WAY_3 = ("1. An image folder or ImageNet -> shards.", "2. Shards you already have -> an index.",
                        "3. Unlabeled shards -> pretraining.")
-WRITE_FOLDER = ("python -m data.write_shards imagefolder", OWN, WAY_1)
-WRITE_IMAGENET = ("python -m data.write_shards imagenet", OWN, WAY_1)
-INDEX_PATTERN = ("python -m data.index_shards 'shards/in1k-wds/", OWN, WAY_2)
-INDEX_FOLDER = ("python -m data.index_shards shards/laion/", OWN, WAY_2)
-INDEX_JSON_LABEL = ("python -m data.index_shards shards/mine/", OWN, WAY_2)
-INDEX_UNLABELED = ("python -m data.index_shards", OWN, WAY_3)
-PRETRAIN_UNLABELED = ("python -m train.pretrain", OWN, WAY_3)
+WRITE_FOLDER = (DATA, "python -m data.write_shards imagefolder", OWN, WAY_1)
+WRITE_IMAGENET = (DATA, "python -m data.write_shards imagenet", OWN, WAY_1)
+INDEX_PATTERN = (DATA, "python -m data.index_shards 'shards/in1k-wds/", OWN, WAY_2)
+INDEX_FOLDER = (DATA, "python -m data.index_shards shards/laion/", OWN, WAY_2)
+INDEX_JSON_LABEL = (DATA, "python -m data.index_shards shards/mine/", OWN, WAY_2)
+INDEX_UNLABELED = (DATA, "python -m data.index_shards", OWN, WAY_3)
+PRETRAIN_UNLABELED = (DATA, "python train/pretrain.py", OWN, WAY_3)
 NEEDS_LABELS = "What needs labels refuses an unlabeled index before start"
+# README.md: the GPU commands, run as their checks
+ONE_NODE = (README, "deepspeed --num_gpus 8 train/pretrain.py", "In brief")
+SLURM = (README, "python -m launchers.submit", "In brief")
 
 
-@pytest.fixture(scope="module")
-def readme() -> str:
-    return README.read_text()
+@cache
+def page(name: str) -> Doc:
+    return Doc.read(name)
+
+
+def find(anchor: tuple) -> Snippet:
+    """The command an anchor names, read from its page."""
+    name, *rest = anchor
+    return command(page(name), *rest)
 
 
 @pytest.fixture(scope="module")
 def user(tmp_path_factory):
-    """The user's folders: the README's `shards/fmnist` and `runs/`, and the idx files the shards come from."""
+    """The user's folders: the pages' runs/shards/fashion_mnist and runs/, and the idx files the shards come from."""
     root = tmp_path_factory.mktemp("user")
-    return {"fmnist": root / "shards" / "fmnist", "runs": root / "runs",
+    return {"fmnist": root / "runs" / "shards" / "fashion_mnist", "runs": root / "runs",
             "idx": fake_fashion_mnist(root / "idx", TRAIN, TEST)}
 
 
 @pytest.fixture(scope="module")
-def shards(readme, user):
-    """README: `python -m data.write_shards fashion-mnist shards/fmnist`, plus --src (the tiny idx files)."""
-    cmd = command(readme, *WRITE_SHARDS)
-    proc = run(cmd, cmd.argv({"shards/fmnist": user["fmnist"]}) + ["--src", str(user["idx"])])
+def shards(user):
+    """docs/DATA.md: `python -m data.write_shards fashion-mnist runs/shards/fashion_mnist`, plus --src (the tiny idx files)."""
+    cmd = find(WRITE_SHARDS)
+    proc = run(cmd, cmd.argv({FMNIST: user["fmnist"]}) + ["--src", str(user["idx"])])
     return proc, user["fmnist"]
 
 
 @pytest.fixture(scope="module")
-def pretrain(readme, shards, user, request):
-    """method -> its run folder: the README's entry-point command with the preset and the flags the
-    README says to add to run a debug preset on shards. The selected methods (and MAE, which the
+def pretrain(shards, user, request):
+    """method -> its run folder: docs/TRAINING.md's entry-point command with the preset and the flags
+    the page says to add to run a debug preset on shards. The selected methods (and MAE, which the
     export and evaluation use) start when the fixture is made, two at a time: each run is mostly
     its single-threaded start-up, so 2 cores finish two at once."""
-    entry = command(readme, *PRETRAIN)
-    preset = quoted(readme, "Each", PRETRAIN[1], after="is complete on its own")
-    on_shards = quoted(readme, "To run one on shards add", PRETRAIN[1])
-    where = Snippet(entry.line, f"{entry.text} (+ README.md:{on_shards.line} `{on_shards.text}`)")
+    training = page(TRAINING)
+    entry = find(PRETRAIN)
+    preset = quoted(training, "Each", PRETRAIN[2], after="is complete on its own")
+    on_shards = quoted(training, "To run one on shards add", PRETRAIN[2])
+    where = Snippet(entry.line, f"{entry.text} (+ {on_shards.where} `{on_shards.text}`)", entry.file)
 
     def start(method: str) -> Path:
         out = user["runs"] / method
         run(where, [*entry.argv({}), "--config", preset.text.replace("<method>", method),
-                    *on_shards.argv({"shards/fmnist": user["fmnist"]}),
+                    *on_shards.argv({FMNIST: user["fmnist"]}),
                     "--output_dir", str(out), "--run.max_steps", str(STEPS)])
         return out
 
@@ -118,13 +137,13 @@ def pretrain(readme, shards, user, request):
 
 
 @pytest.fixture(scope="module")
-def exported(readme, pretrain):
-    """README: `python -m train.export --checkpoint runs/mae_vitb` on the MAE run (its own export
-    at the end of the run is deleted first, so the file is the command's)."""
+def exported(pretrain):
+    """docs/CHECKPOINTS.md: `python train/export.py --checkpoint runs/mae_vitb` on the MAE run (its
+    own export at the end of the run is deleted first, so the file is the command's)."""
     run_dir = pretrain("mae")
     for name in ("encoder.safetensors", "encoder.json"):
         (run_dir / name).unlink()
-    cmd = command(readme, *EXPORT)
+    cmd = find(EXPORT)
     proc = run(cmd, cmd.argv({"runs/mae_vitb": run_dir}))
     return proc, run_dir / "encoder.safetensors"
 
@@ -143,7 +162,7 @@ def test_debug_preset_on_the_shards(method, pretrain):
     run_dir = pretrain(method)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["objective"] == method and config["data"]["source"] == "shards" and config["model"]["in_chans"] == 3
-    # the README's promise: still a few dozen steps on shards (not epochs of the whole index)
+    # the page's promise: still a few dozen steps on shards (not epochs of the whole index)
     assert json.loads((run_dir / "meta.json").read_text())["total_steps"] <= 64
     rows = read_metrics(run_dir)
     assert rows[-1]["step"] == STEPS and math.isfinite(rows[-1]["loss"])
@@ -175,12 +194,13 @@ def test_timm_snippet_loads_strictly(exported):
         assert model.forward_features(x).shape == (2, 1 + (kw["img_size"] // kw["patch_size"]) ** 2, kw["embed_dim"])
 
 
-def test_readme_timm_snippet_is_what_export_writes_for_vit_b(readme):
-    """The README's example snippet (a ViT-B/16 export) is the text train.export writes for one."""
+def test_the_timm_snippet_on_the_page_is_what_export_writes_for_vit_b():
+    """docs/CHECKPOINTS.md's example snippet (a ViT-B/16 export) is the text train.export writes for one."""
     from model import create_model
     from train.export import timm_loading
 
-    block = code_block(readme, *TIMM_SNIPPET)
+    name, *rest = TIMM_SNIPPET
+    block = code_block(page(name), *rest)
     with torch.device("meta"):
         encoder = create_model("vit_base_patch16")
     info = timm_loading(encoder.timm_kwargs(), "vit_base_patch16", encoder.state_dict(),
@@ -188,41 +208,100 @@ def test_readme_timm_snippet_is_what_export_writes_for_vit_b(readme):
     assert block.text == info["timm_snippet"], f"{block.where} differs from train.export's snippet"
 
 
-def test_evaluate(readme, shards, exported):
+def test_evaluate(shards, exported):
     _, shard_dir = shards
     _, encoder = exported
-    cmd = command(readme, *EVALUATE)
-    proc = run(cmd, cmd.argv({"shards/fmnist": shard_dir, "runs/x": encoder.parent}))
+    cmd = find(EVALUATE)
+    proc = run(cmd, cmd.argv({FMNIST: shard_dir, "runs/x": encoder.parent}))
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 0 <= result["knn_top1"] <= 100 and 0 <= result["linear_probe_top1"] <= 100
     assert (result["train_samples"], result["test_samples"]) == (TRAIN, TEST)
 
 
-# The parser: an anchor that is gone or a path the test does not map fails with the README line.
+# The parser: an anchor that is gone or a path the test does not map fails with the page's file and line.
 
-def test_commands_are_read_from_the_readme_text(readme):
-    evaluate = command(readme, *EVALUATE)
-    assert readme.splitlines()[evaluate.line - 1].startswith("    python -m train.evaluate")
-    argv = evaluate.argv({"shards/fmnist": REPO / "x", "runs/x": REPO / "y"})
-    assert argv[:3] == [sys.executable, "-m", "train.evaluate"] and str(REPO / "x" / "train.json") in argv
+def test_commands_are_read_from_the_pages_text():
+    evaluate = find(EVALUATE)
+    assert evaluate.file == EVALUATION
+    assert page(EVALUATION).text.splitlines()[evaluate.line - 1].startswith("    python train/evaluate.py")
+    argv = evaluate.argv({FMNIST: REPO / "x", "runs/x": REPO / "y"})
+    assert argv[:2] == [sys.executable, "train/evaluate.py"] and str(REPO / "x" / "train.json") in argv
     assert argv[-2:] == ["--encoder", str(REPO / "y" / "encoder.safetensors")]  # continuation joined, comment dropped
-    flags = quoted(readme, "To run one on shards add", PRETRAIN[1])
-    assert "--data.source" in flags.text and "\n" not in flags.text
+    flags = quoted(page(TRAINING), "To run one on shards add", PRETRAIN[2])
+    assert flags.file == TRAINING and "--data.source" in flags.text and "\n" not in flags.text
 
 
-def test_a_command_gone_from_the_readme_fails_naming_its_section(readme):
-    cmd = command(readme, *WRITE_SHARDS)
-    broken = readme.replace(cmd.text.split("#")[0].strip(), "python -m data.write_shards fmnist shards/fmnist")
-    with pytest.raises(LookupError, match=r"'Data: webdataset shards' \(README.md:\d+\)"):
-        command(broken, *WRITE_SHARDS)
-    with pytest.raises(LookupError, match="To run one on shards add"):
-        quoted(re.sub(r"run\s+one\s+on\s+shards", "use shards", readme), "To run one on shards add", PRETRAIN[1])
+def test_a_command_gone_from_its_page_fails_naming_the_page_and_section():
+    data = page(DATA)
+    cmd = find(WRITE_SHARDS)
+    broken = data.replace(cmd.text.split("#")[0].strip(), f"python -m data.write_shards fmnist {FMNIST}")
+    with pytest.raises(LookupError, match=r"docs/DATA.md has no .* in section 'Writing shards' \(docs/DATA.md:\d+\)"):
+        command(broken, *WRITE_SHARDS[1:])
+    training = page(TRAINING)
+    with pytest.raises(LookupError, match="docs/TRAINING.md has no `...` after 'To run one on shards add'"):
+        quoted(training.sub(r"run\s+one\s+on\s+shards", "use shards"), "To run one on shards add", PRETRAIN[2])
 
 
-def test_a_readme_path_the_test_does_not_map_is_refused(readme):
-    cmd = command(readme, *WRITE_SHARDS)
-    with pytest.raises(ValueError, match=rf"README.md:{cmd.line}: the test maps no folder for \['shards/fmnist'\]"):
+def test_a_path_the_test_does_not_map_is_refused_naming_the_page_and_line():
+    cmd = find(WRITE_SHARDS)
+    with pytest.raises(ValueError, match=rf"docs/DATA.md:{cmd.line}: the test maps no folder for \['{FMNIST}'\]"):
         cmd.argv({"runs/x": REPO / "y"})
+
+
+def test_bare_text_is_read_as_the_readme():
+    snippet = command("intro\n\n    python train/export.py --checkpoint runs/x\n", "python train/export.py", "Export")
+    assert snippet.where == "README.md:3"
+
+
+# README.md: a front door whose commands are tested where the docs give them, or here as their checks.
+
+def readme_commands() -> list[Snippet]:
+    return [s for s in code_lines(page(README)) if s.text.startswith(("python ", "deepspeed ", ".venv/bin/python "))]
+
+
+def test_every_readme_command_is_a_docs_command():
+    """The README's commands are copies of the docs pages' (where the tests above run them, or the
+    GPU checks below): a README command that drifts from its page fails here, naming its line."""
+    docs = {s.text for name in sorted(REPO.glob("docs/**/*.md")) for s in code_lines(page(str(name.relative_to(REPO))))}
+    commands = readme_commands()
+    assert len(commands) >= 5, [c.text for c in commands]
+    drifted = [f"{c.where}: {c.text}" for c in commands if c.text not in docs]
+    assert not drifted, "README commands that no docs page gives:\n" + "\n".join(drifted)
+
+
+def test_the_readme_make_commands_are_makefile_targets():
+    targets = set(re.findall(r"^([A-Za-z][\w-]*):", (REPO / "Makefile").read_text(), re.MULTILINE))
+    variables = set(re.findall(r"^([A-Z_]+) *\?=", (REPO / "Makefile").read_text(), re.MULTILINE))
+    used = [s for s in code_lines(page(README)) if "make " in s.text]
+    assert {"demo", "test", "install"} <= {t for s in used for t in re.findall(r"\bmake (\w[\w-]*)", s.text)}
+    for s in used:
+        for target in re.findall(r"\bmake ([a-z][\w-]*)", s.text):
+            assert target in targets, f"{s.where}: no Makefile target {target!r}"
+        for var in re.findall(r"\b([A-Z_]+)=", s.text):
+            assert var in variables, f"{s.where}: the Makefile has no variable {var}"
+
+
+def test_the_readme_one_node_command_passes_the_dry_run_for_8_a100s(tmp_path):
+    """README.md's `deepspeed --num_gpus 8 train/pretrain.py ...`, checked as the page says to check it:
+    the same options with `--dry-run --world_size 8 --gpu a100` (the index is not on this machine:
+    the dry run says so and checks the rest)."""
+    cmd = find(ONE_NODE)
+    argv = cmd.argv({"shards": tmp_path / "shards", "runs": tmp_path / "runs"})
+    assert argv[:3] == ["deepspeed", "--num_gpus", "8"], argv
+    proc = run(cmd, [sys.executable, *argv[3:], "--dry-run", "--world_size", "8", "--gpu", "a100"])
+    assert "8 x A100" in proc.stdout and "OK: nothing would stop this run before it starts" in proc.stdout, proc.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_readme_slurm_command_passes_submit_dry(tmp_path):
+    """README.md's `python -m launchers.submit ...` with `--dry`: the dry run for its nodes x GPUs,
+    then the sbatch command, nothing written or submitted."""
+    cmd = find(SLURM)
+    argv = cmd.argv({"shards": tmp_path / "shards", "/scratch": tmp_path / "scratch"})
+    split = argv.index("--")
+    proc = run(cmd, [*argv[:split], "--dry", *argv[split:]])
+    assert "16 x A100" in proc.stdout and "\nsbatch " in proc.stdout, proc.stdout
+    assert not (tmp_path / "scratch").exists()
 
 
 # "Your own data": the three ways in, each command as written on tiny inputs.
@@ -233,7 +312,7 @@ def _index(path: Path) -> dict:
 
 def _write_labeled_shards(folder: Path, count: int) -> None:
     """ImageNet in webdataset form as webdataset's ShardWriter writes it: `count` shards of one tiny
-    sample each (jpg + cls, label k % 3), so that the README's brace pattern names real files."""
+    sample each (jpg + cls, label k % 3), so that the page's brace pattern names real files."""
     folder.mkdir(parents=True)
     image = image_bytes(0, size=8)
     with wds.ShardWriter(str(folder / "train-%06d.tar"), maxcount=1, verbose=0) as sink:
@@ -242,9 +321,9 @@ def _write_labeled_shards(folder: Path, count: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def own(readme, tmp_path_factory):
-    """The user's folders (the README's shards/..., /data/imagenet, names.txt under one tmp root) and
-    the README's commands of "Your own data" run on them, two at a time (each is mostly its
+def own(tmp_path_factory):
+    """The user's folders (docs/DATA.md's shards/..., /data/imagenet, names.txt under one tmp root) and
+    the page's commands of "Your own data" run on them, two at a time (each is mostly its
     single-threaded start-up: importing webdataset imports torch): name -> a future of the
     finished process. Way 3 is one chain: index, pretrain (with --output_dir and --run.max_steps 2,
     as above), and the same pretraining command with `--objective linprobe` (check=False: it must
@@ -259,32 +338,32 @@ def own(readme, tmp_path_factory):
              "runs": root / "runs", **{f"shards/{name}": shards / name
                                        for name in ("in1k", "in1k-wds", "laion", "laion.json", "mine", "mine.json")}}
 
-    def readme_command(anchor, *extra: str, check: bool = True):
-        cmd = command(readme, *anchor)
+    def page_command(anchor, *extra: str, check: bool = True):
+        cmd = find(anchor)
         return run(cmd, [*cmd.argv(paths), *extra], check=check)
 
     def way_3():
-        index = readme_command(INDEX_UNLABELED)
-        train = readme_command(PRETRAIN_UNLABELED, "--output_dir", str(root / "runs" / "mae"),
+        index = page_command(INDEX_UNLABELED)
+        train = page_command(PRETRAIN_UNLABELED, "--output_dir", str(root / "runs" / "mae"),
                                "--run.max_steps", str(STEPS))
-        refused = readme_command(PRETRAIN_UNLABELED, "--objective", "linprobe", "--output_dir",
+        refused = page_command(PRETRAIN_UNLABELED, "--objective", "linprobe", "--output_dir",
                                  str(root / "runs" / "linprobe"), check=False)
         return index, train, refused
 
     jobs = {"unlabeled": way_3,  # the longest first
-            "imagenet": lambda: readme_command(WRITE_IMAGENET),
-            "pattern": lambda: readme_command(INDEX_PATTERN),
-            "folder": lambda: readme_command(INDEX_FOLDER),
-            "json_label": lambda: readme_command(INDEX_JSON_LABEL)}
+            "imagenet": lambda: page_command(WRITE_IMAGENET),
+            "pattern": lambda: page_command(INDEX_PATTERN),
+            "folder": lambda: page_command(INDEX_FOLDER),
+            "json_label": lambda: page_command(INDEX_JSON_LABEL)}
     with ThreadPoolExecutor(max_workers=2) as pool:
         yield root, {name: pool.submit(job) for name, job in jobs.items()}
         pool.shutdown(cancel_futures=True)
 
 
-def test_own_data_write_an_image_folder(readme, image_folder, tmp_path):
-    """README: `python -m data.write_shards imagefolder /data/pets shards/pets --name train`, /data/pets
+def test_own_data_write_an_image_folder(image_folder, tmp_path):
+    """docs/DATA.md: `python -m data.write_shards imagefolder /data/pets shards/pets --name train`, /data/pets
     the conftest's folder (cat/ dog/ eel/, 8 jpg or png each)."""
-    cmd = command(readme, *WRITE_FOLDER)
+    cmd = find(WRITE_FOLDER)
     proc = run(cmd, cmd.argv({"/data/pets": image_folder, "shards/pets": tmp_path / "pets"}))
     index = _index(tmp_path / "pets" / "train.json")  # --name train
     assert (index["num_samples"], index["classes"]) == (24, ["cat", "dog", "eel"])
@@ -292,7 +371,7 @@ def test_own_data_write_an_image_folder(readme, image_folder, tmp_path):
 
 
 def test_own_data_write_imagenet(own):
-    """README: `python -m data.write_shards imagenet /data/imagenet shards/in1k --samples_per_shard 1250`
+    """docs/DATA.md: `python -m data.write_shards imagenet /data/imagenet shards/in1k --samples_per_shard 1250`
     on a fake ImageNet (3 wnids, train/<wnid>/ and val/<wnid>/ folders)."""
     root, runs = own
     runs["imagenet"].result()
@@ -303,7 +382,7 @@ def test_own_data_write_imagenet(own):
 
 
 def test_own_data_index_a_brace_pattern_of_shardwriter_shards(own):
-    """README: `python -m data.index_shards 'shards/in1k-wds/train-{000000..001281}.tar' --out ...`
+    """docs/DATA.md: `python -m data.index_shards 'shards/in1k-wds/train-{000000..001281}.tar' --out ...`
     on 1282 one-sample ShardWriter shards labeled by `cls`."""
     root, runs = own
     runs["pattern"].result()
@@ -314,7 +393,7 @@ def test_own_data_index_a_brace_pattern_of_shardwriter_shards(own):
 
 
 def test_own_data_index_a_folder_of_img2dataset_shards(own):
-    """README: `python -m data.index_shards shards/laion/ --out shards/laion.json --workers 32`
+    """docs/DATA.md: `python -m data.index_shards shards/laion/ --out shards/laion.json --workers 32`
     (more workers than shards: as many as there are shards)."""
     root, runs = own
     runs["folder"].result()
@@ -324,7 +403,7 @@ def test_own_data_index_a_folder_of_img2dataset_shards(own):
 
 
 def test_own_data_index_labels_from_a_json_field_with_class_names(own):
-    """README: `python -m data.index_shards shards/mine/ --out shards/mine.json --label_key json:label
+    """docs/DATA.md: `python -m data.index_shards shards/mine/ --out shards/mine.json --label_key json:label
     --classes names.txt`, names.txt (read from where the command runs) mapped to a tmp file."""
     root, runs = own
     runs["json_label"].result()
@@ -334,8 +413,8 @@ def test_own_data_index_labels_from_a_json_field_with_class_names(own):
 
 
 def test_own_data_unlabeled_shardwriter_shards_pretrain_mae(own):
-    """Way 3 (issue 23's "done when"): ShardWriter shards with no labels, indexed and pretrained with
-    the README's two commands: no sample skipped, a finite loss, the encoder exported."""
+    """Way 3: ShardWriter shards with no labels, indexed and pretrained with docs/DATA.md's two
+    commands: no sample skipped, a finite loss, the encoder exported."""
     root, runs = own
     runs["unlabeled"].result()
     index = _index(root / "shards" / "laion.json")
@@ -351,10 +430,10 @@ def test_own_data_unlabeled_shardwriter_shards_pretrain_mae(own):
     assert weights and all(torch.isfinite(w).all() for w in weights.values())
 
 
-def test_own_data_what_needs_labels_refuses_the_unlabeled_index(readme, own):
-    """The README's claim, for `linprobe` (which it lists), on the index way 3 wrote: its pretraining
+def test_own_data_what_needs_labels_refuses_the_unlabeled_index(own):
+    """docs/DATA.md's claim, for `linprobe` (which it lists), on the index way 3 wrote: its pretraining
     command with `--objective linprobe` exits 2 before start, naming the index and the fix."""
-    claim = paragraph(readme, NEEDS_LABELS, OWN).text
+    claim = paragraph(page(DATA), NEEDS_LABELS, OWN).text
     assert claim.startswith(f"{NEEDS_LABELS} (exit 2, naming the index and the fix):") and "`linprobe`" in claim
     root, runs = own
     _, _, proc = runs["unlabeled"].result()
@@ -364,21 +443,22 @@ def test_own_data_what_needs_labels_refuses_the_unlabeled_index(readme, own):
     assert not (root / "runs" / "linprobe").exists()  # before start
 
 
-def test_own_data_commands_are_told_apart_by_their_way_in(readme):
+def test_own_data_commands_are_told_apart_by_their_way_in():
     """Way 3 repeats way 2's laion index command without --workers: each is read from its own way in,
     and a command gone from way 3 fails naming the section even though way 2 still has its twin."""
-    assert command(readme, *INDEX_FOLDER).text.endswith("--workers 32")
-    way_3, train = command(readme, *INDEX_UNLABELED), command(readme, *PRETRAIN_UNLABELED)
-    assert way_3.line > command(readme, *INDEX_JSON_LABEL).line and "--workers" not in way_3.text
-    assert train.line == way_3.line + 1 and train.line != command(readme, *PRETRAIN).line
-    gone = readme.replace(f"    {way_3.text}\n", "").replace(f"    {train.text}\n", "")
-    with pytest.raises(LookupError, match=r"'python -m data.index_shards' after .*'Your own data' \(README.md:\d+\)"):
-        command(gone, *INDEX_UNLABELED)
+    data = page(DATA)
+    assert find(INDEX_FOLDER).text.endswith("--workers 32")
+    way_3, train = find(INDEX_UNLABELED), find(PRETRAIN_UNLABELED)
+    assert way_3.line > find(INDEX_JSON_LABEL).line and "--workers" not in way_3.text
+    assert train.line == way_3.line + 1 and train.text != find(PRETRAIN).text
+    gone = data.replace(f"    {way_3.text}\n", "").replace(f"    {train.text}\n", "")
+    with pytest.raises(LookupError, match=r"'python -m data.index_shards' after .*'Your own data' \(docs/DATA.md:\d+\)"):
+        command(gone, *INDEX_UNLABELED[1:])
     with pytest.raises(LookupError, match="words '3. Unlabeled shards -> pretraining.'"):
-        command(readme.replace("**3. Unlabeled shards", "**3. Shards without labels"), *INDEX_UNLABELED)
+        command(data.replace("**3. Unlabeled shards", "**3. Shards without labels"), *INDEX_UNLABELED[1:])
 
 
-def test_own_data_paths_the_test_does_not_map_are_refused(readme):
-    cmd = command(readme, *WRITE_FOLDER)
-    with pytest.raises(ValueError, match=rf"README.md:{cmd.line}: the test maps no folder for \['/data/pets'\]"):
+def test_own_data_paths_the_test_does_not_map_are_refused():
+    cmd = find(WRITE_FOLDER)
+    with pytest.raises(ValueError, match=rf"docs/DATA.md:{cmd.line}: the test maps no folder for \['/data/pets'\]"):
         cmd.argv({"shards/pets": REPO / "x"})

@@ -1,4 +1,4 @@
-"""Shards as other tools write them, for the tests of issue 23 ("bring your own data"): webdataset's
+"""Shards as other tools write them, for the tests of bringing your own data (docs/DATA.md): webdataset's
 own ShardWriter with img2dataset's layout (an image + txt caption + json metadata, no cls; some
 images webp), and shard indexes in data/index_shards.py's format written by hand."""
 import io

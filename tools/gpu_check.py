@@ -1,6 +1,6 @@
 """GPU validation kit: one or several phases of measurements per call, run from the repository root
-on a GPU machine, one compact JSON per phase (+ one log per call) into --out (else the folder the OUT
-environment variable names, else benchmarks/results/). How to install and run it: docs/GPU.md.
+on a GPU machine, one compact JSON per phase (+ one log per call, and the bench phase's trace) into
+--out (default benchmarks/results/). How to install and run it: docs/GPU.md.
 
     python -m tools.gpu_check PHASE [PHASE ...] [--budget_s 480] [--smoke] [--out DIR]
 
@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     p.add_argument("phases", nargs="+", choices=PHASES)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny models, few steps (the test suite's mode)")
     p.add_argument("--budget_s", type=float, default=480.0, help="seconds for the whole call (default 8 min)")
-    p.add_argument("--out", type=Path, default=None, help="default: the folder in the OUT environment variable, else benchmarks/results")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results",
+                   help="folder of the JSONs, the log and the trace (default benchmarks/results)")
     p.add_argument("--fashion_mnist", type=Path, default=None,
                    help="study: folder of the Fashion-MNIST idx files (default: runs/fashion-mnist, then "
                         "/usr/share/datasets/fashion-mnist)")
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     if not a.smoke and not torch.cuda.is_available():
         print("error: no CUDA device here; pass --smoke for the CPU smoke mode", file=sys.stderr)
         raise SystemExit(2)
-    out = a.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "benchmarks" / "results")
+    out = a.out
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + a.budget_s
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")

@@ -89,9 +89,9 @@ def install_hint(device: CudaDevice) -> str:
     if device.capability < (7, 5):  # V100 (7.0) and older: only the CUDA 12.x builds still ship kernels
         return (f"install a torch build that ships {device.sm} kernels, a CUDA 12.6 build from PyTorch's own "
                 f"wheel index: rm -rf .venv && make install TORCH_INDEX={CU126_INDEX} (or pip install torch "
-                f"torchvision --index-url {CU126_INDEX}); README 'GPUs' explains")
+                f"torchvision --index-url {CU126_INDEX}); docs/GPU.md explains")
     return (f"install a torch build whose arch list covers {device.sm} (https://pytorch.org/get-started/locally/), "
-            f"e.g. make install TORCH_INDEX=https://download.pytorch.org/whl/<cuda tag>; README 'GPUs' explains")
+            f"e.g. make install TORCH_INDEX=https://download.pytorch.org/whl/<cuda tag>; docs/GPU.md explains")
 
 
 def check_kernels(device: CudaDevice) -> None:

@@ -68,7 +68,92 @@ class EngineConfig:
         return DTYPES[self.precision]
 
 
-class Engine:
+class EngineCore:
+    """What both engines share (this file's Engine, train/engine_fsdp.py's FSDPEngine): the
+    optimizer's state made before its first step, the loss scaled for the backward, the step from
+    the gradients' global sum of squares (the non-finite flag, the norm, clipping folded into the
+    optimizer's unscaling), the counters, and what the loop reads."""
+
+    def _setup_step(self, optimizer, make_schedule, cfg: EngineConfig, device: torch.device, lr_scale: float,
+                    grad_divisor: float) -> None:
+        """`grad_divisor`: what the optimizer divides the gradients by besides the loss scale (the
+        rank count where they are summed over ranks)."""
+        self.optimizer, self.cfg = optimizer, cfg
+        init_state = getattr(optimizer, "init_state", None) or adamw_state
+        for t in (t for g in optimizer.param_groups for t in g["params"]):
+            optimizer.state[t] = init_state(t)
+        self.schedule = make_schedule(optimizer)
+        self.scaler = DeviceLossScale(cfg.loss_scale, device) if cfg.precision == "fp16" else None
+        self.health = DeviceHealth(device)
+        self.grad_norm = torch.zeros((), device=device)  # of the last optimizer step, unscaled
+        self.grad_divisor = torch.tensor(float(grad_divisor), device=device)
+        self.lr_scale = lr_scale  # the first parameter group's: the lr the loop logs
+        self.micro = 0  # micro-batches since the last optimizer step
+        self.steps = 0  # optimizer steps taken (applied or skipped)
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's loss as backward takes it: times the fp16 loss scale, over the accumulation."""
+        if self.scaler is not None:
+            loss = loss * self.scaler.scale.to(loss.dtype)
+        return loss / self.cfg.accum if self.cfg.accum > 1 else loss
+
+    def _optimizer_step(self, sumsq: torch.Tensor) -> torch.Tensor:
+        """One optimizer step from the gradients' global sum of squares (before unscaling); returns
+        found_inf (1.0: the step was skipped inside the fused kernel, weights and moments kept)."""
+        found_inf = torch.isfinite(sumsq).logical_not().float()
+        grad_scale = self.grad_divisor if self.scaler is None else self.grad_divisor * self.scaler.scale
+        self.grad_norm = sumsq.sqrt() / grad_scale
+        if self.cfg.clip > 0:  # one scale for every gradient: folded into the optimizer's unscaling
+            grad_scale = grad_scale / torch.clamp(self.cfg.clip / (self.grad_norm + 1e-6), max=1.0)
+        self.optimizer.grad_scale, self.optimizer.found_inf = grad_scale, found_inf
+        self.optimizer.step()
+        return found_inf
+
+    def _finish_step(self, found_inf: torch.Tensor) -> None:
+        self.health.update(found_inf)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        self.schedule.step()
+        self.micro = 0
+        self.steps += 1
+
+    @property
+    def accum(self) -> int:
+        return self.cfg.accum
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cfg.dtype
+
+    def get_lr(self) -> float:
+        """The lr of the next optimizer step (the first parameter group's)."""
+        return self.schedule.lr_at(self.schedule.last_step) * self.lr_scale
+
+    def device_state(self) -> dict[str, torch.Tensor]:
+        """0-dim device tensors the loop reads at its log steps: gradient norm, skip counters, fp16 scale."""
+        out = {"grad_norm": self.grad_norm, **self.health.tensors()}
+        if self.scaler is not None:
+            out["loss_scale"] = self.scaler.scale
+            out["loss_scale_collapsed"] = self.scaler.collapsed
+        return out
+
+    def _counters(self) -> dict:
+        out = {"steps": self.steps, "health": self.health.state_dict()}
+        if self.scaler is not None:
+            out["loss_scale"] = self.scaler.state_dict()
+        return out
+
+    def _load_counters(self, model: dict) -> None:
+        """Schedule, step count, skip counters and fp16 scale from a checkpoint's MODEL_FILE."""
+        self.schedule.load_state_dict(model["schedule"])
+        counters = model["engine"]
+        self.steps = counters["steps"]
+        self.health.load_state_dict(counters["health"])
+        if self.scaler is not None and "loss_scale" in counters:
+            self.scaler.load_state_dict(counters["loss_scale"])
+
+
+class Engine(EngineCore):
     """One objective trained data-parallel (see the module docstring). `make_optimizer(groups)`
     builds the optimizer over the given groups (each: "params" and the group's options);
     `make_schedule(optimizer)` its lr schedule, stepped after every optimizer step."""
@@ -127,19 +212,10 @@ class Engine:
                 self.pieces.append((a, b))
             if tensors:  # a group with no part in this shard is left out
                 opt_groups.append({**{k: v for k, v in spec.items() if k != "params"}, "params": tensors})
-        self.lr_scale = groups[0].get("lr_scale", 1.0)  # the first group's: the lr the loop logs
-        self.optimizer = make_optimizer(opt_groups)
-        self.opt_tensors = [t for g in self.optimizer.param_groups for t in g["params"]]
-        init_state = getattr(self.optimizer, "init_state", None) or adamw_state
-        for t in self.opt_tensors:
-            self.optimizer.state[t] = init_state(t)
-        self.schedule = make_schedule(self.optimizer)
-        self.scaler = DeviceLossScale(cfg.loss_scale, device) if cfg.precision == "fp16" else None
-        self.health = DeviceHealth(device)
-        self.grad_norm = torch.zeros((), device=device)  # of the last optimizer step, unscaled
-        self.rank_scale = torch.tensor(float(self.world), device=device)  # gradients are sums over ranks
-        self.micro = 0  # micro-batches since the last optimizer step
-        self.steps = 0  # optimizer steps taken (applied or skipped)
+        optimizer = make_optimizer(opt_groups)
+        self.opt_tensors = [t for g in optimizer.param_groups for t in g["params"]]
+        # the gradients are sums over ranks: the optimizer divides by their count
+        self._setup_step(optimizer, make_schedule, cfg, device, groups[0].get("lr_scale", 1.0), self.world)
 
     # --- the loop's calls ------------------------------------------------------------------------
     def __call__(self, batch):
@@ -147,11 +223,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Gradients of `loss` (this micro-batch's mean) added to the step's sum."""
-        if self.scaler is not None:
-            loss = loss * self.scaler.scale.to(loss.dtype)
-        if self.cfg.accum > 1:
-            loss = loss / self.cfg.accum
-        loss.backward()
+        self._scaled(loss).backward()
         first = self.micro == 0 or self.stage2_micro is not None
         grads, into, unused = [], [], []
         for p, view in zip(self.params, self.grad_views):
@@ -185,20 +257,9 @@ class Engine:
         sumsq = torch.dot(g, g)  # fp32; NaN / inf if any element is
         if self.sharded:
             dist.all_reduce(sumsq)
-        found_inf = torch.isfinite(sumsq).logical_not().float()
-        grad_scale = self.rank_scale if self.scaler is None else self.rank_scale * self.scaler.scale
-        self.grad_norm = sumsq.sqrt() / grad_scale
-        if self.cfg.clip > 0:  # one scale for every gradient: folded into the optimizer's unscaling
-            grad_scale = grad_scale / torch.clamp(self.cfg.clip / (self.grad_norm + 1e-6), max=1.0)
-        self.optimizer.grad_scale, self.optimizer.found_inf = grad_scale, found_inf
-        self.optimizer.step()
+        found_inf = self._optimizer_step(sumsq)
         self._publish()
-        self.health.update(found_inf)
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
-        self.schedule.step()
-        self.micro = 0
-        self.steps += 1
+        self._finish_step(found_inf)
 
     def _reduce(self) -> None:
         """The summed gradients of every rank where the optimizer reads them."""
@@ -217,30 +278,9 @@ class Engine:
         if self.sharded:
             dist.all_gather_into_tensor(self.flat_params, mine)
 
-    # --- what the loop and the trainer read ------------------------------------------------------
-    @property
-    def accum(self) -> int:
-        return self.cfg.accum
-
     @property
     def stage(self) -> int:
         return self.cfg.stage
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.cfg.dtype
-
-    def get_lr(self) -> float:
-        """The lr of the next optimizer step (the first parameter group's)."""
-        return self.schedule.lr_at(self.schedule.last_step) * self.lr_scale
-
-    def device_state(self) -> dict[str, torch.Tensor]:
-        """0-dim device tensors the loop reads at its log steps: gradient norm, skip counters, fp16 scale."""
-        out = {"grad_norm": self.grad_norm, **self.health.tensors()}
-        if self.scaler is not None:
-            out["loss_scale"] = self.scaler.scale
-            out["loss_scale_collapsed"] = self.scaler.collapsed
-        return out
 
     def gathered(self):
         """Every parameter whole on every rank: always so below ZeRO-3."""
@@ -275,12 +315,6 @@ class Engine:
             torch.save({"layout": self.layout.describe(), "optimizer": type(self.optimizer).__name__,
                         "pieces": pieces}, tag_dir / optim_file(self.rank))
 
-    def _counters(self) -> dict:
-        out = {"steps": self.steps, "health": self.health.state_dict()}
-        if self.scaler is not None:
-            out["loss_scale"] = self.scaler.state_dict()
-        return out
-
     def load(self, tag_dir: Path) -> dict:
         """Weights, optimizer state, schedule and counters from a checkpoint tag of any world size
         and ZeRO stage (train/engine_fsdp.py's too); returns its client state."""
@@ -293,12 +327,7 @@ class Engine:
                 self.master[lo - self.start:hi - self.start].copy_(
                     state[slot.name].reshape(-1)[lo - slot.offset:hi - slot.offset])
         self._load_optimizer(tag_dir)
-        self.schedule.load_state_dict(model["schedule"])
-        counters = model["engine"]
-        self.steps = counters["steps"]
-        self.health.load_state_dict(counters["health"])
-        if self.scaler is not None and "loss_scale" in counters:
-            self.scaler.load_state_dict(counters["loss_scale"])
+        self._load_counters(model)
         self._publish()
         return model["client"]
 

@@ -20,10 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from train.engine import MODEL_FILE, EngineConfig, adamw_state, optim_file
+from train.engine import MODEL_FILE, EngineConfig, EngineCore, optim_file
 from train.flat import FlatLayout, copy_ranges
-from train.loss_scale import DeviceLossScale
-from train.nonfinite import DeviceHealth
 
 
 def _rows(p: nn.Parameter, rank: int, world: int) -> tuple[int, int]:
@@ -33,7 +31,7 @@ def _rows(p: nn.Parameter, rank: int, world: int) -> tuple[int, int]:
     return min(n, rank * per), min(n, (rank + 1) * per)
 
 
-class FSDPEngine:
+class FSDPEngine(EngineCore):
     """train/engine.py's Engine interface for ZeRO-3 (see the module docstring)."""
 
     def __init__(self, module: nn.Module, groups: list[dict], make_optimizer, make_schedule, cfg: EngineConfig,
@@ -62,28 +60,16 @@ class FSDPEngine:
         # checkpoints: a virtual flat vector of every parameter end to end (no padding), in which
         # this rank's rows of each parameter are one range
         self.layout = FlatLayout(named_groups, world=1, align=1)
-        self.optimizer = make_optimizer([{**{k: v for k, v in spec.items() if k != "params"}, "params": [p for _, p in g]}
-                                         for spec, g in zip(groups, named_groups)])
-        for p in self.params:
-            self.optimizer.state[p] = adamw_state(p)
-        self.lr_scale = groups[0].get("lr_scale", 1.0)
-        self.schedule = make_schedule(self.optimizer)
-        self.scaler = DeviceLossScale(cfg.loss_scale, device) if cfg.precision == "fp16" else None
-        self.health = DeviceHealth(device)
-        self.grad_norm = torch.zeros((), device=device)
-        self.one = torch.ones((), device=device)  # FSDP2 averages the gradients over ranks itself
-        self.micro = 0
-        self.steps = 0
+        optimizer = make_optimizer([{**{k: v for k, v in spec.items() if k != "params"}, "params": [p for _, p in g]}
+                                    for spec, g in zip(groups, named_groups)])
+        # FSDP2 averages the gradients over ranks itself: nothing to divide by but the loss scale
+        self._setup_step(optimizer, make_schedule, cfg, device, groups[0].get("lr_scale", 1.0), 1.0)
 
     def __call__(self, batch):
         return self.module(batch)
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.scaler is not None:
-            loss = loss * self.scaler.scale.to(loss.dtype)
-        if self.cfg.accum > 1:
-            loss = loss / self.cfg.accum
-        loss.backward()  # FSDP2 reduce-scatters into the sharded .grad, adding to the earlier micro-batches'
+        self._scaled(loss).backward()  # FSDP2 reduce-scatters into the sharded .grad, adding to the earlier micro-batches'
         self.micro += 1
 
     def step(self) -> None:
@@ -92,42 +78,13 @@ class FSDPEngine:
         local = [p.grad.to_local() for p in self.params if p.grad is not None]
         sumsq = torch.stack(torch._foreach_norm(local)).square().sum() if local else torch.zeros((), device=self.device)
         dist.all_reduce(sumsq)
-        found_inf = torch.isfinite(sumsq).logical_not().float()
-        grad_scale = self.one if self.scaler is None else self.scaler.scale
-        self.grad_norm = sumsq.sqrt() / grad_scale
-        if self.cfg.clip > 0:
-            grad_scale = grad_scale / torch.clamp(self.cfg.clip / (self.grad_norm + 1e-6), max=1.0)
-        self.optimizer.grad_scale, self.optimizer.found_inf = grad_scale, found_inf
-        self.optimizer.step()
+        found_inf = self._optimizer_step(sumsq)
         self.optimizer.zero_grad(set_to_none=True)
-        self.health.update(found_inf)
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
-        self.schedule.step()
-        self.micro = 0
-        self.steps += 1
-
-    @property
-    def accum(self) -> int:
-        return self.cfg.accum
+        self._finish_step(found_inf)
 
     @property
     def stage(self) -> int:
         return 3
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.cfg.dtype
-
-    def get_lr(self) -> float:
-        return self.schedule.lr_at(self.schedule.last_step) * self.lr_scale
-
-    def device_state(self) -> dict[str, torch.Tensor]:
-        out = {"grad_norm": self.grad_norm, **self.health.tensors()}
-        if self.scaler is not None:
-            out["loss_scale"] = self.scaler.scale
-            out["loss_scale_collapsed"] = self.scaler.collapsed
-        return out
 
     @contextlib.contextmanager
     def gathered(self):
@@ -145,11 +102,8 @@ class FSDPEngine:
         if self.rank == 0:
             state = {k: v for k, v in self.module.state_dict().items() if k not in full}
             state.update({n: t.detach().to("cpu", copy=True) for n, t in full.items()})
-            counters = {"steps": self.steps, "health": self.health.state_dict()}
-            if self.scaler is not None:
-                counters["loss_scale"] = self.scaler.state_dict()
             torch.save({"module": state, "layout": self.layout.describe(), "schedule": self.schedule.state_dict(),
-                        "engine": counters, "client": client}, tag_dir / MODEL_FILE)
+                        "engine": self._counters(), "client": client}, tag_dir / MODEL_FILE)
         del full
         pieces = []
         for slot, p in zip(self.layout.slots, self.params):
@@ -191,10 +145,5 @@ class FSDPEngine:
                     src = [({n: (o, c) for n, o, c in s["layout"]}, piece["start"], piece["state"][key])
                            for s in saved for piece in s["pieces"]]
                     copy_ranges(value.to_local().view(-1), slot.offset + a * row, {name: (slot.offset, slot.numel)}, src)
-        self.schedule.load_state_dict(model["schedule"])
-        counters = model["engine"]
-        self.steps = counters["steps"]
-        self.health.load_state_dict(counters["health"])
-        if self.scaler is not None and "loss_scale" in counters:
-            self.scaler.load_state_dict(counters["loss_scale"])
+        self._load_counters(model)
         return model["client"]

@@ -1,5 +1,5 @@
 """Fine-tuning with the MAE protocol: the pretraining entry point with the finetune objective and
-the recipe's defaults for ViT-B (METHODS.md section 0); any option overrides them (ViT-L: blr 1e-3,
+the recipe's defaults for ViT-B (MAE, He et al. 2022, arXiv:2111.06377, appendix A.2); any option overrides them (ViT-L: blr 1e-3,
 layer_decay 0.75, 50 epochs, drop path 0.2).
 
     deepspeed --num_gpus 8 train/finetune.py --ds_config ds_configs/<file>.json \\

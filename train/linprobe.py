@@ -1,5 +1,5 @@
 """Linear probe with the MAE protocol: the pretraining entry point with the linprobe objective and
-the recipe's defaults (METHODS.md section 0). Any option can still be overridden.
+the recipe's defaults (MAE, He et al. 2022, arXiv:2111.06377, appendix A.3). Any option can still be overridden.
 
     python -m train.linprobe --ds_config ds_configs/<stage-0 file>.json \\
         --model.name vit_base_patch16 --model.init_from runs/mae_vitb/encoder.safetensors \\

@@ -1,6 +1,6 @@
-"""Pretraining entry point: `python -m train.pretrain --ds_config FILE [--key value ...]`, or
-`deepspeed --module train.pretrain ...` on GPUs; `--help` prints the usage (train/trainer.py's
-USAGE) and every option. The run itself is train/trainer.py (checks before start, then the
+"""Pretraining entry point: `python train/pretrain.py --ds_config FILE [--key value ...]` (or
+`python -m train.pretrain`), `deepspeed --num_gpus 8 train/pretrain.py ...` on GPUs; `--help`
+prints the usage (train/trainer.py's USAGE) and every option. The run itself is train/trainer.py (checks before start, then the
 Trainer); its builders are train/build.py.
 """
 from __future__ import annotations

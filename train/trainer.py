@@ -50,14 +50,15 @@ log = logging.getLogger("pretrain")
 
 USAGE = """Pretraining entry point.
 
-    deepspeed --module train.pretrain --ds_config ds_configs/<file>.json [--key value ...]
-    python -m train.pretrain --ds_config ds_configs/cpu_debug.json [--key value ...]
+    deepspeed --num_gpus 8 train/pretrain.py --ds_config ds_configs/<file>.json [--key value ...]
+    python train/pretrain.py --ds_config ds_configs/cpu_debug.json [--key value ...]   (or python -m train.pretrain)
 
-Options: `python -m train.pretrain --help`; `--dry-run [--world_size N] [--gpu a100]` checks a
+Options: `python train/pretrain.py --help`; `--dry-run [--world_size N] [--gpu a100|cpu]` checks a
 configuration for another world size and GPU and estimates memory (train/dry_run.py). Everything
-is checked before the process group starts; then: build encoder + objective, DeepSpeed engine,
-resume (also on another world size), loop (Ctrl-C / kill: a checkpoint, then exit 130 / 143;
-Slurm's SIGUSR1: a checkpoint and requeue), final checkpoint, export.
+is checked before the process group starts; then: build encoder + objective, the engine
+(train/engine.py; ZeRO-3: train/engine_fsdp.py), resume (also on another world size and ZeRO
+stage), loop (Ctrl-C / kill: a checkpoint, then exit 130 / 143; Slurm's SIGUSR1: a checkpoint and
+requeue), final checkpoint, export.
 """
 
 

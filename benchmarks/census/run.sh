@@ -5,11 +5,11 @@
 #   bash benchmarks/census/run.sh host_time  # host time per step, ours vs the baselines (a quiet machine)
 set -euo pipefail
 PY=${PYTHON:-.venv/bin/python}
-OUT=benchmarks/results
+RESULTS=benchmarks/results
 H100=ds_configs/vit_b_8xh100_bf16_zero1.json
 A100_Z2=ds_configs/vit_b_8xa100_bf16_zero2.json
 V100=ds_configs/vit_b_8xv100_fp16_zero1.json
-census() { name=$1; shift; "$PY" -m tools.census "$@" --json "$OUT/census_$name.json"; }
+census() { name=$1; shift; "$PY" -m tools.census "$@" --json "$RESULTS/census_$name.json"; }
 
 if [ "${1:-counts}" = counts ]; then
   # MAE ViT-B/16 at 224 px, micro-batch 2: ours, the plain-PyTorch loop (fused / foreach AdamW), DeepSpeed's engine
@@ -25,9 +25,10 @@ if [ "${1:-counts}" = counts ]; then
     --config train/configs/maeplus/variants/rpe_coord.json --deepspeed --baseline none
   # two CPU ranks (gloo): only the collectives are added
   "$PY" -m deepspeed.launcher.runner --num_gpus 2 tools/census.py --ds_config $H100 --micro 2 --model.name vit_base_patch16 \
-    --baseline none --json "$OUT/census_mae_vit_b16_h100_zero1_micro2_2ranks.json"
+    --baseline none --json "$RESULTS/census_mae_vit_b16_h100_zero1_micro2_2ranks.json"
 else
-  # host time per step where compute is negligible (ViT-B depth and heads, width 48): 30 alternating rounds, 1 thread
-  census mae_vit_b16_width48_host_time --ds_config $H100 --micro 2 --model.name vit_base_patch16 --width 48 \
-    --host_time 30 --deepspeed
+  # host time per step where compute is negligible (ViT-B depth and heads, width 48, 32 px: 4 patches):
+  # 30 alternating rounds, 1 thread
+  census mae_vit_b16_width48_32px_host_time --ds_config $H100 --micro 2 --model.name vit_base_patch16 --width 48 \
+    --model.img_size 32 --host_time 30 --deepspeed
 fi

@@ -1,5 +1,6 @@
 """Registers / spills / shared memory of the kernels as launched on this GPU (Triton's own compile
-on the device), beside kernels/compile_check.py's ahead-of-time numbers for sm_90."""
+on the device), beside kernels/compile_check.py's ahead-of-time numbers for sm_90.
+usage: python benchmarks/h100_20261124/device_regs.py OUT_JSON"""
 import json, sys, torch
 sys.path.insert(0, ".")
 import kernels.restricted_triton as rt

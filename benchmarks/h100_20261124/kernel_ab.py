@@ -1,5 +1,7 @@
-"""Device A/B: the fused restricted-attention kernels at 17e079c (old) vs now (new), beside the
-PyTorch composition and dense SDPA, forward+backward, same inputs, alternating. Not committed."""
+"""Device A/B: the fused restricted-attention kernels of another version (old: a copy of its
+kernels/restricted_triton.py) against this checkout's (new), beside the PyTorch composition and
+dense SDPA, forward+backward, same inputs, alternating.
+usage: python benchmarks/h100_20261124/kernel_ab.py OUT_JSON OLD_RESTRICTED_TRITON_PY"""
 import importlib.util, json, sys, torch, triton
 import torch.nn.functional as F
 from triton.testing import do_bench

@@ -37,13 +37,13 @@ ENTRIES = STUDY | EXTRA
 # Entries of the deciding study run at the ablation preset's budget (3 epochs) instead of 10, and judged
 # there against the random-init control. Energy steps about 10x slower than MAE (one thread, 128
 # images, median: 4.3-4.9 s against MAE's 0.44 s on the 2-core AMD EPYC dev machine, 3.18 s against
-# 0.33 s on the 2-core Intel Xeon), so 10 epochs (4,680 steps) take 4 to 6 hours of one core, more
-# than a working session; a machine replaced between sessions loses an unfinished run (the first
-# 10-epoch energy run was lost that way at step 3,575). 3 epochs finish within a session.
+# 0.33 s on the 2-core Intel Xeon), so 10 epochs (4,680 steps) take 4 to 6 hours of one core; a
+# machine replaced before a run ends loses it (docs/RESULTS_discussion.md). 3 epochs took 72-74 minutes
+# (docs/RESULTS_ablation.md).
 AT_ABLATION_BUDGET = ("energy",)
 
 # Budgets by name (`--preset`): the quick one-third-epoch study (`make study`), the deciding
-# 10-epoch study (`make study-full`, issue 28) and the reduced 3-epoch budget (`ablation`): MixedAE's
+# 10-epoch study (`make study-full`) and the reduced 3-epoch budget (`ablation`): MixedAE's
 # Table A4 ablations and energy, with MAE, MixedAE and random init again at that budget. Reports:
 # report.paths(preset).
 PRESETS = {

@@ -1,7 +1,7 @@
 """Where a study stands (`study.py --status`), read from its run folders only: for each (seed,
 entry) whether it is done (with its accuracies), pretraining or fine-tuning (step, the last
 logged step time, the steps left at that rate, how long ago it last logged), evaluating frozen
-features, or not started. The 10-epoch study runs for hours over several sessions; this answers
+features, or not started. The 10-epoch study runs for hours, often in several sittings; this answers
 "how far along, and is it still moving?" without opening a log.
 
 Stages follow study.run_entry: <entry>/seed<k>/pretrain (train/pretrain.py; encoder.safetensors is

@@ -88,8 +88,8 @@ def _run(cmd: list[str]) -> float:
 
 
 def resumable(run: Path, seed: int) -> list[str]:
-    """Options every pretraining and fine-tuning run gets: a run killed with its session (the study spans
-    several) resumes in `run` from its last checkpoint, and resumes exactly (tests/train/test_*_run.py)."""
+    """Options every pretraining and fine-tuning run gets: a run that was killed (the study runs for
+    hours) resumes in `run` from its last checkpoint, and resumes exactly (tests/train/test_*_run.py)."""
     return ["--output_dir", str(run), "--resume", "auto", "--seed", str(seed), "--run.ckpt_every", str(CKPT_EVERY)]
 
 

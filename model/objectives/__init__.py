@@ -2,7 +2,7 @@
 registered under its name by `@register_objective` (the contract: model/objectives/base.py).
 
 Importing a method's module registers it. This package imports every module in its folder, so
-a new method is its own file here (plus its presets, tests and README section): no list to edit.
+a new method is its own file here (plus its presets, tests and its page in docs/methods/): no list to edit.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Adversarial position perturbations of AdPE (METHODS.md section 2): shared by all masked tokens,
-updated by projected gradient ascent from the model's own backward (parallel mode, no second pass).
+"""Adversarial position perturbations of AdPE (Wang et al. 2023, arXiv:2303.07598, section 4):
+shared by all masked tokens, updated by projected gradient ascent from the model's own backward
+(parallel mode, no second pass).
 
 The perturbations are plain fp32 leaf tensors held outside the module's parameters and buffers,
-so DeepSpeed neither casts them to fp16/bf16, nor partitions them, nor keeps a master copy
+so the engine neither casts them to fp16/bf16, nor partitions them, nor keeps a master copy
 that would undo the projection; they reach checkpoints through `get_extra_state`. After each
 optimizer step the objective's `after_optimizer_step` hook (called by the loop for every
 objective) averages their gradients over ranks (all_reduce sum / world size) and takes one

@@ -1,4 +1,4 @@
-"""Image corruptions of energy-based pretraining (energy_pretraining.txt A.2-A.3; METHODS.md section 4).
+"""Image corruptions of energy-based pretraining (Wang et al. 2023, arXiv:2302.01384, appendix A.2-A.3).
 
 Each takes a batch (B, C, H, W) in the model's normalised pixel space and returns the corrupted
 batch, drawing its randomness per sample from `generator` (the global torch RNG when None, which

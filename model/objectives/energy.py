@@ -1,4 +1,5 @@
-"""Energy-inspired pretraining (energy_pretraining.txt; METHODS.md section 4).
+"""Energy-inspired pretraining (Energy-Inspired Self-Supervised Pretraining for Vision Models, Wang et al.
+2023, arXiv:2302.01384, section 2.2 and appendix A).
 
 Energy E(x) = h(psi(x)): the backbone's pooled features (ViT: mean of the patch tokens
 **[project default]**; timm ConvNeXt / Swin: timm's pooled pre-logits) and a bias-free Linear to 1.
@@ -10,8 +11,8 @@ alpha = exp(log_alpha) is learnable (init 1.0 **[project default]**).
 
 Precision: the double backward runs in the engine's dtype (fp32, bf16 or fp16); the energy and
 the loss are fp32. Under fp16 the inner gradient is taken of E * `fp16_inner_scale` and divided
-back, so small input gradients do not flush to zero (DeepSpeed's loss scale only covers the
-outer backward). Attention must be twice differentiable: SDPA's flash and memory-efficient
+back, so small input gradients do not flush to zero (the engine's fp16 loss scale only covers
+the outer backward). Attention must be twice differentiable: SDPA's flash and memory-efficient
 kernels and flash-attn are not, so the ViT is built with the dispatch's `math` backend
 (`encoder_overrides`), and timm backbones with it turn their fused attention off
 (model/timm_backbone.py); `check_twice_differentiable` refuses any other encoder.

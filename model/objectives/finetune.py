@@ -1,6 +1,6 @@
-"""Supervised fine-tuning (MAE protocol, METHODS.md section 0): the whole encoder trains with a
-fresh Linear head on the pooled feature (configure model.global_pool avg for MAE's patch mean +
-fc_norm); mixup / cutmix with label smoothing through timm's Mixup and SoftTargetCrossEntropy,
+"""Supervised fine-tuning (MAE protocol: He et al. 2022, arXiv:2111.06377, appendix A.1): the whole
+encoder trains with a fresh Linear head on the pooled feature (configure model.global_pool avg for
+MAE's patch mean + fc_norm); mixup / cutmix with label smoothing through timm's Mixup and SoftTargetCrossEntropy,
 plain label-smoothed cross-entropy when both are off.
 
 `pos_embed` trains, as in the official recipe (its models_vit keeps timm's learnable table,

@@ -1,4 +1,4 @@
-"""Homologous contrastive loss of MixedAE (METHODS.md section 1.4).
+"""Homologous contrastive loss of MixedAE (Chen et al. 2023, arXiv:2303.17152, section 3).
 
 Patch tokens go through a projection head (2-layer MLP, l2-normalised output). For each anchor
 token, positives are the other tokens with the same label (same source image in the same mixed

@@ -1,4 +1,4 @@
-"""Finite-difference hypergradients for MLO-MAE (mlo_mae.txt Appendix A; METHODS.md section 3).
+"""Finite-difference hypergradients for MLO-MAE (Guo et al. 2024, arXiv:2402.18128, appendix A).
 
 Three levels, with one-step approximations of the lower solutions:
     E' = E - eta_E * grad_E L1(E, D; T)          (level I: weighted reconstruction, on D_tr)

@@ -1,4 +1,4 @@
-"""Linear probe (MAE protocol, METHODS.md section 0): frozen encoder, cls feature,
+"""Linear probe (MAE protocol: He et al. 2022, arXiv:2111.06377, appendix A.1): frozen encoder, cls feature,
 BatchNorm1d without affine (eps 1e-6) then a Linear head (trunc-normal std 0.01, zero bias),
 cross-entropy. Only the head trains; the encoder runs without autograd."""
 from __future__ import annotations

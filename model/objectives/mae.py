@@ -1,4 +1,5 @@
-"""MAE objective (He et al. 2022; METHODS.md section 0).
+"""MAE objective (Masked Autoencoders Are Scalable Vision Learners, He et al. 2022, arXiv:2111.06377,
+section 3).
 
 Encoder sees only the kept ~25% of patch tokens (+cls); the decoder reconstructs every patch;
 the loss is the per-patch MSE to normalized pixels, averaged over removed patches only.

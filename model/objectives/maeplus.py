@@ -1,4 +1,5 @@
-"""MAE+ and AdPE (adpe_maeplus.txt; METHODS.md section 2).
+"""MAE+ and AdPE (AdPE: Adversarial Positional Embeddings for Pretraining Vision Transformers via MAE+,
+Wang et al. 2023, arXiv:2303.07598, sections 3.2 and 4).
 
 MAE+: each image arrives as k crops (data.train_transform multicrop: (B, k, C, s, s), s = the
 encoder's img_size, 112 -> 7x7 patches at p=16). Per crop, a share `mask_ratio` of the tokens is

@@ -1,4 +1,4 @@
-"""MLO-MAE's learned masking (mlo_mae.txt Section 3.2, Appendix B.2): the masking network, the hard
+"""MLO-MAE's learned masking (Guo et al. 2024, arXiv:2402.18128, section 3.2, appendix B.2): the masking network, the hard
 top-k mask it induces, and the probability-weighted reconstruction loss that is its only link to
 the loss."""
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""MixedAE (Chen et al., CVPR 2023; METHODS.md section 1, papers/mixedae_appendix.txt).
+"""MixedAE (Mixed Autoencoder for Self-supervised Visual Representation Learning, Chen et al., CVPR 2023,
+arXiv:2303.17152, section 3 and appendix B).
 
 Per micro-batch of B images in groups of g = 1/r:
   mix on device (compose: B/g mixed images; full: B) -> encoder over every token of each mixed

@@ -1,4 +1,4 @@
-"""Image mixing for MixedAE (METHODS.md section 1.1), done on device inside the objective.
+"""Image mixing for MixedAE (Chen et al. 2023, arXiv:2303.17152, section 3), done on device inside the objective.
 
 The batch splits into groups of g = 1/r consecutive images. A random assignment M gives every
 mixing cell (cell x cell patches) of a group one source image i in {0..g-1}, so each image owns

@@ -1,6 +1,7 @@
-"""MLO-MAE: a masking network learned by three-level optimisation (mlo_mae.txt; METHODS.md section 3).
+"""MLO-MAE: a masking network learned by three-level optimisation (Downstream Task Guided Masking
+Learning in Masked Autoencoders Using Multi-Level Optimization, Guo et al. 2024, arXiv:2402.18128).
 
-Level I (this module's forward, trained by the DeepSpeed engine like any objective): the masking
+Level I (this module's forward, trained by the engine like any objective): the masking
 network T reads the encoder's patch embeddings (+ position) of all N patches, flattened:
     p = sigmoid(Linear(512, N)(ReLU(Linear(N*D, 512)(tokens))))            (B, N)
 masks the N*ratio patches with the highest p (hard top-k; ties by patch order) and trains the
@@ -15,7 +16,7 @@ also reaches the patch embedding through T's input (T's weights still get no lev
 and the level-III finite differences recompute T's input at the perturbed encoder.
 
 Levels II and III run in `after_optimizer_step` (the loop's generic hook, which hands over the
-step's micro-batches), outside DeepSpeed: the linear head C (on the frozen encoder's cls feature)
+step's micro-batches), outside the engine: the linear head C (on the frozen encoder's cls feature)
 and T are fp32 modules replicated on every rank, with their own AdamW, gradients all-reduced, lrs
 following the encoder's schedule times `head_lr_scale` / `mask_lr_scale`. Every `level1_steps`
 optimizer steps, C takes `level2_steps` steps on the latest D_tr batches (which may span steps;
@@ -160,7 +161,7 @@ def _adamw(module: nn.Module, weight_decay: float, eps: float = 1e-8, decay_all:
 
 class Auxiliary:
     """C and T with their optimizers: fp32, outside the objective's parameters (a plain attribute,
-    not a submodule), so DeepSpeed neither casts, partitions nor optimises them."""
+    not a submodule), so the engine neither casts, partitions nor optimises them."""
 
     def __init__(self, num_patches: int, dim: int, hidden: int, num_classes: int, weight_decay: float,
                  mask_eps: float = 1e-8, decay_all: bool = False):

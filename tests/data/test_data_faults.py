@@ -109,7 +109,7 @@ def test_every_bad_sample_is_skipped_and_every_odd_mode_converted_counted_by_kin
     assert 2 <= counts["data_converted_other_mode"] <= 4  # palette + RGBA
     assert {k for k in counts if k.startswith("data_converted_")} == \
         {"data_converted_cmyk", "data_converted_16bit", "data_converted_other_mode",
-         "data_converted_other_format"}  # grayscale is not counted (other_format: issue 23's BMP / TIFF / ... count)
+         "data_converted_other_format"}  # grayscale is not counted (other_format: BMP / TIFF / ... are)
 
 
 def test_resume_keeps_the_counts_without_counting_twice(zoo):

@@ -1,4 +1,4 @@
-"""Image members beyond jpg / png (issue 23): webp (img2dataset's default) is read as a standard
+"""Image members beyond jpg / png: webp (img2dataset's default) is read as a standard
 format; other formats PIL decodes (bmp, tif, gif, ...) are read and counted as converted
 (`data_converted_other_format`); the count survives a resume (data/shards.py IMAGE_KEYS,
 data/image_modes.py)."""

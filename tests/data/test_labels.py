@@ -1,4 +1,4 @@
-"""Labels only where they are used (issue 23): unlabeled shard sets (img2dataset-style shards written
+"""Labels only where they are used: unlabeled shard sets (img2dataset-style shards written
 by webdataset's ShardWriter) are read without labels and their batches carry none; a labeled set
 reads its labels under its label key (cls, or a json field); index fields (data/labels.py,
 data/shards.py, data/verify.py)."""
@@ -46,7 +46,7 @@ def test_the_same_shards_under_a_labeled_index_are_skipped_as_missing_cls_as_bef
     assert shards.labeled and shards.label_key == "cls"
     stream = ShardLoader(shards, 16, batch_size=4, seed=0, rank=0, world=1, num_workers=0, shuffle_buffer=4,
                          max_bad_fraction=0.5)
-    with pytest.raises(CorruptDataError, match=r"7 of 8 samples unusable") as e:  # the limit, as before issue 23
+    with pytest.raises(CorruptDataError, match=r"7 of 8 samples unusable") as e:  # the limit applies to labeled sets
         next(stream)
     assert "(missing_cls 6)" in str(e.value) and "(missing_cls 1)" in str(e.value)
 

@@ -1,4 +1,4 @@
-"""Checks before start (issue 22): the shards' channels against model.in_chans, a non-positive
+"""Checks before start: the shards' channels against model.in_chans, a non-positive
 lr, a mask ratio that masks or keeps no patch; each an exit-2 message naming the cause and the
 fix, before any process group or run folder. A folder whose start never trained is reusable."""
 import json

@@ -1,4 +1,4 @@
-"""Labels only where they are used (issue 23): what reads labels (fine-tuning, the linear probe,
+"""Labels only where they are used: what reads labels (fine-tuning, the linear probe,
 MLO-MAE's labeled split, the evaluation on data.eval_index) refuses an unlabeled shard index
 before start, with exit status 2 and a message naming the index and the fix; a labeled index is
 read only under the label key it was indexed with."""

@@ -10,7 +10,7 @@ Makefile's `slurm` target installs Debian's slurm-wlm and munge as root).
 A requeued job waits cred_expire + 1 s before it may start again (Slurm's default 120 s); the
 cluster sets it to 10 s so that requeue tests take seconds.
 
-    python tests/launchers/slurm_cluster.py DIR   # start one by hand (README), Ctrl-C stops it
+    python tests/launchers/slurm_cluster.py DIR   # start one by hand (docs/SLURM.md), Ctrl-C stops it
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """launchers/pretrain.sbatch run by bash with a faked srun: which code it runs, the step it asks
-for in node mode, and a USR1 sent to the batch shell (what a real cluster showed: issue 27)."""
+for in node mode, and a USR1 sent to the batch shell (what a real cluster does)."""
 import json
 import os
 import signal

@@ -1,6 +1,6 @@
 """Slurm's stop signals during a rank's start-up (imports, process group, engine, resume):
 train/pretrain.py catches them from its first line (train/early_signals.py) instead of dying
-(what a real cluster showed: issue 27)."""
+(what a real cluster does)."""
 import json
 import os
 import signal

@@ -1,5 +1,5 @@
 """launchers/submit.py against a faked sbatch: the resources it asks for, what it leaves behind,
-and what it refuses before anything is written (what a real cluster showed: issue 27)."""
+and what it refuses before anything is written (what a real cluster does)."""
 import json
 import os
 import re

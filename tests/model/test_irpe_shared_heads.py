@@ -14,7 +14,7 @@ def test_shared_table_has_one_heads_share_of_the_per_head_parameters():
     assert shared.shared_heads and not per_head.shared_heads
     assert shared.table.numel() == num_buckets() * 8 == 50 * 8
     assert per_head.table.numel() == 4 * shared.table.numel()
-    # ViT-B at a 7x7 grid: 12 heads of 64 -> 3,200 vs 38,400 per layer (issue 26, item 1)
+    # ViT-B at a 7x7 grid: 12 heads of 64 -> 3,200 vs 38,400 per layer (docs/methods/MAEPLUS_ADPE.md)
     assert _rpe(True, 12, 64).table.numel() == 3200 and _rpe(False, 12, 64).table.numel() == 38400
 
 

@@ -16,7 +16,6 @@ PHASES = ("tests", "bench", "methods", "loader", "study")
 def records(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "GPU_CHECK_COMMIT": ""}
-    env.pop("OUT", None)
     proc = subprocess.run([sys.executable, "tools/gpu_check.py", *PHASES, "--smoke", "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

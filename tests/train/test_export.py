@@ -109,7 +109,7 @@ def test_timm_snippet_for_each_kind_of_encoder(tmp_path, name, overrides, head):
     x = torch.randn(2, overrides.get("in_chans", 3), enc.img_size, enc.img_size)
     with torch.no_grad():
         assert torch.allclose(model(x), enc(x), atol=1e-5)
-    if info["timm_model_name"] and not head:  # what the README used to leave out: timm's default adds a head
+    if info["timm_model_name"] and not head:  # why the snippet passes num_classes=0: timm's default adds a head
         with pytest.raises(RuntimeError, match="head"):
             kw = {k: v for k, v in info["timm_create_kwargs"].items() if k != "num_classes"}
             timm.create_model(info["timm_model_name"], **kw).load_state_dict(load_file(str(path)))

@@ -1,4 +1,4 @@
-"""Issue 23's "done when": a directory of shards written by webdataset's ShardWriter with no labels
+"""A directory of shards written by webdataset's ShardWriter with no labels
 (img2dataset's layout: jpg / webp + txt + json) pretrains MAE end to end through the documented
 command, with no sample skipped; and labels read from a json field (data.label_key) train a classifier."""
 import os

@@ -1,7 +1,7 @@
 """`make demo` end to end on tiny Fashion-MNIST-like shards: the real pretraining subprocess with
-the MAE demo preset, then the frozen-feature evaluation of both encoders, and what makes it fit the
-README's 20 minutes on 2 cores (OpenMP threads that sleep beside the decode worker; each evaluation
-split decoded once, on a seeded train subset)."""
+the MAE demo preset, then the frozen-feature evaluation of both encoders, and what keeps it quick on
+2 cores (OpenMP threads that sleep beside the decode worker; each evaluation split decoded once, on a
+seeded train subset)."""
 from __future__ import annotations
 
 import json

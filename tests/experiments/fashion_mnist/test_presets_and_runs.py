@@ -80,8 +80,8 @@ class _Launched(Exception):
 
 @pytest.mark.parametrize("stage", ["pretrain", "finetune"])
 def test_pretraining_and_fine_tuning_both_checkpoint_often_enough_to_resume(tmp_path, monkeypatch, stage):
-    # the study spans sessions that end by killing their processes: a fine-tune that checkpoints only at
-    # its end loses everything it did (stop 36 lost 22% of the supervised control's 70 minutes)
+    # a study run may be killed at any time (the machine is needed, or replaced): a fine-tune that
+    # checkpoints only at its end would lose everything it did
     from experiments.fashion_mnist import study
     from train.finetune import RECIPE
 

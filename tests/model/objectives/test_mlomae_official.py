@@ -1,4 +1,4 @@
-"""MLO-MAE's knobs for the released code's behaviour (issue 26 items 6-8) and the official_code overlay."""
+"""MLO-MAE's knobs for the released code's behaviour (unroll rates, the masking network's input, level II's batch) and the official_code overlay."""
 import json
 from pathlib import Path
 
