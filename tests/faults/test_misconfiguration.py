@@ -133,8 +133,8 @@ def test_a_benchmark_refuses_what_it_would_ignore(capsys):
 
 @pytest.mark.parametrize("where,message", [
     ("a_file", "is a file, not a folder"),
-    ("a_file/run", "a_file is a file, so the folder cannot be created"),
-    ("/proc/vitpretrain_run", "cannot write into /proc"),
+    ("a_file/run", "cannot be created, "),
+    ("/proc/vitpretrain_run", "cannot be written: /proc refuses a new entry"),
 ])
 def test_output_places_that_cannot_be_written_are_refused_before_start(tmp_path, where, message):
     (tmp_path / "a_file").write_text("not a folder")

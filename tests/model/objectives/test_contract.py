@@ -137,7 +137,9 @@ def test_presets_exist():
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_every_preset_parses(preset):
-    cfg = parse_args(["--ds_config", str(REPO / "ds_configs" / "cpu_debug.json"), "--config", str(preset),
+    """A variant goes on top of its method's preset (alone, its section would be read by no objective)."""
+    base = ["--config", str(preset.parent.parent / "debug.json")] if preset.parent.name == "variants" else []
+    cfg = parse_args(["--ds_config", str(REPO / "ds_configs" / "cpu_debug.json"), *base, "--config", str(preset),
                       "--data.source", "synthetic"])
     assert cfg.objective in OBJECTIVES
 
