@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,25 +31,53 @@ def clean_env() -> dict[str, str]:
     return {**env, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
-def both_forms(script: str, elsewhere: Path) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
-    module = script.removesuffix(".py").replace("/", ".")
-    as_script = subprocess.run([sys.executable, str(REPO / script), "--help"], cwd=elsewhere, capture_output=True,
-                               text=True, env=clean_env(), timeout=300)
-    as_module = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
-                               env=clean_env(), timeout=300)
-    return as_script, as_module
+# Runs each entry point's --help in this one process, as `python <path>` (runpy.run_path: the
+# script's own code must put the repository root on sys.path) or as `python -m <module>`
+# (runpy.run_module), and prints one line per entry point with the exit status
+HELP_ALL = """
+import contextlib, io, json, runpy, sys
+form, names = sys.argv[1], json.loads(sys.argv[2])
+path = list(sys.path)
+for name in names:
+    sys.argv = [name, "--help"]
+    sys.path[:] = path  # each script must put the repository root first itself
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            if form == "script":
+                runpy.run_path(name, run_name="__main__")
+            else:
+                runpy.run_module(name, run_name="__main__", alter_sys=True)
+        status = 0
+    except SystemExit as e:
+        status = e.code or 0
+    print(json.dumps([name, status, "usage" in out.getvalue().lower() or "options" in out.getvalue().lower(),
+                      out.getvalue()[-300:], sys.path[0]]))
+"""
+
+
+def help_all(form: str, names: list[str], cwd: Path) -> dict[str, tuple[int, bool, str]]:
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", HELP_ALL, form, json.dumps(names)], cwd=cwd, capture_output=True,
+                          text=True, env=clean_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
+    return {name: (status, usage, tail, first) for name, status, usage, tail, first in rows}
 
 
 def test_every_entry_point_answers_help_as_a_script_from_anywhere_and_as_a_module(tmp_path):
     scripts = entry_points()
     assert {"train/pretrain.py", "train/finetune.py", "train/linprobe.py", "train/bench.py", "launchers/submit.py",
             "tools/census.py", "data/write_shards.py"} <= set(scripts)
-    with ThreadPoolExecutor(2) as pool:
-        results = dict(zip(scripts, pool.map(lambda s: both_forms(s, tmp_path), scripts)))
-    for script, runs in results.items():
-        for form, proc in zip(("script", "module"), runs):
-            assert proc.returncode == 0, f"{script} as a {form}: {proc.stderr[-2000:]}"
-            assert "usage" in (proc.stdout + proc.stderr).lower() or "options" in proc.stdout.lower(), (script, form)
+    modules = [s.removesuffix(".py").replace("/", ".") for s in scripts]
+    as_scripts = help_all("script", [str(REPO / s) for s in scripts], tmp_path)  # from another folder
+    as_modules = help_all("module", modules, REPO)
+    for script, module in zip(scripts, modules):
+        for form, (status, usage, tail, first) in (("script", as_scripts[str(REPO / script)]),
+                                                   ("module", as_modules[module])):
+            assert status == 0 and usage, f"{script} as a {form}: exit {status}: {tail}"
+        assert as_scripts[str(REPO / script)][3] == str(REPO), f"{script} does not put the repository root first"
     assert not list(tmp_path.iterdir())  # --help writes nothing, wherever it runs
 
 

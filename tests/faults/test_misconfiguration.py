@@ -136,13 +136,19 @@ def test_a_benchmark_refuses_what_it_would_ignore(capsys):
     ("a_file/run", "cannot be created, "),
     ("/proc/vitpretrain_run", "cannot be written: /proc refuses a new entry"),
 ])
-def test_output_places_that_cannot_be_written_are_refused_before_start(tmp_path, where, message):
+def test_output_places_that_cannot_be_written_are_refused_before_start(tmp_path, where, message, capsys):
+    from train.cli import cli
+    from train.pretrain import main
+
     (tmp_path / "a_file").write_text("not a folder")
     out = where if where.startswith("/") else str(tmp_path / where)
-    proc = run_pretrain(out, "--run.max_steps", "1", check=False)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    with pytest.raises(SystemExit) as status:
+        cli(lambda: main(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", out,
+                          "--run.max_steps", "1"]))
+    err = capsys.readouterr().err
+    assert status.value.code == 2 and message in err and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing written
+    assert not torch.distributed.is_initialized()  # refused before any process group
 
 
 def test_messages_name_the_fix(tmp_path, rgb_shards):
