@@ -1,4 +1,4 @@
-"""Slurm -> torch.distributed: the variables DeepSpeed's init reads, from the ones Slurm sets.
+"""Slurm -> torch.distributed: the variables the process group's env:// init reads, from the ones Slurm sets.
 
 Two ways to start the ranks of a multi-node job (launchers/pretrain.sbatch uses either):
 

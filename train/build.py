@@ -1,6 +1,6 @@
 """Builders of a pretraining run, shared by the entry points (train/trainer.py runs them;
 train/bench.py times them; train/dry_run.py and train/memory.py check and profile them):
-the encoder and objective, the DeepSpeed engine, the schedule's step counts, the training
+the encoder and objective, the engine (train/engine.py), the schedule's step counts, the training
 data stream, and the checks a checkpoint must pass to be resumed.
 """
 from __future__ import annotations

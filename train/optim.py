@@ -61,8 +61,8 @@ def warmup_cosine(step: int, peak_lr: float, min_lr: float, warmup_steps: float,
 class WarmupCosineSchedule:
     """Sets every group's lr before each optimizer step (groups may carry an `lr_scale`).
 
-    DeepSpeed calls `step()` after each successful optimizer step and saves `state_dict()` in
-    its checkpoints; the lr for step s depends only on s, so resume is exact.
+    The engine (train/engine.py) calls `step()` after every optimizer step, a skipped one too, and
+    saves `state_dict()` in its checkpoints; the lr for step s depends only on s, so resume is exact.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, peak_lr: float, min_lr: float, warmup_steps: float,

@@ -21,11 +21,14 @@ log = logging.getLogger("pretrain")
 
 
 def git_commit() -> dict:
+    """The checkout's commit, and whether its tracked files differ from it (benchmark records left
+    out: writing one must not make the next one's code look changed)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed)}
     except (subprocess.CalledProcessError, FileNotFoundError):
         return {"commit": "unknown", "dirty": None}
 

@@ -1,4 +1,4 @@
-"""Slurm's task environment -> the torch.distributed variables DeepSpeed's init reads.
+"""Slurm's task environment -> the torch.distributed variables the process group's env:// init reads.
 
 Pure functions of an environment mapping, used by train/distributed.py (a one-task-per-GPU srun
 step: each task is a rank) and by the node launcher in launchers/slurm.py (one task per node

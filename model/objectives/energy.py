@@ -140,7 +140,7 @@ class EnergyObjective(Objective):
         check_twice_differentiable(encoder)
         self.head = nn.Linear(encoder.embed_dim, 1, bias=False)  # energy head h
         nn.init.xavier_uniform_(self.head.weight)
-        # shape (1,), not 0-dim: DeepSpeed's initial broadcast views parameters as bytes
+        # shape (1,): a tensor like every other trained one (flat buffers, checkpoints by flat range)
         self.log_alpha = nn.Parameter(torch.full((1,), math.log(cfg.alpha_init)))
         self.corrupt_fns = cfg.corruption_fns()
 
