@@ -18,7 +18,9 @@ Census options (the rest are train/pretrain.py options; data.source defaults to 
 
 The record holds device, versions, commit, the final ds_config, shapes, and per phase of a
 reported step: launches, comm, syncs (the worst reported step), the ops behind the launches,
-and every sync with the line that made it.
+and every sync with the line that made it; on several ranks (under `deepspeed`), rank 0 writes
+it with every rank's counts (`per_rank`: a rank whose shard holds fewer parameter groups runs
+fewer optimizer kernels).
 """
 from __future__ import annotations
 
@@ -267,6 +269,12 @@ def main(argv: list[str] | None = None) -> Path:
         print(__doc__ + "\n" + help_text())
         raise SystemExit(0)
     record = census(argv)
+    if record["world_size"] > 1:  # every rank's counts in rank 0's record (their shards may differ)
+        ranks = [None] * record["world_size"]
+        torch.distributed.all_gather_object(ranks, {n: c["per_phase"] for n, c in record["counts"].items()})
+        record["per_rank"] = ranks
+        if torch.distributed.get_rank() != 0:
+            return Path(record["census"]["json"] or ".")
     print(table(record))
     from train.run_dir import REPO
 
