@@ -134,6 +134,9 @@ SYNC_METHODS["repeat_interleave"] = lambda self, repeats, *a, **k: (isinstance(r
                                                                     and k.get("output_size") is None)
 SYNC_FUNCTIONS = {name: None for name in ("nonzero", "argwhere", "masked_select", "unique")}
 SYNC_FUNCTIONS["where"] = lambda *args, **kwargs: len(args) + len(kwargs) == 1
+# host values copied to a device: on CUDA a copy from pageable memory that waits for the stream
+# (model/constants.py makes such constants once, without waiting)
+SYNC_FUNCTIONS["tensor"] = SYNC_FUNCTIONS["as_tensor"] = lambda *args, **kwargs: kwargs.get("device") is not None
 SYNC_FUNCTIONS["repeat_interleave"] = lambda x, repeats=None, *a, **k: (isinstance(repeats, torch.Tensor)
                                                                         and k.get("output_size") is None)
 SYNC_CALLS = (*(f"Tensor.{m}" for m in SYNC_METHODS), *(f"torch.{f}" for f in SYNC_FUNCTIONS),

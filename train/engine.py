@@ -332,21 +332,36 @@ class Engine(EngineCore):
         return model["client"]
 
     def _load_optimizer(self, tag_dir: Path) -> None:
-        files = sorted(tag_dir.glob("optim_rank*.pt"))
-        saved = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in files]
-        kind = type(self.optimizer).__name__
-        if any(s["optimizer"] != kind for s in saved):
-            raise ValueError(f"{tag_dir} holds {saved[0]['optimizer']} state; this run's optimizer is {kind}")
+        saved = saved_optimizer_pieces(tag_dir, self.optimizer)
         named = {s.name: (s.offset, s.numel) for s in self.layout.slots}
         for (a, b), t in zip(self.pieces, self.opt_tensors):
             mine = {n: r for n, r in named.items() if r[0] < b and r[0] + r[1] > a}
             for key, value in self.optimizer.state[t].items():
                 if value.shape != t.shape:  # a scalar (AdamW's step): the same in every piece
-                    value.copy_(saved[0]["pieces"][0]["state"][key])
-                    continue
-                src = [({n: (o, c) for n, o, c in s["layout"]}, p["start"], p["state"][key])
-                       for s in saved for p in s["pieces"]]
-                copy_ranges(value.view(-1), a, mine, src)
+                    value.copy_(saved[key][0][2])
+                else:
+                    copy_ranges(value.view(-1), a, mine, saved[key])
+
+
+Piece = tuple[dict[str, tuple[int, int]], int, torch.Tensor]  # (layout {name: (offset, numel)}, first element, values)
+
+
+def saved_optimizer_pieces(tag_dir: Path, optimizer) -> dict[str, list[Piece]]:
+    """Every rank's optimizer state in a checkpoint tag, by state key: [(the saving run's layout
+    {name: (offset, numel)}, the piece's first flat element, its values)] for train/flat.py's
+    copy_ranges. Refused when the tag holds another optimizer's state."""
+    files = sorted(tag_dir.glob("optim_rank*.pt"))
+    saved = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in files]
+    kind = type(optimizer).__name__
+    if any(s["optimizer"] != kind for s in saved):
+        raise ValueError(f"{tag_dir} holds {saved[0]['optimizer']} state; this run's optimizer is {kind}")
+    out: dict[str, list] = {}
+    for s in saved:
+        layout = {n: (o, c) for n, o, c in s["layout"]}
+        for piece in s["pieces"]:
+            for key, values in piece["state"].items():
+                out.setdefault(key, []).append((layout, piece["start"], values))
+    return out
 
 
 def adamw_state(t: torch.Tensor) -> dict[str, torch.Tensor]:

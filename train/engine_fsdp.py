@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from train.engine import MODEL_FILE, EngineConfig, EngineCore, optim_file
+from train.engine import MODEL_FILE, EngineConfig, EngineCore, optim_file, saved_optimizer_pieces
 from train.flat import FlatLayout, copy_ranges
 
 
@@ -125,10 +125,7 @@ class FSDPEngine(EngineCore):
             raise ValueError(f"{tag_dir / MODEL_FILE} does not fit this objective: missing "
                              f"{sorted((set(missing) - set(sharded)) | (set(sharded) - set(state)))}, "
                              f"unexpected {sorted(unexpected)}")
-        saved = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in sorted(tag_dir.glob("optim_rank*.pt"))]
-        kind = type(self.optimizer).__name__
-        if any(s["optimizer"] != kind for s in saved):
-            raise ValueError(f"{tag_dir} holds {saved[0]['optimizer']} state; this run's optimizer is {kind}")
+        saved = saved_optimizer_pieces(tag_dir, self.optimizer)
         with torch.no_grad():
             for name, p in sharded.items():  # this rank's rows of every parameter
                 a, b = _rows(p, self.rank, self.world)
@@ -140,10 +137,9 @@ class FSDPEngine(EngineCore):
                 row = slot.numel // p.shape[0]
                 for key, value in self.optimizer.state[p].items():
                     if not hasattr(value, "to_local"):  # AdamW's step
-                        value.copy_(saved[0]["pieces"][0]["state"][key])
-                        continue
-                    src = [({n: (o, c) for n, o, c in s["layout"]}, piece["start"], piece["state"][key])
-                           for s in saved for piece in s["pieces"]]
-                    copy_ranges(value.to_local().view(-1), slot.offset + a * row, {name: (slot.offset, slot.numel)}, src)
+                        value.copy_(saved[key][0][2])
+                    else:
+                        copy_ranges(value.to_local().view(-1), slot.offset + a * row, {name: (slot.offset, slot.numel)},
+                                    saved[key])
         self._load_counters(model)
         return model["client"]

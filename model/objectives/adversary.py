@@ -25,11 +25,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from model.constants import device_constant
 from model.irpe import ContextualRPE, bilinear_corners
 
 NORMS = ("linf", "l2")
 UPDATES = ("steepest", "sign", "normalised", "adam")
 ADAM_BETAS, ADAM_EPS = (0.9, 0.95), 1e-8  # AdPE's official adversary optimizer (its main optimizer's betas)
+
+
+def _per_element(per_tensor: torch.Tensor, sizes: list[int], flat: torch.Tensor) -> torch.Tensor:
+    """(k,) values, one per tensor of `sizes` elements, spread over the (sum(sizes),) `flat`."""
+    return per_tensor.repeat_interleave(device_constant(tuple(sizes), flat.device), output_size=flat.numel())
 
 
 class Adversaries:
@@ -80,8 +86,7 @@ class Adversaries:
             moved = flat + step * grad.sign()
         else:  # normalised: each tensor's own gradient norm
             norms = torch.stack(torch._foreach_norm(list(grad.split(sizes)))).clamp_min(1e-30)
-            moved = flat + grad * (step / norms).repeat_interleave(torch.tensor(sizes, device=grad.device),
-                                                                     output_size=grad.numel())
+            moved = flat + grad * _per_element(step / norms, sizes, grad)
         moved = self._project_flat(moved, sizes)
         new = torch.where(finite, moved, flat).split(sizes)
         torch._foreach_copy_([t.detach() for t in leaves], [n.view_as(t) for n, t in zip(new, leaves)])
@@ -94,7 +99,7 @@ class Adversaries:
             return flat.clamp(-self.eps, self.eps)
         norms = torch.stack(torch._foreach_norm(list(flat.split(sizes)))).clamp_min(1e-12)
         factor = (self.eps / norms).clamp(max=1.0)
-        return flat * factor.repeat_interleave(torch.tensor(sizes, device=flat.device), output_size=flat.numel())
+        return flat * _per_element(factor, sizes, flat)
 
     def _adam_flat(self, flat: torch.Tensor, grad: torch.Tensor, sizes: list[int], finite: torch.Tensor,
                    step: float) -> torch.Tensor:

@@ -15,6 +15,7 @@ from conftest import CPU_DS, DEBUG_PRESET, REPO, run_pretrain
 
 from train.config import ConfigError, parse_args
 from train.ds_config import resolve
+from train.ds_keys import check_keys
 
 A100 = REPO / "ds_configs" / "vit_b_8xa100_bf16_zero1.json"
 PRESETS = REPO / "train" / "configs"
@@ -75,12 +76,14 @@ def test_what_the_engine_does_anyway_is_accepted_and_every_shipped_file_passes(t
     ds = json.loads(A100.read_text())
     ds.update(wall_clock_breakdown=False, timers={"throughput": {"enabled": False}})
     ds["zero_optimization"].update(overlap_comm=False, contiguous_gradients=True)
-    resolve(parse_args(["--ds_config", str(with_ds(tmp_path, ds)), "--data.source", "synthetic"]), 8, cuda=True,
-            bf16_ok=True)
-    for path in sorted((REPO / "ds_configs").glob("*.json")):
-        from train.ds_keys import check_keys
-
-        check_keys(json.loads(path.read_text()))
+    final, plan = resolve(parse_args(["--ds_config", str(with_ds(tmp_path, ds)), "--data.source", "synthetic"]), 8,
+                          cuda=True, bf16_ok=True)
+    assert final["zero_optimization"]["overlap_comm"] is False and final["wall_clock_breakdown"] is False
+    assert plan.global_batch == ds["train_batch_size"]
+    shipped = sorted((REPO / "ds_configs").glob("*.json"))
+    assert len(shipped) >= 10, shipped
+    for path in shipped:
+        check_keys(json.loads(path.read_text()))  # raises ConfigError naming a refused key
 
 
 def test_the_start_line_meta_json_and_dry_run_state_zero_stage_precision_and_offload(tmp_path):

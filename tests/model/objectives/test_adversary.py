@@ -1,9 +1,11 @@
-"""The adversary's update rules (sign / normalised / Adam ascent), its projection, and the rank mean."""
+"""The adversary's update rules (sign / normalised / Adam ascent), its projection, and the rank mean;
+its step makes no host-device sync."""
 import pytest
 import torch
 
 from model.objectives import adversary as adv
 from model.objectives.adversary import Adversaries
+from train.counting import counting_syncs
 
 
 def _with_grad(a: Adversaries, name: str, g: torch.Tensor) -> None:
@@ -40,7 +42,9 @@ def test_the_flat_update_of_many_tensors_equals_each_tensors_own(norm, update):
         for n, g in grads.items():
             _with_grad(adv, n, g)
             ref[n] = project(ascent(ref[n], g, update, 0.05 * 0.7, states[n]), norm, 0.3)
-        adv.step(lr=0.05)
+        with counting_syncs() as syncs:
+            adv.step(lr=0.05)
+        assert not syncs.records, syncs.records  # nothing in the step waits for the device
         for n in shapes:
             torch.testing.assert_close(adv.tensors[n].detach(), ref[n], rtol=1e-5, atol=1e-6, msg=n)
 
