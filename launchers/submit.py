@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(ours)  # --help: the options, exit 0
     if pretrain_args is None:
         p.error("give the pretraining options after --: submit.py [options] -- --ds_config ... --output_dir ...")
+    pretrain_args = [part for arg in pretrain_args  # --key=value as --key value: every option found below
+                     for part in (arg.split("=", 1) if arg.startswith("--") and "=" in arg else [arg])]
     problems = request_problems(a)
     if "--dry" in pretrain_args:
         problems.append("--dry is submit.py's: give it before the --")
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             args[i + 1] = str(launch / f"{i:02d}_{Path(args[i + 1]).name}")
         elif arg in ("--output_dir", "--data.train_index", "--data.eval_index", "--model.init_from"):
             args[i + 1] = str(Path(args[i + 1]).resolve())
-    if option(args, "--output_dir") is None:
+    if given is None:
         args += ["--output_dir", str(out)]
     resources = sbatch_options(a, ranks_per_node, cpus_per_task)
     export = ["--export", f"ALL,VITPRETRAIN_CODE={code},PYTHON={sys.executable},LAUNCH_MODE={a.mode}"]

@@ -10,11 +10,10 @@ import gzip
 import hashlib
 import http.server
 import json
-import socket
 import threading
 
 import pytest
-from conftest import fake_fashion_mnist
+from conftest import _free_port, fake_fashion_mnist
 
 from data import fashion_mnist as fm
 from data.write_shards import main as write_shards
@@ -24,10 +23,7 @@ PUBLISHED_URL = fm.URL  # before the autouse fixture replaces it
 
 
 def closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/"  # nothing listens there once the socket is closed
+    return f"http://127.0.0.1:{_free_port()}/"  # nothing listens there once the socket is closed
 
 
 @pytest.fixture(autouse=True)
@@ -182,7 +178,8 @@ def test_the_demo_without_files_or_network_exits_saying_where_to_put_them(tmp_pa
 
 
 def test_the_checksum_table_is_zalandos():
-    """The published MD5s (Zalando's README); sizes and SHA-256s as computed from the same files."""
+    """The published MD5s (Zalando's README) and the published location; the sizes and SHA-256s
+    beside them were computed from the same files (an MD5 or SHA-256 mismatch is refused: tested above)."""
     assert {n: md5 for n, (_, md5, _) in fm.FILES.items()} == {
         "train-images-idx3-ubyte.gz": "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
         "train-labels-idx1-ubyte.gz": "25c81989df183df01b3e8a0aad5dffbe",

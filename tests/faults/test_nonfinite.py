@@ -96,7 +96,7 @@ def _run(engine, limit: int, log_every: int = 1) -> list[int]:
     saved: list[int] = []
     data = iter(lambda: {"image": torch.ones(2)}, None)
     settings = LoopSettings(40, log_every=log_every, ckpt_every=100, global_batch=4, max_nonfinite_steps=limit)
-    run(engine, data, settings, LoopState(0), torch.device("cpu"), torch.float16, lambda step, metrics: None, saved.append)
+    run(engine, data, settings, LoopState(0), torch.device("cpu"), engine.dtype, lambda step, metrics: None, saved.append)
     return saved
 
 

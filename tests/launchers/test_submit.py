@@ -173,8 +173,13 @@ def test_a_submission_never_continues_another_run_by_accident(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert f"--output_dir {run} holds the checkpoints of a run (step00000004 ...)" in err and "--continue" in err
     assert not (run / "launch").exists() and not log.exists()
-    assert main(["--continue", *job]) == 0  # asked for: the job resumes it (--resume auto)
-    assert "--resume" in (run / "launch").iterdir().__next__().joinpath("pretrain.sbatch").read_text()
+    equals_form = [a for a in job if a not in ("--output_dir", str(run))] + [f"--output_dir={run}"]
+    assert main(equals_form) == 2 and "holds the checkpoints of a run" in capsys.readouterr().err
+    assert not log.exists()
+    assert main(["--continue", *job]) == 0  # asked for: the job resumes it (pretrain.sbatch's --resume auto)
+    submitted = [c for c in calls(log) if "--test-only" not in c]
+    assert len(submitted) == 1 and submitted[0][submitted[0].index("--output_dir") + 1] == str(run)
+    assert (tag / "complete.json").exists()  # the run to continue is left as it was
     assert main(["--continue", "--nodes", "1", "--gpus_per_node", "0", *cpu_job(tmp_path / "new")]) == 2
     assert "holds no run to continue" in capsys.readouterr().err
     assert main(["--nodes", "1", "--gpus_per_node", "0", *cpu_job(tmp_path / "new2", "--run.overwrite", "true")]) == 2
@@ -203,7 +208,7 @@ class _LaterClock:
         return datetime.now(tz) + timedelta(seconds=5)
 
 
-def test_dry_prints_a_command_that_runs_as_printed(tmp_path, monkeypatch, capsys):
+def test_dry_writes_nothing_and_prints_a_command_whose_files_exist(tmp_path, monkeypatch, capsys):
     """--dry writes nothing; the command it prints names the checkout's job script and the given
     configs, all of which exist (a submit's snapshot would not exist yet)."""
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no sbatch: --dry needs none

@@ -53,7 +53,7 @@ def test_every_shipped_ds_config_passes_the_dry_run_for_its_methods(path):
         assert run.memory is not None and run.memory.fits(gpu)
 
 
-def test_shipped_micro_batches_are_the_largest_the_memory_estimate_allows_with_a_margin():
+def test_shipped_micro_batches_are_the_largest_the_memory_estimate_allows_with_a_margin(tmp_path):
     """ds_configs/generate.py's rule: the largest power of two at most MARGIN x the largest micro-batch
     the estimate fits for the group's hungriest method, and at most the global batch over 16 GPUs."""
     sys.path.insert(0, str(DS))
@@ -66,15 +66,11 @@ def test_shipped_micro_batches_are_the_largest_the_memory_estimate_allows_with_a
         group = "pretrain_actckpt" if "actckpt" in name else group
         model, gpu = name.split("vit_")[1][0], gpu_in_filename(name)
         stage = int(name.split("zero")[1][0])
-        probe = DS / "probe.json"  # any micro-batch: the estimate scales the activations per sample
-        try:
-            probe.write_text(json.dumps(config(group, model, gpu, stage, micro=8)))
-            options = [*(str(REPO / o) if o.endswith(".json") else o for o in HUNGRIEST[group]), "--model.name",
-                       MODELS[model], *(["--model.img_size", "112"] if group.startswith("pretrain") else [])]
-            run = check(parse_args(["--ds_config", str(probe), "--data.source", "synthetic", *options]), 8,
-                        gpu_named(gpu))
-        finally:
-            probe.unlink()
+        probe = tmp_path / "probe.json"  # any micro-batch: the estimate scales the activations per sample
+        probe.write_text(json.dumps(config(group, model, gpu, stage, micro=8)))
+        options = [*(str(REPO / o) if o.endswith(".json") else o for o in HUNGRIEST[group]), "--model.name",
+                   MODELS[model], *(["--model.img_size", "112"] if group.startswith("pretrain") else [])]
+        run = check(parse_args(["--ds_config", str(probe), "--data.source", "synthetic", *options]), 8, gpu_named(gpu))
         largest = run.memory.largest_micro(gpu_named(gpu))
         want = min(GLOBAL[group] // 16, 2 ** int(math.log2(MARGIN * largest)))
         assert json.loads((DS / name).read_text())["train_micro_batch_size_per_gpu"] == want, (name, largest)

@@ -196,7 +196,7 @@ def test_the_fp16_scale_follows_deepspeeds_dynamic_loss_scaler(monkeypatch):
 
 
 @pytest.mark.parametrize("stages", [(0, 2), (2, 0), (1, 1)])
-def test_a_checkpoint_resumes_exactly_on_another_stage(tmp_path, stages):
+def test_a_checkpoint_resumes_exactly_on_the_same_or_another_stage(tmp_path, stages):
     torch.manual_seed(0)
     module, data = Tiny(), batches(6)
     whole = engine_steps(module, data, 1, 0.0, "bf16", stages[0])
