@@ -63,9 +63,14 @@ class FashionMNISTMissing(ShardError):
     """Neither folder holds the idx files and the download failed or was refused."""
 
 
+def _holds(folder: Path, name: str) -> bool:
+    """Whether `folder` holds the idx file `name`, gzipped or not."""
+    return (folder / name).is_file() or (folder / name.removesuffix(".gz")).is_file()
+
+
 def has_files(folder: Path) -> bool:
     """Whether `folder` holds all four idx files, each gzipped or not."""
-    return all((folder / name).is_file() or (folder / name.removesuffix(".gz")).is_file() for name in FILES)
+    return all(_holds(folder, name) for name in FILES)
 
 
 def _where_to_put(system: Path, dest: Path) -> str:
@@ -114,7 +119,7 @@ def find_or_download(dest: Path | str | None = None, *, url: str | None = None, 
     except OSError as e:
         raise FashionMNISTMissing(f"cannot create {dest} ({e}). {_where_to_put(system, dest)}") from None
     for name in FILES:
-        if (dest / name).is_file() or (dest / name.removesuffix(".gz")).is_file():
+        if _holds(dest, name):
             continue
         print(f"downloading {url}{name} -> {dest / name} ({FILES[name][0]:,} bytes)", file=sys.stderr, flush=True)
         try:

@@ -27,7 +27,7 @@ GPUS = {"v100": "fp16", "a100": "bf16", "h100": "bf16"}
 FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
         "min_loss_scale": 1}
 MARGIN = 0.75  # of the largest micro-batch the estimate fits: room for what it leaves out
-# (group, model) -> micro-batch per GPU: the rule of the module docstring, as tests/test_ds_configs.py computes it
+# (group, model) -> micro-batch per GPU: the rule of the module docstring, as tests/train/test_dry_run.py computes it
 MICRO = {
     ("pretrain", "b"): {"v100": 128, "a100": 256, "h100": 256},
     ("pretrain", "l"): {"v100": 64, "a100": 256, "h100": 256},

@@ -103,11 +103,11 @@ class Subject:
     accum: int
 
 
-def our_subject(cfg: PretrainConfig, arch: dict, steps: int) -> tuple[Subject, dict]:
+def our_subject(cfg: PretrainConfig, arch: dict) -> tuple[Subject, dict]:
     """The real engine and loop (train/build.py, train/loop.py), one optimizer step per call; and
     what the record says of the run (ds_config, batch, dtype, device)."""
     from train import distributed
-    from train.build import build_engine, compute_dtype, peak_lr, schedule_steps, training_source
+    from train.build import build_engine, peak_lr, schedule_steps, training_source
     from train.ds_config import resolve
     from train.loop import LoopSettings, LoopState, run
 
@@ -118,7 +118,7 @@ def our_subject(cfg: PretrainConfig, arch: dict, steps: int) -> tuple[Subject, d
     rank, world, device = distributed.init()
     _, total, warmup = schedule_steps(cfg, plan)
     engine, objective, _ = build_engine(cfg, ds_config, device, peak_lr(cfg, plan), warmup, total, arch)
-    dtype = compute_dtype(engine)
+    dtype = engine.dtype
     data = training_source(cfg, objective.encoder.img_size, plan, rank, world, device)
     state = LoopState()
 
@@ -134,22 +134,29 @@ def our_subject(cfg: PretrainConfig, arch: dict, steps: int) -> tuple[Subject, d
     return Subject("ours", steps, plan.accum), run_info
 
 
-def baseline_subject(cfg: PretrainConfig, arch: dict, micro: int, dtype: torch.dtype, device: torch.device,
-                     fused: bool) -> Subject:
-    """tools/mae_baseline.py with our model's shapes, MAE settings, micro-batch and synthetic data."""
+def baseline_model(cfg: PretrainConfig, arch: dict, micro: int, device: torch.device):
+    """tools/mae_baseline.py's MAE with our model's shapes (`arch`: model_arch overrides; a narrowed
+    width narrows its decoder too) and MAE settings, and synthetic data at `micro` per step."""
     from data.synthetic import SyntheticImages
     from model.registry import model_arch
-    from tools.mae_baseline import BaselineMAE, BaselineStep
+    from tools.mae_baseline import BaselineMAE
 
     a = model_arch(cfg.model.name, **arch)
     img = encoder_img_size(cfg)
     mae = cfg.mae
-    width = arch.get("embed_dim")
     torch.manual_seed(0)
     model = BaselineMAE(img, a["patch_size"], cfg.model.in_chans, a["embed_dim"], a["depth"], a["num_heads"],
-                        width or mae.decoder_dim, mae.decoder_depth, mae.decoder_heads, mae.mask_ratio,
-                        mae.norm_pix_loss).to(device)
-    data = SyntheticImages(micro, img, cfg.model.in_chans, 10, cfg.seed, 0, device)
+                        arch.get("embed_dim") or mae.decoder_dim, mae.decoder_depth, mae.decoder_heads,
+                        mae.mask_ratio, mae.norm_pix_loss).to(device)
+    return model, SyntheticImages(micro, img, cfg.model.in_chans, 10, cfg.seed, 0, device)
+
+
+def baseline_subject(cfg: PretrainConfig, arch: dict, micro: int, dtype: torch.dtype, device: torch.device,
+                     fused: bool) -> Subject:
+    """tools/mae_baseline.py's step on baseline_model."""
+    from tools.mae_baseline import BaselineStep
+
+    model, data = baseline_model(cfg, arch, micro, device)
     base = BaselineStep(model, data, dtype, device, fused=fused or None)
 
     def steps(phase, n: int) -> None:
@@ -222,7 +229,7 @@ def census(argv: list[str]) -> dict:
 
     opts, rest = split_argv(argv)
     cfg, arch = narrowed(rest, opts["width"])
-    ours, run_info = our_subject(cfg, arch, opts["steps"])
+    ours, run_info = our_subject(cfg, arch)
     device = torch.device(run_info["device"])
     subjects = [ours]
     if opts["baseline"] != "none":

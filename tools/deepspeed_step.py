@@ -15,11 +15,8 @@ import torch
 
 from train.build import build_encoder
 from train.config import PretrainConfig, section
-from train.optim import WarmupCosineSchedule, build_param_groups
-
-
-def no_phases(name: str) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
+from train.loop import no_phases
+from train.optim import WarmupCosineSchedule, build_optimizer, build_param_groups
 
 
 def old_defaults(ds_config: dict) -> dict:
@@ -50,7 +47,7 @@ class DeepSpeedStep:
         torch.manual_seed(cfg.seed)
         objective = build_objective(cfg.objective, build_encoder(cfg, arch), section(cfg))
         groups, _ = build_param_groups(objective, cfg.optim.weight_decay, cfg.optim.layer_decay)
-        optimizer = torch.optim.AdamW(groups, lr=0.0, betas=cfg.optim.betas, fused=True)
+        optimizer = build_optimizer(groups, cfg.optim)
         schedule = WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, 1, 10**6)
         self.engine, _, _, _ = deepspeed.initialize(model=objective, optimizer=optimizer, lr_scheduler=schedule,
                                                     config=old_defaults(ds_config))

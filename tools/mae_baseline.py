@@ -118,7 +118,7 @@ def no_phases(name: str) -> contextlib.AbstractContextManager:
 class BaselineStep:
     """One training step of the reference loop: autocast forward, (scaled) backward, AdamW step,
     `loss.item()`. `phase(name)` marks its parts (data, forward, backward, step, loop) for the
-    census (train/census.py); the default marks nothing."""
+    census (tools/census.py); the default marks nothing."""
 
     def __init__(self, model: BaselineMAE, batches, dtype: torch.dtype, device: torch.device,
                  fused: bool | None = None, lr: float = 1.5e-4):

@@ -30,6 +30,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from train.loop import no_phases
+
 PHASE_PREFIX = "phase:"
 TRACE_LIMIT = 16 * 2**20
 
@@ -51,7 +53,7 @@ def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def attribution(subject, steps: int, device: torch.device, trace: Path | None = None) -> dict:
     """The summary of the module docstring for `steps` steps of `subject` (after one unprofiled)."""
     cuda = device.type == "cuda"
-    subject.run(lambda name: contextlib.nullcontext(), 1)  # allocator, autotuning, compiles
+    subject.run(no_phases, 1)  # allocator, autotuning, compiles
     if cuda:
         torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -64,12 +66,11 @@ def attribution(subject, steps: int, device: torch.device, trace: Path | None = 
     events = prof.events()
     phases = [e for e in events if e.name.startswith(PHASE_PREFIX)]
     host_us = sum(e.time_range.elapsed_us() for e in phases)
-    out = {"steps": steps, "wall_ms_per_step": wall / steps * 1e3, "host_ms_per_step": host_us / steps / 1e3,
-           "host_ms_per_phase": {}}
     by_phase: dict[str, float] = defaultdict(float)
     for e in phases:
         by_phase[e.name[len(PHASE_PREFIX):]] += e.time_range.elapsed_us() / steps / 1e3
-    out["host_ms_per_phase"] = dict(by_phase)
+    out = {"steps": steps, "wall_ms_per_step": wall / steps * 1e3, "host_ms_per_step": host_us / steps / 1e3,
+           "host_ms_per_phase": dict(by_phase)}
     if cuda:
         kernels = [e for e in events if e.device_type == DeviceType.CUDA]
         busy = _merge([(e.time_range.start, e.time_range.end) for e in kernels])
@@ -112,7 +113,7 @@ def cuda_syncs(subject, steps: int) -> dict:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            subject.run(lambda name: contextlib.nullcontext(), steps)
+            subject.run(no_phases, steps)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message)]

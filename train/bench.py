@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from train import distributed
-from train.build import build_engine, compute_dtype, peak_lr, profile_config, schedule_steps, training_source
+from train.build import build_engine, peak_lr, profile_config, schedule_steps, training_source
 from train.cli import cli, pop_flags
 from train.config import ConfigError, encoder_img_size, help_text, parse_args, to_dict
 from train.ds_config import resolve
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> Path:
     rank, world, device = distributed.init()
     per_epoch, total, warmup_steps = schedule_steps(cfg, plan)
     engine, objective, _ = build_engine(cfg, ds_config, device, peak_lr(cfg, plan), warmup_steps, total)
-    dtype = compute_dtype(engine)
+    dtype = engine.dtype
     data = training_source(cfg, img_size, plan, rank, world, device)
     windows: list[dict] = []
     noop = lambda step: None  # noqa: E731

@@ -91,11 +91,6 @@ def profile_config(cfg: PretrainConfig, ds_config: dict, micro: int, fused_kerne
         return objective, profile(objective, batch, fused_kernels, value_bytes)
 
 
-def compute_dtype(engine) -> torch.dtype:
-    """The dtype the engine's module computes in (what the loop casts images to)."""
-    return engine.dtype
-
-
 def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, peak_lr: float,
                  warmup_steps: float, total_steps: int, arch: dict | None = None):
     """Encoder + objective (identical initial weights on every rank), optimizer, schedule, engine

@@ -8,7 +8,6 @@ than silently overridden.
 """
 from __future__ import annotations
 
-import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 
 from train.config import ConfigError, PretrainConfig
 from train.device_checks import check_kernels, this_device
-from train.ds_keys import check_keys
+from train.ds_keys import check_keys, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -98,9 +97,9 @@ def activation_checkpointing(ds: dict) -> bool:
         return False
     for key in section:
         if key not in UNSUPPORTED_CHECKPOINTING + ("number_checkpoints",):
-            close = difflib.get_close_matches(key, UNSUPPORTED_CHECKPOINTING + ("number_checkpoints",), n=1)
+            close = did_you_mean(key, UNSUPPORTED_CHECKPOINTING + ("number_checkpoints",))
             raise ConfigError(f"ds_config activation_checkpointing.{key} is not a DeepSpeed setting"
-                              f"{f'; did you mean {close[0]!r}?' if close else ''} (the section's presence switches "
+                              f"{close} (the section's presence switches "
                               f"recomputation on: an empty section {{}} is enough)")
     on = [k for k in UNSUPPORTED_CHECKPOINTING if section.get(k)]
     if on or section.get("number_checkpoints"):

@@ -91,7 +91,8 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _closest(key: str, known) -> str:
+def did_you_mean(key: str, known) -> str:
+    """"; did you mean 'x'?" for the closest of `known`, or "" when none is close."""
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -118,7 +119,7 @@ def _validate_section(name: str, section: Any) -> None:
         field = ".".join(str(p) for p in first["loc"])
         if first["type"] == "extra_forbidden":
             fields = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
-            raise ConfigError(f"ds_config {name}.{field} is not a DeepSpeed setting{_closest(field, fields)} "
+            raise ConfigError(f"ds_config {name}.{field} is not a DeepSpeed setting{did_you_mean(field, fields)} "
                               f"(DeepSpeed's {model.__name__})") from None
         raise ConfigError(f"ds_config {name}.{field}: {first['msg']} (got {first.get('input')!r}; DeepSpeed's "
                           f"{model.__name__})") from None
@@ -138,7 +139,7 @@ def check_keys(ds: dict) -> None:
     known = deepspeed_keys()
     for key, value in ds.items():
         if key not in known and key not in ENGINE_READS:
-            raise ConfigError(f"ds_config key {key!r} is not a DeepSpeed setting{_closest(key, known | set(ENGINE_READS))}")
+            raise ConfigError(f"ds_config key {key!r} is not a DeepSpeed setting{did_you_mean(key, known | set(ENGINE_READS))}")
         if key in _section_models():
             _validate_section(key, value)
         reads = ENGINE_READS.get(key, "not read")

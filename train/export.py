@@ -56,18 +56,21 @@ def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tenso
 
 def encoder_state(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """The encoder's fp32 weights (timm names) from a checkpoint tag, and its complete.json."""
-    meta = read_meta(tag_dir)
-    encoder = _strip(_module_state(tag_dir), ENCODER_PREFIX)
+    return _encoder_of(_module_state(tag_dir), tag_dir), read_meta(tag_dir)
+
+
+def _encoder_of(state: dict[str, torch.Tensor], tag_dir: Path) -> dict[str, torch.Tensor]:
+    encoder = _strip(state, ENCODER_PREFIX)
     if not encoder:
         raise ValueError(f"{tag_dir} holds no '{ENCODER_PREFIX}*' weights")
-    return encoder, meta
+    return encoder
 
 
 def pretrained_state(tag_dir: Path) -> dict[str, torch.Tensor]:
     """Encoder (timm names) and, when the run had one, its MAE decoder (official MAE names:
     decoder_embed, decoder_blocks, ...) in fp32: what continued pretraining starts from."""
-    encoder, meta = encoder_state(tag_dir)
-    return {**encoder, **_strip(_module_state(tag_dir), "decoder.")}
+    state = _module_state(tag_dir)
+    return {**_encoder_of(state, tag_dir), **_strip(state, "decoder.")}
 
 
 def _arguments(kwargs: dict) -> str:

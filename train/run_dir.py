@@ -63,8 +63,7 @@ def check_run_folder(run_dir: Path, config: dict, resuming: bool, overwrite: boo
     checkpoints, or a config.json of another experiment, unless `overwrite` (then delete the old
     run's outputs). A folder whose run never trained (`never_trained`) is no other run: its
     outputs are deleted and the folder reused. Raises ValueError naming the way out; runs before
-    any process group starts."""
-    check_writable_folder(run_dir, "--output_dir")
+    any process group starts (after check_writable_folder)."""
     if resuming or not run_dir.is_dir():
         return
     if never_trained(run_dir, complete_checkpoints(run_dir)):

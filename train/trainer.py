@@ -27,7 +27,6 @@ from train import checkpoint, code_version, distributed, dry_run
 from train.build import (
     build_engine,
     check_resume_compatible,
-    compute_dtype,
     labeled_split,
     peak_lr,
     resume_changes,
@@ -161,7 +160,7 @@ class Trainer:
         self.peak_lr = peak_lr(cfg, plan)
         self.engine, objective, param_split = build_engine(cfg, checked.ds_config, self.device, self.peak_lr,
                                                            checked.warmup_steps, checked.total_steps)
-        self.dtype = compute_dtype(self.engine)
+        self.dtype = self.engine.dtype
         seed_global_rngs(cfg.seed + self.rank)
         self.encoder = objective.encoder
         backend, attention_paths = describe_attention(self.encoder, self.device, self.dtype)

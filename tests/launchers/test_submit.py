@@ -164,6 +164,7 @@ def test_a_submission_never_continues_another_run_by_accident(tmp_path, monkeypa
     """A folder with a run's checkpoint: refused without --continue (nothing written, nothing
     submitted), accepted with it; --continue where there is nothing to continue is refused too."""
     log = fake_sbatch(tmp_path, monkeypatch)
+    monkeypatch.chdir(tmp_path)  # a folder read wrongly would land under tmp_path/runs, not the checkout's
     run = tmp_path / "run"
     tag = run / "checkpoints" / "step00000004"
     tag.mkdir(parents=True)

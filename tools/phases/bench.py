@@ -26,9 +26,8 @@ from tools.phases.common import (
 def baseline_run(check: Check, argv: list[str], steps: int, warmup: int, dtype: torch.dtype) -> dict:
     """The plain-PyTorch MAE (tools/mae_baseline.py) with the same model, MAE settings, micro-batch
     and synthetic data as train/bench.py's run of `argv`."""
-    from data.synthetic import SyntheticImages
-    from model.registry import model_arch
-    from tools.mae_baseline import BaselineMAE, time_training
+    from tools.census import baseline_model
+    from tools.mae_baseline import time_training
     from train.bench import split_argv
     from train.config import parse_args
     from train.ds_config import resolve
@@ -36,13 +35,7 @@ def baseline_run(check: Check, argv: list[str], steps: int, warmup: int, dtype: 
     _, rest = split_argv(argv)
     cfg = parse_args(rest)
     micro = resolve(cfg, 1)[1].micro
-    arch = model_arch(cfg.model.name)
-    img = cfg.model.img_size or arch["img_size"]
-    torch.manual_seed(0)
-    model = BaselineMAE(img, arch["patch_size"], cfg.model.in_chans, arch["embed_dim"], arch["depth"],
-                        arch["num_heads"], cfg.mae.decoder_dim, cfg.mae.decoder_depth, cfg.mae.decoder_heads,
-                        cfg.mae.mask_ratio, cfg.mae.norm_pix_loss).to(check.device)
-    data = SyntheticImages(micro, img, cfg.model.in_chans, 10, cfg.seed, 0, check.device)
+    model, data = baseline_model(cfg, {}, micro, check.device)
     try:
         return {**time_training(model, data, steps, warmup, dtype, check.device), "micro_batch": micro}
     finally:
@@ -129,6 +122,8 @@ def attribution_items(check: Check) -> None:
     """The profiled variants (module docstring), each an item with its tools/profile_step.py summary."""
     from tools import census
     from tools.profile_step import attribution
+    from train.build import peak_lr
+    from train.ds_config import BatchPlan
 
     if check.cuda:
         model, micros, steps = ["--model.name", "vit_base_patch16"], (128, 256, 512), 5
@@ -152,7 +147,7 @@ def attribution_items(check: Check) -> None:
             free_memory()
 
     def ours(cfg, arch, micro):
-        return census.our_subject(cfg, arch, steps)[0]
+        return census.our_subject(cfg, arch)[0]
 
     def baseline(cfg, arch, micro):
         dtype = torch.bfloat16 if check.cuda else torch.float32
@@ -161,7 +156,8 @@ def attribution_items(check: Check) -> None:
     def deepspeed(cfg, arch, micro):
         ds = json.loads(Path(cfg.ds_config).read_text())  # tools/deepspeed_step.py adds DeepSpeed's old settings
         ds.update(gradient_accumulation_steps=1)
-        info = {"ds_config": ds, "batch": {"micro": micro, "accum": 1, "world": 1}, "peak_lr": 1e-4}
+        info = {"ds_config": ds, "batch": {"micro": micro, "accum": 1, "world": 1},
+                "peak_lr": peak_lr(cfg, BatchPlan(micro, 1, 1))}  # ours at the same batch
         return census.deepspeed_subject(cfg, arch, info, check.device)
 
     for micro in micros:
@@ -171,8 +167,8 @@ def attribution_items(check: Check) -> None:
     if check.cuda:
         check.item(f"attribution_deepspeed_old_defaults_micro{first}", 90, lambda: profiled(deepspeed, first))
         check.item(f"attribution_ours_compile_micro{traced}", 180, lambda: profiled(
-            lambda cfg, arch, m: census.our_subject(census.narrowed(argv(m, "--run.compile", "true"), 0)[0], arch,
-                                                    steps)[0], traced))
+            lambda cfg, arch, m: census.our_subject(census.narrowed(argv(m, "--run.compile", "true"), 0)[0], arch)[0],
+            traced))
     else:
         check.skip(f"attribution_deepspeed_old_defaults_micro{first}",
                    "DeepSpeed's engine on the CPU first compiles its shared-memory collectives (minutes): GPU only")
