@@ -156,16 +156,15 @@ class RPEPerturbation:
     a model.irpe.BiasHook, passed per block through the ViT's forward_tokens (`bias_hooks`).
 
     masked (B, N) bool marks the patch tokens whose query rows are perturbed (every key, cls too);
-    delta (2,) is added to their (row, col) offsets (coordinate mode, through g~ and bilinear
-    lookup); embed (buckets, H, d), the shape of the table, is added to the table rows r_ij they
-    use (embedding mode; one shared vector for all rows would shift each query's logits by a
-    constant, which the softmax ignores)."""
+    coordinate mode: a delta (2,) added to their (row, col) offsets, through g~ and bilinear
+    lookup, given as `corners` = bilinear_corners(rpe.rel + delta) (`coordinate_corners` makes them
+    for every block of a stack at once); embedding mode: `embed` (buckets, H, d), the shape of the
+    table, added to the table rows r_ij they use (one shared vector for all rows would shift each
+    query's logits by a constant, which the softmax ignores)."""
 
-    def __init__(self, masked: torch.Tensor, delta: torch.Tensor | None = None, embed: torch.Tensor | None = None,
+    def __init__(self, masked: torch.Tensor, embed: torch.Tensor | None = None,
                  corners: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """`corners`: bilinear_corners(rpe.rel + delta) made beforehand (for every block at once:
-        `coordinate_corners`), which `delta` would otherwise give at every call."""
-        self.masked, self.delta, self.embed, self.corners = masked, delta, embed, corners
+        self.masked, self.embed, self.corners = masked, embed, corners
 
     def __call__(self, rpe: ContextualRPE, q: torch.Tensor, qr: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """q (B, H, T, d), qr (B, H, T, buckets) scaled per-bucket scores, bias (B, H, T, T) -> perturbed bias."""
@@ -173,9 +172,9 @@ class RPEPerturbation:
         scale = d**-0.5
         c = rpe.num_cls
         rows = self.masked[:, None, :, None]  # (B, 1, N, 1): perturbed query rows
-        if self.delta is not None or self.corners is not None:
+        if self.corners is not None:
             N = T - c
-            corners, weights = self.corners or bilinear_corners(rpe.rel + self.delta.to(rpe.rel.dtype), **rpe.index_args)
+            corners, weights = self.corners
             patch_qr = qr[:, :, c:]  # (B, H, N, buckets)
             picked = patch_qr.gather(-1, corners.reshape(1, 1, N, N * 4).expand(B, H, N, N * 4))
             continuous = (picked.reshape(B, H, N, N, 4) * weights.to(q.dtype)).sum(-1)  # (B, H, N, N)

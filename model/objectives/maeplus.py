@@ -176,18 +176,18 @@ class MAEPlusObjective(Objective):
         return torch.where(masked[..., None], perturbed, fixed)
 
     def rpe_perturbations(self, masked: torch.Tensor, dtype: torch.dtype, prefix: str,
-                          depth: int) -> list[RPEPerturbation] | None:
-        """One bias hook per block (the `bias_hooks` of forward_tokens / decode), or None without an RPE adversary."""
+                          blocks: nn.ModuleList) -> list[RPEPerturbation] | None:
+        """One bias hook per block of `blocks` (the `bias_hooks` of forward_tokens / decode; their
+        adversaries are named rpe_<prefix><i>), or None without an RPE adversary."""
         kind = self.cfg.adversary
         if kind not in ("rpe_embed", "rpe_coord"):
             return None
         if kind == "rpe_coord":  # every block's shifted offsets in one pass: (depth, 2) deltas
-            blocks = self.encoder.blocks if prefix == "enc" else self.decoder.decoder_blocks
             deltas = torch.stack([self.adversaries.get(f"rpe_{prefix}{i}", masked.device, torch.float32)
-                                  for i in range(depth)])
+                                  for i in range(len(blocks))])
             return [RPEPerturbation(masked, corners=c) for c in coordinate_corners(blocks[0].attn.rpe, deltas)]
         return [RPEPerturbation(masked, embed=self.adversaries.get(f"rpe_{prefix}{i}", masked.device, dtype))
-                for i in range(depth)]
+                for i in range(len(blocks))]
 
     def reconstruct(self, crops: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         """crops (M, C, s, s), masked (M, N) bool -> predictions (M, N, p*p*C)."""
@@ -197,9 +197,9 @@ class MAEPlusObjective(Objective):
         tokens = torch.where(masked[..., None], fill, tokens)
         x = self.encoder.add_cls_token(tokens + self.positions(masked, tokens.dtype))
         latent = self.encoder.forward_tokens(
-            x, bias_hooks=self.rpe_perturbations(masked, x.dtype, "enc", len(self.encoder.blocks)))
+            x, bias_hooks=self.rpe_perturbations(masked, x.dtype, "enc", self.encoder.blocks))
         return self.decoder.decode(self.decoder.decoder_embed(latent),
-                                   self.rpe_perturbations(masked, x.dtype, "dec", len(self.decoder.decoder_blocks)))
+                                   self.rpe_perturbations(masked, x.dtype, "dec", self.decoder.decoder_blocks))
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         images = batch["image"]

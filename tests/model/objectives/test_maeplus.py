@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from model import create_model
-from model.objectives.adversary import RPEPerturbation
+from model.objectives.adversary import RPEPerturbation, coordinate_corners
 from model.objectives import build_objective
 from model.objectives.adversary import Adversaries
 from model.objectives.maeplus import MAEPlusConfig
@@ -61,7 +61,9 @@ def test_rpe_adversary_leaves_visible_query_rows_untouched(mode):
     value = torch.tensor([0.4, -1.3], dtype=torch.float64) if mode == "delta" else torch.randn(50, 2, 16, dtype=torch.float64)
     value.requires_grad_()
     clean = rpe(q)
-    attacked = rpe(q, RPEPerturbation(masked, **{mode: value}))
+    hook = (RPEPerturbation(masked, corners=coordinate_corners(rpe, value[None])[0]) if mode == "delta"
+            else RPEPerturbation(masked, embed=value))
+    attacked = rpe(q, hook)
     rows = torch.cat([torch.zeros(2, 1, dtype=torch.bool), masked], 1)  # (B, T) perturbed query rows
     assert torch.equal(attacked.transpose(1, 2)[~rows], clean.transpose(1, 2)[~rows])  # cls and visible rows
     assert not torch.allclose(attacked.transpose(1, 2)[rows], clean.transpose(1, 2)[rows])
