@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from data.image_datasets import read_idx
+from data.image_datasets import _find, read_idx
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def load(src: Path, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
-    images = read_idx(next(src.glob(f"{prefix}-images-idx3-ubyte*")))
-    labels = read_idx(next(src.glob(f"{prefix}-labels-idx1-ubyte*")))
+    images = read_idx(_find(src, f"{prefix}-images-idx3-ubyte"))  # gzipped or not; a missing file is named
+    labels = read_idx(_find(src, f"{prefix}-labels-idx1-ubyte"))
     return (torch.from_numpy(images.reshape(len(images), -1).astype("float64") / 255),
             torch.from_numpy(labels.astype("int64")))
 
