@@ -23,3 +23,9 @@ def test_a_constant_first_made_under_inference_mode_still_serves_autograd():
     x = torch.ones(2, dtype=torch.float64, requires_grad=True)
     (x * scale).sum().backward()
     assert x.grad.tolist() == [3.0, 4.0]
+
+
+def test_on_a_device_other_than_the_cpu_the_constant_lives_there():
+    """The `meta` device stands in for an accelerator: the copy goes to the device asked for."""
+    meta = device_constant((1.0, 2.0, 3.0), torch.device("meta"), torch.bfloat16)
+    assert meta.device.type == "meta" and meta.shape == (3,) and meta.dtype == torch.bfloat16
