@@ -83,6 +83,22 @@ def precision(ds: dict) -> str:
     return "fp16" if fp16 else "bf16" if bf16 else "fp32"
 
 
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def reduce_dtype(ds: dict) -> str:
+    """The dtype gradients are reduced in over ranks: `communication_data_type` (fp32 | bf16 | fp16),
+    by default DeepSpeed's for the precision (its engine's `communication_data_type`): the compute
+    dtype, i.e. bf16 for bf16 training, fp16 for fp16, fp32 for fp32."""
+    value = ds.get("communication_data_type")
+    if value is None:
+        return precision(ds)
+    if not isinstance(value, str) or value.lower() not in REDUCE_DTYPES:
+        raise ConfigError(f"ds_config communication_data_type {value!r} is not one of {', '.join(REDUCE_DTYPES)} "
+                          f"(the dtype gradients are reduced in; leave it out for the compute dtype, as DeepSpeed does)")
+    return value.lower()
+
+
 # DeepSpeed's activation_checkpointing section is the switch for recomputing every transformer
 # block in backward (torch.utils.checkpoint on our blocks; model/ stays free of deepspeed). Its
 # options belong to Megatron-style deepspeed.checkpointing, which our models do not call.
