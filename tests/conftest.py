@@ -59,6 +59,28 @@ def run_pretrain_calls(calls: list[list[str]]) -> subprocess.CompletedProcess:
     return proc
 
 
+def run_ranks(ranks: int, script: Path, *args: str, timeout: int = 600) -> None:
+    """`python script args` as `ranks` processes of one gloo process group (the environment
+    torchrun and the deepspeed launcher set: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR / PORT),
+    without a launcher's start-up; every rank must exit 0."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(ranks):
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], cwd=REPO, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    assert not failed, f"ranks {failed} failed:\n" + "\n".join(o[-4000:] for o in outputs)
+
+
 def _free_port() -> int:
     import socket
 

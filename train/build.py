@@ -1,6 +1,6 @@
 """Builders of a pretraining run, shared by the entry points (train/trainer.py runs them;
 train/bench.py times them; train/dry_run.py and train/memory.py check and profile them):
-the encoder and objective, the engine (train/engine.py), the schedule's step counts, the training
+the encoder and objective, the engine (train/engine/), the schedule's step counts, the training
 data stream, and the checks a checkpoint must pass to be resumed.
 """
 from __future__ import annotations
@@ -19,7 +19,8 @@ from model.registry import create_model
 from train import checkpoint
 from train.config import ConfigError, PretrainConfig, encoder_img_size, section, to_dict
 from train.ds_config import BatchPlan, activation_checkpointing
-from train.engine import Engine, EngineConfig
+from train import engine as engines
+from train.engine import EngineConfig
 from train.optim import WarmupCosineSchedule, build_optimizer, build_param_groups
 
 log = logging.getLogger("pretrain")
@@ -94,7 +95,7 @@ def profile_config(cfg: PretrainConfig, ds_config: dict, micro: int, fused_kerne
 def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, peak_lr: float,
                  warmup_steps: float, total_steps: int, arch: dict | None = None):
     """Encoder + objective (identical initial weights on every rank), optimizer, schedule, engine
-    (train/engine.py; ZeRO-3: train/engine_fsdp.py). Returns (engine, objective, param_split: how
+    (train/engine/: one rank or ZeRO-0 replicated, ZeRO-1-3 on FSDP2). Returns (engine, objective, param_split: how
     the parameters split between decay / no decay)."""
     torch.manual_seed(cfg.seed)
     objective = build_objective(cfg.objective, build_encoder(cfg, arch), section(cfg))
@@ -118,13 +119,7 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
     def make_optimizer(opt_groups):
         return build_optimizer(opt_groups, cfg.optim)
 
-    if engine_cfg.stage == 3:
-        from train.engine_fsdp import FSDPEngine
-
-        engine = FSDPEngine(objective, groups, make_optimizer, make_schedule, engine_cfg, device)
-    else:
-        engine = Engine(objective, groups, make_optimizer, make_schedule, engine_cfg, device,
-                        per_param=cfg.optim.name == "lars")
+    engine = engines.build(objective, groups, make_optimizer, make_schedule, engine_cfg, device)
     return engine, objective, param_split
 
 

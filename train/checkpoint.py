@@ -1,10 +1,13 @@
-"""Checkpoints: the engine's files (train/engine.py), each rank's RNG, and what makes a tag trustworthy.
+"""Checkpoints: the engine's files (train/engine/state_files.py), each rank's RNG, and what makes a
+tag trustworthy.
 
 Layout of `<output_dir>/checkpoints/`:
     step00000100/                 one tag per save
-        model.pt                  fp32 weights by name, buffers, objective state, schedule, counters,
-                                  client state (rank 0)
-        optim_rank{r:05d}.pt      optimizer state of rank r's part of the flat weights, by name
+        model.safetensors         the objective's tensors by name: fp32 weights, frozen tables,
+                                  buffers (rank 0, one tensor at a time)
+        optim/                    optimizer state by parameter name, one shard per rank
+                                  (torch.distributed.checkpoint)
+        state.pt                  schedule, counters, objective state, client state (rank 0)
         rng_rank{r}.pt            RNG states of rank r (torch, CUDA, numpy, python)
         complete.json             written last, after every rank finished: step, world size,
                                   the size of every file of the tag
@@ -18,9 +21,10 @@ after a disk filled up or a copy was cut short, makes it fall back to the tag be
 
 Client state holds the step, the config and every rank's data position; complete.json also
 holds the run's config and global batch (readable without unpickling, checked before a resume
-starts any process group). Weights and optimizer state are recorded by parameter name and flat
-range, so a tag resumes on any world size and any ZeRO stage. Every file loads with
-`weights_only=True` (tensors and plain containers, nothing executed).
+starts any process group). Weights and optimizer state are recorded by parameter name, so a tag
+resumes on any world size and any ZeRO stage. Every .pt file loads with `weights_only=True`
+(tensors and plain containers, nothing executed); the optimizer state's metadata is checked for
+anything beyond its own classes before it is read.
 """
 from __future__ import annotations
 
@@ -94,7 +98,7 @@ def save(engine, root: Path, step: int, client_state: dict, rank: int, world: in
     fault_injection.at("checkpoint_write", step)
     barrier()  # every rank's files are on disk before the tag is declared complete
     if rank == 0:
-        files = {f.name: f.stat().st_size for f in sorted(partial.iterdir()) if f.is_file()}
+        files = {str(f.relative_to(partial)): f.stat().st_size for f in sorted(partial.rglob("*")) if f.is_file()}
         _write_atomic(partial / COMPLETE, json.dumps({"step": step, "world_size": world, **meta, "files": files,
                                                       "pinned": pinned}, indent=1))
         if (root / tag).exists():  # an earlier save of the same step (a rerun from an older tag)
@@ -196,11 +200,15 @@ def verify_safe(tag_dir: Path) -> None:
     use weights_only=True as well."""
     from torch.serialization import get_unsafe_globals_in_checkpoint
 
+    from train.engine.state_files import OPTIM_DIR, check_dcp_metadata, check_layout
+
+    check_layout(tag_dir)
     for f in sorted(tag_dir.glob("*.pt")):
         unexpected = set(get_unsafe_globals_in_checkpoint(f))
         if unexpected:
             raise ValueError(f"{f} would unpickle {sorted(unexpected)}; refusing to load it (not a checkpoint "
                              f"written by this code, or tampered with)")
+    check_dcp_metadata(tag_dir / OPTIM_DIR)
 
 
 def reseed(seed: int, rank: int, step: int) -> None:

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from train.checkpoint import find_resume, read_meta
-from train.engine import MODEL_FILE
+from train.engine.state_files import read_tensors
 
 ENCODER_PREFIX = "encoder."
 # Our registry name at 224 px -> timm's model name, for users who prefer timm.create_model.
@@ -43,10 +43,9 @@ TIMM_NAMES = {
 
 def _module_state(tag_dir: Path) -> dict[str, torch.Tensor]:
     """The module's tensors in a checkpoint tag: fp32 weights of every trained parameter (the
-    engine's master copy), frozen tables and buffers in the training dtype. Objectives' extra
-    state (e.g. AdPE's adversaries under `_extra_state`) is not weights and is left out."""
-    states = torch.load(tag_dir / MODEL_FILE, map_location="cpu", weights_only=True, mmap=True)["module"]
-    return {k: v for k, v in states.items() if isinstance(v, torch.Tensor)}
+    engine's master copy), frozen tables and buffers. Objectives' extra state (e.g. AdPE's
+    adversaries under `_extra_state`) is not weights and is not in that file."""
+    return read_tensors(tag_dir)
 
 
 def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -106,7 +106,7 @@ def run(
     # An objective may own state the optimizer does not update (AdPE's adversaries, MLO-MAE's
     # masking network and head): after every optimizer step it gets the step's lr and micro-batches
     # and may return 0-dim tensors to log for that step.
-    after_step = engine.module.after_optimizer_step
+    after_step = engine.after_optimizer_step  # the objective's, with whole weights where it reads them
     window: dict[str, list[torch.Tensor]] = {}  # logged 0-dim tensors of this window, kept on the device
     t_last, steps_since_log = time.perf_counter(), 0
     health = StepHealth(settings.max_nonfinite_steps)

@@ -55,7 +55,7 @@ USAGE = """Pretraining entry point.
 Options: `python train/pretrain.py --help`; `--dry-run [--world_size N] [--gpu a100|cpu]` checks a
 configuration for another world size and GPU and estimates memory (train/dry_run.py). Everything
 is checked before the process group starts; then: build encoder + objective, the engine
-(train/engine.py; ZeRO-3: train/engine_fsdp.py), resume (also on another world size and ZeRO
+(train/engine/: one rank or ZeRO-0 replicated, ZeRO-1-3 on FSDP2), resume (also on another world size and ZeRO
 stage), loop (Ctrl-C / kill: a checkpoint, then exit 130 / 143; Slurm's SIGUSR1: a checkpoint and
 requeue), final checkpoint, export.
 """
@@ -196,7 +196,8 @@ class Trainer:
         cfg, checked, plan = self.cfg, self.checked, self.checked.plan
         write_run_files(self.run_dir, to_dict(cfg), checked.ds_config, {
             "world_size": self.world, "device": str(self.device), "precision": str(self.dtype).removeprefix("torch."),
-            "zero_stage": self.engine.stage, "offload": "none",
+            "zero_stage": self.engine.stage, "offload": "none", "engine": self.engine.describe(),
+            "reduce_dtype": self.engine.cfg.reduce or self.engine.cfg.precision,
             "batch": asdict(plan) | {"global": plan.global_batch}, "peak_lr": self.peak_lr,
             "steps_per_epoch": checked.per_epoch, "total_steps": checked.total_steps,
             "accelerators": describe_accelerators(), "attention_backend": backend, "attention_paths": attention_paths,
@@ -206,6 +207,7 @@ class Trainer:
                  "%d steps (%d/epoch)", self.world, self.device, str(self.dtype).removeprefix("torch."),
                  self.engine.stage, plan.global_batch, plan.micro, plan.accum, self.world, self.peak_lr,
                  checked.total_steps, checked.per_epoch)
+        log.info("engine: %s", self.engine.describe())
         log.info("attention: %s", "; ".join(f"{kind}: {path}" for kind, path in attention_paths.items()))
         if cfg.optim.weight_decay == 0:
             log.info("no weight decay (optim.weight_decay 0): %d tensors (%d params) trained",
@@ -244,13 +246,13 @@ class Trainer:
                                           self.world, self.ckpt_meta, self.cfg.run.keep_checkpoints,
                                           pinned=self.settings.kept_for_later(step))
 
-    def on_visualize(self, step: int) -> None:  # rank 0 only; no collectives, no global RNG draws
-        if self.rank != 0:
-            return
+    def on_visualize(self, step: int) -> None:
+        """Rank 0 draws; every rank joins the gathering of sharded weights. No global RNG draws."""
         module = self.engine.module
         module.eval()
-        with torch.no_grad():
-            write_figures(module, self.vis_images, self.vis_noise, self.run_dir / "vis", step)
+        with self.engine.gathered(), torch.no_grad():
+            if self.rank == 0:
+                write_figures(module, self.vis_images, self.vis_noise, self.run_dir / "vis", step)
         module.train()
 
     def on_evaluate(self, step: int) -> None:

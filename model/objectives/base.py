@@ -90,6 +90,9 @@ class Objective(nn.Module, metaclass=ABCMeta):
     # The loss differentiates through input gradients (energy restoration): memory estimates count
     # a second backward (train/costs.py) and run.compile is refused.
     double_backward: ClassVar[bool] = False
+    # after_optimizer_step reads the weights (MLO-MAE's levels II-III): where the engine shards
+    # them, it gathers them whole for the hook (train/engine/core.py)
+    hook_reads_weights: ClassVar[bool] = False
 
     def __init__(self, encoder: nn.Module, cfg: ObjectiveConfig):
         super().__init__()

@@ -222,6 +222,8 @@ class Auxiliary:
 class MLOMAEObjective(MAEObjective):
     """MAE (encoder, decoder, target, figures) with T's mask and weighting in level I."""
 
+    hook_reads_weights = True  # levels II-III run the encoder (and its perturbations) after the step
+
     def __init__(self, encoder: VisionTransformer, cfg: MLOMAEConfig):
         super().__init__(encoder, cfg)  # MLOMAEConfig carries MAE's fields (mask_ratio, norm_pix_loss, decoder_*)
         self.aux = Auxiliary(encoder.num_patches, encoder.embed_dim, cfg.mask_hidden, cfg.num_classes,

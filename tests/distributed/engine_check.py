@@ -1,0 +1,156 @@
+"""Run on every rank by tests/distributed/test_engines.py (not collected by pytest).
+
+    engine_check.py OUT_DIR CASE[,CASE ...] [--steps N]
+
+CASE `equality-<objective>-<precision>`: for each ZeRO stage 0-3 and accumulation 1 and 3, the
+objective (mae or finetune, on the debug ViT) trains STEPS optimizer steps on a fixed sequence of
+global batches of GLOBAL images (with MAE's masking noise and the labels drawn from the step
+number, so the data do not depend on the world size: each rank takes its rows of each
+micro-batch). Rank 0 writes {"<stage>_<accum>": [the global batch's mean loss per step]}.
+CASE `objective-<name>`: energy or mlomae at 2 ranks, stages 0-2, accumulation 1, with their
+own random draws (seeded alike for every stage): the same per-step mean losses.
+CASE `poison`: every stage; rank 1's loss is NaN in step 2: every rank skips it, the weights and
+the optimizer's moments are unchanged, and the skip is counted.
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from train import distributed
+from train.build import build_engine
+from train.config import parse_args
+from train.ds_config import resolve
+
+REPO = Path(__file__).resolve().parents[2]
+GLOBAL = 36  # divisible by micro x accumulation x ranks for ranks 1-4 and accumulation 1 and 3
+ARGS = {
+    "mae": ["--config", str(REPO / "train/configs/mae/debug.json")],
+    "finetune": ["--config", str(REPO / "train/configs/mae/debug.json"), "--objective", "finetune",
+                 "--finetune.num_classes", "10", "--finetune.mixup", "0", "--finetune.cutmix", "0"],
+    "energy": ["--config", str(REPO / "train/configs/mae/debug.json"), "--objective", "energy",
+               "--energy.corruption", "denoise"],
+    "mlomae": ["--config", str(REPO / "train/configs/mae/debug.json"), "--objective", "mlomae",
+               "--mlomae.num_classes", "10", "--mlomae.decoder_dim", "32", "--mlomae.decoder_depth", "1",
+               "--mlomae.decoder_heads", "2", "--mlomae.mask_hidden", "16"],
+}
+
+
+def global_batch(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return {"image": torch.randn(GLOBAL, 1, 28, 28, generator=g), "mask_noise": torch.rand(GLOBAL, 49, generator=g),
+            "label": torch.randint(0, 10, (GLOBAL,), generator=g),
+            "val_image": torch.randn(GLOBAL, 1, 28, 28, generator=g),
+            "val_label": torch.randint(0, 10, (GLOBAL,), generator=g)}
+
+
+def engine_for(out: Path, objective: str, stage: int, accum: int, world: int, precision: str = "fp32"):
+    ds_file = out / f"ds_{objective}_{stage}_{accum}_{precision}.json"
+    ds = {"train_batch_size": GLOBAL, "gradient_accumulation_steps": accum, "gradient_clipping": 1.0,
+          "zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"}}
+    if dist.get_rank() == 0:
+        ds_file.write_text(json.dumps(ds))
+    dist.barrier()
+    cfg = parse_args(["--ds_config", str(ds_file), *ARGS[objective], "--output_dir", str(out / "run")])
+    ds, plan = resolve(cfg, world)
+    device = torch.device("cpu")
+    engine, _, _ = build_engine(cfg, ds, device, peak_lr=2e-3, warmup_steps=1, total_steps=20)
+    return engine, plan
+
+
+def train(engine, plan, steps: int, rank: int, world: int, keys, poison_step: int = 0) -> list[float]:
+    """Per optimizer step: each rank's rows of each micro-batch; the global mean loss."""
+    losses = []
+    for step in range(1, steps + 1):
+        batch = global_batch(step)
+        total = torch.zeros(())
+        seen = []
+        for m in range(plan.accum):
+            rows = slice((m * world + rank) * plan.micro, (m * world + rank + 1) * plan.micro)
+            micro = {k: batch[k][rows].to(engine.dtype) if k.endswith("image") else batch[k][rows] for k in keys}
+            seen.append(micro)
+            loss = engine(micro)["loss"]
+            total += loss.detach().float() / plan.accum
+            if step == poison_step and rank == 1:
+                loss = loss * float("nan")
+            engine.backward(loss)
+            engine.step()
+        engine.after_optimizer_step(engine.get_lr(), seen)
+        dist.all_reduce(total)
+        losses.append((total / world).item())
+    return losses
+
+
+def equality(out: Path, objective: str, precision: str, steps: int) -> dict:
+    rank, world, _ = distributed.init()
+    keys = ("image", "mask_noise") if objective == "mae" else ("image", "label")
+    result = {}
+    for stage in (0, 1, 2, 3):
+        for accum in (1, 3):
+            torch.manual_seed(0)
+            engine, plan = engine_for(out, objective, stage, accum, world, precision)
+            result[f"{stage}_{accum}"] = train(engine, plan, steps, rank, world, keys)
+    return result
+
+
+def objective_stages(out: Path, objective: str, steps: int) -> dict:
+    rank, world, _ = distributed.init()
+    keys = ("image", "label", "val_image", "val_label") if objective == "mlomae" else ("image",)
+    result = {}
+    for stage in (0, 1, 2):
+        torch.manual_seed(100 + rank)  # the objective's own draws (corruptions, masks): alike for every stage
+        engine, plan = engine_for(out, objective, stage, 1, world)
+        torch.manual_seed(100 + rank)
+        result[str(stage)] = train(engine, plan, steps, rank, world, keys)
+    return result
+
+
+def poison(out: Path, steps: int) -> dict:
+    rank, world, _ = distributed.init()
+    result = {}
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        engine, plan = engine_for(out, "mae", stage, 1, world)
+        train(engine, plan, 1, rank, world, ("image", "mask_noise"))
+        weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                   for k, v in engine.master_weights().items()}
+        moments = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                   for k, v in engine.optimizer.state[next(iter(engine.master_weights().values()))].items()}
+        losses = train(engine, plan, 1, rank, world, ("image", "mask_noise"), poison_step=1)
+        after = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in engine.master_weights().items()}
+        after_moments = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+                         for k, v in engine.optimizer.state[next(iter(engine.master_weights().values()))].items()}
+        state = {k: v.item() for k, v in engine.device_state().items()}
+        result[str(stage)] = {"weights_unchanged": all(torch.equal(after[k], weights[k]) for k in weights),
+                              "moments_unchanged": all(torch.equal(after_moments[k], moments[k]) for k in moments),
+                              "skipped": state["skipped_steps"], "finite_loss": losses[0] == losses[0]}
+        next_losses = train(engine, plan, 1, rank, world, ("image", "mask_noise"))
+        after_next = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in engine.master_weights().items()}
+        result[str(stage)]["next_step_applied"] = not all(torch.equal(after_next[k], weights[k]) for k in weights)
+        result[str(stage)]["next_loss"] = next_losses[0]
+    return result
+
+
+def main(out: Path, cases: list[str], steps: int) -> None:
+    torch.set_num_threads(1)
+    for case in cases:
+        kind, _, rest = case.partition("-")
+        if kind == "equality":
+            objective, precision = rest.split("-")
+            result = equality(out, objective, precision, steps)
+        elif kind == "objective":
+            result = objective_stages(out, rest, steps)
+        else:
+            result = poison(out, steps)
+        if dist.get_rank() == 0:
+            (out / f"{case}_{dist.get_world_size()}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 3
+    main(Path(args[0]), args[1].split(","), steps)

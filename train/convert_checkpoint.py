@@ -1,0 +1,119 @@
+"""Convert a checkpoint tag of the earlier layout (model.pt holding the weights, optim_rank*.pt
+holding optimizer state by flat range) into the engine's layout (train/engine/state_files.py),
+in place, so that it resumes and exports as any other tag.
+
+    python -m train.convert_checkpoint TAG [TAG ...]      (a tag folder, or a run folder: all its tags)
+
+One process, on the CPU; the converted tag holds the same weights, optimizer moments, step
+counts, schedule, counters and client state bit for bit. complete.json is rewritten to list the
+new files before the old ones are removed.
+"""
+from __future__ import annotations
+
+if __name__ == "__main__" and not __package__:  # run as a script: our packages are at the repository root
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from train.checkpoint import COMPLETE, TAG_RE, check_files
+from train.cli import cli
+from train.config import ConfigError
+from train.engine.state_files import LEGACY_FILE, OPTIM_DIR, STATE_FILE, WEIGHTS_FILE, write_weights
+
+
+def _legacy_optimizer(tag_dir: Path, shapes: dict[str, torch.Size]) -> tuple[str, dict[str, torch.Tensor]]:
+    """(the optimizer's class name, {"<name>/<key>": state tensor in the parameter's shape}) from
+    every optim_rank*.pt: each piece covers a flat range of its file's layout {name: (offset, numel)}."""
+    flat: dict[tuple[str, str], torch.Tensor] = {}
+    scalars: dict[tuple[str, str], torch.Tensor] = {}
+    kinds = set()
+    for f in sorted(tag_dir.glob("optim_rank*.pt")):
+        saved = torch.load(f, map_location="cpu", weights_only=True)
+        kinds.add(saved["optimizer"])
+        layout = {name: (offset, numel) for name, offset, numel in saved["layout"]}
+        for piece in saved["pieces"]:
+            start, end = piece["start"], piece["end"]
+            for name, (offset, numel) in layout.items():
+                lo, hi = max(start, offset), min(end, offset + numel)
+                if lo >= hi:
+                    continue
+                for key, values in piece["state"].items():
+                    if values.ndim == 0:  # AdamW's step: the same in every piece
+                        scalars[name, key] = values.clone()
+                        continue
+                    whole = flat.setdefault((name, key), torch.zeros(numel, dtype=values.dtype))
+                    whole[lo - offset:hi - offset] = values[lo - start:hi - start]
+    if len(kinds) != 1:
+        raise ConfigError(f"{tag_dir}: the optim_rank*.pt files hold {sorted(kinds) or 'no'} optimizer state")
+    state = {f"{name}/{key}": v.view(shapes[name]) for (name, key), v in flat.items()}
+    state.update({f"{name}/{key}": v for (name, key), v in scalars.items()})
+    return kinds.pop(), state
+
+
+def convert(tag_dir: Path) -> Path:
+    """Convert one tag in place; returns it."""
+    import torch.distributed.checkpoint as dcp
+
+    problem = check_files(tag_dir)
+    if problem is not None:
+        raise ConfigError(f"{tag_dir} is not a complete checkpoint ({problem}); convert a complete tag")
+    if not (tag_dir / LEGACY_FILE).is_file():
+        raise ConfigError(f"{tag_dir} has no {LEGACY_FILE}: it is not a tag of the earlier layout "
+                          f"(already converted, or not a checkpoint)")
+    old = torch.load(tag_dir / LEGACY_FILE, map_location="cpu", weights_only=True)
+    tensors = {k: v for k, v in old["module"].items() if isinstance(v, torch.Tensor)}
+    extra = {k: v for k, v in old["module"].items() if not isinstance(v, torch.Tensor)}
+    kind, optim = _legacy_optimizer(tag_dir, {k: v.shape for k, v in tensors.items()})
+    write_weights(tag_dir / WEIGHTS_FILE, tensors, write=True)
+    with warnings.catch_warnings():  # one process, no process group: DCP says it saves without one
+        warnings.simplefilter("ignore")
+        dcp.save(optim, checkpoint_id=tag_dir / OPTIM_DIR, no_dist=True)
+    torch.save({"engine": {**old["engine"], "schedule": old["schedule"]}, "extra": extra, "optimizer": kind,
+                "client": old["client"]}, tag_dir / STATE_FILE)
+    meta = json.loads((tag_dir / COMPLETE).read_text())
+    old_files = [LEGACY_FILE, *(f.name for f in tag_dir.glob("optim_rank*.pt"))]
+    meta["files"] = {str(f.relative_to(tag_dir)): f.stat().st_size for f in sorted(tag_dir.rglob("*"))
+                     if f.is_file() and f.name != COMPLETE and f.name not in old_files}
+    tmp = tag_dir / f".{COMPLETE}.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, tag_dir / COMPLETE)
+    for name in old_files:
+        (tag_dir / name).unlink()
+    return tag_dir
+
+
+def tags_in(path: Path) -> list[Path]:
+    """A tag folder itself, or every complete tag of the earlier layout under a run / checkpoints folder."""
+    if (path / COMPLETE).is_file():
+        return [path]
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    found = sorted(p for p in root.glob("step*") if TAG_RE.match(p.name) and (p / LEGACY_FILE).is_file())
+    if not found:
+        raise ConfigError(f"{path} holds no checkpoint tag of the earlier layout (a step* folder with {LEGACY_FILE} "
+                          f"and {COMPLETE}); give a tag folder or a run folder")
+    return found
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if argv else 2)
+    done = []
+    for arg in argv:
+        for tag in tags_in(Path(arg)):
+            done.append(convert(tag))
+            print(f"converted {tag}")
+    return done
+
+
+if __name__ == "__main__":
+    cli(main)

@@ -1,0 +1,45 @@
+"""What the engine takes from the final ds_config (train/ds_config.py checked it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from train.loss_scale import LossScaleConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DDP_BUCKET_MB = 25.0  # DDP's own default bucket size, used when the ds_config gives no reduce_bucket_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    stage: int  # ZeRO stage 0-3
+    precision: str  # the compute dtype: fp32 | bf16 | fp16
+    accum: int  # micro-batches per optimizer step
+    clip: float  # gradient_clipping: max global l2 norm, 0 = none
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    reduce: str = ""  # the dtype gradients are reduced in over ranks ("" = the compute dtype)
+    bucket_elements: int = 0  # zero_optimization.reduce_bucket_size (DDP's buckets); 0 = DDP's default
+
+    @classmethod
+    def from_ds_config(cls, ds: dict) -> EngineConfig:
+        from train.ds_config import precision, reduce_dtype, zero_stage
+
+        prec = precision(ds)
+        return cls(zero_stage(ds), prec, ds["gradient_accumulation_steps"], float(ds.get("gradient_clipping", 0.0)),
+                   LossScaleConfig.from_section(ds.get("fp16", {})) if prec == "fp16" else LossScaleConfig(),
+                   reduce_dtype(ds), int(ds.get("zero_optimization", {}).get("reduce_bucket_size", 0) or 0))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.precision]
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return DTYPES[self.reduce or self.precision]
+
+    def bucket_mb(self) -> float:
+        """DDP's bucket size in MiB: reduce_bucket_size elements of the reduce dtype, else DDP's default."""
+        if not self.bucket_elements:
+            return DDP_BUCKET_MB
+        return self.bucket_elements * self.reduce_dtype.itemsize / 2**20

@@ -1,0 +1,174 @@
+"""The step every engine shares (train/engine/replicated.py, train/engine/sharded.py): the
+optimizer's state made before its first step, the loss scaled for the backward, one optimizer step
+from the gradients' global sum of squares, the counters, and what the loop calls.
+
+One optimizer step, on the device, without a host read:
+    sumsq = sum of the gradients' squares (all-reduced over ranks where each holds a shard)
+    found_inf = sumsq is not finite                     -> the step is skipped inside the fused kernel
+    fused AdamW(grad_scale = loss scale / clip coefficient, found_inf)
+    counters and the fp16 loss scale updated on the device (train/nonfinite.py, train/loss_scale.py)
+Gradients arrive averaged over ranks (DDP and FSDP2 both average), so the optimizer divides by
+the loss scale only; clipping is folded into that one scale. A skipped step leaves weights and
+moments as they were, as torch's GradScaler does.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from train.engine.config import EngineConfig
+from train.loss_scale import DeviceLossScale
+from train.nonfinite import DeviceHealth
+
+
+def adamw_state(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """torch's AdamW state for a tensor, made before the first step (a checkpoint loads into it);
+    the fused kernel keeps `step` as an fp32 tensor beside the moments."""
+    return {"step": torch.zeros((), dtype=torch.float32, device=t.device),
+            "exp_avg": torch.zeros_like(t, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(t, memory_format=torch.preserve_format)}
+
+
+class EngineCore:
+    """What the loop calls: engine(batch), backward(loss), step() after every micro-batch,
+    after_optimizer_step(lr, batches) after every optimizer step, device_state() at reads; and
+    save(tag) / load(tag) for checkpoints (train/engine/state_files.py: the same files from every
+    engine, so a checkpoint resumes on any world size and ZeRO stage)."""
+
+    module: torch.nn.Module  # the objective (FSDP2 wraps it in place; DDP's wrapper is kept apart)
+    names: list[str]  # the trained parameters' names, in optimizer order
+    rank: int
+    world: int
+
+    def _setup_step(self, optimizer, make_schedule, cfg: EngineConfig, device: torch.device, lr_scale: float) -> None:
+        self.optimizer, self.cfg, self.device = optimizer, cfg, device
+        init_state = getattr(optimizer, "init_state", None) or adamw_state
+        for t in (t for g in optimizer.param_groups for t in g["params"]):
+            optimizer.state[t] = init_state(t)
+        self.schedule = make_schedule(optimizer)
+        self.scaler = DeviceLossScale(cfg.loss_scale, device) if cfg.precision == "fp16" else None
+        self.health = DeviceHealth(device)
+        self.grad_norm = torch.zeros((), device=device)  # of the last optimizer step, unscaled
+        self.one = torch.ones((), device=device)  # the gradient scale without fp16's loss scale
+        self.lr_scale = lr_scale  # the first parameter group's: the lr the loop logs
+        self.micro = 0  # micro-batches since the last optimizer step
+        self.steps = 0  # optimizer steps taken (applied or skipped)
+
+    # --- the loop's calls ------------------------------------------------------------------------
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's loss as backward takes it: times the fp16 loss scale, over the accumulation."""
+        if self.scaler is not None:
+            loss = loss * self.scaler.scale.to(loss.dtype)
+        return loss / self.cfg.accum if self.cfg.accum > 1 else loss
+
+    @property
+    def last_micro(self) -> bool:
+        """The micro-batch about to run backward is the optimizer step's last."""
+        return self.micro == self.cfg.accum - 1
+
+    def step(self) -> None:
+        """Called after every micro-batch (as DeepSpeed's engine.step()); the last one of an
+        optimizer step updates the weights."""
+        if self.micro < self.cfg.accum:
+            return
+        found_inf = self._optimizer_step(self._sum_of_squares())
+        self._after_update()
+        self.health.update(found_inf)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        self.schedule.step()
+        self.micro = 0
+        self.steps += 1
+
+    def _sum_of_squares(self) -> torch.Tensor:
+        """The global sum of squares of the step's gradients (before unscaling)."""
+        raise NotImplementedError
+
+    def _after_update(self) -> None:
+        """After the optimizer step: the compute-dtype weights follow the master weights, gradients cleared."""
+
+    def _optimizer_step(self, sumsq: torch.Tensor) -> torch.Tensor:
+        """One optimizer step; returns found_inf (1.0: skipped inside the fused kernel)."""
+        found_inf = torch.isfinite(sumsq).logical_not().float()
+        grad_scale = self.one if self.scaler is None else self.scaler.scale
+        self.grad_norm = sumsq.sqrt() / grad_scale
+        if self.cfg.clip > 0:  # one scale for every gradient: folded into the optimizer's unscaling
+            grad_scale = grad_scale / torch.clamp(self.cfg.clip / (self.grad_norm + 1e-6), max=1.0)
+        self.optimizer.grad_scale, self.optimizer.found_inf = grad_scale, found_inf
+        self.optimizer.step()
+        return found_inf
+
+    def after_optimizer_step(self, lr: float, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The objective's hook for state outside the optimizer (AdPE's adversaries, MLO-MAE's
+        levels II-III), with every weight whole where the objective reads them there."""
+        with self.gathered() if getattr(self.module, "hook_reads_weights", False) else contextlib.nullcontext():
+            return self.module.after_optimizer_step(lr, batches)
+
+    def gathered(self):
+        """Every parameter whole on every rank (collective where they are sharded)."""
+        return contextlib.nullcontext()
+
+    @property
+    def accum(self) -> int:
+        return self.cfg.accum
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cfg.dtype
+
+    @property
+    def stage(self) -> int:
+        return self.cfg.stage
+
+    def get_lr(self) -> float:
+        """The lr of the next optimizer step (the first parameter group's)."""
+        return self.schedule.lr_at(self.schedule.last_step) * self.lr_scale
+
+    def device_state(self) -> dict[str, torch.Tensor]:
+        """0-dim device tensors the loop reads at its log steps: gradient norm, skip counters, fp16 scale."""
+        out = {"grad_norm": self.grad_norm, **self.health.tensors()}
+        if self.scaler is not None:
+            out["loss_scale"] = self.scaler.scale
+            out["loss_scale_collapsed"] = self.scaler.collapsed
+        return out
+
+    def describe(self) -> str:
+        """How this engine trains and communicates, for the start line and meta.json."""
+        raise NotImplementedError
+
+    # --- checkpoints -----------------------------------------------------------------------------
+    def counters(self) -> dict:
+        out = {"steps": self.steps, "health": self.health.state_dict(), "schedule": self.schedule.state_dict()}
+        if self.scaler is not None:
+            out["loss_scale"] = self.scaler.state_dict()
+        return out
+
+    def load_counters(self, counters: dict) -> None:
+        self.schedule.load_state_dict(counters["schedule"])
+        self.steps = counters["steps"]
+        self.health.load_state_dict(counters["health"])
+        if self.scaler is not None and "loss_scale" in counters:
+            self.scaler.load_state_dict(counters["loss_scale"])
+
+    def save(self, tag_dir: Path, client: dict) -> None:
+        """Collective: the tag's engine files (train/engine/state_files.py)."""
+        from train.engine import state_files
+
+        state_files.save(self, tag_dir, client)
+
+    def load(self, tag_dir: Path) -> dict:
+        """Weights, optimizer state, schedule and counters from a tag written by any engine, world
+        size or ZeRO stage; returns its client state."""
+        from train.engine import state_files
+
+        return state_files.load(self, tag_dir)
+
+    # what train/engine/state_files.py reads and writes, per engine
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """The fp32 weights the optimizer updates, by parameter name (DTensors where sharded)."""
+        raise NotImplementedError
+
+    def weights_loaded(self) -> None:
+        """After the master weights were overwritten: the compute-dtype weights follow."""

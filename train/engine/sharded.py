@@ -1,0 +1,130 @@
+"""ZeRO stages 1-3 on several ranks through PyTorch's FSDP2: `fully_shard` on every transformer
+block, then on the objective (the root), with the shared step of train/engine/core.py on top.
+
+FSDP2 keeps each parameter as an fp32 DTensor sharded along dim 0 (the master weights, which
+the fused AdamW updates in place), all-gathers a unit's parameters in the compute dtype before
+the unit runs (the next unit's gather is issued while this one computes) and reduce-scatters its
+gradients in the reduce dtype as soon as the backward has produced them, into sharded fp32
+`.grad`s averaged over ranks. The stages differ in when (DeepSpeed's meaning of each stage):
+    ZeRO-1  weights gathered once per optimizer step and kept through its micro-batches;
+            gradients reduced once, in the last micro-batch's backward (the earlier ones add up
+            unsharded, in the reduce dtype: FSDP2's gradient sync off)
+    ZeRO-2  weights gathered once per optimizer step; gradients reduce-scattered in every
+            micro-batch's backward (only the shard is kept, summed in fp32)
+    ZeRO-3  weights gathered before each unit's forward and again for its backward, freed after
+            each; gradients reduce-scattered in every micro-batch's backward
+An objective whose loss differentiates through an input gradient (energy's restoration: a
+backward inside the forward) keeps the weights gathered through its backward and reshards them
+after it, because FSDP2 would otherwise reshard them at the inner backward.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from train.engine.config import EngineConfig
+from train.engine.core import EngineCore
+
+
+def units_of(module: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 gathers and reduces together: every transformer block (encoder and decoder)."""
+    from model.vit import Block
+
+    return [m for m in module.modules() if isinstance(m, Block)]
+
+
+class ShardedEngine(EngineCore):
+    """See the module docstring; the constructor's arguments are ReplicatedEngine's."""
+
+    def __init__(self, module: nn.Module, groups: list[dict], make_optimizer, make_schedule, cfg: EngineConfig,
+                 device: torch.device):
+        if cfg.stage not in (1, 2, 3):
+            raise ValueError(f"the sharded engine runs ZeRO stages 1-3, not {cfg.stage}")
+        self.module, self.cfg = module, cfg
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        names = {id(p): n for n, p in module.named_parameters()}
+        group_names = [[names[id(p)] for p in g["params"]] for g in groups]
+        self.names = [n for g in group_names for n in g]
+        module.to(device)
+        for sub in module.modules():  # buffers in the compute dtype, as the replicated engine casts them
+            for key, buf in sub._buffers.items():
+                if buf is not None and buf.is_floating_point():
+                    sub._buffers[key] = buf.to(cfg.dtype)
+        mesh = init_device_mesh(device.type, (self.world,))
+        # inputs are left as the loop made them (MAE's fp32 masking noise must stay fp32), as the replicated engine does
+        policy = MixedPrecisionPolicy(param_dtype=cfg.dtype, reduce_dtype=cfg.reduce_dtype, cast_forward_inputs=False)
+        blocks = units_of(module)
+        for block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.stage == 3)
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)  # the backward starts there
+        self.units: list[FSDPModule] = [*blocks, module]
+        # energy: the restoration's inner backward must not reshard the weights its outer backward uses
+        self.double_backward = bool(getattr(module, "double_backward", False))
+        if self.double_backward:  # the inner backward runs inside the forward, before backward() is called
+            module.set_reshard_after_backward(False)
+        params = dict(module.named_parameters())
+        self.params = [params[n] for n in self.names]
+        optimizer = make_optimizer([{**{k: v for k, v in spec.items() if k != "params"}, "params": [params[n] for n in g]}
+                                    for spec, g in zip(groups, group_names)])
+        self._setup_step(optimizer, make_schedule, cfg, device, groups[0].get("lr_scale", 1.0))
+
+    def __call__(self, batch):
+        return self.module(batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        last = self.last_micro
+        if self.cfg.accum > 1 and self.cfg.stage == 1:
+            self.module.set_requires_gradient_sync(last)
+        if self.cfg.stage in (1, 2) or self.double_backward:  # ZeRO-1/2: gathered once per optimizer step
+            self.module.set_reshard_after_backward(last and not self.double_backward)
+        self._scaled(loss).backward()
+        if self.double_backward and last:
+            for unit in self.units:
+                unit.reshard()
+        self.micro += 1
+
+    def _sum_of_squares(self) -> torch.Tensor:
+        local = [p.grad.to_local() for p in self.params if p.grad is not None]
+        sumsq = (torch.stack(torch._foreach_norm(local)).square().sum() if local
+                 else torch.zeros((), device=self.device))
+        dist.all_reduce(sumsq)  # each rank holds a shard of every gradient
+        return sumsq
+
+    def _after_update(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every parameter whole on every rank, in the compute dtype, until the block ends (the
+        trainer's evaluation and figures, MLO-MAE's levels II-III): nothing is resharded by a
+        forward or backward run inside it."""
+        for unit in self.units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.set_reshard_after_backward(False, recurse=False)
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.reshard()
+                unit.set_reshard_after_forward(self.cfg.stage == 3 and unit is not self.module, recurse=False)
+                unit.set_reshard_after_backward(not self.double_backward, recurse=False)
+
+    def describe(self) -> str:
+        reduce = self.cfg.reduce or self.cfg.precision
+        when = {1: "once per optimizer step (last micro-batch)" if self.accum > 1 else "once per optimizer step",
+                2: "every micro-batch", 3: "every micro-batch"}[self.stage]
+        gather = ("before each block's forward and again for its backward" if self.stage == 3
+                  else "once per optimizer step, block by block in the forward, the next block's while one computes")
+        return (f"ZeRO-{self.stage} on FSDP2 ({self.world} ranks, {len(self.units)} units: every transformer block and "
+                f"the root): gradients reduce-scattered in {reduce} block by block inside the backward, {when}; "
+                f"weights all-gathered in {self.cfg.precision} {gather}")
+
+    # --- checkpoints -----------------------------------------------------------------------------
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.params))
