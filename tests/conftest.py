@@ -59,6 +59,16 @@ def run_pretrain_calls(calls: list[list[str]]) -> subprocess.CompletedProcess:
     return proc
 
 
+def save_module_state(tag: Path, state: dict) -> None:
+    """A checkpoint tag's module files (train/engine/state_files.py) holding `state` (an objective's
+    state_dict): its tensors in model.safetensors, its non-tensor extra states in state.pt."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().clone().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)},
+              tag / "model.safetensors")
+    torch.save({"extra": {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}}, tag / "state.pt")
+
+
 def run_ranks(ranks: int, script: Path, *args: str, timeout: int = 600) -> None:
     """`python script args` as `ranks` processes of one gloo process group (the environment
     torchrun and the deepspeed launcher set: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR / PORT),

@@ -4,7 +4,7 @@ import json
 import shutil
 
 import torch
-from conftest import CPU_DS, REPO, fake_fashion_mnist
+from conftest import CPU_DS, REPO, fake_fashion_mnist, save_module_state
 
 from data.write_shards import main as write_shards
 from model.objectives import build_objective
@@ -41,6 +41,6 @@ def mixedae_run(tmp_path):
             with torch.no_grad():
                 for p in obj.encoder.parameters():
                     p.add_(torch.randn_like(p))
-        torch.save({"module": obj.state_dict()}, tag / "model.pt")
+        save_module_state(tag, obj.state_dict())
         (tag / "complete.json").write_text(json.dumps({"step": step, "zero_stage": 0, "pinned": step == 1}))
     return run, shards / "test.json"

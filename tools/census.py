@@ -11,7 +11,7 @@ Census options (the rest are train/pretrain.py options; data.source defaults to 
     --micro M (0)             the ds_config's micro-batch set to M, its global batch to M x ranks (0 = as given)
     --baseline KIND (fused)   the baseline's AdamW: fused | foreach (torch's CUDA default) | none
     --deepspeed               also DeepSpeed's own engine training our objective with the same ds_config
-                              (tools/deepspeed_step.py: the step before train/engine.py)
+                              (tools/deepspeed_step.py: the step before train/engine/)
     --host_time R (0)         then R rounds of 10 steps of ours and 10 of the baseline, alternating, nothing
                               counted: the median milliseconds per step of each (on CPU with one thread)
     --json FILE               where the record goes (default benchmarks/results/census_<objective>_<model>_<time>.json)
@@ -194,11 +194,23 @@ def count(subject: Subject, steps: int) -> dict:
     reported = range(2, steps)
     per_step = {s: tally.per_step(s) for s in reported}
     worst = max(reported, key=lambda s: (per_step[s]["total"]["launches"], per_step[s]["total"]["syncs"]))
-    return {"per_phase": per_step[worst], "step": worst,
+    return {"per_phase": per_step[worst], "step": worst, "overlap": overlap(tally, worst),
             "steps": {s: per_step[s]["total"] for s in reported},
             "top_ops": {p: tally.top_ops(worst, p) for p in PHASES},
             "syncs": [dataclasses.asdict(r) for r in syncs.records if r.step in reported],
             "log_step_syncs": [dataclasses.asdict(r) for r in syncs.records if r.step == steps]}
+
+
+def overlap(tally: Tally, step: int) -> dict:
+    """Where a step's collectives were issued: the gradient reductions (all-reduce, reduce-scatter in
+    the backward and the optimizer step) inside autograd's backward or after it returned, and how many
+    elements those after it reduce; every collective of the step, in order."""
+    mine = [c for c in tally.collectives if c.step == step]
+    reductions = [c for c in mine if c.reduces and c.phase in ("backward", "step")]
+    after = [c for c in reductions if not c.in_backward]
+    return {"reductions_in_backward": sum(c.in_backward for c in reductions), "reductions_after_backward": len(after),
+            "elements_reduced_after_backward": sum(c.elements for c in after),
+            "collectives": [dataclasses.asdict(c) for c in mine]}
 
 
 def host_time(subjects: list[Subject], rounds: int) -> dict[str, float]:
@@ -263,6 +275,11 @@ def table(record: dict) -> str:
             c = record["counts"][n]["per_phase"][phase]
             row += f"{c['launches']:>24} / {c['comm']:>3} / {c['syncs']:>3}"
         lines.append(row)
+    for n in names:
+        o = record["counts"][n].get("overlap", {})
+        if o.get("reductions_in_backward") or o.get("reductions_after_backward"):
+            lines.append(f"{n}: gradient reductions {o['reductions_in_backward']} inside the backward, "
+                         f"{o['reductions_after_backward']} after it ({o['elements_reduced_after_backward']:,} elements)")
     if "host_time_ms" in record:
         lines.append("host time per step (median ms): " + ", ".join(
             f"{n}: {v:.1f}" for n, v in record["host_time_ms"].items() if n != "rounds"))

@@ -5,7 +5,10 @@ phase of the step it happened in (tools/census.py reports them).
   launches  every aten op that runs a device kernel: views, aliases, allocations and metadata
             changes are not kernels (NOT_KERNELS); a foreach or fused multi-tensor op counts once
             (on CUDA it launches one kernel per chunk of tensors)
-  comm      collectives (c10d ops)
+  comm      collectives (c10d ops), each also recorded with its elements and whether it was issued
+            inside autograd's backward (while torch.autograd.backward / grad runs: DDP's bucket
+            all-reduces, FSDP2's per-unit reduce-scatters and its end-of-backward callback) or outside
+            it (a reduction issued after the backward returned cannot overlap it)
   syncs     calls that make the host wait for the device (SYNC_CALLS), wherever they are made: on
             CPU nothing waits, so each call is counted where it would wait on CUDA
 Phases: data, forward, backward, step (the optimizer step), hook (the objective's after-step hook), loop
@@ -57,6 +60,8 @@ class Tally:
         self.counts: dict[tuple[int, str], Counter] = defaultdict(Counter)
         self.ops: dict[tuple[int, str], Counter] = defaultdict(Counter)
         self.syncs: list[tuple[int, str, str, str]] = []  # (step, phase, call, where)
+        self.collectives: list[Collective] = []
+        self.in_autograd = 0  # depth of torch.autograd.backward / grad calls running now
 
     @contextmanager
     def __call__(self, name: str):
@@ -87,6 +92,31 @@ class Tally:
         return self.ops[step, phase].most_common(n)
 
 
+@dataclass
+class Collective:
+    step: int
+    phase: str
+    op: str  # e.g. c10d::_reduce_scatter_base_
+    elements: int  # reduced (all-reduce, reduce-scatter: the input), gathered (all-gather: the output) or sent
+    in_backward: bool  # issued while autograd's backward ran
+
+    @property
+    def reduces(self) -> bool:
+        return "reduce" in self.op and "scatter" in self.op or "allreduce" in self.op or "all_reduce" in self.op
+
+
+def _elements(func, args) -> int:
+    """What a collective reduces (its input), gathers (its output) or otherwise moves."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    lists = [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+    name = func.name()
+    if "reduce_scatter" in name and len(tensors) >= 2:
+        return tensors[1].numel()  # (output, input)
+    if "allgather" in name or "all_gather" in name:
+        return (tensors or lists)[0].numel()  # the output
+    return sum(t.numel() for t in tensors + lists)
+
+
 class LaunchCounter(TorchDispatchMode):
     def __init__(self, tally: Tally):
         super().__init__()
@@ -95,9 +125,29 @@ class LaunchCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in COMM_NAMESPACES:
             self.tally.add("comm", func.name())
+            self.tally.collectives.append(Collective(self.tally.step, self.tally.phase, func.name(),
+                                                     _elements(func, args), self.tally.in_autograd > 0))
         elif _is_kernel(func):
             self.tally.add("launches", func.name())
         return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def marking_autograd(tally: Tally):
+    """Count the depth of torch.autograd.backward / grad calls (Tensor.backward calls the first)."""
+    def marked(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            tally.in_autograd += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                tally.in_autograd -= 1
+        return call
+
+    with mock.patch.object(torch.autograd, "backward", marked(torch.autograd.backward)), \
+            mock.patch.object(torch.autograd, "grad", marked(torch.autograd.grad)):
+        yield
 
 
 # --- host-device syncs -------------------------------------------------------------------------
@@ -228,6 +278,6 @@ def counting_syncs(tally: Tally | None = None):
 
 @contextmanager
 def counting(tally: Tally):
-    """Launches and syncs into `tally` while active."""
-    with counting_syncs(tally) as syncs, LaunchCounter(tally):
+    """Launches, collectives and syncs into `tally` while active."""
+    with counting_syncs(tally) as syncs, marking_autograd(tally), LaunchCounter(tally):
         yield syncs

@@ -22,6 +22,7 @@ from train.build import peak_lr, schedule_steps
 from train.cli import pop_flags
 from train.config import ConfigError, PretrainConfig, check_objective_fits, parse_args
 from train.ds_config import activation_checkpointing, load, precision, resolve, zero_stage
+from train.engine.config import EngineConfig
 from train.gpus import GPU, current_gpu, gpu_in_filename, gpu_named
 from train.memory import GIB, HEADROOM, MemoryEstimate, estimate
 
@@ -72,6 +73,7 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
     run.lines.append(f"{world} x {gpu.name if gpu is not None else 'CPU'}: global batch {plan.global_batch} = micro {plan.micro} x accumulation "
                      f"{plan.accum} x {world} ranks; {prec}; ZeRO {stage}; offload none; activation checkpointing "
                      f"{'on' if activation_checkpointing(ds) else 'off'}")
+    run.lines.append(f"engine: {EngineConfig.from_ds_config(ds).describe(world)}")
     if gpu is not None and cfg.model.attn_backend == "flash_attn" and not gpu.sm80:
         run.problems.append(f"model.attn_backend flash_attn needs an sm80+ GPU (FlashAttention-2); {gpu.name} has "
                             f"none: use sdpa")

@@ -1,7 +1,6 @@
 """Every key of a ds_config either takes effect or is refused before start.
 
-A ds_config is a DeepSpeed JSON; the engine (train/engine.py, train/engine_fsdp.py) reads part of
-it. `check_keys(ds)`:
+A ds_config is a DeepSpeed JSON; the engine (train/engine/) reads part of it. `check_keys(ds)`:
   1. top-level keys are checked against what DeepSpeed reads (`deepspeed_keys()`: the keys
      DeepSpeed's own DeepSpeedConfig looks up, recorded as it parses an empty config, plus the
      sections other parts of DeepSpeed read); an unknown key is a typo, refused with the closest
@@ -9,8 +8,11 @@ it. `check_keys(ds)`:
   2. the sections the engine reads are validated by DeepSpeed's own config classes (nested
      typos, wrong types, out-of-range values), with their messages rewritten to name the key;
   3. a DeepSpeed setting the engine does not implement is refused with the reason, unless it
-     holds the value the engine behaves as anyway (AS_THE_ENGINE_DOES: overlap_comm false,
-     contiguous_gradients true, the throughput timer off, ...).
+     holds the value the engine behaves as anyway (AS_THE_ENGINE_DOES: contiguous_gradients
+     true, the throughput timer off, ...).
+Honoured the DeepSpeed way: `communication_data_type` (the gradient reduce dtype, default the
+compute dtype as DeepSpeed's), `zero_optimization.overlap_comm` (either value: DDP and FSDP2 always
+reduce inside the backward), `zero_optimization.reduce_bucket_size` (DDP's bucket size, ZeRO-0).
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ from train.config import ConfigError
 # read by the engine: section -> keys (None: the whole key is read)
 ENGINE_READS: dict[str, set[str] | None] = {
     "train_batch_size": None, "train_micro_batch_size_per_gpu": None, "gradient_accumulation_steps": None,
-    "gradient_clipping": None,
-    "zero_optimization": {"stage"},
+    "gradient_clipping": None, "communication_data_type": None,
+    "zero_optimization": {"stage", "overlap_comm", "reduce_bucket_size"},
     "bf16": {"enabled"}, "bfloat16": {"enabled"},
     "fp16": {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale"},
@@ -33,23 +35,25 @@ ENGINE_READS: dict[str, set[str] | None] = {
 }
 # DeepSpeed settings that change nothing here when they hold these values (what the engine does anyway)
 AS_THE_ENGINE_DOES: dict[str, Any] = {
-    "zero_optimization.overlap_comm": False, "zero_optimization.contiguous_gradients": True,
+    "zero_optimization.contiguous_gradients": True,
     "zero_optimization.reduce_scatter": True, "zero_optimization.compute_grad_norm": True,
     "wall_clock_breakdown": False, "memory_breakdown": False, "timers": {"throughput": {"enabled": False}},
     "prescale_gradients": False, "gradient_predivide_factor": 1.0, "dump_state": False,
 }
+OFFLOAD = ("FSDP2's CPU offload would move the sharded weights, their gradients and the optimizer step to the "
+           "CPU together, and the step's device-side checks (found_inf, fp16's loss scale, the skip counters) "
+           "would then read across devices every step; to fit a larger model use ZeRO-3 with activation "
+           "checkpointing (ds_configs/vit_h_*_zero3_actckpt.json)")
 # why a setting does not take effect, by key (the rest: "the engine does not read it")
 WHY = {
-    "zero_optimization.overlap_comm": "the engine reduces the gradients in one collective after backward",
-    "zero_optimization.offload_optimizer": "the engine keeps the optimizer on the GPU (no ZeRO-Offload)",
-    "zero_optimization.offload_param": "the engine keeps the parameters on the GPU (no ZeRO-Offload)",
-    "zero_optimization.reduce_bucket_size": "the engine reduces the flat gradient buffer whole, not in buckets",
-    "zero_optimization.allgather_bucket_size": "the engine gathers the flat weights in one collective",
-    "zero_optimization.contiguous_gradients": "the engine's gradients are always one contiguous buffer",
+    "zero_optimization.offload_optimizer": OFFLOAD,
+    "zero_optimization.offload_param": OFFLOAD,
+    "zero_optimization.allgather_bucket_size": "FSDP2 gathers one transformer block at a time (its own unit), not "
+                                               "in buckets",
+    "zero_optimization.contiguous_gradients": "DDP's buckets and FSDP2's reduce-scatter inputs are contiguous anyway",
     "steps_per_print": "the loop logs every run.log_every steps",
     "wall_clock_breakdown": "the loop measures step time itself; see tools/profile_step.py for a breakdown",
     "timers": "the loop measures throughput itself at its log steps",
-    "communication_data_type": "stages 0-1 reduce gradients in fp32, stage 2 in the compute dtype",
     "tensorboard": "the run writes TensorBoard events itself (run.tensorboard)",
     "checkpoint": "checkpoints are the run's own (train/checkpoint.py)",
 }
@@ -128,14 +132,20 @@ def _validate_section(name: str, section: Any) -> None:
 def _refuse(key: str, value: Any) -> None:
     if key in AS_THE_ENGINE_DOES and value == AS_THE_ENGINE_DOES[key]:
         return
-    why = WHY.get(key, "the engine (train/engine.py) does not implement it")
+    why = WHY.get(key, "the engine (train/engine/) does not implement it")
     raise ConfigError(f"ds_config {key} = {value!r} would not take effect: {why}. Remove it from the JSON (the "
-                      f"engine reads the batch sizes, gradient_clipping, zero_optimization.stage, bf16 / fp16 with "
-                      f"fp16's loss-scale keys and activation_checkpointing: docs/TRAINING.md)")
+                      f"engine reads the batch sizes, gradient_clipping, communication_data_type, "
+                      f"zero_optimization.stage / overlap_comm / reduce_bucket_size, bf16 / fp16 with fp16's "
+                      f"loss-scale keys and activation_checkpointing: docs/TRAINING.md)")
 
 
 def check_keys(ds: dict) -> None:
     """ConfigError for the first key of `ds` that is unknown, invalid or would not take effect."""
+    zero = ds.get("zero_optimization", {})
+    if isinstance(zero, dict) and zero.get("reduce_bucket_size") is not None and zero.get("stage", 0) != 0:
+        raise ConfigError(f"ds_config zero_optimization.reduce_bucket_size = {zero['reduce_bucket_size']!r} would not "
+                          f"take effect: ZeRO stages 1-3 run on FSDP2, which reduce-scatters one transformer block "
+                          f"at a time (no buckets); it sets DDP's bucket size under ZeRO stage 0. Remove it")
     known = deepspeed_keys()
     for key, value in ds.items():
         if key not in known and key not in ENGINE_READS:

@@ -1,26 +1,26 @@
 """Per-GPU memory estimate of a configuration, without a GPU: model states from the parameter
-counts, precision and ZeRO stage, as the engine lays them out (train/engine.py, ZeRO-3:
-train/engine_fsdp.py); activations from the objective's actual token counts (train/costs.py).
-An estimate of what PyTorch allocates at the peak of a step; the CUDA context (~0.5-1 GiB) and
-allocator fragmentation come on top, so a configuration "fits" when the estimate stays below 90%
-of the GPU's memory.
+counts, precision, ZeRO stage and world size, as the engine lays them out (train/engine/); activations
+from the objective's actual token counts (train/costs.py). An estimate of what PyTorch allocates at
+the peak of a step; the CUDA context (~0.5-1 GiB) and allocator fragmentation come on top, so a
+configuration "fits" when the estimate stays below 90% of the GPU's memory.
 
 Per GPU, with P parameters (Psi trained), N data-parallel ranks, w bytes per value in the compute
-dtype (2 in fp16/bf16, 4 in fp32) and S = Psi / N where the stage partitions (ZeRO 1-2 on more
-than one rank), else Psi:
-  weights          w P, the module in the compute dtype (the trained parameters in one flat
-                   buffer), + 4 S fp32 master weights in fp16/bf16 (in fp32 the module's
-                   weights are the masters)
-  gradients        ZeRO 0-1: 4 Psi, the fp32 sum of the micro-batches' gradients, + 4 S for the
-                   reduced shard when partitioned; ZeRO-2: w Psi (one micro-batch at a time, in
-                   the compute dtype) + (w + 4) S (its reduced shard and the fp32 sum)
-  extra_gradients  w Psi: autograd's per-parameter gradients at the end of each backward, until
-                   the engine adds them to its buffer
-  optimizer        8 S: Adam's two moments
-ZeRO-3 (FSDP2, L = the parameters of the largest sharding unit: a transformer block, or what
-sits outside the blocks): weights 4 P / N (the fp32 shards are the masters) + 2 w L (a gathered
-unit and the next one, prefetched); gradients 4 Psi / N + w L (a unit's gradients before their
-reduce-scatter); optimizer 8 Psi / N.
+dtype (2 in fp16/bf16, 4 in fp32), r in the reduce dtype, L the parameters of the largest FSDP2
+unit (a transformer block, or what sits outside the blocks):
+Whole weights on every rank (one rank, any stage; ZeRO-0 on DDP: train/engine/replicated.py):
+  weights          w P, the module in the compute dtype, + 4 Psi fp32 master weights in fp16/bf16
+                   (in fp32 the module's weights are the masters)
+  gradients        4 Psi: the fp32 sum of the micro-batches' gradients (the masters' .grad; in
+                   fp32 the parameters' own .grad, which DDP's buckets hold)
+  extra_gradients  w Psi in fp16/bf16: autograd's (and DDP's bucket) gradients in the compute dtype
+  optimizer        8 Psi: Adam's two moments
+ZeRO 1-3 on several ranks (FSDP2: train/engine/sharded.py): the fp32 shards are the masters
+  weights          4 P / N + w P for ZeRO 1-2 (every unit stays gathered through the step's
+                   forward and backward), + 2 w L for ZeRO-3 (a gathered unit and the next one)
+  gradients        4 Psi / N, the sharded fp32 sums; + r Psi for ZeRO-1 with accumulation (the
+                   unsynced micro-batches' unsharded sums, in the reduce dtype)
+  extra_gradients  (w + r) L: a unit's gradients before and during its reduce-scatter
+  optimizer        8 Psi / N
 `buffers` are the module's registered buffers (fixed position tables and the like).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 from train.build import profile_config
 from train.costs import Profile
-from train.ds_config import BatchPlan, precision, zero_stage
+from train.ds_config import BatchPlan, precision, reduce_dtype, zero_stage
 from train.gpus import GPU
 
 GIB = 2**30
@@ -42,7 +42,7 @@ HEADROOM = 0.9  # share of the GPU's memory the estimate may use
 class MemoryEstimate:
     params: int
     trainable: int
-    largest_layer: int  # parameters of the largest ZeRO-3 sharding unit (a block, or what is outside the blocks)
+    largest_layer: int  # parameters of the largest FSDP2 unit (a block, or what is outside the blocks)
     weights: float  # bytes per GPU
     gradients: float
     optimizer: float
@@ -87,26 +87,25 @@ class ModelStates:
     extra_gradients: float
 
 
-def model_states(params: int, trainable: int, largest_layer: int, prec: str, stage: int, world: int) -> ModelStates:
+def model_states(params: int, trainable: int, largest_layer: int, prec: str, stage: int, world: int,
+                 accum: int = 1, reduce: str = "") -> ModelStates:
     """Per-GPU model states of `params` parameters (`trainable` of them trained; `largest_layer`
-    in the largest ZeRO-3 unit) in precision `prec` under ZeRO `stage` on `world` ranks."""
+    in the largest FSDP2 unit) in precision `prec` under ZeRO `stage` on `world` ranks, with
+    `accum` micro-batches per step and gradients reduced in `reduce` (default: `prec`)."""
     half = prec in ("fp16", "bf16")
     w = 2 if half else 4
-    if stage == 3:
-        return ModelStates(4 * params / world + 2 * w * largest_layer, 4 * trainable / world + w * largest_layer,
-                           8 * trainable / world, 0.0)
-    shard = trainable / world if stage >= 1 and world > 1 else trainable
-    weights = w * params + (4 * shard if half else 0)
-    if stage == 2 and world > 1:
-        gradients = w * trainable + (w + 4) * shard
-    else:
-        gradients = 4 * trainable + (4 * shard if shard < trainable else 0)
-    return ModelStates(weights, gradients, 8 * shard, w * trainable)
+    r = 4 if (reduce or prec) == "fp32" else 2
+    if world == 1 or stage == 0:  # whole weights on every rank
+        return ModelStates(w * params + (4 * trainable if half else 0), 4 * trainable, 8 * trainable,
+                           w * trainable if half else 0.0)
+    weights = 4 * params / world + (2 * w * largest_layer if stage == 3 else w * params)
+    gradients = 4 * trainable / world + (r * trainable if stage == 1 and accum > 1 else 0)
+    return ModelStates(weights, gradients, 8 * trainable / world, (w + r) * largest_layer)
 
 
 def largest_layer(module: torch.nn.Module) -> int:
-    """Parameters of the largest ZeRO-3 sharding unit: a transformer block (train/engine_fsdp.py
-    shards each on its own), or the rest of the objective, sharded as one."""
+    """Parameters of the largest FSDP2 unit: a transformer block (train/engine/sharded.py shards
+    each on its own), or the rest of the objective, sharded as one."""
     from model.vit import Block
 
     blocks = [sum(p.numel() for p in m.parameters()) for m in module.modules() if isinstance(m, Block)]
@@ -122,7 +121,7 @@ def estimate(cfg, ds: dict, plan: BatchPlan, gpu: GPU) -> MemoryEstimate:
     params = sum(p.numel() for p in objective.parameters())
     trainable = sum(p.numel() for p in objective.parameters() if p.requires_grad)
     largest = largest_layer(objective)
-    states = model_states(params, trainable, largest, prec, stage, plan.world)
+    states = model_states(params, trainable, largest, prec, stage, plan.world, plan.accum, reduce_dtype(ds))
     acts = prof.activation_bytes(value_bytes)
     buffers = sum(b.numel() for b in objective.buffers()) * value_bytes
     return MemoryEstimate(params, trainable, largest, states.weights, states.gradients, states.optimizer,

@@ -8,8 +8,8 @@ One JSON line per checkpoint tag (default: every complete tag of the run, oldest
 statistics the run logs per step (masking_net.mask_statistics), here over the same `--images`
 images (a seeded subset of `--index`, default the run's `data.eval_index`) for every tag, plus
 `distinct_masks` (different top-k masks among them; 1 = image-independent) and `always_masked`
-(patches masked in every image). T is replicated, kept in the objective's extra state of a tag's
-model.pt (run_checkpoints.py).
+(patches masked in every image). T is replicated, kept in the objective's extra state of a tag
+(run_checkpoints.py).
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ tags, for the tools that probe what a run learned (learned_masks.py: MLO-MAE's m
 homologous_attention.py: MixedAE's TopK attention; segment_features.py: MixedAE's frozen
 features), and the test images they probe it on.
 
-Reads a tag's model.pt: the whole module (fp32 weights and any objective state kept outside
-them, e.g. MLO-MAE's T), whatever the ZeRO stage that wrote it."""
+Reads a tag's whole module state (fp32 weights and any objective state kept outside them, e.g.
+MLO-MAE's T: train/engine/state_files.py), whatever the ZeRO stage and world size that wrote it."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +19,7 @@ from model.objectives.base import Objective
 from train.build import build_encoder
 from train.checkpoint import is_complete, read_meta
 from train.config import parse_args, section
+from train.engine.state_files import read_module_state
 from train.evaluate import DecodedSet, decode_all, subsample
 
 
@@ -32,7 +33,7 @@ def build_run_objective(run: Path, objective: str) -> Objective:
 
 def load_tag(obj: Objective, tag_dir: Path) -> Objective:
     """`obj` with the weights (and extra state) of one checkpoint tag of its run, in eval mode."""
-    state = torch.load(tag_dir / "model.pt", map_location="cpu", weights_only=True)["module"]
+    state = read_module_state(tag_dir)
     missing, unexpected = obj.load_state_dict(state, strict=False)
     if unexpected or any(not k.startswith("decoder.") for k in missing):  # a decoder-less file is still read
         raise ValueError(f"{tag_dir} does not match the run's config: missing {missing[:5]}, unexpected "

@@ -14,7 +14,7 @@ def test_killed_while_writing_step_4_resumes_from_step_2_and_repeats_its_losses(
     proc = run_pretrain(tmp_path, *args, faults="checkpoint_write@4", check=False)
     assert proc.returncode == -9  # SIGKILL with step 4's files written, before the tag was declared complete
     root = tmp_path / "checkpoints"
-    assert (root / "step00000004.partial" / "model.pt").is_file()  # the files are there
+    assert (root / "step00000004.partial" / "model.safetensors").is_file()  # the files are there
     assert not (root / "step00000004").exists()  # but under the temporary name
     assert (root / LATEST).read_text() == "step00000002"
     before_crash = {r["step"]: r for r in read_metrics(tmp_path)}

@@ -43,10 +43,11 @@ def dry_run(*argv: str) -> subprocess.CompletedProcess:
     (lambda d: {**d, "bf16": {"enabeld": True}}, "bf16.enabeld is not a DeepSpeed setting; did you mean 'enabled'?"),
     (lambda d: {("train_micro_batch_size_per_gp" if k == "train_micro_batch_size_per_gpu" else k): v
                 for k, v in d.items()}, "did you mean 'train_micro_batch_size_per_gpu'?"),
-    (lambda d: {**d, "zero_optimization": {"stage": 1, "overlap_comm": True}},
-     "overlap_comm = True would not take effect: the engine reduces the gradients in one collective"),
+    (lambda d: {**d, "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8}},
+     "reduce_bucket_size = 500000000.0 would not take effect: ZeRO stages 1-3 run on FSDP2"),
+    (lambda d: {**d, "communication_data_type": "int8"}, "communication_data_type 'int8' is not one of fp32, bf16"),
     (lambda d: {**d, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-     "offload_optimizer .* would not take effect: the engine keeps the optimizer on the GPU"),
+     "offload_optimizer .* would not take effect: FSDP2's CPU offload would move"),
     (lambda d: {**d, "steps_per_print": 100}, "steps_per_print = 100 would not take effect"),
 ])
 def test_ds_config_keys_are_checked_before_start_by_the_dry_run_and_submit(tmp_path, change, message, capsys):
@@ -75,7 +76,7 @@ def re_search(pattern: str, text: str) -> bool:
 def test_what_the_engine_does_anyway_is_accepted_and_every_shipped_file_passes(tmp_path):
     ds = json.loads(A100.read_text())
     ds.update(wall_clock_breakdown=False, timers={"throughput": {"enabled": False}})
-    ds["zero_optimization"].update(overlap_comm=False, contiguous_gradients=True)
+    ds["zero_optimization"].update(overlap_comm=False, contiguous_gradients=True)  # DDP and FSDP2 overlap anyway
     final, plan = resolve(parse_args(["--ds_config", str(with_ds(tmp_path, ds)), "--data.source", "synthetic"]), 8,
                           cuda=True, bf16_ok=True)
     assert final["zero_optimization"]["overlap_comm"] is False and final["wall_clock_breakdown"] is False
@@ -86,14 +87,24 @@ def test_what_the_engine_does_anyway_is_accepted_and_every_shipped_file_passes(t
         check_keys(json.loads(path.read_text()))  # raises ConfigError naming a refused key
 
 
-def test_the_start_line_meta_json_and_dry_run_state_zero_stage_precision_and_offload(tmp_path):
+def test_the_start_line_meta_json_and_dry_run_state_stage_precision_reduce_dtype_and_overlap(tmp_path):
     proc = run_pretrain(tmp_path / "run", "--run.max_steps", "1")
     assert "cpu, float32, ZeRO stage 2, offload none, global batch 8" in proc.stderr
+    assert "engine: one rank, no wrapper (ZeRO-2: nothing to shard, no communication)" in proc.stderr
     meta = json.loads((tmp_path / "run" / "meta.json").read_text())
-    assert (meta["zero_stage"], meta["precision"], meta["offload"]) == (2, "float32", "none")
+    assert (meta["zero_stage"], meta["precision"], meta["offload"], meta["reduce_dtype"]) == (2, "float32", "none",
+                                                                                                "fp32")
     out = dry_run("--world_size", "8", "--ds_config", str(A100), "--model.name", "vit_base_patch16",
                   "--data.source", "synthetic").stdout
     assert "bf16; ZeRO 1; offload none;" in out
+    # DeepSpeed's default for bf16 training: gradients reduced in bf16; FSDP2 reduces inside the backward
+    assert ("engine: ZeRO-1 on FSDP2 (8 ranks, one unit per transformer block + the root): gradients "
+            "reduce-scattered in bf16 block by block inside the backward") in out
+    fp32_reduce = with_ds(tmp_path, {**json.loads(A100.read_text()), "communication_data_type": "fp32",
+                                     "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e7}})
+    out = dry_run("--world_size", "8", "--ds_config", str(fp32_reduce), "--model.name", "vit_base_patch16",
+                  "--data.source", "synthetic").stdout
+    assert "engine: ZeRO-0 on DDP (8 ranks): gradients all-reduced in fp32, 190.735 MiB buckets issued inside" in out
 
 
 @pytest.mark.parametrize("argv,message", [

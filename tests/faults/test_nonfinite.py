@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import CPU_DS, run_pretrain
 
-from train.engine import Engine, EngineConfig
+from train.engine import EngineConfig, EngineCore, build
+from train.engine.state_files import read_tensors
 from train.fault_injection import parse
 from train.loop import LoopSettings, LoopState, run
 from train.loss_scale import LossScaleConfig
@@ -56,7 +57,7 @@ def test_a_streak_of_nonfinite_steps_stops_the_run_and_keeps_the_last_checkpoint
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text() == "step00000004"  # step 6 (the third bad one) wrote nothing
     assert not (root / "step00000006").exists()
-    state = torch.load(root / "step00000004" / "model.pt", weights_only=True)["module"]
+    state = read_tensors(root / "step00000004")
     assert all(torch.isfinite(v).all() for v in state.values() if isinstance(v, torch.Tensor))
     assert not (tmp_path / "encoder.safetensors").exists()  # no export of a diverged run
 
@@ -80,15 +81,15 @@ class Diverging(torch.nn.Module):
         return {}
 
 
-def engine_for(module: Diverging, precision: str = "fp32", init_power: int = 16, hysteresis: int = 1) -> Engine:
+def engine_for(module: Diverging, precision: str = "fp32", init_power: int = 16, hysteresis: int = 1) -> EngineCore:
     scale = LossScaleConfig(initial_scale_power=init_power, hysteresis=hysteresis, min_loss_scale=1)
-    return Engine(module, [{"params": [module.w], "weight_decay": 0.0}],
-                  lambda groups: torch.optim.AdamW(groups, lr=0.0, fused=True),
-                  lambda opt: WarmupCosineSchedule(opt, 0.1, 0.0, 0, 100),
-                  EngineConfig(0, precision, 1, 0.0, scale), torch.device("cpu"))
+    return build(module, [{"params": [module.w], "weight_decay": 0.0}],
+                 lambda groups: torch.optim.AdamW(groups, lr=0.0, fused=True),
+                 lambda opt: WarmupCosineSchedule(opt, 0.1, 0.0, 0, 100),
+                 EngineConfig(0, precision, 1, 0.0, scale), torch.device("cpu"))
 
 
-def fp16_engine(init_power: int, hysteresis: int = 1) -> Engine:
+def fp16_engine(init_power: int, hysteresis: int = 1) -> EngineCore:
     return engine_for(Diverging(), "fp16", init_power, hysteresis)
 
 

@@ -39,7 +39,7 @@ def test_rank_killed_at_step_5_resumes_from_step_3_with_the_uninterrupted_losses
     meta = json.loads((straight / "meta.json").read_text())
     assert meta["world_size"] == 2 and meta["batch"]["global"] == 16
     tag = root / "step00000003"
-    assert {p.name for p in tag.glob("optim_rank*.pt")} == {"optim_rank00000.pt", "optim_rank00001.pt"}  # ZeRO-2 shards
+    assert {p.name for p in (tag / "optim").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}  # each rank its shard
     assert json.loads((tag / "complete.json").read_text())["zero_stage"] == 2
 
     want = {r["step"]: r for r in read_metrics(straight)}

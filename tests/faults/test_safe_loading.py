@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from conftest import CPU_DS, DEBUG_PRESET
+from safetensors.torch import save_file
 
 from train.cli import cli
 from train.config import parse_args, to_dict
@@ -29,8 +30,8 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path, capsys, monke
     tag.mkdir(parents=True)
     meta = {"step": 4, "world_size": 1, "global_batch": 8, "config": to_dict(parse_args(argv))}
     (tag / "complete.json").write_text(json.dumps(meta))
-    torch.save({"module": {"w": torch.zeros(2)}, "step": 4, "data": [RunsCode(marker)]},
-               tag / "model.pt")
+    save_file({"w": torch.zeros(2)}, tag / "model.safetensors")
+    torch.save({"engine": {"steps": 4}, "client": {"step": 4, "data": [RunsCode(marker)]}}, tag / "state.pt")
     with pytest.raises(SystemExit) as exit_info:
         cli(lambda: main([*argv, "--resume", str(tag)]))
     assert exit_info.value.code == 2

@@ -1,4 +1,5 @@
 import json
+import pickle
 
 import pytest
 
@@ -63,10 +64,19 @@ def test_verify_safe_refuses_foreign_objects(tmp_path):
 
     from train.checkpoint import verify_safe
 
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
     tag = _tag(tmp_path, 1)
-    torch.save({"module": {"w": torch.zeros(2)}, "step": 1}, tag / "model.pt")
-    verify_safe(tag)  # tensors and plain containers pass
-    torch.save({"module": {"w": torch.zeros(2)}, "x": Payload()}, tag / "optim_rank00000.pt")
+    save_file({"w": torch.zeros(2)}, tag / "model.safetensors")
+    dcp.save({"w/exp_avg": torch.zeros(2)}, checkpoint_id=tag / "optim", no_dist=True)
+    torch.save({"engine": {"steps": 1}, "client": {"step": 1}}, tag / "state.pt")
+    verify_safe(tag)  # tensors, plain containers and the optimizer state's own metadata pass
+    torch.save({"engine": {"steps": 1}, "x": Payload()}, tag / "state.pt")
+    with pytest.raises(ValueError, match="builtins.print"):
+        verify_safe(tag)
+    torch.save({"engine": {"steps": 1}}, tag / "state.pt")
+    (tag / "optim" / ".metadata").write_bytes(pickle.dumps(Payload()))  # DCP unpickles its metadata
     with pytest.raises(ValueError, match="builtins.print"):
         verify_safe(tag)
 

@@ -119,14 +119,14 @@ def test_memory_estimate_reacts_to_zero_stage_checkpointing_and_micro_batch(tmp_
     z1 = estimate()
     z2 = estimate(zero_optimization={**base["zero_optimization"], "stage": 2})
     z3 = estimate(zero_optimization={"stage": 3}, activation_checkpointing={})
-    # ZeRO-1 sums the micro-batches' gradients whole in fp32, ZeRO-2 reduces each micro-batch and
-    # keeps its partition only (train/memory.py)
+    # ZeRO-1 sums the micro-batches' gradients whole (in the reduce dtype), ZeRO-2 reduces each
+    # micro-batch and keeps its shard only (train/memory.py)
     assert z2.memory.gradients < z1.memory.gradients and z2.memory.fixed < z1.memory.fixed
     # ZeRO-3 partitions the fp32 weights, gathering one block (and the next) at a time
     assert z3.memory.weights == pytest.approx(4 * z1.memory.params / 8 + 2 * 2 * z1.memory.largest_layer)
     assert z3.memory.activations < z1.memory.activations / 5  # checkpointing keeps block inputs only
     big = estimate(train_micro_batch_size_per_gpu=512)
-    assert not big.ok and "exceeds" in big.problems[0] and f"at most {z1.memory.largest_micro(gpu_named('v100'))}" \
+    assert not big.ok and "exceeds" in big.problems[0] and f"at most {big.memory.largest_micro(gpu_named('v100'))}" \
         in big.problems[0]
     assert big.memory.activations == pytest.approx(z1.memory.activations * 16)  # linear in the micro-batch
 

@@ -7,12 +7,13 @@ from conftest import run_pretrain
 from safetensors.torch import load_file
 
 from model import create_model
+from train.engine.state_files import read_tensors
 from train.export import load_timm_encoder
 from train.export import main as export_main
 
 
 def _our_encoder_from_checkpoint(tag_dir):
-    module = torch.load(tag_dir / "model.pt", weights_only=True)["module"]
+    module = read_tensors(tag_dir)
     enc = create_model("vit_debug_patch4", in_chans=1)
     enc.load_state_dict({k[len("encoder."):]: v.float() for k, v in module.items() if k.startswith("encoder.")})
     return enc.eval()
@@ -45,8 +46,7 @@ def test_bf16_run_exports_fp32_master_weights(tmp_path):
                               "gradient_clipping": 0.0, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
     run_pretrain(tmp_path / "run", "--run.max_steps", "2", ds_config=ds)
     exported = load_file(str(tmp_path / "run" / "encoder.safetensors"))
-    module = torch.load(tmp_path / "run" / "checkpoints" / "step00000002" / "model.pt",
-                        weights_only=True)["module"]
+    module = read_tensors(tmp_path / "run" / "checkpoints" / "step00000002")
     w = exported["blocks.0.attn.qkv.weight"]
     assert w.dtype == torch.float32 and torch.equal(module["encoder.blocks.0.attn.qkv.weight"], w)  # the checkpoint's
     assert not torch.equal(w, w.bfloat16().float())  # real fp32 masters, not the rounded bf16 copy

@@ -12,6 +12,7 @@ from data.write_shards import main as write_shards
 from model.objectives import build_objective
 from model.objectives.finetune import FinetuneConfig
 from model.registry import create_model
+from train.engine.state_files import read_tensors
 from train.export import load_timm_encoder
 from train.run_dir import read_metrics
 
@@ -74,7 +75,7 @@ def test_resume_is_exact_with_mixup_randaug_and_drop_path(setup, tmp_path):
 def test_export_is_a_timm_classifier_with_the_same_logits(setup):
     _, run = setup
     timm_model = load_timm_encoder(run / "encoder.safetensors").eval()
-    module = torch.load(run / "checkpoints" / "step00000006" / "model.pt", weights_only=True)["module"]
+    module = read_tensors(run / "checkpoints" / "step00000006")
     ours = build_objective("finetune", create_model("vit_debug_patch4", global_pool="avg"), FinetuneConfig(num_classes=3))
     ours.load_state_dict(module)
     x = torch.randn(2, 3, 28, 28)
@@ -90,8 +91,7 @@ def test_a_pretraining_run_folder_initialises_finetuning(setup, tmp_path):
     assert "initialised encoder (new: fc_norm.bias, fc_norm.weight, head.bias, head.weight)" in proc.stderr
     from safetensors.torch import load_file
 
-    module = torch.load(tmp_path / "checkpoints" / "step00000001" / "model.pt",
-                        weights_only=True)["module"]
+    module = read_tensors(tmp_path / "checkpoints" / "step00000001")
     exported = load_file(mae_dir + "/encoder.safetensors")
     assert torch.equal(module["encoder.blocks.0.attn.qkv.weight"], exported["blocks.0.attn.qkv.weight"])  # lr 0 at step 1
 

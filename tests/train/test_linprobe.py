@@ -11,6 +11,7 @@ from data.write_shards import main as write_shards
 from model.objectives import build_objective
 from model.objectives.linear_probe import LinearProbeConfig
 from model.registry import create_model
+from train.engine.state_files import read_tensors
 from train.evaluate import classification_accuracy
 from train.run_dir import read_metrics
 
@@ -48,7 +49,7 @@ def test_linear_probe_on_a_frozen_encoder(image_folder, tmp_path):
     assert final_eval["step"] == 6 and final_eval["eval_samples"] == 24
 
     # the encoder stayed frozen, the head moved, and the logged accuracy is reproducible from the checkpoint
-    module = torch.load(out / "checkpoints" / "step00000006" / "model.pt", weights_only=True)["module"]
+    module = read_tensors(out / "checkpoints" / "step00000006")
     from safetensors.torch import load_file
 
     for k, v in load_file(str(encoder_file)).items():

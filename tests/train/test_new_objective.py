@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.objectives import OBJECTIVES, Objective, ObjectiveConfig, register_objective
+from train.engine.state_files import read_tensors
 from train.run_dir import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,9 +121,9 @@ def test_trains_checkpoints_and_resumes_exactly(tmp_path):
     assert all(torch.isfinite(torch.tensor(r["loss"])) and "pred_mean" in r for r in rows)
     config = json.loads((straight / "config.json").read_text())
     assert config["objective"] == NAME and config[NAME] == {"target_scale": 1.0}
-    client = torch.load(straight / "checkpoints" / f"step{STEPS:08d}" / "model.pt",
-                        weights_only=True)
-    assert client["client"]["step"] == STEPS and "head.weight" in client["module"]
+    tag = straight / "checkpoints" / f"step{STEPS:08d}"
+    client = torch.load(tag / "state.pt", weights_only=True)
+    assert client["client"]["step"] == STEPS and "head.weight" in read_tensors(tag)
 
     assert (stopped / "checkpoints" / "latest").read_text() == "step00000002"
     pretrain_runs((stopped, ["--run.max_steps", str(STEPS), "--run.ckpt_every", "2", "--resume", "auto"]))

@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import run_pretrain
 
+from train.engine.state_files import read_tensors
 from train.optim import warmup_cosine
 from train.run_dir import read_metrics
 
@@ -62,10 +63,10 @@ def test_checkpoints_are_complete_and_pointed_to(straight):
         meta = json.loads((root / tag / "complete.json").read_text())
         assert meta["step"] == int(tag[4:]) and meta["world_size"] == 1
         assert (root / tag / "rng_rank0.pt").is_file()
-    saved = torch.load(root / "step00000003" / "model.pt", weights_only=True)
+    saved = torch.load(root / "step00000003" / "state.pt", weights_only=True)
     client = saved["client"]
     assert client["step"] == 3 and client["data"] == [{"position": 3, "rank": 0, "seed": 0}]
-    assert saved["schedule"] == {"last_step": 3} and saved["engine"]["steps"] == 3
+    assert saved["engine"]["schedule"] == {"last_step": 3} and saved["engine"]["steps"] == 3
 
 
 def test_resume_auto_continues_exactly(straight, tmp_path):
@@ -115,14 +116,12 @@ def test_bad_ds_config_rejected_before_training(tmp_path):
 
 def test_continued_pretraining_from_an_official_mae_checkpoint(straight, tmp_path):
     """Official layout {"model": flat names incl. decoder} -> --model.init_from: step 1 starts from it."""
-    module = torch.load(straight / "checkpoints" / "step00000006" / "model.pt",
-                        weights_only=True)["module"]
+    module = read_tensors(straight / "checkpoints" / "step00000006")
     official = {"model": {k.removeprefix("encoder.").removeprefix("decoder."): v for k, v in module.items()}}
     torch.save(official, tmp_path / "mae_pretrain.pth")
     run_pretrain(tmp_path / "run", "--model.init_from", str(tmp_path / "mae_pretrain.pth"), "--run.max_steps", "1")
     # the first step has lr 0 (warmup from 0), so the step-1 weights are exactly the imported ones
-    after = torch.load(tmp_path / "run" / "checkpoints" / "step00000001" / "model.pt",
-                       weights_only=True)["module"]
+    after = read_tensors(tmp_path / "run" / "checkpoints" / "step00000001")
     for k, v in module.items():
         assert torch.equal(after[k], v), k
     assert read_metrics(tmp_path / "run")[0]["loss"] != read_metrics(straight)[0]["loss"]

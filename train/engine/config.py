@@ -38,6 +38,26 @@ class EngineConfig:
     def reduce_dtype(self) -> torch.dtype:
         return DTYPES[self.reduce or self.precision]
 
+    def describe(self, world: int) -> str:
+        """Which engine trains on `world` ranks and what its communication overlaps (the start
+        line, meta.json, the dry run)."""
+        reduce = self.reduce or self.precision
+        if world == 1:
+            return (f"one rank, no wrapper (ZeRO-{self.stage}: nothing to shard, no communication); gradients summed "
+                    f"in fp32{' master copies' if self.precision != 'fp32' else ''}")
+        if self.stage == 0:
+            when = ("every micro-batch (the 16-bit gradients are summed in fp32 after it)"
+                    if self.precision != "fp32" and self.accum > 1 else "on the step's last micro-batch")
+            return (f"ZeRO-0 on DDP ({world} ranks): gradients all-reduced in {reduce}, {self.bucket_mb():g} MiB "
+                    f"buckets issued inside the backward as they fill, {when}")
+        reduced = {1: "on the step's last micro-batch" if self.accum > 1 else "once per step",
+                   2: "every micro-batch", 3: "every micro-batch"}[self.stage]
+        gathered = ("before each block's forward and again for its backward" if self.stage == 3
+                    else "once per step, in the forward, the next block's while one computes")
+        return (f"ZeRO-{self.stage} on FSDP2 ({world} ranks, one unit per transformer block + the root): gradients "
+                f"reduce-scattered in {reduce} block by block inside the backward, {reduced}; weights all-gathered "
+                f"in {self.precision} {gathered}")
+
     def bucket_mb(self) -> float:
         """DDP's bucket size in MiB: reduce_bucket_size elements of the reduce dtype, else DDP's default."""
         if not self.bucket_elements:

@@ -3,8 +3,8 @@ optimizer's state made before its first step, the loss scaled for the backward, 
 from the gradients' global sum of squares, the counters, and what the loop calls.
 
 One optimizer step, on the device, without a host read:
-    sumsq = sum of the gradients' squares (all-reduced over ranks where each holds a shard)
-    found_inf = sumsq is not finite                     -> the step is skipped inside the fused kernel
+    norm = the gradients' global l2 norm (their squares all-reduced over ranks where each holds a shard)
+    found_inf = norm is not finite                      -> the step is skipped inside the fused kernel
     fused AdamW(grad_scale = loss scale / clip coefficient, found_inf)
     counters and the fp16 loss scale updated on the device (train/nonfinite.py, train/loss_scale.py)
 Gradients arrive averaged over ranks (DDP and FSDP2 both average), so the optimizer divides by
@@ -73,7 +73,7 @@ class EngineCore:
         optimizer step updates the weights."""
         if self.micro < self.cfg.accum:
             return
-        found_inf = self._optimizer_step(self._sum_of_squares())
+        found_inf = self._optimizer_step(self._norm())
         self._after_update()
         self.health.update(found_inf)
         if self.scaler is not None:
@@ -82,18 +82,18 @@ class EngineCore:
         self.micro = 0
         self.steps += 1
 
-    def _sum_of_squares(self) -> torch.Tensor:
-        """The global sum of squares of the step's gradients (before unscaling)."""
+    def _norm(self) -> torch.Tensor:
+        """The global l2 norm of the step's gradients (before unscaling; NaN / inf if any element is)."""
         raise NotImplementedError
 
     def _after_update(self) -> None:
         """After the optimizer step: the compute-dtype weights follow the master weights, gradients cleared."""
 
-    def _optimizer_step(self, sumsq: torch.Tensor) -> torch.Tensor:
+    def _optimizer_step(self, norm: torch.Tensor) -> torch.Tensor:
         """One optimizer step; returns found_inf (1.0: skipped inside the fused kernel)."""
-        found_inf = torch.isfinite(sumsq).logical_not().float()
+        found_inf = torch.isfinite(norm).logical_not().float()
         grad_scale = self.one if self.scaler is None else self.scaler.scale
-        self.grad_norm = sumsq.sqrt() / grad_scale
+        self.grad_norm = norm / grad_scale
         if self.cfg.clip > 0:  # one scale for every gradient: folded into the optimizer's unscaling
             grad_scale = grad_scale / torch.clamp(self.cfg.clip / (self.grad_norm + 1e-6), max=1.0)
         self.optimizer.grad_scale, self.optimizer.found_inf = grad_scale, found_inf

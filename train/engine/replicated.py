@@ -108,11 +108,11 @@ class ReplicatedEngine(EngineCore):
                 torch._foreach_add_(into, grads)
         self.micro += 1
 
-    def _sum_of_squares(self) -> torch.Tensor:
+    def _norm(self) -> torch.Tensor:
         grads = [m.grad for m in self.masters if m.grad is not None]
         if not grads:
             return torch.zeros((), device=self.device)
-        return torch.stack(torch._foreach_norm(grads)).square().sum()  # fp32; NaN / inf if any element is
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))  # fp32
 
     def _after_update(self) -> None:
         if self.low_precision:
@@ -122,12 +122,7 @@ class ReplicatedEngine(EngineCore):
                 p.grad = None
 
     def describe(self) -> str:
-        if self.ddp is None:
-            return (f"one rank, no wrapper (ZeRO-{self.stage}: nothing to shard); gradients summed "
-                    f"{'in fp32 master copies' if self.low_precision else 'in fp32'}")
-        reduced = "every micro-batch" if self.low_precision or self.accum == 1 else "on the last micro-batch"
-        return (f"ZeRO-0 on DDP ({self.world} ranks): gradients all-reduced in {self.cfg.reduce or self.cfg.precision} "
-                f"in {self.cfg.bucket_mb():g} MiB buckets inside the backward, {reduced}")
+        return self.cfg.describe(self.world)
 
     # --- checkpoints -----------------------------------------------------------------------------
     def master_weights(self) -> dict[str, torch.Tensor]:

@@ -88,12 +88,12 @@ class ShardedEngine(EngineCore):
                 unit.reshard()
         self.micro += 1
 
-    def _sum_of_squares(self) -> torch.Tensor:
+    def _norm(self) -> torch.Tensor:
         local = [p.grad.to_local() for p in self.params if p.grad is not None]
         sumsq = (torch.stack(torch._foreach_norm(local)).square().sum() if local
                  else torch.zeros((), device=self.device))
         dist.all_reduce(sumsq)  # each rank holds a shard of every gradient
-        return sumsq
+        return sumsq.sqrt()
 
     def _after_update(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -116,14 +116,7 @@ class ShardedEngine(EngineCore):
                 unit.set_reshard_after_backward(not self.double_backward, recurse=False)
 
     def describe(self) -> str:
-        reduce = self.cfg.reduce or self.cfg.precision
-        when = {1: "once per optimizer step (last micro-batch)" if self.accum > 1 else "once per optimizer step",
-                2: "every micro-batch", 3: "every micro-batch"}[self.stage]
-        gather = ("before each block's forward and again for its backward" if self.stage == 3
-                  else "once per optimizer step, block by block in the forward, the next block's while one computes")
-        return (f"ZeRO-{self.stage} on FSDP2 ({self.world} ranks, {len(self.units)} units: every transformer block and "
-                f"the root): gradients reduce-scattered in {reduce} block by block inside the backward, {when}; "
-                f"weights all-gathered in {self.cfg.precision} {gather}")
+        return self.cfg.describe(self.world)
 
     # --- checkpoints -----------------------------------------------------------------------------
     def master_weights(self) -> dict[str, torch.Tensor]:

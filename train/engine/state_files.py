@@ -24,6 +24,7 @@ import struct
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 WEIGHTS_FILE = "model.safetensors"
@@ -155,7 +156,7 @@ def save(engine, tag_dir: Path, client: dict) -> None:
     """Collective: every rank calls it with the same tag folder."""
     tensors, extra = module_tensors(engine)
     write_weights(tag_dir / WEIGHTS_FILE, {k: v.detach() for k, v in tensors.items()}, engine.rank == 0)
-    dcp.save(optimizer_state(engine), checkpoint_id=tag_dir / OPTIM_DIR)
+    dcp.save(optimizer_state(engine), checkpoint_id=tag_dir / OPTIM_DIR, no_dist=not dist.is_initialized())
     if engine.rank == 0:
         torch.save({"engine": engine.counters(), "extra": extra, "optimizer": type(engine.optimizer).__name__,
                     "client": client}, tag_dir / STATE_FILE)
@@ -182,10 +183,17 @@ def load(engine, tag_dir: Path) -> dict:
     if extra:
         engine.module.load_state_dict(state["extra"], strict=False)
     check_dcp_metadata(tag_dir / OPTIM_DIR)
-    dcp.load(optimizer_state(engine), checkpoint_id=tag_dir / OPTIM_DIR)
+    dcp.load(optimizer_state(engine), checkpoint_id=tag_dir / OPTIM_DIR, no_dist=not dist.is_initialized())
     engine.weights_loaded()
     engine.load_counters(state["engine"])
     return state["client"]
+
+
+def read_module_state(tag_dir: Path) -> dict:
+    """The objective's whole state dict of a tag (its tensors and the objectives' non-tensor
+    `_extra_state`, e.g. MLO-MAE's masking network), as `load_state_dict` takes it, on the CPU."""
+    extra = torch.load(tag_dir / STATE_FILE, map_location="cpu", weights_only=True)["extra"]
+    return {**read_tensors(tag_dir), **extra}
 
 
 def read_tensors(tag_dir: Path) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import CPU_DS, REPO, fake_fashion_mnist
+from conftest import CPU_DS, REPO, fake_fashion_mnist, save_module_state
 
 from data.write_shards import main as write_shards
 from experiments.fashion_mnist.learned_masks import main as learned_masks
@@ -20,7 +20,7 @@ PRESET = REPO / "train" / "configs" / "mlomae" / "debug.json"
 def save_tag(root, step, obj, pinned=False):
     tag = root / f"step{step:08d}"
     tag.mkdir(parents=True)
-    torch.save({"module": obj.state_dict()}, tag / "model.pt")
+    save_module_state(tag, obj.state_dict())
     (tag / "complete.json").write_text(json.dumps({"step": step, "zero_stage": 0, "pinned": pinned}))
 
 
