@@ -15,6 +15,14 @@ continuous index used with bilinear interpolation of the table.
 A 2-D offset (dx, dy) gets bucket (g(dy) + R) * S + (g(dx) + R), with R = floor(beta) and
 S = 2R + 1 per axis: S*S = 49 buckets for the defaults, plus one extra bucket (index S*S) for
 every pair that involves the cls token.
+
+The continuous index reads the S x S bucket grid bilinearly in one of two ways (`COORD_LOOKUPS`):
+  project   the paper's: grid point [k, l] = bucket (k + R) * S + (l + R) for k, l in -R..R, the
+            index g~ clamped to [-R, R] (the same axes and points as the integer lookup)
+  official  AdPE's official code: F.grid_sample of the bucket grid at g~ / beta (align_corners=False,
+            zero padding), with the row offset on the grid's x (its column axis), so the point read
+            for index u is ((u / beta + 1) * S - 1) / 2 per axis, axes swapped, and corners outside
+            the grid weigh zero
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ from typing import Callable
 import torch
 
 ALPHA, BETA, GAMMA = 1.9, 3.8, 15.2
+COORD_LOOKUPS = ("project", "official")  # how a continuous index reads the bucket grid (module docstring)
 
 
 def _far(ax: torch.Tensor, alpha: float, beta: float, gamma: float) -> torch.Tensor:
@@ -76,20 +85,38 @@ def bucket_ids(coords: torch.Tensor, num_cls: int = 1, beta: float = BETA, alpha
     return out
 
 
-def bilinear_corners(rel: torch.Tensor, beta: float = BETA, alpha: float = ALPHA,
-                     gamma: float = GAMMA) -> tuple[torch.Tensor, torch.Tensor]:
+def bilinear_corners(rel: torch.Tensor, beta: float = BETA, alpha: float = ALPHA, gamma: float = GAMMA,
+                     lookup: str = "project") -> tuple[torch.Tensor, torch.Tensor]:
     """Continuous offsets rel (..., 2) (row, col) -> 4 corner buckets (..., 4) long and their
-    bilinear weights (..., 4), through g~. The continuous index is clamped to the table's integer
-    range [-floor(beta), floor(beta)] (g~ reaches beta itself, e.g. 3.8, beyond the last row)."""
+    bilinear weights (..., 4), through g~ (differentiable in rel through the weights).
+
+    project: the continuous index is clamped to the table's integer range [-floor(beta), floor(beta)]
+    (g~ reaches beta itself, e.g. 3.8, beyond the last row); point (k, l) is the table's row/col.
+    official: the point ((g~ / beta + 1) * S - 1) / 2 per axis, in [-0.5, S - 0.5] (F.grid_sample,
+    align_corners=False), the row offset on the grid's column axis; a corner outside the grid has
+    weight 0 (zero padding) and a clamped, unused bucket id."""
+    if lookup not in COORD_LOOKUPS:
+        raise ValueError(f"coordinate lookup must be one of {COORD_LOOKUPS}, got {lookup!r}")
     R, S = math.floor(beta), axis_size(beta)
-    u = relaxed_index(rel, alpha, beta, gamma).clamp(-R, R) + R  # (..., 2) in [0, S-1]
-    lo = u.detach().floor().clamp(max=S - 2)  # top-left corner; the last cell uses its left neighbour
-    w = u - lo  # (..., 2) in [0, 1], carries the gradient
+    u = relaxed_index(rel, alpha, beta, gamma)  # (..., 2) in [-beta, beta]
+    if lookup == "project":
+        point = u.clamp(-R, R) + R  # (..., 2) (grid row, grid col) in [0, S-1]
+        lo = point.detach().floor().clamp(max=S - 2)  # top-left corner; the last cell uses its left neighbour
+    else:
+        normalised = u.clamp(-beta, beta) / beta  # (..., 2) in [-1, 1], grid_sample's grid (x, y) = (row, col) offset
+        point = (((normalised + 1) * S - 1) / 2).flip(-1)  # (..., 2) (grid row, grid col) in [-0.5, S-0.5]
+        lo = point.detach().floor()  # in [-1, S-1]: corners may fall outside the grid
+    w = point - lo  # (..., 2) in [0, 1], carries the gradient
     k, l = lo[..., 0].long(), lo[..., 1].long()
     wy, wx = w[..., 0], w[..., 1]
-    corners = torch.stack([k * S + l, k * S + l + 1, (k + 1) * S + l, (k + 1) * S + l + 1], dim=-1)
     weights = torch.stack([(1 - wy) * (1 - wx), (1 - wy) * wx, wy * (1 - wx), wy * wx], dim=-1)
-    return corners, weights
+    if lookup == "project":
+        corners = torch.stack([k * S + l, k * S + l + 1, (k + 1) * S + l, (k + 1) * S + l + 1], dim=-1)
+        return corners, weights
+    grid_rows, grid_cols = torch.stack([k, k, k + 1, k + 1], dim=-1), torch.stack([l, l + 1, l, l + 1], dim=-1)
+    inside = (grid_rows >= 0) & (grid_rows < S) & (grid_cols >= 0) & (grid_cols < S)  # (..., 4)
+    corners = grid_rows.clamp(0, S - 1) * S + grid_cols.clamp(0, S - 1)
+    return corners, torch.where(inside, weights, torch.zeros_like(weights))
 
 
 # A per-call edit of one block's relative-position bias, given by the caller of the ViT's

@@ -157,14 +157,16 @@ class RPEPerturbation:
 
     masked (B, N) bool marks the patch tokens whose query rows are perturbed (every key, cls too);
     coordinate mode: a delta (2,) added to their (row, col) offsets, through g~ and bilinear
-    lookup, given as `corners` = bilinear_corners(rpe.rel + delta) (`coordinate_corners` makes them
-    for every block of a stack at once); embedding mode: `embed` (buckets, H, d), the shape of the
-    table, added to the table rows r_ij they use (one shared vector for all rows would shift each
-    query's logits by a constant, which the softmax ignores)."""
+    lookup, given as `corners` (`coordinate_corners` makes them for every block of a stack at once):
+    (N, N, 4) corner buckets and weights for the masked rows, visible rows keeping the integer
+    lookup; or, with `every_row` (coord_lookup official, as AdPE's official code), (B, N, N, 4) per
+    sample for every patch row, visible rows reading the same lookup at delta 0; embedding mode:
+    `embed` (buckets, H, d), the shape of the table, added to the table rows r_ij they use (one
+    shared vector for all rows would shift each query's logits by a constant, which the softmax ignores)."""
 
     def __init__(self, masked: torch.Tensor, embed: torch.Tensor | None = None,
-                 corners: tuple[torch.Tensor, torch.Tensor] | None = None):
-        self.masked, self.embed, self.corners = masked, embed, corners
+                 corners: tuple[torch.Tensor, torch.Tensor] | None = None, every_row: bool = False):
+        self.masked, self.embed, self.corners, self.every_row = masked, embed, corners, every_row
 
     def __call__(self, rpe: ContextualRPE, q: torch.Tensor, qr: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """q (B, H, T, d), qr (B, H, T, buckets) scaled per-bucket scores, bias (B, H, T, T) -> perturbed bias."""
@@ -174,11 +176,12 @@ class RPEPerturbation:
         rows = self.masked[:, None, :, None]  # (B, 1, N, 1): perturbed query rows
         if self.corners is not None:
             N = T - c
-            corners, weights = self.corners
+            corners, weights = self.corners  # (N, N, 4), or (B, N, N, 4) for every row of every sample
+            lead = B if self.every_row else 1
             patch_qr = qr[:, :, c:]  # (B, H, N, buckets)
-            picked = patch_qr.gather(-1, corners.reshape(1, 1, N, N * 4).expand(B, H, N, N * 4))
-            continuous = (picked.reshape(B, H, N, N, 4) * weights.to(q.dtype)).sum(-1)  # (B, H, N, N)
-            patch = torch.where(rows, continuous, bias[:, :, c:, c:])
+            picked = patch_qr.gather(-1, corners.reshape(lead, 1, N, N * 4).expand(B, H, N, N * 4))
+            continuous = (picked.reshape(B, H, N, N, 4) * weights.reshape(lead, 1, N, N, 4).to(q.dtype)).sum(-1)
+            patch = continuous if self.every_row else torch.where(rows, continuous, bias[:, :, c:, c:])  # (B, H, N, N)
             bias = torch.cat([bias[:, :, :c], torch.cat([bias[:, :, c:, :c], patch], dim=3)], dim=2)
         if self.embed is not None:
             embed = self.embed.to(q.dtype).expand(-1, H, -1)  # (buckets, H, d): a shared table's perturbation too
@@ -189,8 +192,20 @@ class RPEPerturbation:
         return bias
 
 
-def coordinate_corners(rpe: ContextualRPE, deltas: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def coordinate_corners(rpe: ContextualRPE, deltas: torch.Tensor, lookup: str = "project",
+                       masked: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """deltas (L, 2), one offset shift per block of a stack sharing `rpe`'s grid and index ->
-    each block's (corners (N, N, 4), weights (N, N, 4)), computed in one pass for all L blocks."""
-    corners, weights = bilinear_corners(rpe.rel + deltas[:, None, None].to(rpe.rel.dtype), **rpe.index_args)
+    each block's (corners, weights), computed in one pass for all L blocks; `lookup` one of
+    model.irpe.COORD_LOOKUPS. project: (N, N, 4) each, for the masked rows. official: (B, N, N, 4)
+    each for every patch row of the masked (B, N) samples, visible rows at delta 0 (as the official
+    code's), mixed here once for the stack rather than in every block."""
+    if lookup == "official" and masked is None:
+        raise ValueError("the official coordinate lookup covers every patch row: pass the mask")
+    shifts = deltas if lookup == "project" else torch.cat([deltas, deltas.new_zeros(1, 2)])  # (L or L+1, 2)
+    corners, weights = bilinear_corners(rpe.rel + shifts[:, None, None].to(rpe.rel.dtype), **rpe.index_args,
+                                        lookup=lookup)  # (L or L+1, N, N, 4) each
+    if lookup == "official":  # masked rows at their block's shift, visible rows at the last (zero) one
+        every_row = masked[None, :, :, None, None]  # (1, B, N, 1, 1)
+        corners = torch.where(every_row, corners[:-1, None], corners[-1:, None])  # (L, B, N, N, 4)
+        weights = torch.where(every_row, weights[:-1, None], weights[-1:, None])
     return list(zip(corners.unbind(0), weights.unbind(0)))

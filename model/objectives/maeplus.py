@@ -15,12 +15,14 @@ AdPE (`adversary`): a perturbation shared by every masked token, maximising the 
   ape_coord  (d_row, d_col) added to their coordinates before the sin-cos encoding
   rpe_embed  per block, a perturbation of the iRPE table (buckets x H x d) for masked query rows
   rpe_coord  per block, (d_row, d_col) added to the relative offsets of masked query rows
-             (relaxed index g~ + bilinear table lookup)
+             (relaxed index g~ + bilinear table lookup: `coord_lookup` project, the paper's, or
+             official, the official code's grid_sample, which visible rows then read at delta 0)
   fgsm       pixel-space baseline: x + eps * sign(grad_x L) on the input (one extra backward to x)
 The RPE variants need `rpe true` (iRPE in every encoder and decoder block).
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +30,7 @@ from timm.data.constants import IMAGENET_DEFAULT_STD
 from torch import nn
 
 from model.constants import device_constant
-from model.irpe import grid_coords
+from model.irpe import COORD_LOOKUPS, grid_coords
 from model.mae_decoder import MAEDecoder
 from model.objectives.adversary import NORMS, UPDATES, Adversaries, RPEPerturbation, coordinate_corners
 from model.objectives.base import Objective, ObjectiveConfig, register_objective
@@ -57,6 +59,7 @@ class MAEPlusConfig(ObjectiveConfig):
     adv_lr_scale: float = 1.0  # PGD step = lr_t x this [project default]
     adv_update: str = "steepest"  # steepest (sign for linf, normalised for l2) | sign | normalised | adam (official code: Adam ascent, then projection)
     ape_mode: str = "add"  # ape_embed: add (mask token + perturbed position) | replace (official code: the adversary replaces the mask token; fixed positions)
+    coord_lookup: str = "project"  # rpe_coord's table lookup: project (the paper's; visible rows integer) | official (the official code's grid_sample: axes swapped, align_corners=False, +-beta; visible rows too)
     decay_tokens: bool = False  # weight-decay cls_token, mask_token and the iRPE tables (official code: true; project: exempt like MAE's position tables)
     fgsm_eps: float = 0.01  # pixel-space l_inf radius on [0, 1] pixels (Table A.1: 0.001 / 0.01 / 0.1)
 
@@ -71,6 +74,10 @@ class MAEPlusConfig(ObjectiveConfig):
             raise ValueError(f"maeplus.adv_norm must be one of {NORMS}, got {self.adv_norm!r}")
         if self.adv_update not in UPDATES:
             raise ValueError(f"maeplus.adv_update must be one of {UPDATES}, got {self.adv_update!r}")
+        if self.coord_lookup not in COORD_LOOKUPS:
+            close = difflib.get_close_matches(self.coord_lookup, COORD_LOOKUPS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"maeplus.coord_lookup must be one of {COORD_LOOKUPS}, got {self.coord_lookup!r}{hint}")
         if self.ape_mode not in APE_MODES:
             raise ValueError(f"maeplus.ape_mode must be one of {APE_MODES}, got {self.ape_mode!r}")
         if self.adv_eps <= 0 or self.fgsm_eps <= 0 or self.adv_lr_scale < 0:
@@ -185,7 +192,9 @@ class MAEPlusObjective(Objective):
         if kind == "rpe_coord":  # every block's shifted offsets in one pass: (depth, 2) deltas
             deltas = torch.stack([self.adversaries.get(f"rpe_{prefix}{i}", masked.device, torch.float32)
                                   for i in range(len(blocks))])
-            return [RPEPerturbation(masked, corners=c) for c in coordinate_corners(blocks[0].attn.rpe, deltas)]
+            lookup = self.cfg.coord_lookup  # official: visible rows too, at delta 0 (as the official code)
+            return [RPEPerturbation(masked, corners=c, every_row=lookup == "official")
+                    for c in coordinate_corners(blocks[0].attn.rpe, deltas, lookup, masked)]
         return [RPEPerturbation(masked, embed=self.adversaries.get(f"rpe_{prefix}{i}", masked.device, dtype))
                 for i in range(len(blocks))]
 

@@ -44,3 +44,10 @@ def test_official_code_overlay_sets_each_official_behaviour():
     groups, _ = build_param_groups(obj, weight_decay=0.05, layer_decay=1.0)
     decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
     assert all(id(t.table) in decayed for t in tables)
+    # rpe_coord over it: the official code's coordinate lookup, visible rows included
+    cfg = _overlay_config(rpe=True, adversary="rpe_coord")
+    assert cfg.coord_lookup == "official"
+    obj = build_objective("maeplus", create_model("vit_debug_patch4", rpe=True), cfg)
+    masked = torch.rand(2, 49) < 0.75
+    hooks = obj.rpe_perturbations(masked, torch.float32, "enc", obj.encoder.blocks)
+    assert all(h.every_row and h.corners[0].shape == (2, 49, 49, 4) for h in hooks)
