@@ -165,12 +165,6 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
         raise ConfigError("optim.name lars needs whole per-layer tensors for its trust ratio, which ZeRO stages "
                           ">= 1 partition; use a ds_config with ZeRO stage 0 in fp32 or fp16 "
                           "(ds_configs/linprobe_8xa100_fp32_zero0.json; on CPU ds_configs/cpu_linprobe.json)")
-    if stage == 3 and cfg.run.compile:
-        raise ConfigError("run.compile is not supported under ZeRO-3 (its parameter gathering hooks around every "
-                          "block); use ZeRO stage <= 2 or run.compile false")
-    if stage == 3 and cfg.run.vis_every:
-        raise ConfigError("run.vis_every needs the full weights on rank 0, which ZeRO-3 partitions; "
-                          "set run.vis_every 0 or use ZeRO stage <= 2")
     activation_checkpointing(ds)
     if cfg.model.attn_backend == "flash_attn" and prec == "fp32":
         # flash-attn takes fp16/bf16 only; kernels/attention.py hands it nothing else (fp32 parts of an

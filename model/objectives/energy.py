@@ -89,12 +89,6 @@ class EnergyConfig(ObjectiveConfig):
         if "sr" in used and img_size % self.sr_scale:
             raise ValueError(f"energy.sr_scale {self.sr_scale} does not divide {img_size} px images; choose a divisor")
 
-    def check_engine(self, zero_stage: int, accum: int) -> None:
-        if zero_stage == 3:
-            raise ValueError("energy pretraining cannot run under ZeRO-3: the restoration's double backward reaches "
-                             "parameters outside the module call that gathered them (it fails on 2 CPU ranks); use "
-                             "zero_optimization.stage 0, 1 or 2")
-
     def check_input(self, in_chans: int) -> None:
         if "colorize" in self.used() and in_chans != 3:
             raise ValueError(f"energy corruption colorize needs RGB input but model.in_chans is {in_chans}; "

@@ -116,10 +116,6 @@ class MLOMAEConfig(ObjectiveConfig):
         check_mask_ratio("mlomae.mask_ratio", self.mask_ratio, (img_size // patch_size) ** 2)
 
     def check_engine(self, zero_stage: int, accum: int) -> None:
-        if zero_stage == 3:
-            raise ValueError(
-                "mlomae cannot run under ZeRO-3: the hypergradient perturbs and reads every encoder weight "
-                "on each rank, and ZeRO-3 partitions them; use zero_optimization.stage 0, 1 or 2")
         if self.level2_steps > self.level1_steps * accum:
             raise ValueError(
                 f"mlomae.level2_steps {self.level2_steps} exceeds the micro-batches of one cycle "

@@ -7,7 +7,7 @@ objective (mae or finetune, on the debug ViT) trains STEPS optimizer steps on a 
 global batches of GLOBAL images (with MAE's masking noise and the labels drawn from the step
 number, so the data do not depend on the world size: each rank takes its rows of each
 micro-batch). Rank 0 writes {"<stage>_<accum>": [the global batch's mean loss per step]}.
-CASE `objective-<name>`: energy or mlomae at 2 ranks, stages 0-2, accumulation 1, with their
+CASE `objective-<name>`: energy or mlomae at 2 ranks, stages 0-3, accumulation 1, with their
 own random draws (seeded alike for every stage): the same per-step mean losses.
 CASE `poison`: every stage; rank 1's loss is NaN in step 2: every rank skips it, the weights and
 the optimizer's moments are unchanged, and the skip is counted.
@@ -25,6 +25,7 @@ from train.config import parse_args
 from train.ds_config import resolve
 
 REPO = Path(__file__).resolve().parents[2]
+STAGES = (0, 1, 2, 3)
 GLOBAL = 36  # divisible by micro x accumulation x ranks for ranks 1-4 and accumulation 1 and 3
 ARGS = {
     "mae": ["--config", str(REPO / "train/configs/mae/debug.json")],
@@ -99,7 +100,7 @@ def objective_stages(out: Path, objective: str, steps: int) -> dict:
     rank, world, _ = distributed.init()
     keys = ("image", "label", "val_image", "val_label") if objective == "mlomae" else ("image",)
     result = {}
-    for stage in (0, 1, 2):
+    for stage in STAGES:
         torch.manual_seed(100 + rank)  # the objective's own draws (corruptions, masks): alike for every stage
         engine, plan = engine_for(out, objective, stage, 1, world)
         torch.manual_seed(100 + rank)

@@ -49,10 +49,9 @@ def test_batch_arithmetic_that_does_not_match_the_world_size(tmp_path, capsys, m
     assert "train_batch_size 16 != micro 8 x accumulation 1 x 4 ranks" in err
 
 
-def test_zero3_with_a_method_that_cannot_run_under_it(tmp_path, capsys, monkeypatch):
-    energy = str(DEBUG_PRESET.parent.parent / "energy" / "debug.json")
-    err = _reject(tmp_path, capsys, monkeypatch, "--config", energy, ds=_ds(tmp_path, zero_optimization={"stage": 3}))
-    assert "energy pretraining cannot run under ZeRO-3" in err
+def test_an_optimizer_of_whole_tensors_on_a_sharded_stage(tmp_path, capsys, monkeypatch):
+    err = _reject(tmp_path, capsys, monkeypatch, "--optim.name", "lars", ds=_ds(tmp_path, zero_optimization={"stage": 3}))
+    assert "optim.name lars needs whole per-layer tensors for its trust ratio" in err
 
 
 def test_missing_shard_index(tmp_path, capsys, monkeypatch):

@@ -100,10 +100,9 @@ def _check(ds: str, *options: str, world: int = 8, gpu: str = "a100"):
 def test_rejections_name_the_problem():
     assert "V100 has none" in _check("vit_b_8xa100_bf16_zero1.json", gpu="v100").problems[0]
     assert "not divisible by micro batch 256 x 24 ranks" in _check("vit_b_8xa100_bf16_zero1.json", world=24).problems[0]
-    zero3 = "vit_h_8xa100_bf16_zero3_actckpt.json"
-    assert "ZeRO-3" in _check(zero3, "--config", str(PRESETS / "mlomae/vit_b.json")).problems[0]
-    assert "ZeRO-3" in _check(zero3, "--config", str(PRESETS / "energy/vit_b.json")).problems[0]
-    assert "ZeRO-3" in _check(zero3, "--model.name", "vit_huge_patch14", "--run.vis_every", "100").problems[0]
+    zero3 = "vit_h_8xa100_bf16_zero3_actckpt.json"  # every objective and the figures run under ZeRO-3
+    assert _check(zero3, "--config", str(PRESETS / "mlomae/vit_b.json")).ok
+    assert _check(zero3, "--model.name", "vit_huge_patch14", "--run.vis_every", "100").ok
 
 
 def test_memory_estimate_reacts_to_zero_stage_checkpointing_and_micro_batch(tmp_path):

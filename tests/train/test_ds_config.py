@@ -92,12 +92,3 @@ def test_missing_and_malformed_file(tmp_path):
     bad.write_text("{")
     with pytest.raises(ConfigError, match="not valid JSON"):
         resolve(PretrainConfig(ds_config=str(bad)), world=1)
-
-
-def test_figures_refused_under_zero3(tmp_path):
-    cfg = _cfg(tmp_path, {**BASE, "zero_optimization": {"stage": 3}})
-    cfg.run.vis_every = 10
-    with pytest.raises(ConfigError, match="ZeRO-3 partitions"):
-        resolve(cfg, world=1, cuda=False)
-    cfg.run.vis_every = 0
-    assert resolve(cfg, world=1, cuda=False)[1].global_batch == 8

@@ -220,8 +220,7 @@ def test_resumed_optimizers_follow_their_networks_to_the_device():
 
 
 def test_config_checks():
-    with pytest.raises(ValueError, match="ZeRO-3"):
-        MLOMAEConfig().check_engine(3, 1)
+    MLOMAEConfig().check_engine(3, 1)  # every stage: the engine gathers the weights for levels II-III
     with pytest.raises(ValueError, match="level2_steps"):
         MLOMAEConfig(level2_steps=3, level1_steps=1).check_engine(2, 2)
     with pytest.raises(ValueError, match="num_classes 10"):
