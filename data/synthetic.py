@@ -15,6 +15,14 @@ import torch.nn.functional as F
 from data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 
+def mean_std(in_chans: int) -> tuple[list[float], list[float]]:
+    """The input's per-channel normalisation: ImageNet's for RGB (every shard decodes to RGB,
+    data/transforms.py), 0.5 / 0.25 for other channel counts (synthetic images only)."""
+    if in_chans == 3:
+        return list(IMAGENET_MEAN), list(IMAGENET_STD)
+    return [0.5] * in_chans, [0.25] * in_chans
+
+
 class SyntheticImages:
     """`crops` > 0: each sample is `crops` images (B, crops, C, s, s), the multi-crop transform's shape."""
 
@@ -24,8 +32,7 @@ class SyntheticImages:
         self.num_classes, self.seed, self.rank = num_classes, seed, rank
         self.device = torch.device(device)
         self.position = 0  # batches produced so far on this rank
-        mean = torch.tensor(IMAGENET_MEAN if in_chans == 3 else [0.5] * in_chans)
-        std = torch.tensor(IMAGENET_STD if in_chans == 3 else [0.25] * in_chans)
+        mean, std = map(torch.tensor, mean_std(in_chans))
         self.mean, self.std = mean[:, None, None].to(self.device), std[:, None, None].to(self.device)
 
     def __iter__(self):

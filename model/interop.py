@@ -111,12 +111,14 @@ def resize_pos_embed(table: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor
 
 
 def load_into_objective(objective: torch.nn.Module, path: str | Path,
-                        state: dict[str, torch.Tensor] | None = None) -> str:
+                        state: dict[str, torch.Tensor] | None = None,
+                        head: dict[str, torch.Tensor] | None = None) -> str:
     """Initialise an objective from an official MAE checkpoint, a timm/exported encoder state_dict
     or .safetensors (or an already loaded `state` with those names, read from `path`): the encoder
     always, the MAE decoder too when there is one and the objective owns an MAE decoder. A new
-    classifier head (and fc_norm for average pooling) is allowed to stay fresh. Returns a
-    one-line summary for the log."""
+    classifier head (and fc_norm for average pooling) is allowed to stay fresh; `head` (`head.*`)
+    is a classifier the caller found to fit the encoder's (same classes, same pooling), loaded
+    into it. Returns a one-line summary for the log."""
     encoder_state, decoder_state = split_official_mae(safe_load(path) if state is None else state)
     encoder = objective.encoder
     encoder_state = {k: v for k, v in encoder_state.items() if not k.startswith("head.")}
@@ -136,9 +138,16 @@ def load_into_objective(objective: torch.nn.Module, path: str | Path,
     if unexpected or set(missing) - fresh:
         raise ValueError(f"{path} does not fit the configured encoder: missing {sorted(set(missing) - fresh)}, "
                          f"unexpected {sorted(unexpected)}")
-    loaded = "encoder" + (f" (new: {', '.join(sorted(missing))})" if missing else "")
+    if head:
+        encoder.head.load_state_dict({k.removeprefix("head."): v for k, v in head.items()})
+        missing = [k for k in missing if not k.startswith("head.")]
+    loaded = "encoder" + (" + classifier" if head else "") + (f" (new: {', '.join(sorted(missing))})" if missing else "")
     decoder = getattr(objective, "decoder", None)
     if decoder_state and decoder is not None:
+        table = decoder_state.get("decoder_pos_embed")
+        if table is not None and table.shape != decoder.decoder_pos_embed.shape:  # another image size: sin-cos anew
+            grid = encoder.patch_embed.grid_size
+            decoder_state = {**decoder_state, "decoder_pos_embed": resize_pos_embed(table, grid)}
         try:
             decoder.load_state_dict(decoder_state, strict=True)
         except RuntimeError as e:

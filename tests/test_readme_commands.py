@@ -8,7 +8,8 @@ its file and line:
   (`--objective linprobe`) refusing that index before start, as the page says);
 - docs/TRAINING.md: the entry point with each method's debug preset on those shards, with the flags
   the page says to add;
-- docs/CHECKPOINTS.md: export and the timm snippet it prints; docs/EVALUATION.md: evaluate;
+- docs/CHECKPOINTS.md: export and the timm snippet it prints, the export to transformers and the lines
+  it prints; docs/EVALUATION.md: evaluate;
 - README.md: its commands are the docs pages' (verbatim, so they are tested there), its `make`
   targets exist, its one-node command passes the dry run for 8 A100s, and its Slurm command passes
   `launchers/submit.py --dry`.
@@ -63,6 +64,9 @@ WRITE_SHARDS = (DATA, "python -m data.write_shards fashion-mnist", "Writing shar
 PRETRAIN = (TRAINING, "python train/pretrain.py --ds_config ds_configs/cpu_debug.json", "Entry points")
 EXPORT = (CHECKPOINTS, "python train/export.py --checkpoint", "Export to timm")
 TIMM_SNIPPET = (CHECKPOINTS, "import safetensors.torch, timm", "Export to timm")
+EXPORT_HF = (CHECKPOINTS, "python train/export.py --checkpoint runs/mae_vitb --format transformers",
+             "Export to transformers")
+HF_SNIPPET = (CHECKPOINTS, "from transformers import ViTMAEForPreTraining", "Export to transformers")
 EVALUATE = (EVALUATION, "python train/evaluate.py", "Frozen features: kNN and a quick linear probe")
 # "Your own data": each way in follows its bold lead (the section repeats the laion index command)
 OWN = "Your own data"
@@ -206,6 +210,28 @@ def test_the_timm_snippet_on_the_page_is_what_export_writes_for_vit_b():
     info = timm_loading(encoder.timm_kwargs(), "vit_base_patch16", encoder.state_dict(),
                         "runs/mae_vitb/encoder.safetensors")
     assert block.text == info["timm_snippet"], f"{block.where} differs from train.export's snippet"
+
+
+def test_export_to_transformers(pretrain):
+    """docs/CHECKPOINTS.md: `python train/export.py --checkpoint runs/mae_vitb --format transformers`
+    on the MAE run: a folder ViTMAEForPreTraining.from_pretrained loads with nothing missing or
+    unexpected, and the command prints the lines that load it."""
+    transformers = pytest.importorskip("transformers")
+    run_dir = pretrain("mae")
+    cmd = find(EXPORT_HF)
+    proc = run(cmd, cmd.argv({"runs/mae_vitb": run_dir}))
+    out = run_dir / "transformers"
+    _, info = transformers.ViTMAEForPreTraining.from_pretrained(out, output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"])
+    assert f"model = ViTMAEForPreTraining.from_pretrained({str(out)!r})" in proc.stdout
+
+
+def test_the_transformers_lines_on_the_page_are_what_export_prints():
+    from train.export_transformers import loading_lines
+
+    name, *rest = HF_SNIPPET
+    block = code_block(page(name), *rest)
+    assert block.text == loading_lines("ViTMAEForPreTraining", Path("runs/mae_vitb/transformers")), block.where
 
 
 def test_evaluate(shards, exported):

@@ -13,6 +13,7 @@ import torch
 
 from data.source import build_source, nominal_epoch_size
 from data.split import LabeledSplit
+from model.hf_interop import is_transformers_folder, load_transformers_folder
 from model.interop import load_into_objective
 from model.objectives import build_objective
 from model.registry import create_model
@@ -102,11 +103,14 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
     if cfg.model.init_from:
         try:
             state = None
-            if Path(cfg.model.init_from).is_dir():  # a run folder / checkpoint tag of ours: encoder (+ MAE decoder)
-                from train.export import pretrained_state
+            if is_transformers_folder(cfg.model.init_from):  # config.json + weights of a transformers ViT / ViT-MAE
+                log.info(load_transformers_folder(objective, cfg.model.init_from))
+            else:
+                if Path(cfg.model.init_from).is_dir():  # a run folder / checkpoint tag of ours: encoder (+ MAE decoder)
+                    from train.export import pretrained_state
 
-                state = pretrained_state(checkpoint.find_resume(cfg.model.init_from, Path(cfg.model.init_from)))
-            log.info(load_into_objective(objective, cfg.model.init_from, state))
+                    state = pretrained_state(checkpoint.find_resume(cfg.model.init_from, Path(cfg.model.init_from)))
+                log.info(load_into_objective(objective, cfg.model.init_from, state))
         except ValueError as e:
             raise ConfigError(f"model.init_from: {e}") from None
     apply_execution_options(objective, activation_checkpointing(ds_config), cfg.run.compile)

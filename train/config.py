@@ -24,6 +24,7 @@ from typing import Any, Union
 from data.labels import LabelKey
 from data.transforms import DECODES
 from kernels import resolve_backend
+from model.hf_interop import check_folder_fits, is_transformers_folder
 from model.objectives import OBJECTIVES, ObjectiveConfig, list_objectives
 from model.registry import list_models, model_arch
 from model.timm_backbone import is_timm_name
@@ -42,7 +43,7 @@ class ModelConfig:
     global_pool: str = "token"  # token (cls) | avg (patch mean + fc_norm, MAE fine-tuning)
     drop_path_rate: float = 0.0  # stochastic depth, grows linearly to this value over the blocks
     rpe: bool = False  # iRPE in every block (to fine-tune an MAE+/AdPE RPE encoder; maeplus.rpe sets it for pretraining)
-    init_from: str = ""  # weights to start from: our run folder / checkpoint, official MAE .pth, timm or exported encoder
+    init_from: str = ""  # weights to start from: our run folder / checkpoint, official MAE .pth, timm or exported encoder, a transformers folder
 
 
 @dataclass
@@ -246,6 +247,8 @@ def check_objective_fits(cfg: PretrainConfig, micro_batch: int, accum: int = 1, 
     arch = model_arch(cfg.model.name, **({"img_size": cfg.model.img_size} if cfg.model.img_size else {}))
     # the shard index is read only for objectives that check its labels
     reads_labels = type(checks).check_labels is not ObjectiveConfig.check_labels
+    if cfg.model.init_from and is_transformers_folder(cfg.model.init_from):
+        check_transformers_init(cfg, {**arch, "in_chans": cfg.model.in_chans})
     try:
         checks.check_fits(arch["img_size"], arch["patch_size"], arch["depth"], micro_batch)
         checks.check_engine(zero_stage, accum)
@@ -263,6 +266,18 @@ def check_objective_fits(cfg: PretrainConfig, micro_batch: int, accum: int = 1, 
                 raise
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
+
+
+def check_transformers_init(cfg: PretrainConfig, arch: dict) -> None:
+    """model.init_from naming a transformers folder: its config.json's sizes against model.name
+    and, for a ViTMAEForPreTraining folder, the objective's decoder options (model/hf_interop.py)."""
+    checks = section(cfg)
+    decoder = {f"{cfg.objective}.{k}": getattr(checks, k) for k in ("decoder_dim", "decoder_depth", "decoder_heads")
+               if hasattr(checks, k)}
+    try:
+        check_folder_fits(cfg.model.init_from, cfg.model.name, arch, decoder)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"model.init_from: {e}") from None
 
 
 # --- parsing ---------------------------------------------------------------------------------

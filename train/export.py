@@ -12,6 +12,11 @@ timm's default num_classes=1000 would add a `head` the file does not have):
 Other sizes build timm's VisionTransformer from the recorded kwargs ("timm_kwargs"); timm
 backbones (model.name timm/<name>) create their timm model with num_classes=0. Export checks the
 snippet's model against the file's names and shapes; an encoder timm cannot hold (iRPE) gets none.
+
+    python -m train.export --checkpoint runs/x --format transformers [--out runs/x/transformers]
+
+writes a Hugging Face transformers folder instead (train/export_transformers.py): an MAE run as
+ViTMAEForPreTraining, a fine-tuned one as ViTForImageClassification, other encoders as ViTModel.
 """
 from __future__ import annotations
 
@@ -149,6 +154,17 @@ def export_checkpoint(tag_dir: Path, out: Path) -> Path:
     return out
 
 
+def export_transformers(tag_dir: Path, out: Path) -> tuple[Path, str]:
+    """The checkpoint as a transformers folder; returns (the folder, the transformers class name)."""
+    from train.export_transformers import write_folder
+
+    state = _module_state(tag_dir)
+    out, name = write_folder(_encoder_of(state, tag_dir), _strip(state, "decoder."), read_meta(tag_dir), tag_dir, out)
+    for path in out.iterdir():
+        readable_as_umask_says(path)
+    return out, name
+
+
 def load_timm_encoder(path: Path):
     """Rebuild the exported encoder as a timm VisionTransformer (strict load)."""
     from timm.models.vision_transformer import VisionTransformer
@@ -163,9 +179,19 @@ def load_timm_encoder(path: Path):
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="run folder or checkpoint tag folder")
-    parser.add_argument("--out", help="output .safetensors (default: <run folder>/encoder.safetensors)")
+    parser.add_argument("--out", help="output .safetensors (default: <run folder>/encoder.safetensors); with "
+                                      "--format transformers a folder (default: <run folder>/transformers)")
+    parser.add_argument("--format", choices=("timm", "transformers"), default="timm",
+                        help="timm safetensors + encoder.json (default), or a Hugging Face transformers folder")
     args = parser.parse_args(argv)
     tag_dir = find_resume(args.checkpoint, Path(args.checkpoint))
+    if args.format == "transformers":
+        from train.export_transformers import loading_lines
+
+        out, name = export_transformers(tag_dir, Path(args.out) if args.out else tag_dir.parent.parent / "transformers")
+        print(f"wrote {out} ({name}) from {tag_dir}")
+        print(f"load it in transformers:\n{loading_lines(name, out)}")
+        return out
     out = Path(args.out) if args.out else tag_dir.parent.parent / "encoder.safetensors"
     path = export_checkpoint(tag_dir, out)
     print(f"wrote {path} and {path.with_suffix('.json')} from {tag_dir}")
