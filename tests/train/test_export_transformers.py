@@ -13,6 +13,7 @@ from model import create_model
 from model.objectives import build_objective
 from model.objectives.mae import MAEConfig
 from train.checkpoint import read_meta
+from train.engine.state_files import read_tensors
 from train.export import export_transformers
 from train.export import main as export_main
 from train.export_transformers import choose_architecture
@@ -34,7 +35,7 @@ def _tag(run_dir):
 
 
 def _our_mae(tag_dir):
-    module = torch.load(tag_dir / "model.pt", weights_only=True)["module"]
+    module = read_tensors(tag_dir)
     mae = build_objective("mae", create_model("vit_debug_patch4", in_chans=1),
                           MAEConfig(decoder_dim=32, decoder_depth=1, decoder_heads=2))
     mae.load_state_dict({k: v.float() for k, v in module.items() if k.startswith(("encoder.", "decoder."))})
