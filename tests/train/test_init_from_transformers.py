@@ -5,12 +5,13 @@ import pytest
 import torch
 from conftest import CPU_DS, DEBUG_PRESET, run_pretrain_calls
 from hf_folders import vit_folder, vit_mae_folder
+from train.engine.state_files import read_tensors
 
 transformers = pytest.importorskip("transformers")
 
 
 def _module(run_dir) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "step00000001" / "model.pt", weights_only=True)["module"]
+    return read_tensors(run_dir / "checkpoints" / "step00000001")
 
 
 def _same(ours: dict[str, torch.Tensor], prefix: str, expected: dict[str, torch.Tensor]) -> None:
