@@ -18,7 +18,6 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
 import json
 import os
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -26,7 +25,14 @@ import torch
 from train.checkpoint import COMPLETE, TAG_RE, check_files
 from train.cli import cli
 from train.config import ConfigError
-from train.engine.state_files import LEGACY_FILE, OPTIM_DIR, STATE_FILE, WEIGHTS_FILE, write_weights
+from train.engine.state_files import (
+    LEGACY_FILE,
+    OPTIM_DIR,
+    STATE_FILE,
+    WEIGHTS_FILE,
+    single_process_quiet,
+    write_weights,
+)
 
 
 def _legacy_optimizer(tag_dir: Path, shapes: dict[str, torch.Size]) -> tuple[str, dict[str, torch.Tensor]]:
@@ -73,8 +79,7 @@ def convert(tag_dir: Path) -> Path:
     extra = {k: v for k, v in old["module"].items() if not isinstance(v, torch.Tensor)}
     kind, optim = _legacy_optimizer(tag_dir, {k: v.shape for k, v in tensors.items()})
     write_weights(tag_dir / WEIGHTS_FILE, tensors, write=True)
-    with warnings.catch_warnings():  # one process, no process group: DCP says it saves without one
-        warnings.simplefilter("ignore")
+    with single_process_quiet():  # one process, no process group
         dcp.save(optim, checkpoint_id=tag_dir / OPTIM_DIR, no_dist=True)
     torch.save({"engine": {**old["engine"], "schedule": old["schedule"]}, "extra": extra, "optimizer": kind,
                 "client": old["client"]}, tag_dir / STATE_FILE)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import CPU_DS, DEBUG_PRESET, run_pretrain_calls
 from hf_folders import vit_folder, vit_mae_folder
+
 from train.engine.state_files import read_tensors
 
 transformers = pytest.importorskip("transformers")

@@ -21,6 +21,7 @@ import contextlib
 import json
 import pickle
 import struct
+import warnings
 from pathlib import Path
 
 import torch
@@ -136,6 +137,14 @@ def check_dcp_metadata(folder: Path) -> None:
                          f"with)") from None
 
 
+@contextlib.contextmanager
+def single_process_quiet():
+    """DCP warns that it assumes one process when no process group exists: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 # --- the tag ----------------------------------------------------------------------------------
 def module_tensors(engine) -> tuple[dict[str, torch.Tensor], dict]:
     """(every tensor of the objective's state by name, the trained ones as fp32 master weights;
@@ -156,7 +165,8 @@ def save(engine, tag_dir: Path, client: dict) -> None:
     """Collective: every rank calls it with the same tag folder."""
     tensors, extra = module_tensors(engine)
     write_weights(tag_dir / WEIGHTS_FILE, {k: v.detach() for k, v in tensors.items()}, engine.rank == 0)
-    dcp.save(optimizer_state(engine), checkpoint_id=tag_dir / OPTIM_DIR, no_dist=not dist.is_initialized())
+    with single_process_quiet():
+        dcp.save(optimizer_state(engine), checkpoint_id=tag_dir / OPTIM_DIR, no_dist=not dist.is_initialized())
     if engine.rank == 0:
         torch.save({"engine": engine.counters(), "extra": extra, "optimizer": type(engine.optimizer).__name__,
                     "client": client}, tag_dir / STATE_FILE)
@@ -183,7 +193,8 @@ def load(engine, tag_dir: Path) -> dict:
     if extra:
         engine.module.load_state_dict(state["extra"], strict=False)
     check_dcp_metadata(tag_dir / OPTIM_DIR)
-    dcp.load(optimizer_state(engine), checkpoint_id=tag_dir / OPTIM_DIR, no_dist=not dist.is_initialized())
+    with single_process_quiet():
+        dcp.load(optimizer_state(engine), checkpoint_id=tag_dir / OPTIM_DIR, no_dist=not dist.is_initialized())
     engine.weights_loaded()
     engine.load_counters(state["engine"])
     return state["client"]

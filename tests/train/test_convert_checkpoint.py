@@ -1,0 +1,93 @@
+"""A checkpoint tag of the earlier layout (model.pt with every weight + optim_rank*.pt holding the
+optimizer state by flat range of padded, 64-aligned buffers, split between ranks mid-parameter) is
+refused by a resume with the command that converts it; converted, it loads into the engine with
+the same weights, moments, step counts and client state, bit for bit."""
+import json
+
+import pytest
+import torch
+from conftest import CPU_DS, DEBUG_PRESET
+
+from train import checkpoint
+from train.build import build_engine
+from train.cli import cli
+from train.config import parse_args, to_dict
+from train.convert_checkpoint import main as convert
+from train.ds_config import resolve
+from train.pretrain import main as pretrain
+
+ALIGN = 64
+
+
+def engine():
+    cfg = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET)])
+    ds, _ = resolve(cfg, 1)
+    return build_engine(cfg, ds, torch.device("cpu"), 1e-3, 1, 10)[0], cfg
+
+
+def trained_engine():
+    torch.manual_seed(0)
+    eng, cfg = engine()
+    for _ in range(2):
+        eng.backward(eng({"image": torch.randn(8, 1, 28, 28)})["loss"])
+        eng.step()
+    return eng, cfg
+
+
+def write_legacy_tag(eng, cfg, tag):
+    """The earlier engine's files for `eng`'s state, written as two ranks of ZeRO-1 wrote them."""
+    layout, offset = [], 0
+    for name, t in eng.master_weights().items():
+        layout.append([name, offset, t.numel()])
+        offset = -(-(offset + t.numel()) // ALIGN) * ALIGN
+    padded = -(-offset // (ALIGN * 2)) * ALIGN * 2
+    flat = {key: torch.zeros(padded) for key in ("exp_avg", "exp_avg_sq")}
+    for (name, start, n), t in zip(layout, eng.master_weights().values()):
+        for key in flat:
+            flat[key][start:start + n] = eng.optimizer.state[t][key].reshape(-1)
+    step = next(iter(eng.optimizer.state.values()))["step"]
+    tag.mkdir(parents=True)
+    half = padded // 2
+    for rank, (a, b) in enumerate(((0, half), (half, padded))):  # one piece per rank: a cut through a parameter
+        torch.save({"layout": layout, "optimizer": "AdamW", "pieces": [
+            {"start": a, "end": b, "state": {"step": step.clone(), **{k: v[a:b].clone() for k, v in flat.items()}}}]},
+            tag / f"optim_rank{rank:05d}.pt")
+    module = {k: (eng.master_weights()[k] if k in eng.master_weights() else v).detach().clone()
+              for k, v in eng.module.state_dict().items()}
+    counters = eng.counters()
+    torch.save({"module": module, "layout": layout, "schedule": counters.pop("schedule"), "engine": counters,
+                "client": {"step": 2, "data": [{"position": 16}]}}, tag / "model.pt")
+    torch.save(checkpoint.rng_state(), tag / "rng_rank0.pt")
+    files = {f.name: f.stat().st_size for f in tag.iterdir()}
+    (tag / "complete.json").write_text(json.dumps({"step": 2, "world_size": 2, "global_batch": 8, "zero_stage": 1,
+                                                   "objective": "mae", "config": to_dict(cfg), "files": files}))
+    return {k: v.clone() for k, v in eng.master_weights().items()}
+
+
+def test_a_tag_of_the_earlier_layout_is_refused_then_converted_and_resumed_exactly(tmp_path, capsys, monkeypatch):
+    eng, cfg = trained_engine()
+    tag = tmp_path / "old" / "checkpoints" / "step00000002"
+    weights = write_legacy_tag(eng, cfg, tag)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit) as status:
+        cli(lambda: pretrain(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir",
+                              str(tmp_path / "run"), "--resume", str(tag)]))
+    err = capsys.readouterr().err
+    assert status.value.code == 2 and f"python -m train.convert_checkpoint {tag}" in err, err
+    assert not torch.distributed.is_initialized() and not (tmp_path / "run" / "checkpoints").exists()
+
+    assert convert([str(tmp_path / "old")]) == [tag]  # a run folder: every tag of the earlier layout
+    assert not (tag / "model.pt").exists() and not list(tag.glob("optim_rank*.pt"))
+    assert checkpoint.check_files(tag) is None  # complete.json lists the new files with their sizes
+    checkpoint.verify_safe(tag)
+    torch.manual_seed(1)  # other starting weights: everything must come from the tag
+    fresh, _ = engine()
+    assert fresh.load(tag) == {"step": 2, "data": [{"position": 16}]}
+    assert fresh.steps == eng.steps == 2 and fresh.get_lr() == eng.get_lr()
+    for name, t in fresh.master_weights().items():
+        assert torch.equal(t, weights[name]), name
+        for key, value in eng.optimizer.state[eng.master_weights()[name]].items():
+            assert torch.equal(fresh.optimizer.state[t][key], value), (name, key)
+    with pytest.raises(SystemExit) as status:  # converted once: a second time is refused, nothing changes
+        cli(lambda: convert([str(tag)]))
+    assert status.value.code == 2 and "not a tag of the earlier layout" in capsys.readouterr().err
