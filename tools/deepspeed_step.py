@@ -1,4 +1,4 @@
-"""DeepSpeed's own engine training our objective: the step this codebase ran before train/engine.py,
+"""DeepSpeed's own engine training our objective: the step this codebase ran before train/engine/,
 kept as a baseline to measure the engine against (tools/census.py --deepspeed, the GPU kit's bench).
 
 The same objective, parameter groups, fused AdamW and schedule as train/build.py's, handed to

@@ -1,7 +1,7 @@
 """Load, check and complete a DeepSpeed JSON before any process group starts.
 
 The JSON owns batch sizes, precision, ZeRO stage and gradient clipping: what the engine reads
-(train/engine.py). Every other key is checked by train/ds_keys.py (typos, DeepSpeed's own
+(train/engine/). Every other key is checked by train/ds_keys.py (typos, DeepSpeed's own
 validation of its sections, settings the engine does not implement). Optimizer and scheduler
 come from the run options (one source of truth), so those DeepSpeed sections are rejected rather
 than silently overridden.

@@ -1,7 +1,7 @@
 """Optimizer steps with a non-finite loss or gradients: skipped, counted, and a run that keeps
 producing them stopped with a message saying so.
 
-Skipping is the engine's (train/engine.py): the fused optimizer step takes a `found_inf` flag
+Skipping is the engine's (train/engine/core.py): the fused optimizer step takes a `found_inf` flag
 computed on the device from the gradients' sum of squares and leaves weights and moments as they
 were, without a host read. `nan_if_not_finite` closes one gap: a non-finite loss whose gradients
 happen to be finite (a NaN term that no weight feeds) becomes NaN gradients, which the check

@@ -44,7 +44,7 @@ def param_groups(module: nn.Module, weight_decay: float) -> tuple[list[dict], di
 
 def build_optimizer(groups: list[dict], optim_cfg) -> torch.optim.Optimizer:
     """The engine's optimizer over its flat tensors: PyTorch's fused AdamW (one kernel per group
-    that also unscales the gradients and skips a step flagged non-finite: train/engine.py), or LARS."""
+    that also unscales the gradients and skips a step flagged non-finite: train/engine/core.py), or LARS."""
     if optim_cfg.name == "lars":
         return LARS(groups, lr=0.0)
     return torch.optim.AdamW(groups, lr=0.0, betas=optim_cfg.betas, fused=True)
@@ -61,7 +61,7 @@ def warmup_cosine(step: int, peak_lr: float, min_lr: float, warmup_steps: float,
 class WarmupCosineSchedule:
     """Sets every group's lr before each optimizer step (groups may carry an `lr_scale`).
 
-    The engine (train/engine.py) calls `step()` after every optimizer step, a skipped one too, and
+    The engine (train/engine/core.py) calls `step()` after every optimizer step, a skipped one too, and
     saves `state_dict()` in its checkpoints; the lr for step s depends only on s, so resume is exact.
     """
 

@@ -1,5 +1,5 @@
 """Evaluation under ZeRO-3: predict() runs outside the objective's forward, where FSDP2 would
-hold the parameters sharded; the engine gathers them for it (train/engine_fsdp.py gathered())."""
+hold the parameters sharded; the engine gathers them for it (train/engine/sharded.py gathered())."""
 import json
 
 import pytest
