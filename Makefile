@@ -84,7 +84,7 @@ gpu-wheels: $(STAMP)
 # Every phase of the GPU validation kit (tools/gpu_check.py) in its CPU smoke mode: debug model, a step
 # or two, CUDA-only parts skipped with the reason; JSONs + log in runs/gpu_smoke (the suite runs the same).
 gpu-smoke: $(STAMP)
-	$(PY) -m tools.gpu_check tests bench methods loader study --smoke --out runs/gpu_smoke
+	$(PY) -m tools.gpu_check tests bench methods loader study scale --smoke --out runs/gpu_smoke
 
 # Optional, for developers (no target depends on it): Debian's Slurm and munge, with which `make test`
 # also runs tests/launchers/test_real_slurm.py (a one-node cluster on localhost, run as root). As root

@@ -16,6 +16,9 @@ Phases (tools/phases/, one module each; each reuses the project's own entry poin
            --loader_only) and nvjpeg, on JPEG shards made by benchmarks/photo_shards.py
   study    experiments/fashion_mnist/study.py on Fashion-MNIST, 1 seed, one entry at a time (--study_pretrain_samples,
            default one epoch: 60000)
+  scale    MAE ViT-B/16 images/s per GPU on 1, 2, 4, 8 GPUs of the node (those present) for ZeRO 0-3,
+           through train/bench.py under torchrun; efficiency against 1 GPU beside the communication
+           model's prediction for one node and 4 nodes (train/comm_model.py)
 
 --smoke: the same phase on the CPU with tiny models and few steps (the test suite runs it); what
 needs CUDA is skipped with the reason in the JSON. Without CUDA and without --smoke: exit 2.
@@ -49,8 +52,9 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 import torch
 
-PHASES = ("tests", "bench", "methods", "loader", "study")
-PHASE_MODULES = {"tests": "gpu_tests", "bench": "bench", "methods": "methods", "loader": "loader", "study": "study"}
+PHASES = ("tests", "bench", "methods", "loader", "study", "scale")
+PHASE_MODULES = {"tests": "gpu_tests", "bench": "bench", "methods": "methods", "loader": "loader", "study": "study",
+                 "scale": "scale"}
 
 
 class Tee(io.TextIOBase):

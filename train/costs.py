@@ -43,6 +43,8 @@ class BlockCall:
     heads: int
     kept_matrix_bytes: float  # bytes per (batch x head x T x T) element the attention keeps for backward
     checkpointed: bool
+    module: str = ""  # the block's qualified name in the objective (one block may be called several times)
+    forward_flops: float = 0.0  # matmul FLOPs inside the block during this call
 
 
 @dataclass
@@ -98,6 +100,8 @@ def profile(objective: Objective, batch: dict[str, torch.Tensor], fused_kernels:
     checkpointed = {id(b) for m in objective.modules() if getattr(m, "grad_checkpointing", False)
                     for b in m.modules() if isinstance(b, Block)}
     pending: dict[int, tuple] = {}
+    names = {id(m): name for name, m in objective.named_modules()}
+    flops_before: dict[int, float] = {}  # the count when a block started: what it adds is its own
 
     def linear_hook(module, args, output):
         x = args[0]
@@ -119,12 +123,16 @@ def profile(objective: Objective, batch: dict[str, torch.Tensor], fused_kernels:
         out.forward_flops += 4.0 * B * T * T * D
         pending[id(module)] = (mask, rpe)
 
+    def block_pre_hook(module, args):
+        flops_before[id(module)] = out.forward_flops
+
     def block_hook(module, args, output):
         B, T, D = args[0].shape
         mask, rpe = pending.pop(id(module.attn), (None, False))
         out.blocks.append(BlockCall(B, T, D, module.mlp.fc1.out_features, module.attn.num_heads,
                                     _kept_matrix_bytes(module.attn, mask, rpe, fused_kernels, value_bytes),
-                                    id(module) in checkpointed))
+                                    id(module) in checkpointed, names[id(module)],
+                                    out.forward_flops - flops_before.pop(id(module))))
 
     handles = []
     for m in objective.modules():
@@ -135,6 +143,7 @@ def profile(objective: Objective, batch: dict[str, torch.Tensor], fused_kernels:
         elif isinstance(m, Attention):
             handles.append(m.register_forward_pre_hook(attention_pre_hook, with_kwargs=True))
         elif isinstance(m, Block):
+            handles.append(m.register_forward_pre_hook(block_pre_hook))
             handles.append(m.register_forward_hook(block_hook))
     try:
         objective(batch)

@@ -11,6 +11,8 @@ configuration is sound and fits, 2 otherwise, with the problems listed.
 
 --gpu defaults to the GPU a shipped ds_config names (`..._8xa100_...`), else this machine's;
 --world_size to WORLD_SIZE, else what a ds_config giving all three batch numbers implies, else 8.
+On several ranks it also prints a step's communication on paper (train/scaling.py; `python -m
+tools.scaling` for the assumptions and other world sizes).
 """
 from __future__ import annotations
 
@@ -129,6 +131,10 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         raise ConfigError(f"{e} (or cpu for CPU ranks)") from None
     run = check(cfg, world or default_world(cfg.ds_config), gpu)
+    if run.memory is not None and run.world > 1:  # the objective ran on the meta device: its step's collectives too
+        from train.scaling import summary_line
+
+        run.lines.append(summary_line(cfg, load(cfg.ds_config), run.world, gpu))
     print(f"dry run of {cfg.objective} on {cfg.model.name} with {cfg.ds_config}")
     for line in run.lines:
         print(f"  {line}")

@@ -30,6 +30,9 @@ def test_flops_of_the_debug_mae_match_a_hand_count():
     assert prof.train_flops == 3 * B * per_image
     assert prof.tokens(32) == B * (2 * enc + dec)
     assert [(c.batch, c.tokens) for c in prof.blocks] == [(B, enc), (B, enc), (B, dec)]
+    # each call knows its block and the FLOPs inside it (what train/scaling.py spreads over FSDP units)
+    assert [c.module for c in prof.blocks] == ["encoder.blocks.0", "encoder.blocks.1", "decoder.decoder_blocks.0"]
+    assert [c.forward_flops for c in prof.blocks] == [B * block(enc), B * block(enc), B * block(dec)]
 
 
 def saved_bytes(objective, batch) -> int:
