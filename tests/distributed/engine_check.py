@@ -9,6 +9,9 @@ number, so the data do not depend on the world size: each rank takes its rows of
 micro-batch). Rank 0 writes {"<stage>_<accum>": [the global batch's mean loss per step]}.
 CASE `objective-<name>`: energy or mlomae at 2 ranks, stages 0-3, accumulation 1, with their
 own random draws (seeded alike for every stage): the same per-step mean losses.
+CASE `sweep`: every objective's debug preset (AdPE: MAE+ with the RPE-coordinate adversary; the
+linear probe on ZeRO-0 only, LARS needing whole tensors) through the real loop and data source,
+2 optimizer steps on every stage: rank 0 writes {"<objective> <stage>": [losses], ...}.
 CASE `poison`: every stage; rank 1's loss is NaN in step 2: every rank skips it, the weights and
 the optimizer's moments are unchanged, and the skip is counted.
 """
@@ -108,6 +111,44 @@ def objective_stages(out: Path, objective: str, steps: int) -> dict:
     return result
 
 
+PRESETS = REPO / "train" / "configs"
+SWEEP = {
+    "mae": ["--config", str(PRESETS / "mae/debug.json")],
+    "mixedae": ["--config", str(PRESETS / "mixedae/debug.json")],
+    "maeplus": ["--config", str(PRESETS / "maeplus/debug.json")],
+    "adpe": ["--config", str(PRESETS / "maeplus/debug.json"), "--config", str(PRESETS / "maeplus/variants/rpe_coord.json")],
+    "mlomae": ["--config", str(PRESETS / "mlomae/debug.json")],
+    "energy": ["--config", str(PRESETS / "energy/debug.json")],
+    "finetune": ["--config", str(PRESETS / "mae/debug.json"), "--objective", "finetune", "--finetune.num_classes", "10"],
+    "linprobe": ["--config", str(PRESETS / "mae/debug.json"), "--objective", "linprobe", "--linprobe.num_classes", "10",
+                 "--optim.name", "lars"],
+}
+
+
+def sweep(out: Path) -> dict:
+    from train.build import training_source
+    from train.loop import LoopSettings, LoopState, run
+
+    rank, world, device = distributed.init()
+    result = {}
+    for name, args in SWEEP.items():
+        for stage in ((0,) if name == "linprobe" else (0, 1, 2, 3)):
+            ds_file = out / f"ds_sweep_{name}_{stage}.json"
+            if rank == 0:
+                ds_file.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+                                               "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}}))
+            dist.barrier()
+            cfg = parse_args(["--ds_config", str(ds_file), *args, "--output_dir", str(out / "run")])
+            ds, plan = resolve(cfg, world)
+            engine, objective, _ = build_engine(cfg, ds, device, peak_lr=1e-3, warmup_steps=0, total_steps=10)
+            data = training_source(cfg, objective.encoder.img_size, plan, rank, world, device)
+            losses = []
+            run(engine, data, LoopSettings(2, 1, 10**9, plan.global_batch), LoopState(), device, engine.dtype,
+                lambda step, metrics: losses.append(metrics["loss"]), lambda step: None)
+            result[f"{name} {stage}"] = losses
+    return result
+
+
 def poison(out: Path, steps: int) -> dict:
     rank, world, _ = distributed.init()
     result = {}
@@ -143,6 +184,8 @@ def main(out: Path, cases: list[str], steps: int) -> None:
             result = equality(out, objective, precision, steps)
         elif kind == "objective":
             result = objective_stages(out, rest, steps)
+        elif kind == "sweep":
+            result = sweep(out)
         else:
             result = poison(out, steps)
         if dist.get_rank() == 0:

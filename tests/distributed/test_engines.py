@@ -16,7 +16,7 @@ from conftest import REPO, run_ranks
 pytestmark = pytest.mark.distributed
 SCRIPT = REPO / "tests" / "distributed" / "engine_check.py"
 EQUALITY = ("equality-mae-fp32", "equality-finetune-fp32", "equality-mae-bf16")
-AT_TWO_RANKS = ("objective-energy", "objective-mlomae", "poison")
+AT_TWO_RANKS = ("objective-energy", "objective-mlomae", "poison", "sweep")
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +27,23 @@ def results(tmp_path_factory):
         run_ranks(world, SCRIPT, str(out), ",".join(EQUALITY + (AT_TWO_RANKS if world == 2 else ())))
     return {(case, world): json.loads((out / f"{case}_{world}.json").read_text())
             for case in EQUALITY + AT_TWO_RANKS for world in (1, 2, 3, 4) if (out / f"{case}_{world}.json").exists()}
+
+
+def test_every_objective_trains_on_every_stage_through_the_loop(results):
+    """Every objective's debug preset (AdPE's RPE-coordinate adversary, MLO-MAE's levels, energy's
+    double backward, fine-tuning's layer-decay groups; the linear probe's LARS on ZeRO-0) through
+    the real loop and data source at 2 ranks: the same first loss on every stage (the same weights
+    and data), then a finite second one."""
+    runs = results["sweep", 2]
+    names = {key.split()[0] for key in runs}
+    assert names == {"mae", "mixedae", "maeplus", "adpe", "mlomae", "energy", "finetune", "linprobe"}
+    for name in names:
+        stages = ["0"] if name == "linprobe" else ["0", "1", "2", "3"]
+        first = runs[f"{name} 0"][0]
+        for stage in stages:
+            losses = runs[f"{name} {stage}"]
+            assert len(losses) == 2 and all(v == v and abs(v) < 100 for v in losses), (name, stage, losses)
+            assert losses[0] == pytest.approx(first, rel=1e-5), (name, stage)
 
 
 @pytest.mark.parametrize("case,rel", [("equality-mae-fp32", 1e-6), ("equality-finetune-fp32", 1e-6),
