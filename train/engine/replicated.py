@@ -66,6 +66,8 @@ class ReplicatedEngine(EngineCore):
             for m in self.masters:
                 m.grad = torch.zeros_like(m)
             module.to(cfg.dtype)
+            self.weights = [p.detach() for p in self.params]  # what the cast after each step writes into
+            self.master_grads = [m.grad for m in self.masters]
         else:
             self.masters = self.params
         self.ddp = None
@@ -94,29 +96,31 @@ class ReplicatedEngine(EngineCore):
         with self.ddp.no_sync() if self.ddp is not None and not reduce_now else contextlib.nullcontext():
             self._scaled(loss).backward()
         if self.low_precision:  # into the fp32 sums: the first micro-batch replaces, the others add
-            grads, into, unused = [], [], []
-            for p, m in zip(self.params, self.masters):
-                (unused if p.grad is None else into).append(m.grad)
-                if p.grad is not None:
-                    grads.append(p.grad)
-                    p.grad = None
+            grads = [p.grad for p in self.params]
+            for p in self.params:
+                p.grad = None
+            if any(g is None for g in grads):  # parameters this micro-batch did not reach
+                into = [m for m, g in zip(self.master_grads, grads) if g is not None]
+                if self.micro == 0:
+                    torch._foreach_zero_([m for m, g in zip(self.master_grads, grads) if g is None])
+                grads = [g for g in grads if g is not None]
+            else:
+                into = self.master_grads
             if self.micro == 0:
                 torch._foreach_copy_(into, grads)
-                if unused:
-                    torch._foreach_zero_(unused)
             elif grads:
                 torch._foreach_add_(into, grads)
         self.micro += 1
 
     def _norm(self) -> torch.Tensor:
-        grads = [m.grad for m in self.masters if m.grad is not None]
+        grads = self.master_grads if self.low_precision else [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return torch.zeros((), device=self.device)
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))  # fp32
 
     def _after_update(self) -> None:
         if self.low_precision:
-            torch._foreach_copy_([p.detach() for p in self.params], self.masters)
+            torch._foreach_copy_(self.weights, self.masters)
         else:
             for p in self.params:
                 p.grad = None
@@ -130,4 +134,4 @@ class ReplicatedEngine(EngineCore):
 
     def weights_loaded(self) -> None:
         if self.low_precision:
-            torch._foreach_copy_([p.detach() for p in self.params], self.masters)
+            torch._foreach_copy_(self.weights, self.masters)
