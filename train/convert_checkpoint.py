@@ -15,6 +15,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
     from pathlib import Path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+import argparse
 import json
 import os
 import sys
@@ -108,12 +109,12 @@ def tags_in(path: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        raise SystemExit(0 if argv else 2)
+    parser = argparse.ArgumentParser(prog="python -m train.convert_checkpoint", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="+", metavar="TAG", help="a tag folder, or a run folder: all its tags")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     done = []
-    for arg in argv:
+    for arg in args.paths:
         for tag in tags_in(Path(arg)):
             done.append(convert(tag))
             print(f"converted {tag}")
