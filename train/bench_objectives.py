@@ -9,7 +9,8 @@ engine (kernels/bench.py times the attention kernels alone; train/bench.py the w
 Pairs:
   mixedae   MAE vs MixedAE (full-size images)
   adpe      MAE+ with iRPE vs AdPE RPE-coord (4 crops of half the model's image size)
-Ratio: "<method>_over_<baseline>" = time(method) / time(baseline). JSON to benchmarks/results/.
+Ratio: "<method>_over_<baseline>" = time(method) / time(baseline). JSON to runs/bench/ (--out_dir DIR:
+there; --record: benchmarks/results/, the committed records).
 """
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from kernels.bench import DTYPES, SHOW_DEFAULT, add_timing_options, record_header, sync, write_record
+from kernels.bench import DTYPES, SHOW_DEFAULT, OneLineParser, add_timing_options, out_dir_of, record_header, sync, write_record
 from model.objectives import build_objective
 from model.objectives.mae import MAEConfig
 from model.objectives.maeplus import MAEPlusConfig
 from model.objectives.mixedae import MixedAEConfig
-from model.registry import create_model, model_arch
+from model.registry import create_model, list_models, model_arch
 
 PAIRS = ("mixedae", "adpe")
 
@@ -86,20 +87,25 @@ def bench_pair(pair: str, dtype: torch.dtype, device: torch.device, batch: int, 
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_timing_options(p, iters=10)
     p.add_argument("--pairs", nargs="+", choices=PAIRS, default=list(PAIRS),
                    help="methods timed against MAE" + SHOW_DEFAULT)
     p.add_argument("--batch", type=int, default=128, help="images per training step" + SHOW_DEFAULT)
     p.add_argument("--model", default="vit_base_patch16", help="a registered ViT" + SHOW_DEFAULT)
     a = p.parse_args(argv)
+    out_dir = out_dir_of(p, a)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device; pass --device cpu (with a small --model)")
+    if a.model not in list_models():
+        p.error(f"--model {a.model} is not a registered ViT; choose one of {', '.join(list_models())}")
+    if a.batch < 1:
+        p.error(f"--batch must be >= 1, got {a.batch}")
     dtype = DTYPES[a.dtype]
     record = {**record_header(device, a.dtype, a.iters, a.warmup),
               "e2e": {pair: bench_pair(pair, dtype, device, a.batch, a.iters, a.warmup, a.model) for pair in a.pairs}}
-    return write_record(record, Path(a.out_dir), "objective_steps", device, a.dtype)
+    return write_record(record, out_dir, "objective_steps", device, a.dtype)
 
 
 if __name__ == "__main__":

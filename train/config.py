@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from data.cli import InputError, read_json
 from data.labels import LabelKey
 from data.transforms import DECODES
 from kernels import resolve_backend
@@ -29,8 +29,39 @@ from model.registry import list_models, model_arch
 from model.timm_backbone import is_timm_name
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A configuration problem found before training starts."""
+
+
+PRESETS = Path(__file__).resolve().parent / "configs"  # train/configs/<method>/*.json, variants/ below
+
+
+def preset_names() -> list[str]:
+    """Every shipped preset, as a path from the repository root (train/configs/mae/debug.json, ...)."""
+    root = PRESETS.parent.parent
+    return sorted(str(p.relative_to(root)) for p in PRESETS.rglob("*.json"))
+
+
+def load_preset(value: str) -> dict:
+    """The options of a --config preset; ConfigError for a missing file (naming where presets live
+    and the nearest shipped ones), malformed JSON (file, line and column) or JSON that is not an
+    object of options."""
+    path = Path(value)
+    if not path.is_file():
+        given = str(path.resolve().relative_to(PRESETS.parent.parent)) \
+            if path.resolve().is_relative_to(PRESETS.parent.parent) else value
+        near = difflib.get_close_matches(given, preset_names(), n=3, cutoff=0.6)
+        hint = f"; nearest: {', '.join(near)}" if near else f"; e.g. {', '.join(preset_names()[:3])}"
+        raise ConfigError(f"preset --config {value} {'is a folder' if path.is_dir() else 'does not exist'}: presets "
+                          f"live in train/configs/<method>/ and train/configs/<method>/variants/{hint}")
+    try:
+        preset = read_json(path, "preset --config")
+    except InputError as e:
+        raise ConfigError(str(e)) from None
+    if not isinstance(preset, dict):
+        raise ConfigError(f"preset --config {value} holds a JSON {type(preset).__name__}, not an object of options "
+                          f'(e.g. {{"optim": {{"blr": 1.5e-4}}}})')
+    return preset
 
 
 @dataclass
@@ -175,7 +206,7 @@ class PretrainConfig:
         if self.run.stop_check_every < 1:
             raise ConfigError("run.stop_check_every must be >= 1")
         if self.run.max_nonfinite_steps < 0:
-            raise ConfigError("run.max_nonfinite_steps must be >= 0 (0 never stops)")
+            raise ConfigError("run.max_nonfinite_steps must be >= 0 (0: never)")
         if self.run.overwrite and self.resume:
             raise ConfigError("run.overwrite starts afresh and --resume continues: give one of them")
         if not self.optim.blr > 0:  # also NaN; a negative lr trains by gradient ascent
@@ -452,7 +483,7 @@ def parse_args(argv: list[str], entry_point_reads_not: dict[str, str] | None = N
     conditional: list[tuple[str, dict]] = []  # (objective, its section) of presets' if_objective parts
     for key, value in pairs:
         if key == "config":
-            preset = json.loads(Path(value).read_text())
+            preset = load_preset(value)
             for name, section in preset.pop(IF_OBJECTIVE, {}).items():
                 conditional.append((name, section))
             for k, v in _flatten(preset, keys).items():

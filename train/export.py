@@ -29,7 +29,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from data.cli import Parser
+from data.folders import unwritable_file
 from train.checkpoint import find_resume, read_meta
+from train.config import ConfigError
 from train.engine import MODEL_FILE
 
 ENCODER_PREFIX = "encoder."
@@ -161,13 +164,29 @@ def load_timm_encoder(path: Path):
     return model
 
 
+def find_checkpoint(path: str, option: str) -> Path:
+    """The checkpoint tag `path` names (a run folder or checkpoints folder: its latest complete one);
+    ConfigError naming `option` when there is none."""
+    if not Path(path).exists():
+        raise ConfigError(f"{option} {path} does not exist: give a run folder (its latest complete checkpoint is "
+                          f"taken) or one of its checkpoints/step* folders")
+    try:
+        return find_resume(path, Path(path))
+    except FileNotFoundError as e:  # its message names the option of a resume
+        detail = str(e).removeprefix(f"--resume {path!r}: ")
+        raise ConfigError(f"{option} {path}: {detail}; give a run folder or one of its checkpoints/step* "
+                          f"folders") from None
+
+
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="run folder or checkpoint tag folder")
     parser.add_argument("--out", help="output .safetensors (default: <run folder>/encoder.safetensors)")
     args = parser.parse_args(argv)
-    tag_dir = find_resume(args.checkpoint, Path(args.checkpoint))
+    tag_dir = find_checkpoint(args.checkpoint, "--checkpoint")
     out = Path(args.out) if args.out else tag_dir.parent.parent / "encoder.safetensors"
+    if problem := unwritable_file(out):
+        raise ConfigError(f"--out {out} {problem}")
     path = export_checkpoint(tag_dir, out)
     print(f"wrote {path} and {path.with_suffix('.json')} from {tag_dir}")
     snippet = json.loads(path.with_suffix(".json").read_text())["timm_snippet"]
@@ -177,4 +196,6 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    from train.cli import cli
+
+    cli(main)

@@ -44,6 +44,7 @@ from train.loop import run as run_loop
 from train.preemption import Interrupted, StopSignal, requeue_job, resume_hint
 from train.run_dir import Reporter, check_run_folder, check_writable_folder, record_resume, write_run_files
 from train.visualize import write_figures
+from train.weights_fit import check_init_from
 
 log = logging.getLogger("pretrain")
 
@@ -95,7 +96,9 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     ds_config, plan = resolve(cfg, distributed.world_size_from_env())
+    check_same_objective(cfg)  # before the objective's own checks, which would blame its options
     check_objective_fits(cfg, plan.micro, plan.accum, zero_stage(ds_config))
+    check_init_from(cfg)  # the weights' channels and sizes against the model, from the file's shapes
     try:
         check_source(cfg.data, plan.world, cfg.model.in_chans)
         verify_before_start(cfg.data)  # data.verify_shards: every shard's headers, before the run folder
@@ -113,6 +116,34 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return CheckedRun(ds_config, plan, per_epoch, total_steps, warmup_steps, run_dir, resume_from, changes)
+
+
+def trained_objective(cfg: PretrainConfig) -> tuple[str, str] | None:
+    """(the objective of the run this one would continue, where that is recorded), or None: the
+    checkpoint --resume names, else the run folder's config.json (unless run.overwrite replaces it)."""
+    if cfg.resume and cfg.resume != "auto":
+        try:
+            tag = checkpoint.find_resume(cfg.resume, Path(cfg.output_dir))
+            return checkpoint.read_meta(tag)["config"]["objective"], f"the checkpoint {tag}"
+        except (OSError, ValueError, KeyError):  # no checkpoint there: check_resume says so
+            return None
+    saved = Path(cfg.output_dir) / "config.json"
+    if cfg.run.overwrite or not saved.is_file():
+        return None
+    try:
+        return json.loads(saved.read_text())["objective"], f"--output_dir {cfg.output_dir} (its config.json)"
+    except (OSError, ValueError, KeyError):  # unreadable: check_run_folder judges the folder
+        return None
+
+
+def check_same_objective(cfg: PretrainConfig) -> None:
+    """A run continued (or started in a run folder) under another objective is refused naming both."""
+    found = trained_objective(cfg)
+    if found is not None and found[0] != cfg.objective:
+        was, where = found
+        raise ConfigError(f"--objective {cfg.objective}, but {where} holds a {was} run: give --objective {was} to "
+                          f"continue it, or another --output_dir for the {cfg.objective} run (--model.init_from "
+                          f"starts it from that run's weights)")
 
 
 def check_resume(resume_from: Path, cfg: PretrainConfig, plan: BatchPlan) -> None:
