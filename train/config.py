@@ -407,7 +407,8 @@ def _eval(cfg: PretrainConfig) -> bool:
 
 SHARDS = "--data.source shards"
 # Options read only under a condition: option -> (the condition, what would read the option, whether
-# the condition is the data source). Objective sections are read by their objective only.
+# a preset may set it unread: the condition is the data source, or the option is part of a recipe's
+# pipeline, such as its evaluation crop). Objective sections are read by their objective only.
 READ_ONLY_WHEN: dict[str, tuple[Any, str, bool]] = {
     **{f"data.{k}": (_shards, SHARDS, True) for k in (
         "train_index", "label_key", "num_workers", "shuffle_buffer", "crop_scale_min", "decode",
@@ -420,7 +421,7 @@ READ_ONLY_WHEN: dict[str, tuple[Any, str, bool]] = {
     "data.num_crops": (lambda c: c.data.train_transform == "multicrop", "--data.train_transform multicrop", False),
     "data.num_classes": (lambda c: c.data.source == "synthetic", "--data.source synthetic (shards carry their "
                          "classes)", True),
-    "data.eval_crop_pct": (_eval, "--data.eval_index", False),
+    "data.eval_crop_pct": (_eval, "--data.eval_index", True),  # a probe recipe's scoring crop
     "run.eval_every": (_eval, "--data.eval_index", False),
 }
 IF_OBJECTIVE = "if_objective"  # a preset's sections applied only when the run's objective is theirs
@@ -431,8 +432,8 @@ def check_read(cfg: PretrainConfig, origins: dict[str, str], entry_point_reads_n
     of this run would read: another objective's section, a data option of the other source or
     transform, an option the command ignores (given on its command line). A preset may set options
     that depend on the data source and stay unread when the command line picks the other source
-    (it describes its recipe's pipeline), and sections under "if_objective" (applied to their
-    objective only)."""
+    (it describes its recipe's pipeline, its evaluation crop included), and sections under
+    "if_objective" (applied to their objective only)."""
     default = PretrainConfig()
     for key, origin in origins.items():
         section, _, name = key.partition(".")

@@ -22,6 +22,7 @@ from data.source import check_source, eval_shards, fixed_images, train_shards
 from data.verify import verify_before_start
 from kernels.accelerators import describe as describe_accelerators
 from kernels.attention import describe_paths
+from model.objectives.base import ClassifierConfig
 from model.timm_backbone import TimmBackbone
 from train import checkpoint, code_version, distributed, dry_run
 from train.build import (
@@ -33,8 +34,9 @@ from train.build import (
     schedule_steps,
     training_source,
 )
+from train.chance_loss import ChanceLoss
 from train.cli import pop_flags
-from train.config import ConfigError, PretrainConfig, check_objective_fits, help_text, parse_args, to_dict
+from train.config import ConfigError, PretrainConfig, check_objective_fits, help_text, parse_args, section, to_dict
 from train.ds_config import BatchPlan, resolve, zero_stage
 from train.early_signals import catch_stop_signals
 from train.evaluate import classification_accuracy
@@ -214,6 +216,10 @@ class Trainer:
                                  cfg.run.progress) if self.rank == 0 else None
         # classification objectives: top-1/top-5 on every rank's share of the shards
         self.eval_shards = eval_shards(cfg.data) if cfg.data.eval_index else None
+        # a probe or fine-tuning run whose loss stays at ln(classes) says so (train/chance_loss.py)
+        classifier = section(cfg)
+        self.chance = (ChanceLoss(classifier.num_classes, self.settings.stop_step)
+                       if isinstance(classifier, ClassifierConfig) else None)
 
     def figure_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(fixed images (B, C, H, W) in the compute dtype, mask noise (B, N)), drawn from their own
@@ -294,6 +300,8 @@ class Trainer:
         module.train()
         if self.reporter is not None:
             self.reporter.log_eval(step, result)
+            if self.chance is not None:
+                result["training_loss_at_chance"] = self.chance.last is not None
             (self.run_dir / "eval.json").write_text(json.dumps({"step": step, **result}, indent=2))
 
     def run(self) -> Path:
@@ -305,6 +313,10 @@ class Trainer:
         def on_log(step: int, metrics: dict) -> None:  # every rank: the metrics are reduced over ranks
             if step == self.settings.stop_step and hasattr(self.data, "check_unusable"):
                 self.data.check_unusable(metrics)  # the give-up rule over the whole run, before its last checkpoint
+            if self.chance is not None and self.chance.at_chance(step, metrics["loss"]):
+                metrics["loss_at_chance"] = 1
+                if self.chance.first_time() and self.rank == 0:
+                    log.warning(self.chance.message())
             report(step, metrics)
 
         try:
@@ -315,6 +327,8 @@ class Trainer:
             stop.close()
         if self.reporter is not None:
             self.reporter.close()
+        if self.rank == 0 and self.chance is not None and self.chance.last is not None and not stopped:
+            log.warning("at the end: %s", self.chance.message())
         if stopped and not stop.exit_status:
             log.info("stopped on a signal at step %d after writing %s", self.state.step, self.last_saved)
             if self.rank == 0 and stop.requeue:

@@ -234,7 +234,8 @@ def test_the_dry_run_checks_cpu_ranks_and_the_linear_probe_has_a_cpu_ds_config(t
     proc = subprocess.run([sys.executable, str(REPO / "train" / "linprobe.py"), "--ds_config",
                            str(REPO / "ds_configs" / "cpu_linprobe.json"), "--config", str(DEBUG_PRESET),
                            "--model.init_from", str(encoder_run / "encoder.safetensors"), "--linprobe.num_classes",
-                           "10", "--run.max_steps", "1", "--run.progress", "false", "--output_dir",
+                           "10", "--data.epoch_size", "256", "--run.max_steps", "1", "--run.progress", "false",
+                           "--output_dir",
                            str(tmp_path / "probe")], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -33,10 +33,12 @@ def methods_for(name: str) -> list[list[str]]:
         from train.linprobe import RECIPE
 
         return [[*RECIPE, "--model.name", "vit_base_patch16", "--linprobe.num_classes", "1000"]]
-    if name == "cpu_linprobe.json":  # the linear probe (LARS: ZeRO 0) on the debug model
+    if name == "cpu_linprobe.json":  # the linear probe's CPU recipe and the MAE recipe (LARS: ZeRO 0), debug model
         from train.linprobe import RECIPE
 
-        return [[*RECIPE, "--config", str(PRESETS / "mae/debug.json"), "--linprobe.num_classes", "10"]]
+        probe = [*RECIPE, "--config", str(PRESETS / "mae/debug.json"), "--linprobe.num_classes", "10",
+                 "--data.epoch_size", "60000"]  # Fashion-MNIST's train split
+        return [probe, [*probe, "--config", str(PRESETS / "linprobe/cpu_recipe.json")]]
     if name == "cpu_demo.json":
         return [["--config", str(PRESETS / "mae/demo.json"), "--data.epoch_size", "60000"]]  # Fashion-MNIST's train split
     return [["--config", str(PRESETS / "mae/debug.json")]]  # the tests' config
