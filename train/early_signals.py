@@ -13,7 +13,7 @@ configuration error still exits 2. SIGTERM is caught here only inside a Slurm jo
 
 Outside Slurm, SIGINT (Ctrl-C) and SIGTERM (a plain kill) are a person stopping the run: during
 start-up nothing is lost by ending at once, so they keep the default action (`quiet_interrupts`:
-no KeyboardInterrupt traceback); from the loop on, the first one stops with a checkpoint
+no KeyboardInterrupt traceback); from the loop on, the first one ends it with a checkpoint
 (train/preemption.py) and a second of the same kind ends the process at once (`abort_on_repeat`:
 the default action, which needs no Python code to run, so it works in a hung collective too).
 Imports os and signal only, so it can run before torch is imported.

@@ -1,4 +1,4 @@
-"""A real pretraining run on shards one of which is garbage: it stops with exit status 3 and a
+"""A real pretraining run on shards one of which is garbage: it ends with exit status 3 and a
 message naming that shard (and how to list every bad one), instead of training on (or hanging
 over) broken data, with no loader worker's traceback around the message and its checkpoints kept."""
 import io

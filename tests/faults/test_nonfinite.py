@@ -1,4 +1,4 @@
-"""Non-finite losses and gradients: the step is skipped and counted; a streak stops the run with
+"""Non-finite losses and gradients: the step is skipped and counted; a streak ends the run with
 its last checkpoint kept; an fp16 loss-scale collapse is reported as one. (The engine's skip
 itself, weights and moments unchanged, is tests/train/test_engine.py.)"""
 import json
@@ -105,7 +105,7 @@ def test_fp16_loss_scale_collapse_is_reported_as_such():
     with pytest.raises(NonFiniteError, match=r"fp16 loss-scale collapse by step 4: .* minimum loss scale \(1\)"):
         _run(engine, limit=0)
     assert engine.device_state()["skipped_steps"].item() == 4
-    # with a streak limit below the collapse, the streak stops it first and names the scale
+    # with a streak limit below the collapse, the streak ends it first and names the scale
     with pytest.raises(NonFiniteError, match=r"2 consecutive optimizer steps \(1-2\).*fp16 loss scale is 2"):
         _run(fp16_engine(init_power=3), limit=2)
 
