@@ -7,7 +7,7 @@ process-group start, engine, data and resume come first and can take minutes. A 
 window used to kill the rank with the signal's default action: a restarted job ended FAILED
 instead of being requeued, and a configuration error on one rank became exit 143 on the other.
 
-Caught here, a signal is only recorded; the loop's StopSignal takes it over (`take()`) and acts
+Caught here, a signal is only recorded; the loop's StopOnSignal takes it over (`take()`) and acts
 at its first stop check, after which a checkpoint exists to resume from, and a rank that meets a
 configuration error still exits 2. SIGTERM is caught here only inside a Slurm job.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import signal
 
-_received: list[int] = []  # signal numbers, in arrival order, not yet taken by a StopSignal
+_received: list[int] = []  # signal numbers, in arrival order, not yet taken by a StopOnSignal
 
 
 def _record(signum, frame) -> None:

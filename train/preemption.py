@@ -53,7 +53,7 @@ class Interrupted(Exception):
         self.status, self.message = status, message
 
 
-class StopSignal:
+class StopOnSignal:
     def __init__(self, every: int, device: torch.device):
         self.every, self.device = every, device
         self.received = 0  # CODES value of the strongest signal this process got

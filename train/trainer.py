@@ -43,7 +43,7 @@ from train.evaluate import classification_accuracy
 from train.export import export_checkpoint
 from train.loop import LoopSettings, LoopState
 from train.loop import run as run_loop
-from train.preemption import Interrupted, StopSignal, requeue_job, resume_hint
+from train.preemption import Interrupted, StopOnSignal, requeue_job, resume_hint
 from train.run_dir import Reporter, check_run_folder, check_writable_folder, record_resume, write_run_files
 from train.visualize import write_figures
 from train.weights_fit import check_init_from
@@ -307,7 +307,7 @@ class Trainer:
     def run(self) -> Path:
         """Train to the stop step (or a stop signal: checkpoint, requeue), export; the run folder."""
         # Slurm's SIGUSR1 / SIGTERM: checkpoint, (requeue), exit 0; SIGINT / SIGTERM elsewhere: checkpoint, exit 130 / 143
-        stop = StopSignal(self.cfg.run.stop_check_every, self.device)
+        stop = StopOnSignal(self.cfg.run.stop_check_every, self.device)
         report = self.reporter.log if self.reporter else lambda step, metrics: None
 
         def on_log(step: int, metrics: dict) -> None:  # every rank: the metrics are reduced over ranks

@@ -24,7 +24,7 @@ def _tar(path, members: dict[str, bytes]):
             tar.addfile(info, io.BytesIO(data))
 
 
-def test_a_garbage_shard_stops_the_run_naming_it(tmp_path):
+def test_a_garbage_shard_ends_the_run_naming_it(tmp_path):
     rng = np.random.default_rng(0)
     shards = {}
     for s in range(4):

@@ -195,7 +195,7 @@ def test_an_exported_encoder_is_readable_as_the_umask_says(tmp_path):
     assert stat.S_IMODE((tmp_path / "encoder.safetensors").stat().st_mode) == 0o644
 
 
-def test_a_short_run_over_the_unusable_sample_limit_stops_at_its_end_before_the_last_checkpoint(tmp_path, image_folder):
+def test_a_short_run_over_the_unusable_sample_limit_ends_before_the_last_checkpoint(tmp_path, image_folder):
     """Two shards of 12 samples, 2 undecodable in each: a reader applies the limit only once it has
     seen a shard's worth of samples, which 2 steps of 2 samples never reach; the run's end applies it."""
     import io

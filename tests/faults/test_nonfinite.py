@@ -48,7 +48,7 @@ def test_a_nan_loss_step_is_skipped_counted_and_training_goes_on(tmp_path, stage
     assert all(abs(r["loss"]) < 10 for r in rows[3:])  # the weights were not poisoned: training goes on
 
 
-def test_a_streak_of_nonfinite_steps_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
+def test_a_streak_of_nonfinite_steps_ends_the_run_and_keeps_the_last_checkpoint(tmp_path):
     proc = run_pretrain(tmp_path, "--run.max_steps", "10", "--run.ckpt_every", "2", "--run.max_nonfinite_steps", "3",
                         faults="nan_loss@4-10", check=False)
     assert proc.returncode == 3
