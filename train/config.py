@@ -246,7 +246,8 @@ class PretrainConfig:
         if not 0.0 < self.data.crop_scale_min <= 1.0:
             raise ConfigError(f"data.crop_scale_min must be in (0, 1], got {self.data.crop_scale_min}")
         if self.model.init_from and not Path(self.model.init_from).exists():
-            raise ConfigError(f"model.init_from {self.model.init_from!r} does not exist")
+            raise ConfigError(f"model.init_from {self.model.init_from!r} does not exist: give an exported "
+                              f"encoder.safetensors, a run folder, an official MAE or a timm checkpoint")
         if self.model.name not in list_models() and not is_timm_name(self.model.name):
             close = difflib.get_close_matches(self.model.name, list_models(), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""

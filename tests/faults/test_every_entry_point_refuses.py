@@ -48,6 +48,7 @@ ENTRY_POINTS = {
     "train.export": ("train.export", cli, "cli(main)"),
     "train.bench": ("train.bench", cli, "cli(main)"),
     "train.bench_objectives": ("train.bench_objectives", called, "main()"),
+    "kernels.bench": ("kernels.bench", called, "main()"),
     "tools.census": ("tools.census", cli, "cli(main)"),
     "data.write_shards": ("data.write_shards", called, "main()"),
     "data.index_shards": ("data.index_shards", exits, "sys.exit(main())"),
@@ -119,7 +120,7 @@ CASES = [
      r"malformed.json:1:24 is not valid JSON", None),
     ("train.finetune", "missing weights", ["--ds_config", CPU_DS, "--config", DEBUG, "--model.init_from",
                                            "{d}/nowhere.safetensors", "--finetune.num_classes", "10"],
-     r"model.init_from .*nowhere.safetensors' does not exist", None),
+     r"model.init_from .*nowhere.safetensors' does not exist: give an exported encoder.safetensors", None),
     ("train.finetune", "weights of other sizes",
      ["--ds_config", CPU_DS, "--config", DEBUG, "--model.in_chans", "3", "--model.init_from", "{d}/mini.safetensors",
       "--finetune.num_classes", "10", "--output_dir", "{d}/out"],
@@ -171,6 +172,10 @@ CASES = [
     ("train.bench_objectives", "unknown model", ["--device", "cpu", "--model", "vit_nano", "--out_dir", "{d}/bench"],
      r"--model vit_nano is not a registered ViT", None),
     ("train.bench_objectives", "unwritable output", ["--device", "cpu", "--out_dir", "{d}/a_file"],
+     r"--out_dir .*a_file is a file", None),
+    ("train.bench_objectives", "a GPU's benchmark on a CPU", ["--device", "cpu", "--out_dir", "{d}/bench"],
+     r"pairs on vit_base_patch16, batch 128, .* it is sized for a GPU; .*--allow_cpu", None),
+    ("kernels.bench", "unwritable output", ["--device", "cpu", "--out_dir", "{d}/a_file"],
      r"--out_dir .*a_file is a file", None),
     ("tools.census", "missing preset", ["--ds_config", CPU_DS, "--config", "train/configs/mae/dbug.json"],
      r"nearest: train/configs/mae/debug.json", None),
@@ -265,7 +270,7 @@ def test_bad_input_is_refused_in_one_line_before_any_work(inputs, entry, what, a
 
 def test_every_entry_point_is_in_the_table_and_runs_its_main_as_the_table_does():
     """The table's wrapper is the one each module's __main__ block uses, and every entry point of
-    train/, data/, tools/census.py, launchers/ and the study's commands has a row."""
+    train/, data/, launchers/, tools/census.py, kernels/bench.py and the study's commands has a row."""
     covered = {c[0] for c in CASES}
     assert covered == set(ENTRY_POINTS)
     for entry, (_, _, block) in ENTRY_POINTS.items():
