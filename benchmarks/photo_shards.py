@@ -3,7 +3,8 @@
     apt-get download mate-backgrounds && dpkg -x mate-backgrounds_*.deb runs/photos   # Debian's wallpapers
     python -m benchmarks.photo_shards runs/photos/usr/share/backgrounds/mate runs/shards/photos --count 2000
     python -m train.bench --loader_only --ds_config ds_configs/cpu_demo.json --data.source shards \\
-        --data.train_index runs/shards/photos/train.json --model.name vit_base_patch16 --data.num_workers 2
+        --data.train_index runs/shards/photos/train.json --model.name vit_base_patch16 --data.num_workers 2 \\
+        --record   # into benchmarks/results/ (without it: runs/bench/)
 
 Each image is a random crop of a source photo, resized to an ImageNet-like size (shorter side
 333-500 px, `--short_side` to change, aspect 3:4 to 4:3), with mild Gaussian noise (sigma 5: sensor-like detail, since

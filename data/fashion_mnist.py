@@ -56,7 +56,7 @@ FILES = {
     "t10k-labels-idx1-ubyte.gz": (5148, "bb300cfdad3c16e7a12a480ee83cd310",
                                   "67da17c76eaffca5446c3361aaab5c3cd6d1c2608764d35dfb1850b086bf8dd5"),
 }
-TIMEOUT_S = 60  # per connection attempt and per read
+NETWORK_TIMEOUT = 60  # seconds, per connection attempt and per read
 
 
 class FashionMNISTMissing(ShardError):
@@ -87,7 +87,7 @@ def _download(url: str, dest: Path, name: str) -> None:
     tmp = dest / f".{name}.{os.getpid()}.part"  # one per process: two downloads at once do not mix
     got_md5, got_sha256, got = hashlib.md5(), hashlib.sha256(), 0
     try:
-        with open(tmp, "wb") as out, urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+        with open(tmp, "wb") as out, urllib.request.urlopen(url, timeout=NETWORK_TIMEOUT) as response:
             while chunk := response.read(1 << 20):
                 out.write(chunk)
                 got_md5.update(chunk)

@@ -1,5 +1,6 @@
-"""Whether a folder can be written before anything is: the output places of the shard writer
-(data/write_shards.py) and of a run (train/run_dir.py) are checked with it before they start."""
+"""Whether a folder or a file can be written before anything is: the output places of the shard
+writer (data/write_shards.py), of a run (train/run_dir.py) and of every command that writes a
+file (an export, an evaluation, a benchmark record) are checked with it before they start."""
 from __future__ import annotations
 
 import os
@@ -24,3 +25,11 @@ def unwritable(path: Path) -> str:
     except OSError as e:
         return f"cannot be written: {existing} refuses a new entry ({e.strerror}); give a folder you can write to"
     return ""
+
+
+def unwritable_file(path: Path) -> str:
+    """Why `path` cannot be written as a file (its folder created if missing), '' when it can."""
+    if path.is_dir():
+        return "is a folder: give a file name"
+    problem = unwritable(path.parent)
+    return f"cannot be written: its folder {path.parent} {problem}" if problem else ""

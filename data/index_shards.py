@@ -43,16 +43,18 @@ import sys
 import tarfile
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from braceexpand import braceexpand
 from webdataset.tariterators import base_plus_ext, group_by_keys
 
+from data.cli import Parser
 from data.faults import SampleError, Tally
+from data.folders import unwritable_file
 from data.labels import LabelKey
 from data.loader import cores_per_rank
+from data.progress import mapped
 from data.shards import (
     IMAGE_KEYS,
     URL_SCHEME,
@@ -161,10 +163,7 @@ def scan_shards(shards: list[Path | PipeShard], label: LabelKey, workers: int = 
     """One scan per shard, in the order given; `workers` processes (0 = the cores available)."""
     jobs = [(s, label) for s in shards]
     workers = min(workers or cores_per_rank(), len(jobs))
-    if workers <= 1:
-        return [_scan_one(j) for j in jobs]
-    with ProcessPoolExecutor(workers) as pool:
-        return list(pool.map(_scan_one, jobs, chunksize=max(1, len(jobs) // (8 * workers))))
+    return mapped(_scan_one, jobs, workers, "indexing", chunksize=max(1, len(jobs) // (8 * max(1, workers))))
 
 
 def expand(sources: list[str], allow_pipe_urls: bool = False) -> list[Path | PipeShard]:
@@ -191,6 +190,10 @@ def expand(sources: list[str], allow_pipe_urls: bool = False) -> list[Path | Pip
                 shards.append(Path(entry))
     if not shards:
         raise IndexingError("no shards given")
+    missing = [str(s) for s in shards if isinstance(s, Path) and not s.exists()]
+    if missing:
+        raise IndexingError(f"{len(missing)} of {len(shards)} shards do not exist, e.g. {missing[:3]}: check the "
+                            f"paths and patterns (brace patterns name every file they expand to)")
     names = [shard_name(str(s)) for s in shards]
     if len(set(names)) < len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
@@ -211,6 +214,9 @@ def index_entry(shard: Path | PipeShard, out: Path) -> str:
 
 
 def read_classes(path: Path) -> list[str]:
+    if not path.is_file():
+        raise IndexingError(f"--classes {path} {'is a folder' if path.is_dir() else 'does not exist'}: give a text "
+                            f"file of class names, one per line (line i = label i)")
     names = path.read_text().splitlines()
     while names and not names[-1].strip():
         names.pop()
@@ -280,7 +286,7 @@ def summary(index: dict, out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data.index_shards", description=__doc__,
+    p = Parser(prog="python -m data.index_shards", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("shards", nargs="+", metavar="SHARDS",
                    help="brace patterns, folders of .tar files, tar files, or pipe: commands (with --allow_pipe_urls)")
@@ -301,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         label = LabelKey.parse(a.label_key)
     except ValueError as e:
         p.error(f"--label_key: {e}")
+    if problem := unwritable_file(a.out):
+        p.error(f"--out {a.out} {problem}")
     try:
         class_names = read_classes(a.classes) if a.classes is not None else None
         shards = expand(a.shards, a.allow_pipe_urls)

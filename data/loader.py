@@ -67,7 +67,7 @@ _LIVE_LOADERS: weakref.WeakSet = weakref.WeakSet()  # loaders whose workers may 
 def _end_workers_at_exit() -> None:
     """Multiprocessing ends daemon children at exit with SIGTERM and then waits for them. Workers
     ignore SIGTERM (above), so a process ending while a loader is alive (training raised) would wait
-    forever. Close the loaders (the DataLoader stops its workers); then, for any worker left, send
+    forever. Close the loaders (the DataLoader ends its workers); then, for any worker left, send
     SIGTERM as multiprocessing would, and SIGKILL to whatever is still running after 1 s."""
     for loader in list(_LIVE_LOADERS):
         loader.close()
@@ -145,7 +145,7 @@ class ShardLoader:
 
     def close(self) -> None:
         """Stop the workers; the next batch starts them again at the recorded position. (Freeing
-        the DataLoader's iterator is how it stops its workers.)"""
+        the DataLoader's iterator is how it ends its workers.)"""
         self._it = None
 
     def __next__(self) -> dict[str, torch.Tensor]:
@@ -158,7 +158,7 @@ class ShardLoader:
             if self.num_workers > 0:  # re-raised from a worker, whose traceback is in the message
                 # The traceback's DataLoader frames would keep the iterator, and its workers, alive
                 # until a garbage collection (or for good, were it to propagate to exit); without
-                # them the iterator is freed now and stops its workers.
+                # them the iterator is freed now and ends its workers.
                 e.with_traceback(None)
                 if isinstance(e, CorruptDataError):  # the shards' fault, said in full: no traceback wanted
                     raise CorruptDataError(worker_message(e)) from None

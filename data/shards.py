@@ -34,7 +34,6 @@ a command's stdout) runs only with data.allow_pipe_urls, and other URLs are refu
 from __future__ import annotations
 
 import io
-import json
 import os
 import random
 import re
@@ -52,6 +51,7 @@ import torch
 from PIL import Image
 from webdataset.tariterators import group_by_keys
 
+from data.cli import read_json
 from data.faults import ERROR_KINDS, BadSampleBudget, CorruptDataError, SampleError, ShardIndexError, verify_hint
 from data.image_modes import CONVERTED_KINDS, conversion_kind, format_kind
 from data.labels import DEFAULT_LABEL_KEY, LabelKey
@@ -150,7 +150,7 @@ class ShardSet:
                                     f"<name>.json that data/write_shards.py or data/index_shards.py wrote into it")
         if not path.is_file():
             raise FileNotFoundError(f"shard index {path} not found; write shards with data/write_shards.py")
-        index = json.loads(path.read_text())
+        index = read_json(path, "shard index")  # malformed: refused with its line and column
         entries = index.get("shards") if isinstance(index, dict) else None
         labeled = index.get("labeled", True) if isinstance(index, dict) else True  # absent: write_shards' cls labels
         classes = index.get("classes", None if labeled else []) if isinstance(index, dict) else None
@@ -272,7 +272,7 @@ def pipe_members(shard: PipeShard) -> Iterator[dict]:
         proc.stdout.read()  # the archive's zero padding: left unread, the command could die of SIGPIPE
         if (status := proc.wait()) != 0:
             raise tarfile.ReadError(f"{shard.url}: the command exited with status {status}")
-    finally:  # also when the reader stops early: no command left running
+    finally:  # also when the reader ends early: no command left running
         proc.stdout.close()
         if proc.poll() is None:
             proc.kill()

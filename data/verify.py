@@ -23,15 +23,16 @@ import re
 import sys
 import tarfile
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image
 from webdataset.tariterators import group_by_keys
 
+from data.cli import Parser
 from data.faults import SampleError
 from data.loader import cores_per_rank
+from data.progress import mapped
 from data.labels import LabelKey
 from data.shards import (
     CLS,
@@ -85,7 +86,7 @@ def _members(path: Path, tar: tarfile.TarFile):
     """Sample members of one tar, as data/shards.py reads them, with image members cut to their
     header (the whole member when the first HEADER_BYTES do not parse) and labels in full; then
     the end-of-archive marker (two zero blocks), whose absence means the file was cut short at a
-    member boundary or has garbage after its last member (tarfile stops there without a word)."""
+    member boundary or has garbage after its last member (tarfile ends there without a word)."""
     size = os.path.getsize(path)
     for m in tar:
         if not _is_sample_member(m):
@@ -144,10 +145,7 @@ def verify_shards(shards: ShardSet, workers: int = 0,
     """One report per shard, in index order; `workers` processes (0 = this process's cores)."""
     jobs = [(f, n, max_image_pixels, shards.labels) for f, n in zip(shards.files, shards.counts, strict=True)]
     workers = min(workers or cores_per_rank(), len(jobs))
-    if workers <= 1:
-        return [_verify_one(j) for j in jobs]
-    with ProcessPoolExecutor(workers) as pool:
-        return list(pool.map(_verify_one, jobs, chunksize=max(1, len(jobs) // (8 * workers))))
+    return mapped(_verify_one, jobs, workers, "verifying", chunksize=max(1, len(jobs) // (8 * max(1, workers))))
 
 
 def bad_shards_message(name: str, reports: list[ShardReport], limit: int = 10) -> str:
@@ -183,7 +181,7 @@ def verify_before_start(data_cfg) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("index", help="shard index (<name>.json written by data/write_shards.py)")
     p.add_argument("--workers", type=int, default=0, help="processes checking shards (default 0: the cores available)")
     p.add_argument("--max_image_pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,

@@ -28,7 +28,7 @@ the order timm and torchvision use (ImageFolder sorts folder names), so labels a
 ImageNet-1k class indices.
 
 Bad input is never silently dropped: a missing directory or an empty class folder is an error,
-and files that cannot be read or decoded as images are counted and listed; the writer stops
+and files that cannot be read or decoded as images are counted and listed; the writer halts
 unless `--skip_bad` is given, in which case the index records them.
 """
 from __future__ import annotations
@@ -45,16 +45,17 @@ import os
 import random
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import webdataset as wds
 from PIL import Image, UnidentifiedImageError
 
+from data.cli import Parser
 from data.fashion_mnist import CACHE, find_or_download
 from data.faults import Tally
 from data.folders import unwritable
+from data.progress import mapped
 from data.image_datasets import (
     FASHION_MNIST_CLASSES,
     FASHION_MNIST_DIR,
@@ -145,11 +146,7 @@ def write_shards(samples: list[Sample | ImageFile], out_dir: Path, name: str, cl
             for s, ids in enumerate(chunks)]
     workers = min(workers, len(jobs))
     try:
-        if workers == 1:
-            results = [write_one_shard(job) for job in jobs]
-        else:
-            with ProcessPoolExecutor(workers) as pool:
-                results = list(pool.map(write_one_shard, jobs))
+        results = mapped(write_one_shard, jobs, workers, f"writing {name} shards")
         rejected = Tally()
         for _, r in results:  # merged in shard order: the same examples whatever the number of workers
             rejected.merge(r)
@@ -184,7 +181,7 @@ def write_shards(samples: list[Sample | ImageFile], out_dir: Path, name: str, cl
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="kind", required=True)
     folder = sub.add_parser("imagefolder", help="class sub-folders of JPEG/PNG files")
     folder.add_argument("src", type=Path, help="the image folder: one sub-folder per class")

@@ -1,5 +1,6 @@
 """Attention benchmark: forward+backward time and peak memory of restricted attention against
-named baselines measured in the same run, written as JSON to benchmarks/results/.
+named baselines measured in the same run, written as JSON to runs/bench/ (--out_dir DIR: there;
+--record: benchmarks/results/, the committed records).
 
     python -m kernels.bench                      # GPU: ViT-B and ViT-L shapes, bf16
     python -m kernels.bench --dtype fp16
@@ -26,8 +27,10 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
 
 import argparse
 import json
+import os
 import platform
 import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -44,6 +47,8 @@ from kernels.masked import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
+RECORDS = REPO / "benchmarks" / "results"  # committed records: written there only when asked (--record)
+SCRATCH = REPO / "runs" / "bench"  # git-ignored: where a benchmark writes by default
 SHAPES = {"vit_b": (128, 12, 197, 64), "vit_l": (128, 16, 197, 64)}  # (B, H, T, d): 196 patches + cls
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHOW_DEFAULT = " (default: %(default)s)"  # argparse fills in each option's default
@@ -77,13 +82,40 @@ def write_record(record: dict, out_dir: Path, prefix: str, device: torch.device,
     return path
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Errors as one line and exit 2, as every command of the repository refuses input (data/cli.py)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (--help lists the options)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def add_timing_options(p: argparse.ArgumentParser, iters: int) -> None:
-    """--device, --dtype, --iters, --warmup, --out_dir: what every benchmark entry point takes."""
+    """--device, --dtype, --iters, --warmup, --out_dir, --record: what every benchmark entry point takes."""
     p.add_argument("--device", default="cuda", help="cuda or cpu" + SHOW_DEFAULT)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="compute dtype" + SHOW_DEFAULT)
     p.add_argument("--iters", type=int, default=iters, help="timed calls" + SHOW_DEFAULT)
     p.add_argument("--warmup", type=int, default=5, help="untimed calls first" + SHOW_DEFAULT)
-    p.add_argument("--out_dir", default=str(REPO / "benchmarks" / "results"), help="where the JSON record goes" + SHOW_DEFAULT)
+    p.add_argument("--out_dir", help="where the JSON record goes (default: runs/bench, git-ignored)")
+    p.add_argument("--record", action="store_true", help="write the record into benchmarks/results/ (committed)")
+
+
+def out_dir_of(p: argparse.ArgumentParser, a: argparse.Namespace) -> Path:
+    """Where the record goes: --out_dir, else benchmarks/results/ with --record, else runs/bench/;
+    refused (one line, exit 2) when it cannot be written or both are given."""
+    if a.out_dir and a.record:
+        p.error("give --out_dir or --record, not both")
+    out = Path(a.out_dir) if a.out_dir else RECORDS if a.record else SCRATCH
+    if out.exists() and not out.is_dir():
+        p.error(f"--out_dir {out} is a file: give a folder")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        p.error(f"--out_dir {out} cannot be written ({existing} is not a folder you can write to)")
+    if a.iters < 1 or a.warmup < 0:
+        p.error("--iters must be >= 1 and --warmup >= 0")
+    return out
 
 
 def sync(device: torch.device) -> None:
@@ -177,12 +209,13 @@ def bench_shape(name: str, shape: tuple[int, int, int, int], dtype: torch.dtype,
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_timing_options(p, iters=20)
     p.add_argument("--shapes", nargs="*", default=list(SHAPES),
                    help="vit_b, vit_l, or B,H,T,d (T counts the cls token)" + SHOW_DEFAULT)
     p.add_argument("--mix_ratio", type=float, default=0.25, help="K = round(r * patches), r = 1/groups" + SHOW_DEFAULT)
     a = p.parse_args(argv)
+    out_dir = out_dir_of(p, a)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device; pass --device cpu for the PyTorch paths on small shapes")
@@ -197,7 +230,7 @@ def main(argv: list[str] | None = None) -> Path:
     for spec in a.shapes:
         shape = SHAPES[spec] if spec in SHAPES else tuple(int(x) for x in spec.split(","))
         record["shapes"][spec] = bench_shape(spec, shape, dtype, device, a.mix_ratio, a.iters, a.warmup)
-    return write_record(record, Path(a.out_dir), "attention", device, a.dtype)
+    return write_record(record, out_dir, "attention", device, a.dtype)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def gpus_on_node(env: Mapping[str, str]) -> int:
 
 
 def run_node(command: list[str], ranks_per_node: int, env: Mapping[str, str] = os.environ) -> int:
-    """Start this node's ranks, pass stop signals on to them, wait; the first failure stops the rest."""
+    """Start this node's ranks, pass stop signals on to them, wait; the first failure ends the rest."""
     procs: list[subprocess.Popen] = []
 
     def forward(signum, frame):

@@ -54,6 +54,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from data.cli import Parser, one_line
+
 REPO = Path(__file__).resolve().parent.parent
 RESOURCE_DIRECTIVE = re.compile(r"#SBATCH\s+--(nodes|ntasks-per-node|gpus-per-node|cpus-per-task|time|job-name)\b")
 
@@ -90,6 +92,12 @@ def snapshot(dest: Path) -> dict:
     return {"commit": git("rev-parse", "HEAD").strip(), "dirty": bool(diff)}
 
 
+def refused(problems: list[str]) -> int:
+    """Nothing is submitted or written: one line naming every problem (exit status 2)."""
+    print(f"not submitted: {'; '.join(one_line(p) for p in problems)}", file=sys.stderr)
+    return 2
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """The module docstring as written, each option that has a default with it."""
 
@@ -103,7 +111,7 @@ def parser() -> argparse.ArgumentParser:
     """submit.py's own options (those before `--`); `--help` lists them with type and default."""
     from train.gpus import GPUS
 
-    p = argparse.ArgumentParser(prog="python -m launchers.submit", usage=USAGE, description=__doc__,
+    p = Parser(prog="python -m launchers.submit", usage=USAGE, description=__doc__,
                                 formatter_class=_HelpFormatter)
     p.add_argument("--nodes", type=int, required=True, help="nodes (int >= 1; required)")
     p.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node (int); 0: CPU ranks, no GPU requested")
@@ -212,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.dry and shutil.which("sbatch") is None:
         problems.append("sbatch is not on PATH: submit from a Slurm login node (or check the job with --dry)")
     if problems:
-        print("not submitted:\n" + "\n".join(f"  {x}" for x in problems), file=sys.stderr)
-        return 2
+        return refused(problems)
     ranks_per_node = a.ranks_per_node or a.gpus_per_node or 1
     world = a.nodes * ranks_per_node
 
@@ -227,13 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(pretrain_args)
         run = check(cfg, world, gpu_named(a.gpu) if a.gpus_per_node else None)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"not submitted: {e}", file=sys.stderr)
-        return 2
+        return refused([str(e)])
     for line in run.lines:
         print(f"  {line}")
     if not run.ok:
-        print("not submitted:\n" + "\n".join(f"  {x}" for x in run.problems), file=sys.stderr)
-        return 2
+        return refused(run.problems)
     # the rank and its loader workers (data.num_workers -1, auto: as many as the rank's CPUs allow, up to 4)
     cpus_per_task = a.cpus_per_task or (cfg.data.num_workers if cfg.data.num_workers >= 0 else MAX_AUTO_WORKERS) + 1
 
@@ -242,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(given).resolve() if given else Path("runs", f"{cfg.objective}_{cfg.model.name}_{stamp}").resolve()
     problem = new_run_problem(out, cfg, a.continue_run)
     if problem:
-        print(f"not submitted: {problem}", file=sys.stderr)
-        return 2
+        return refused([problem])
     launch = out / "launch" / stamp
     code = launch / "code"
     args = list(pretrain_args)
@@ -273,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     # Slurm's own verdict on the request before anything is written (the script on stdin)
     test = subprocess.run(["sbatch", "--test-only", *resources, *export], input=script, capture_output=True, text=True)
     if test.returncode:
-        print(f"not submitted: sbatch refuses the request ({test.returncode}): {test.stderr.strip()}", file=sys.stderr)
-        return 2
+        return refused([f"sbatch refuses the request ({test.returncode}): {test.stderr.strip()}"])
     record = {"date": launch.name, "argv": ours, "pretrain_args": args, "world_size": world,
               "ranks_per_node": ranks_per_node, "gpu": a.gpu if a.gpus_per_node else None, "sbatch": cmd}
     try:

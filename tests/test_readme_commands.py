@@ -1,5 +1,5 @@
 """The commands a new user copies, run as written on CPU. Each is read from the page that gives it
-(tests/readme_commands.py), not copied here, so a command that stops working fails this file naming
+(tests/readme_commands.py), not copied here, so a command that no longer works fails this file naming
 its file and line:
 - docs/DATA.md: Fashion-MNIST shards, and "Your own data": each command of its three ways in, on tiny
   inputs (ImageFolder / ImageNet -> write_shards; shards from webdataset's own ShardWriter, labeled by

@@ -1,1 +1,1 @@
-"""The GPU validation kit (tools/gpu_check.py) and its helpers."""
+"""The GPU validation kit (tools/gpu_check.py) and the measuring tools beside it."""

@@ -14,7 +14,8 @@ Census options (the rest are train/pretrain.py options; data.source defaults to 
                               (tools/deepspeed_step.py: the step before train/engine/)
     --host_time R (0)         then R rounds of 10 steps of ours and 10 of the baseline, alternating, nothing
                               counted: the median milliseconds per step of each (on CPU with one thread)
-    --json FILE               where the record goes (default benchmarks/results/census_<objective>_<model>_<time>.json)
+    --json FILE               where the record goes (default runs/census/census_<objective>_<model>_<time>.json)
+    --record                  write it into benchmarks/results/ instead (the committed records; or --json there)
 
 The record holds device, versions, commit, the final ds_config, shapes, and per phase of a
 reported step: launches, comm, syncs (the worst reported step), the ops behind the launches,
@@ -39,20 +40,24 @@ from pathlib import Path
 
 import torch
 
+from data.folders import unwritable_file
 from train.cli import cli, pop_flags
 from train.config import ConfigError, PretrainConfig, encoder_img_size, help_text, parse_args, section, to_dict
 from train.counting import PHASES, Tally, counting
 
 CENSUS_FLAGS = {"--steps": int, "--width": int, "--micro": int, "--baseline": str, "--deepspeed": None,
-                "--host_time": int, "--json": str}
+                "--host_time": int, "--json": str, "--record": None}
 HOST_TIME_STEPS = 10
 
 
 def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
     """(census options, run options with data.source synthetic unless given)."""
-    opts = {"steps": 4, "width": 0, "micro": 0, "baseline": "fused", "deepspeed": False, "host_time": 0, "json": ""}
+    opts = {"steps": 4, "width": 0, "micro": 0, "baseline": "fused", "deepspeed": False, "host_time": 0, "json": "",
+            "record": False}
     found, rest = pop_flags(argv, CENSUS_FLAGS)
     opts.update(found)
+    if opts["json"] and (problem := unwritable_file(Path(opts["json"]))):
+        raise ConfigError(f"--json {opts['json']} {problem}")
     if opts["steps"] < 3:
         raise ConfigError("--steps must be >= 3: a warm-up step, a reported step and a logging step")
     if opts["baseline"] not in ("fused", "foreach", "none"):
@@ -286,6 +291,17 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def record_path(opts: dict, objective: str, model: str) -> Path:
+    """--json, else a new file in runs/census/ (git-ignored), or in benchmarks/results/ (the
+    committed records) with --record."""
+    if opts["json"]:
+        return Path(opts["json"])
+    from train.run_dir import REPO
+
+    folder = REPO / ("benchmarks/results" if opts["record"] else "runs/census")
+    return folder / f"census_{objective}_{model}_{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}.json"
+
+
 def main(argv: list[str] | None = None) -> Path:
     argv = sys.argv[1:] if argv is None else argv
     asked, _ = pop_flags(argv, {"--help": None, "-h": None})
@@ -300,11 +316,7 @@ def main(argv: list[str] | None = None) -> Path:
         if torch.distributed.get_rank() != 0:
             return Path(record["census"]["json"] or ".")
     print(table(record))
-    from train.run_dir import REPO
-
-    out = Path(record["census"]["json"]) if record["census"]["json"] else (
-        REPO / "benchmarks" / "results" /
-        f"census_{record['objective']}_{record['model']}_{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}.json")
+    out = record_path(record["census"], record["objective"], record["model"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1, default=str))
     print(f"wrote {out}")

@@ -1,8 +1,9 @@
 """GPU validation kit: one or several phases of measurements per call, run from the repository root
 on a GPU machine, one compact JSON per phase (+ one log per call, and the bench phase's trace) into
---out (default benchmarks/results/). How to install and run it: docs/GPU.md.
+--out (default runs/gpu_check/; --record: benchmarks/results/, the committed records). How to
+install and run it: docs/GPU.md.
 
-    python -m tools.gpu_check PHASE [PHASE ...] [--budget_s 480] [--smoke] [--out DIR]
+    python -m tools.gpu_check PHASE [PHASE ...] [--budget_s 480] [--smoke] [--out DIR | --record]
 
 Phases (tools/phases/, one module each; each reuses the project's own entry points):
   tests    engine checks through train/pretrain.py (fp16 dynamic loss scale 50 MAE steps, bf16
@@ -51,6 +52,8 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 import torch
+
+from data.cli import Parser
 
 PHASES = ("tests", "bench", "methods", "loader", "study", "scale")
 PHASE_MODULES = {"tests": "gpu_tests", "bench": "bench", "methods": "methods", "loader": "loader", "study": "study",
@@ -161,12 +164,13 @@ def free_memory() -> None:
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("phases", nargs="+", choices=PHASES)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny models, few steps (the test suite's mode)")
     p.add_argument("--budget_s", type=float, default=480.0, help="seconds for the whole call (default 8 min)")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results",
-                   help="folder of the JSONs, the log and the trace (default benchmarks/results)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder of the JSONs, the log and the trace (default runs/gpu_check, git-ignored)")
+    p.add_argument("--record", action="store_true", help="write them into benchmarks/results/ (the committed records)")
     p.add_argument("--fashion_mnist", type=Path, default=None,
                    help="study: folder of the Fashion-MNIST idx files (default: runs/fashion-mnist, then "
                         "/usr/share/datasets/fashion-mnist)")
@@ -176,7 +180,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
     if not a.smoke and not torch.cuda.is_available():
         print("error: no CUDA device here; pass --smoke for the CPU smoke mode", file=sys.stderr)
         raise SystemExit(2)
-    out = a.out
+    if a.out and a.record:
+        p.error("give --out or --record, not both")
+    out = a.out or REPO / ("benchmarks/results" if a.record else "runs/gpu_check")
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + a.budget_s
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")

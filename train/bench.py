@@ -9,7 +9,10 @@ Bench options (the rest are train/pretrain.py options; data.source synthetic or 
     --activation_checkpointing on|off   override the ds_config's section
     --loader_only             time the data source alone (shards: decode + crop in the workers)
     --gpu NAME                the GPU whose dense peak MFU is taken against (default: detected)
-    --out_dir DIR (benchmarks/results)
+    --out_dir DIR (runs/bench)  where the record goes (runs/ is git-ignored)
+    --record                  write the record into benchmarks/results/ instead (the committed records)
+    --allow_cpu               run on a CPU a benchmark estimated to take longer than 5 minutes there
+                              (without it, such a run is refused with the estimate; a shorter one says it first)
 (`--run.compile true` compiles the blocks; `--data.decode cpu_draft|nvjpeg` picks the decoder.)
 
 Reports images/s, step time, training TFLOP/s per GPU from the analytic FLOP count of the
@@ -17,8 +20,9 @@ objective's actual token counts (train/costs.py: 3 x forward matmul FLOPs of one
 accumulation), MFU against the GPU's dense peak (train/gpus.py), peak memory (CUDA: max
 allocated; CPU: the process's peak RSS), and with --loader_only images/s of the loader and per
 worker process (each runs one thread). JSON with device, versions, commit, the final ds_config
-and every option goes to benchmarks/results/. Timings come from the loop's own log step (one
-host sync per window), so they include data loading and every objective hook.
+and every option goes to --out_dir (benchmarks/results/ with --record). Timings come from the
+loop's own log step (one host sync per window), so they include data loading and every objective
+hook. On a CPU the run first says how long it takes at least (train/cpu_time.py).
 """
 from __future__ import annotations
 
@@ -40,8 +44,11 @@ from pathlib import Path
 import torch
 
 from train import distributed
+from data.folders import unwritable
+from data.progress import Progress
 from train.build import build_engine, peak_lr, profile_config, schedule_steps, training_source
 from train.cli import cli, pop_flags
+from train.cpu_time import check_cpu_time
 from train.config import ConfigError, encoder_img_size, help_text, parse_args, to_dict
 from train.ds_config import resolve
 from train.gpus import current_gpu, gpu_named
@@ -58,19 +65,29 @@ NOT_READ = {
     "run.eval_every": "it evaluates nothing", "run.max_nonfinite_steps": "it does not stop on skipped steps",
 }
 BENCH_FLAGS = {"--steps": int, "--warmup": int, "--activation_checkpointing": str, "--gpu": str, "--out_dir": str,
-               "--loader_only": None}
+               "--loader_only": None, "--record": None, "--allow_cpu": None}
+RECORDS = REPO / "benchmarks" / "results"  # committed: written only with --record
+SCRATCH = REPO / "runs" / "bench"  # git-ignored: the default
 
 
 def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
     """(bench options, pretrain options)."""
     opts = {"steps": 20, "warmup": 5, "activation_checkpointing": None, "gpu": None, "loader_only": False,
-            "out_dir": str(REPO / "benchmarks" / "results")}
-    found, rest = pop_flags(argv, BENCH_FLAGS)
+            "out_dir": "", "record": False, "allow_cpu": False}
+    try:
+        found, rest = pop_flags(argv, BENCH_FLAGS)
+    except ValueError as e:  # --steps abc
+        raise ConfigError(f"a bench option's value is not a number ({e})") from None
     opts.update(found)
     if opts["activation_checkpointing"] not in (None, "on", "off"):
         raise ConfigError("--activation_checkpointing takes on or off")
     if opts["steps"] < 1 or opts["warmup"] < 0:
         raise ConfigError("--steps must be >= 1 and --warmup >= 0")
+    if opts["out_dir"] and opts["record"]:
+        raise ConfigError("give --out_dir or --record, not both")
+    opts["out_dir"] = opts["out_dir"] or str(RECORDS if opts["record"] else SCRATCH)
+    if problem := unwritable(Path(opts["out_dir"])):
+        raise ConfigError(f"--out_dir {opts['out_dir']} {problem}")
     return opts, rest
 
 
@@ -110,12 +127,16 @@ def loader_throughput(cfg, opts: dict, img_size: int, rank: int, world: int) -> 
 
     micro = resolve(cfg, world)[1].micro
     data = build_source(cfg.data, img_size, cfg.model.in_chans, micro, cfg.seed, rank, world, torch.device("cpu"))
-    for _ in range(opts["warmup"]):
-        next(data)
-    start = time.perf_counter()
-    for _ in range(opts["steps"]):
-        next(data)
-    elapsed = time.perf_counter() - start
+    with Progress("warm-up", opts["warmup"], "batches") as progress:
+        for _ in range(opts["warmup"]):
+            next(data)
+            progress.update()
+    with Progress("timed batches", opts["steps"], "batches") as progress:
+        start = time.perf_counter()
+        for _ in range(opts["steps"]):
+            next(data)
+            progress.update()
+        elapsed = time.perf_counter() - start
     images = opts["steps"] * micro
     workers = getattr(data, "num_workers", 0)  # resolved (data.num_workers -1 = auto); 0 for synthetic
     return {"images_per_s": images / elapsed, "images_per_s_per_worker": images / elapsed / max(1, workers),
@@ -149,6 +170,13 @@ def main(argv: list[str] | None = None) -> Path:
         ds_config["activation_checkpointing"] = {}
     elif opts["activation_checkpointing"] == "off":
         ds_config.pop("activation_checkpointing", None)
+    gpu = gpu_named(opts["gpu"]) if opts["gpu"] else current_gpu()
+    _, prof = profile_config(cfg, ds_config, plan.micro, fused_kernels=bool(gpu and gpu.sm80))  # FLOPs of a micro-batch
+    if not torch.cuda.is_available():  # before anything is built: how long, or refused when sized for a GPU
+        check_cpu_time(prof.train_flops * plan.accum * (opts["warmup"] + opts["steps"]),
+                       f"{cfg.objective} {cfg.model.name}, {opts['warmup']} warm-up + {opts['steps']} timed steps of "
+                       f"{plan.micro} x {plan.accum} images", opts["allow_cpu"],
+                       "give a smaller model, micro-batch or --steps (e.g. ds_configs/cpu_debug.json)")
     rank, world, device = distributed.init()
     per_epoch, total, warmup_steps = schedule_steps(cfg, plan)
     engine, objective, _ = build_engine(cfg, ds_config, device, peak_lr(cfg, plan), warmup_steps, total)
@@ -157,19 +185,23 @@ def main(argv: list[str] | None = None) -> Path:
     windows: list[dict] = []
     noop = lambda step: None  # noqa: E731
 
-    def timed(first: int, steps: int) -> None:
-        run(engine, data, LoopSettings(first + steps, steps, 10**12, plan.global_batch), LoopState(first), device,
-            dtype, lambda step, metrics: windows.append(metrics), noop)
+    def timed(first: int, steps: int, what: str) -> None:
+        with Progress(what, steps, "steps") as progress:
+            def counted(step: int) -> bool:  # called after every step but the last: no device read
+                progress.update()
+                return False
+
+            run(engine, data, LoopSettings(first + steps, steps, 10**12, plan.global_batch), LoopState(first), device,
+                dtype, lambda step, metrics: windows.append(metrics), noop, should_stop=counted)
+            progress.update()  # the last step
 
     if opts["warmup"]:
-        timed(0, opts["warmup"])
+        timed(0, opts["warmup"], "warm-up")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    timed(opts["warmup"], opts["steps"])
+    timed(opts["warmup"], opts["steps"], "timed steps")
     measured = windows[-1]
 
-    gpu = gpu_named(opts["gpu"]) if opts["gpu"] else current_gpu()
-    _, prof = profile_config(cfg, ds_config, plan.micro, fused_kernels=bool(gpu and gpu.sm80))  # FLOPs of a micro-batch
     flops_per_gpu_step = prof.train_flops * plan.accum
     tflops = flops_per_gpu_step / measured["step_time"] / 1e12
     result = {

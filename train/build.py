@@ -21,6 +21,7 @@ from train import checkpoint
 from train.config import ConfigError, PretrainConfig, encoder_img_size, section, to_dict
 from train.ds_config import BatchPlan, activation_checkpointing
 from train import engine as engines
+from train.ds_config import load as load_ds_config
 from train.engine import EngineConfig
 from train.optim import WarmupCosineSchedule, build_optimizer, build_param_groups
 
@@ -55,9 +56,19 @@ def schedule_steps(cfg: PretrainConfig, plan: BatchPlan) -> tuple[int, int, floa
     if per_epoch < 1:
         raise ConfigError(f"the epoch ({epoch_size} samples) is smaller than the global batch {plan.global_batch} "
                           f"({plan.micro} x {plan.accum} x {plan.world} ranks), so there is no whole step in it: give "
-                          f"a ds_config with a smaller train_batch_size, or more samples (data.epoch_size, or more "
-                          f"shards)")
+                          f"{smaller_batch(cfg, plan, epoch_size)}, or more samples (data.epoch_size, or more shards)")
     return per_epoch, per_epoch * cfg.optim.epochs, per_epoch * cfg.optim.warmup_epochs
+
+
+def smaller_batch(cfg: PretrainConfig, plan: BatchPlan, samples: int) -> str:
+    """The ds_config change that makes a global batch fit in `samples`, named by the key the file sets."""
+    ds = load_ds_config(cfg.ds_config) if cfg.ds_config else {}
+    if "train_batch_size" in ds:
+        return f"a ds_config with a train_batch_size of at most {samples}"
+    most = samples // (plan.accum * plan.world)
+    if most < 1:
+        return f"fewer ranks or less accumulation than {plan.accum} x {plan.world} ranks"
+    return f"a ds_config with a train_micro_batch_size_per_gpu of at most {most} (it sets {plan.micro})"
 
 
 def training_source(cfg: PretrainConfig, img_size: int, plan: BatchPlan, rank: int, world: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
+from data.cli import InputError, one_line
 from data.faults import CorruptDataError, ShardIndexError
 from train import early_signals
 from train.config import ConfigError
@@ -27,8 +28,8 @@ def cli(main_fn) -> None:
         if e.message:  # rank 0's
             print(e.message, file=sys.stderr)
         raise SystemExit(e.status) from None
-    except (ConfigError, FileNotFoundError, ShardIndexError) as e:
-        print(f"config error: {e}", file=sys.stderr)
+    except (ConfigError, InputError, FileNotFoundError, NotADirectoryError, ShardIndexError) as e:
+        print(f"config error: {one_line(str(e))}", file=sys.stderr)
         raise SystemExit(2) from None
     except NonFiniteError as e:  # its message says what is kept and how to continue
         print(f"training stopped: {e}", file=sys.stderr)
@@ -52,7 +53,7 @@ def run_script(main_fn) -> None:
 def pop_flags(argv: list[str], flags: dict[str, Callable[[str], Any] | None]) -> tuple[dict[str, Any], list[str]]:
     """(the entry point's flags found in argv, the other arguments in their order). `flags` maps
     each flag to the type of its value, or None for a switch; a flag found is keyed by its name
-    without the leading dashes (--world_size -> "world_size"; a switch's value is True)."""
+    without its dashes (--world_size -> "world_size"; a switch's value is True)."""
     found: dict[str, Any] = {}
     rest, i = [], 0
     while i < len(argv):

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from data.cli import InputError, read_json
 from data.labels import LabelKey
 from data.transforms import DECODES
 from kernels import resolve_backend
@@ -30,8 +30,39 @@ from model.registry import list_models, model_arch
 from model.timm_backbone import is_timm_name
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A configuration problem found before training starts."""
+
+
+PRESETS = Path(__file__).resolve().parent / "configs"  # train/configs/<method>/*.json, variants/ below
+
+
+def preset_names() -> list[str]:
+    """Every shipped preset, as a path from the repository root (train/configs/mae/debug.json, ...)."""
+    root = PRESETS.parent.parent
+    return sorted(str(p.relative_to(root)) for p in PRESETS.rglob("*.json"))
+
+
+def load_preset(value: str) -> dict:
+    """The options of a --config preset; ConfigError for a missing file (naming where presets live
+    and the nearest shipped ones), malformed JSON (file, line and column) or JSON that is not an
+    object of options."""
+    path = Path(value)
+    if not path.is_file():
+        given = str(path.resolve().relative_to(PRESETS.parent.parent)) \
+            if path.resolve().is_relative_to(PRESETS.parent.parent) else value
+        near = difflib.get_close_matches(given, preset_names(), n=3, cutoff=0.6)
+        hint = f"; nearest: {', '.join(near)}" if near else f"; e.g. {', '.join(preset_names()[:3])}"
+        raise ConfigError(f"preset --config {value} {'is a folder' if path.is_dir() else 'does not exist'}: presets "
+                          f"live in train/configs/<method>/ and train/configs/<method>/variants/{hint}")
+    try:
+        preset = read_json(path, "preset --config")
+    except InputError as e:
+        raise ConfigError(str(e)) from None
+    if not isinstance(preset, dict):
+        raise ConfigError(f"preset --config {value} holds a JSON {type(preset).__name__}, not an object of options "
+                          f'(e.g. {{"optim": {{"blr": 1.5e-4}}}})')
+    return preset
 
 
 @dataclass
@@ -176,7 +207,7 @@ class PretrainConfig:
         if self.run.stop_check_every < 1:
             raise ConfigError("run.stop_check_every must be >= 1")
         if self.run.max_nonfinite_steps < 0:
-            raise ConfigError("run.max_nonfinite_steps must be >= 0 (0 never stops)")
+            raise ConfigError("run.max_nonfinite_steps must be >= 0 (0: never)")
         if self.run.overwrite and self.resume:
             raise ConfigError("run.overwrite starts afresh and --resume continues: give one of them")
         if not self.optim.blr > 0:  # also NaN; a negative lr trains by gradient ascent
@@ -216,7 +247,8 @@ class PretrainConfig:
         if not 0.0 < self.data.crop_scale_min <= 1.0:
             raise ConfigError(f"data.crop_scale_min must be in (0, 1], got {self.data.crop_scale_min}")
         if self.model.init_from and not Path(self.model.init_from).exists():
-            raise ConfigError(f"model.init_from {self.model.init_from!r} does not exist")
+            raise ConfigError(f"model.init_from {self.model.init_from!r} does not exist: give an exported "
+                              f"encoder.safetensors, a run folder, an official MAE or a timm checkpoint")
         if self.model.name not in list_models() and not is_timm_name(self.model.name):
             close = difflib.get_close_matches(self.model.name, list_models(), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -391,7 +423,8 @@ def _eval(cfg: PretrainConfig) -> bool:
 
 SHARDS = "--data.source shards"
 # Options read only under a condition: option -> (the condition, what would read the option, whether
-# the condition is the data source). Objective sections are read by their objective only.
+# a preset may set it unread: the condition is the data source, or the option is part of a recipe's
+# pipeline, such as its evaluation crop). Objective sections are read by their objective only.
 READ_ONLY_WHEN: dict[str, tuple[Any, str, bool]] = {
     **{f"data.{k}": (_shards, SHARDS, True) for k in (
         "train_index", "label_key", "num_workers", "shuffle_buffer", "crop_scale_min", "decode",
@@ -404,7 +437,7 @@ READ_ONLY_WHEN: dict[str, tuple[Any, str, bool]] = {
     "data.num_crops": (lambda c: c.data.train_transform == "multicrop", "--data.train_transform multicrop", False),
     "data.num_classes": (lambda c: c.data.source == "synthetic", "--data.source synthetic (shards carry their "
                          "classes)", True),
-    "data.eval_crop_pct": (_eval, "--data.eval_index", False),
+    "data.eval_crop_pct": (_eval, "--data.eval_index", True),  # a probe recipe's scoring crop
     "run.eval_every": (_eval, "--data.eval_index", False),
 }
 IF_OBJECTIVE = "if_objective"  # a preset's sections applied only when the run's objective is theirs
@@ -415,8 +448,8 @@ def check_read(cfg: PretrainConfig, origins: dict[str, str], entry_point_reads_n
     of this run would read: another objective's section, a data option of the other source or
     transform, an option the command ignores (given on its command line). A preset may set options
     that depend on the data source and stay unread when the command line picks the other source
-    (it describes its recipe's pipeline), and sections under "if_objective" (applied to their
-    objective only)."""
+    (it describes its recipe's pipeline, its evaluation crop included), and sections under
+    "if_objective" (applied to their objective only)."""
     default = PretrainConfig()
     for key, origin in origins.items():
         section, _, name = key.partition(".")
@@ -467,7 +500,7 @@ def parse_args(argv: list[str], entry_point_reads_not: dict[str, str] | None = N
     conditional: list[tuple[str, dict]] = []  # (objective, its section) of presets' if_objective parts
     for key, value in pairs:
         if key == "config":
-            preset = json.loads(Path(value).read_text())
+            preset = load_preset(value)
             for name, section in preset.pop(IF_OBJECTIVE, {}).items():
                 conditional.append((name, section))
             for k, v in _flatten(preset, keys).items():

@@ -10,9 +10,10 @@ sm80 kernels) and whether the memory estimate (train/memory.py) fits it. Exit 0 
 configuration is sound and fits, 2 otherwise, with the problems listed.
 
 --gpu defaults to the GPU a shipped ds_config names (`..._8xa100_...`), else this machine's;
---world_size to WORLD_SIZE, else what a ds_config giving all three batch numbers implies, else 8.
-On several ranks it also prints a step's communication on paper (train/scaling.py; `python -m
-tools.scaling` for the assumptions and other world sizes).
+--world_size to WORLD_SIZE, else what a ds_config giving all three batch numbers implies, else 8
+ranks for GPUs (one node) and 1 for CPU ranks; the first line says which and why. On several
+ranks it also prints a step's communication on paper (train/scaling.py; `python -m tools.scaling`
+for the assumptions and other world sizes).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from train.ds_config import activation_checkpointing, load, precision, resolve, 
 from train.engine.config import EngineConfig
 from train.gpus import GPU, current_gpu, gpu_in_filename, gpu_named
 from train.memory import GIB, HEADROOM, MemoryEstimate, estimate
+from train.weights_fit import check_init_from
 
 
 @dataclass
@@ -42,15 +44,18 @@ class DryRun:
         return not self.problems
 
 
-def default_world(ds_config: str) -> int:
+def default_world(ds_config: str, gpu: GPU | None) -> tuple[int, str]:
+    """(the world size checked without --world_size, where it comes from)."""
     if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
+        return int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"
     ds = load(ds_config)
     tb, mb, ga = (ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                       "gradient_accumulation_steps"))
     if tb and mb and ga and tb % (mb * ga) == 0:
-        return tb // (mb * ga)
-    return 8
+        return tb // (mb * ga), "train_batch_size / (micro-batch x accumulation) of the ds_config"
+    if gpu is None:
+        return 1, "assumed: one CPU process; pass --world_size N to check N ranks"
+    return 8, f"assumed: one node of 8 {gpu.name}s; pass --world_size N to check another"
 
 
 def default_gpu(ds_config: str) -> GPU | None:
@@ -79,10 +84,12 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
     if gpu is not None and cfg.model.attn_backend == "flash_attn" and not gpu.sm80:
         run.problems.append(f"model.attn_backend flash_attn needs an sm80+ GPU (FlashAttention-2); {gpu.name} has "
                             f"none: use sdpa")
-    try:
-        check_objective_fits(cfg, plan.micro, plan.accum, stage)
-    except ConfigError as e:
-        run.problems.append(str(e))
+    for checked in (lambda: check_objective_fits(cfg, plan.micro, plan.accum, stage),
+                    lambda: check_init_from(cfg)):  # the weights' channels and sizes against the model
+        try:
+            checked()
+        except ConfigError as e:
+            run.problems.append(str(e))
     if cfg.data.source == "synthetic" or Path(cfg.data.train_index).is_file():
         try:
             from data.source import check_source
@@ -130,12 +137,13 @@ def main(argv: list[str]) -> int:
         gpu = None if gpu_name == "cpu" else gpu_named(gpu_name) if gpu_name else default_gpu(cfg.ds_config)
     except ValueError as e:
         raise ConfigError(f"{e} (or cpu for CPU ranks)") from None
-    run = check(cfg, world or default_world(cfg.ds_config), gpu)
+    world, why = (world, "--world_size") if world else default_world(cfg.ds_config, gpu)
+    run = check(cfg, world, gpu)
     if run.memory is not None and run.world > 1:  # the objective ran on the meta device: its step's collectives too
         from train.scaling import summary_line
 
         run.lines.append(summary_line(cfg, load(cfg.ds_config), run.world, gpu))
-    print(f"dry run of {cfg.objective} on {cfg.model.name} with {cfg.ds_config}")
+    print(f"dry run of {cfg.objective} on {cfg.model.name} with {cfg.ds_config}, world size {world} ({why})")
     for line in run.lines:
         print(f"  {line}")
     for p in run.problems:

@@ -7,13 +7,13 @@ process-group start, engine, data and resume come first and can take minutes. A 
 window used to kill the rank with the signal's default action: a restarted job ended FAILED
 instead of being requeued, and a configuration error on one rank became exit 143 on the other.
 
-Caught here, a signal is only recorded; the loop's StopSignal takes it over (`take()`) and acts
+Caught here, a signal is only recorded; the loop's StopOnSignal takes it over (`take()`) and acts
 at its first stop check, after which a checkpoint exists to resume from, and a rank that meets a
 configuration error still exits 2. SIGTERM is caught here only inside a Slurm job.
 
 Outside Slurm, SIGINT (Ctrl-C) and SIGTERM (a plain kill) are a person stopping the run: during
 start-up nothing is lost by ending at once, so they keep the default action (`quiet_interrupts`:
-no KeyboardInterrupt traceback); from the loop on, the first one stops with a checkpoint
+no KeyboardInterrupt traceback); from the loop on, the first one ends it with a checkpoint
 (train/preemption.py) and a second of the same kind ends the process at once (`abort_on_repeat`:
 the default action, which needs no Python code to run, so it works in a hung collective too).
 Imports os and signal only, so it can run before torch is imported.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import signal
 
-_received: list[int] = []  # signal numbers, in arrival order, not yet taken by a StopSignal
+_received: list[int] = []  # signal numbers, in arrival order, not yet taken by a StopOnSignal
 
 
 def _record(signum, frame) -> None:

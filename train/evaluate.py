@@ -31,12 +31,17 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from data.cli import Parser, read_json
+from data.folders import unwritable_file
 from data.loader import resolve_num_workers
+from data.progress import Progress
 from data.shards import ShardSet, decode, raw_samples, shard_samples
+from data.source import DECODED_CHANNELS
 from data.transforms import EvalTransform
 from model.interop import resize_pos_embed
 from model.timm_backbone import TimmBackbone
 from model.vit import VisionTransformer
+from train.config import ConfigError
 
 OUR_ARCH_KEYS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias")
 
@@ -162,14 +167,20 @@ def _eval_batches(shards: ShardSet, img_size: int, batch_size: int, num_workers:
                                        generator=torch.Generator().manual_seed(0))  # leave the global RNG alone
 
 
-def decode_all(shards: ShardSet, img_size: int, num_workers: int = 1) -> DecodedSet:
-    images, labels = zip(*_eval_batches(shards, img_size, 1024, num_workers))
+def decode_all(shards: ShardSet, img_size: int, num_workers: int = 1, what: str = "decoding") -> DecodedSet:
+    images, labels = [], []
+    with Progress(what, shards.num_samples, "images") as progress:
+        for x, y in _eval_batches(shards, img_size, 1024, num_workers):
+            images.append(x)
+            labels.append(y)
+            progress.update(len(y))
     return DecodedSet(torch.cat(images), torch.cat(labels), tuple(shards.classes))
 
 
 @torch.no_grad()
 def extract_features(model: VisionTransformer, source: ShardSet | DecodedSet, batch_size: int = 256,
-                     num_workers: int = 1, pool: str = "cls") -> tuple[torch.Tensor, torch.Tensor]:
+                     num_workers: int = 1, pool: str = "cls",
+                     what: str = "features") -> tuple[torch.Tensor, torch.Tensor]:
     """(num_samples, D) features after the final norm: cls token or mean of patch tokens (a timm
     backbone: its own pooled features)."""
     model.eval()
@@ -180,9 +191,12 @@ def extract_features(model: VisionTransformer, source: ShardSet | DecodedSet, ba
     else:
         batches = _eval_batches(source, model.img_size, batch_size, num_workers)
     feats, labels = [], []
-    for images, y in batches:
-        feats.append(model.pooled_features(images, pool))  # (B, D)
-        labels.append(y)
+    total = len(source.labels) if isinstance(source, DecodedSet) else source.num_samples
+    with Progress(what, total, "images") as progress:
+        for images, y in batches:
+            feats.append(model.pooled_features(images, pool))  # (B, D)
+            labels.append(y)
+            progress.update(len(y))
     return torch.cat(feats), torch.cat(labels)
 
 
@@ -217,12 +231,14 @@ def knn_top1(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torch.Tensor,
     """Weighted kNN accuracy (%): cosine similarity, votes exp(sim / T) over the k nearest."""
     train_f, test_f = F.normalize(train_f.float(), dim=1), F.normalize(test_f.float(), dim=1)
     correct = 0
-    for i in range(0, len(test_f), chunk):
-        sim = test_f[i : i + chunk] @ train_f.T  # (b, n_train)
-        top_sim, top_idx = sim.topk(min(k, len(train_f)), dim=1)  # (b, k); a small subset may hold fewer
-        votes = torch.zeros(len(top_sim), num_classes)
-        votes.scatter_add_(1, train_y[top_idx], (top_sim / temperature).exp())
-        correct += (votes.argmax(1) == test_y[i : i + chunk]).sum().item()
+    with Progress("kNN", len(test_f), "images") as progress:
+        for i in range(0, len(test_f), chunk):
+            sim = test_f[i : i + chunk] @ train_f.T  # (b, n_train)
+            top_sim, top_idx = sim.topk(min(k, len(train_f)), dim=1)  # (b, k); a small subset may hold fewer
+            votes = torch.zeros(len(top_sim), num_classes)
+            votes.scatter_add_(1, train_y[top_idx], (top_sim / temperature).exp())
+            correct += (votes.argmax(1) == test_y[i : i + chunk]).sum().item()
+            progress.update(len(top_sim))
     return 100.0 * correct / len(test_f)
 
 
@@ -236,14 +252,16 @@ def linear_probe_top1(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torc
     torch.nn.init.zeros_(head.bias)
     opt = torch.optim.LBFGS(head.parameters(), lr=1.0, max_iter=max_iter, history_size=20,
                             line_search_fn="strong_wolfe")
+    progress = Progress("linear probe (L-BFGS)", max_iter * 5 // 4, "evaluations")  # LBFGS's default max_eval
 
     def closure():
         opt.zero_grad()
         loss = F.cross_entropy(head(xtr), train_y) + weight_decay * head.weight.pow(2).sum()
         loss.backward()
+        progress.update()
         return loss
 
-    with torch.enable_grad():
+    with torch.enable_grad(), progress:
         opt.step(closure)
     with torch.no_grad():
         return 100.0 * (head(xte).argmax(1) == test_y).float().mean().item()
@@ -251,8 +269,8 @@ def linear_probe_top1(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torc
 
 def evaluate(model: VisionTransformer, train: ShardSet | DecodedSet, test: ShardSet | DecodedSet, pool: str = "cls",
              num_workers: int = 1) -> dict[str, float]:
-    train_f, train_y = extract_features(model, train, pool=pool, num_workers=num_workers)
-    test_f, test_y = extract_features(model, test, pool=pool, num_workers=num_workers)
+    train_f, train_y = extract_features(model, train, pool=pool, num_workers=num_workers, what="train features")
+    test_f, test_y = extract_features(model, test, pool=pool, num_workers=num_workers, what="test features")
     num_classes = len(train.classes)
     return {
         "knn_top1": knn_top1(train_f, train_y, test_f, test_y, num_classes),
@@ -260,8 +278,46 @@ def evaluate(model: VisionTransformer, train: ShardSet | DecodedSet, test: Shard
     }
 
 
+def input_channels(model) -> int:
+    """The channels an encoder's input has (a timm backbone records them; our ViT's patch embedding holds them)."""
+    return getattr(model, "in_chans", None) or model.patch_embed.proj.in_channels
+
+
+def checked_encoder(a: argparse.Namespace):
+    """The encoder the options name, loaded and checked against the shards (3-channel RGB) and
+    --img_size; ConfigError naming the option, both values and the fix."""
+    given = [f"--{k}" for k in ("encoder", "checkpoint", "random_init") if getattr(a, k) is not None]
+    if len(given) != 1:
+        raise ConfigError(f"give exactly one of --encoder, --checkpoint, --random_init (got {', '.join(given) or 'none'})")
+    if a.encoder is not None:
+        path = Path(a.encoder)
+        if not path.is_file():
+            raise ConfigError(f"--encoder {path} {'is a folder' if path.is_dir() else 'does not exist'}: give an "
+                              f"exported encoder.safetensors (with its .json beside it), an official MAE or a timm "
+                              f"checkpoint; for a run folder use --checkpoint")
+        if path.with_suffix(".json").is_file():
+            read_json(path.with_suffix(".json"), "the encoder's description")  # malformed: named with line and column
+    if a.checkpoint is not None:
+        from train.export import find_checkpoint
+
+        a.checkpoint = str(find_checkpoint(a.checkpoint, "--checkpoint"))
+    source = a.encoder or a.checkpoint or a.random_init
+    try:
+        model = load_encoder(a.encoder, a.checkpoint, a.random_init, a.img_size, a.seed)
+    except (ValueError, RuntimeError, KeyError) as e:  # not weights, weights of another shape, a size that does not fit
+        size = (f" (--img_size {a.img_size}: give a multiple of the encoder's patch size, or 0 for its own size)"
+                if a.img_size and "divisible" in str(e) else "")
+        raise ConfigError(f"{given[0]} {source}: {e}{size}") from None
+    channels = input_channels(model)
+    if channels != DECODED_CHANNELS:
+        raise ConfigError(f"{given[0]} {source} takes {channels}-channel images, the shards decode to "
+                          f"{DECODED_CHANNELS}-channel RGB (grayscale replicated): evaluate an encoder trained with "
+                          f"model.in_chans {DECODED_CHANNELS}")
+    return model
+
+
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train_index", required=True, help="labeled shard index the kNN / probe fit on")
     p.add_argument("--test_index", required=True, help="labeled shard index scored")
     p.add_argument("--encoder", help="exported encoder.safetensors (+ .json), official MAE or timm checkpoint")
@@ -278,15 +334,19 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     if min(a.max_train, a.max_test) < 0:
         p.error("--max_train and --max_test must be >= 0 (0 = all samples)")
+    if a.img_size < 0 or a.num_workers < 0:
+        p.error("--img_size and --num_workers must be >= 0")
+    if a.out and (problem := unwritable_file(Path(a.out))):
+        raise ConfigError(f"--out {a.out} {problem}")
     try:
         train_set, test_set = ShardSet.from_index(a.train_index), ShardSet.from_index(a.test_index)
         train_set.require_labels("--train_index: the kNN and the linear probe fit on its labels")
         test_set.require_labels("--test_index: the kNN and the linear probe are scored against its labels")
     except (OSError, ValueError) as e:  # a missing or malformed index, an unlabeled one: exit 2
-        p.error(str(e))
+        raise ConfigError(str(e)) from None
+    model = checked_encoder(a)
     train = subsample(train_set, a.max_train, a.subset_seed)
     test = subsample(test_set, a.max_test, a.subset_seed + 1)  # not the train positions
-    model = load_encoder(a.encoder, a.checkpoint, a.random_init, a.img_size, a.seed)
     result = evaluate(model, train, test, a.pool, a.num_workers)
     result |= {"train_samples": train.num_samples, "test_samples": test.num_samples}
     print(json.dumps(result))
@@ -296,4 +356,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from train.cli import cli
+
+    cli(main)

@@ -34,8 +34,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from data.cli import Parser
+from data.folders import unwritable_file
 from train.checkpoint import find_resume, read_meta
-from train.engine.state_files import read_tensors
+from train.config import ConfigError
+from train.engine.state_files import LegacyCheckpointError, check_layout, read_tensors
 
 ENCODER_PREFIX = "encoder."
 # Our registry name at 224 px -> timm's model name, for users who prefer timm.create_model.
@@ -176,15 +179,34 @@ def load_timm_encoder(path: Path):
     return model
 
 
+def find_checkpoint(path: str, option: str) -> Path:
+    """The checkpoint tag `path` names (a run folder or checkpoints folder: its latest complete one);
+    ConfigError naming `option` when there is none."""
+    if not Path(path).exists():
+        raise ConfigError(f"{option} {path} does not exist: give a run folder (its latest complete checkpoint is "
+                          f"taken) or one of its checkpoints/step* folders")
+    try:
+        tag = find_resume(path, Path(path))
+    except FileNotFoundError as e:  # its message names the option of a resume
+        detail = str(e).removeprefix(f"--resume {path!r}: ")
+        raise ConfigError(f"{option} {path}: {detail}; give a run folder or one of its checkpoints/step* "
+                          f"folders") from None
+    try:
+        check_layout(tag)
+    except LegacyCheckpointError as e:
+        raise ConfigError(f"{option}: {e}") from None
+    return tag
+
+
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="run folder or checkpoint tag folder")
     parser.add_argument("--out", help="output .safetensors (default: <run folder>/encoder.safetensors); with "
                                       "--format transformers a folder (default: <run folder>/transformers)")
     parser.add_argument("--format", choices=("timm", "transformers"), default="timm",
                         help="timm safetensors + encoder.json (default), or a Hugging Face transformers folder")
     args = parser.parse_args(argv)
-    tag_dir = find_resume(args.checkpoint, Path(args.checkpoint))
+    tag_dir = find_checkpoint(args.checkpoint, "--checkpoint")
     if args.format == "transformers":
         from train.export_transformers import loading_lines
 
@@ -193,6 +215,8 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"load it in transformers:\n{loading_lines(name, out)}")
         return out
     out = Path(args.out) if args.out else tag_dir.parent.parent / "encoder.safetensors"
+    if problem := unwritable_file(out):
+        raise ConfigError(f"--out {out} {problem}")
     path = export_checkpoint(tag_dir, out)
     print(f"wrote {path} and {path.with_suffix('.json')} from {tag_dir}")
     snippet = json.loads(path.with_suffix(".json").read_text())["timm_snippet"]
@@ -202,4 +226,6 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    from train.cli import cli
+
+    cli(main)

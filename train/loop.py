@@ -27,7 +27,7 @@ def no_phases(name: str) -> AbstractContextManager:
 
 @dataclass(frozen=True)
 class LoopSettings:
-    """What one call of run() does: where it stops, its cadences (in optimizer steps)."""
+    """What one call of run() does: where it ends, its cadences (in optimizer steps)."""
     stop_step: int  # exclusive end of this invocation
     log_every: int
     ckpt_every: int

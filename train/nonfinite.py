@@ -6,9 +6,9 @@ computed on the device from the gradients' sum of squares and leaves weights and
 were, without a host read. `nan_if_not_finite` closes one gap: a non-finite loss whose gradients
 happen to be finite (a NaN term that no weight feeds) becomes NaN gradients, which the check
 catches. `DeviceHealth` keeps the counters on the device; the loop reads them with its window at
-log steps and before every checkpoint, and `StepHealth` stops the run when `limit` consecutive
+log steps and before every checkpoint, and `StepHealth` ends the run when `limit` consecutive
 steps were skipped, or when fp16's dynamic loss scale collapsed (an overflow at its minimum).
-The run stops without writing a checkpoint, so the last complete one stays newest (the weights
+The run ends without writing a checkpoint, so the last complete one stays newest (the weights
 of skipped steps are unchanged, so a checkpoint written between two reads is sound). When no
 step of the run was ever finite, the message blames the objective's configuration and input
 rather than the lr: a diverging lr first trains, then breaks.
@@ -38,7 +38,7 @@ def describe_objective(module: torch.nn.Module) -> str:
 
 
 class NonFiniteError(RuntimeError):
-    """Training diverged: the run stops and keeps its last checkpoint."""
+    """Training diverged: the run ends and keeps its last checkpoint."""
 
 
 def nan_if_not_finite(loss: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,7 @@ class Interrupted(Exception):
         self.status, self.message = status, message
 
 
-class StopSignal:
+class StopOnSignal:
     def __init__(self, every: int, device: torch.device):
         self.every, self.device = every, device
         self.received = 0  # CODES value of the strongest signal this process got
@@ -117,7 +117,7 @@ class StopSignal:
     @property
     def exit_status(self) -> int:
         """128 + the signal for SIGINT / SIGTERM outside Slurm (a shell's status for a process
-        ended by it); 0 for Slurm's stops (the job is requeued or ends: not a failure)."""
+        ended by it); 0 for Slurm's stop signals (the job is requeued or ends: not a failure)."""
         return 128 + self.agreed_signal if self.agreed_signal in early_signals.interrupt_signals() else 0
 
 

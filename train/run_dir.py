@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from data.folders import unwritable
+from data.progress import Progress
 from train.checkpoint import is_complete
 
 REPO = Path(__file__).resolve().parent.parent
@@ -149,11 +150,8 @@ class Reporter:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
-        self.bar = None
-        if progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=stop_step, initial=start_step, unit="step", dynamic_ncols=True)
+        # a bar on a terminal; in a log (a Slurm job, a file) a line at least every 30 s
+        self.bar = Progress("training", stop_step, "steps", initial=start_step, leave=True) if progress else None
 
     def _write(self, step: int, metrics: dict[str, float], tb_section: str) -> None:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -164,8 +162,8 @@ class Reporter:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._write(step, metrics, "train")
         if self.bar is not None:
-            self.bar.update(step - self.bar.n)
             self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", img_s=f"{metrics['images_per_s']:.0f}")
+            self.bar.update(step - self.bar.done)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """An evaluation result: its own line in metrics.jsonl, `eval/` in TensorBoard."""

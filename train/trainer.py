@@ -22,6 +22,7 @@ from data.source import check_source, eval_shards, fixed_images, train_shards
 from data.verify import verify_before_start
 from kernels.accelerators import describe as describe_accelerators
 from kernels.attention import describe_paths
+from model.objectives.base import ClassifierConfig
 from model.timm_backbone import TimmBackbone
 from train import checkpoint, code_version, distributed, dry_run
 from train.build import (
@@ -33,17 +34,19 @@ from train.build import (
     schedule_steps,
     training_source,
 )
+from train.chance_loss import ChanceLoss
 from train.cli import pop_flags
-from train.config import ConfigError, PretrainConfig, check_objective_fits, help_text, parse_args, to_dict
+from train.config import ConfigError, PretrainConfig, check_objective_fits, help_text, parse_args, section, to_dict
 from train.ds_config import BatchPlan, resolve, zero_stage
 from train.early_signals import catch_stop_signals
 from train.evaluate import classification_accuracy
 from train.export import export_checkpoint
 from train.loop import LoopSettings, LoopState
 from train.loop import run as run_loop
-from train.preemption import Interrupted, StopSignal, requeue_job, resume_hint
+from train.preemption import Interrupted, StopOnSignal, requeue_job, resume_hint
 from train.run_dir import Reporter, check_run_folder, check_writable_folder, record_resume, write_run_files
 from train.visualize import write_figures
+from train.weights_fit import check_init_from
 
 log = logging.getLogger("pretrain")
 
@@ -95,7 +98,9 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     ds_config, plan = resolve(cfg, distributed.world_size_from_env())
+    check_same_objective(cfg)  # before the objective's own checks, which would blame its options
     check_objective_fits(cfg, plan.micro, plan.accum, zero_stage(ds_config))
+    check_init_from(cfg)  # the weights' channels and sizes against the model, from the file's shapes
     try:
         check_source(cfg.data, plan.world, cfg.model.in_chans)
         verify_before_start(cfg.data)  # data.verify_shards: every shard's headers, before the run folder
@@ -113,6 +118,34 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return CheckedRun(ds_config, plan, per_epoch, total_steps, warmup_steps, run_dir, resume_from, changes)
+
+
+def trained_objective(cfg: PretrainConfig) -> tuple[str, str] | None:
+    """(the objective of the run this one would continue, where that is recorded), or None: the
+    checkpoint --resume names, else the run folder's config.json (unless run.overwrite replaces it)."""
+    if cfg.resume and cfg.resume != "auto":
+        try:
+            tag = checkpoint.find_resume(cfg.resume, Path(cfg.output_dir))
+            return checkpoint.read_meta(tag)["config"]["objective"], f"the checkpoint {tag}"
+        except (OSError, ValueError, KeyError):  # no checkpoint there: check_resume says so
+            return None
+    saved = Path(cfg.output_dir) / "config.json"
+    if cfg.run.overwrite or not saved.is_file():
+        return None
+    try:
+        return json.loads(saved.read_text())["objective"], f"--output_dir {cfg.output_dir} (its config.json)"
+    except (OSError, ValueError, KeyError):  # unreadable: check_run_folder judges the folder
+        return None
+
+
+def check_same_objective(cfg: PretrainConfig) -> None:
+    """A run continued (or started in a run folder) under another objective is refused naming both."""
+    found = trained_objective(cfg)
+    if found is not None and found[0] != cfg.objective:
+        was, where = found
+        raise ConfigError(f"--objective {cfg.objective}, but {where} holds a {was} run: give --objective {was} to "
+                          f"continue it, or another --output_dir for the {cfg.objective} run (--model.init_from "
+                          f"starts it from that run's weights)")
 
 
 def check_resume(resume_from: Path, cfg: PretrainConfig, plan: BatchPlan) -> None:
@@ -183,6 +216,10 @@ class Trainer:
                                  cfg.run.progress) if self.rank == 0 else None
         # classification objectives: top-1/top-5 on every rank's share of the shards
         self.eval_shards = eval_shards(cfg.data) if cfg.data.eval_index else None
+        # a probe or fine-tuning run whose loss stays at ln(classes) says so (train/chance_loss.py)
+        classifier = section(cfg)
+        self.chance = (ChanceLoss(classifier.num_classes, self.settings.stop_step)
+                       if isinstance(classifier, ClassifierConfig) else None)
 
     def figure_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(fixed images (B, C, H, W) in the compute dtype, mask noise (B, N)), drawn from their own
@@ -265,17 +302,23 @@ class Trainer:
         module.train()
         if self.reporter is not None:
             self.reporter.log_eval(step, result)
+            if self.chance is not None:
+                result["training_loss_at_chance"] = self.chance.last is not None
             (self.run_dir / "eval.json").write_text(json.dumps({"step": step, **result}, indent=2))
 
     def run(self) -> Path:
         """Train to the stop step (or a stop signal: checkpoint, requeue), export; the run folder."""
         # Slurm's SIGUSR1 / SIGTERM: checkpoint, (requeue), exit 0; SIGINT / SIGTERM elsewhere: checkpoint, exit 130 / 143
-        stop = StopSignal(self.cfg.run.stop_check_every, self.device)
+        stop = StopOnSignal(self.cfg.run.stop_check_every, self.device)
         report = self.reporter.log if self.reporter else lambda step, metrics: None
 
         def on_log(step: int, metrics: dict) -> None:  # every rank: the metrics are reduced over ranks
             if step == self.settings.stop_step and hasattr(self.data, "check_unusable"):
                 self.data.check_unusable(metrics)  # the give-up rule over the whole run, before its last checkpoint
+            if self.chance is not None and self.chance.at_chance(step, metrics["loss"]):
+                metrics["loss_at_chance"] = 1
+                if self.chance.first_time() and self.rank == 0:
+                    log.warning(self.chance.message())
             report(step, metrics)
 
         try:
@@ -286,6 +329,8 @@ class Trainer:
             stop.close()
         if self.reporter is not None:
             self.reporter.close()
+        if self.rank == 0 and self.chance is not None and self.chance.last is not None and not stopped:
+            log.warning("at the end: %s", self.chance.message())
         if stopped and not stop.exit_status:
             log.info("stopped on a signal at step %d after writing %s", self.state.step, self.last_saved)
             if self.rank == 0 and stop.requeue:

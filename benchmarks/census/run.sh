@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The kernel-launch and host-sync census behind docs/PERFORMANCE.md, on CPU (tools/census.py): each
-# command writes one record into benchmarks/results/. Run from the repository root:
+# command names its record in benchmarks/results/ with --json (the committed records; without it a census writes into
+# runs/census/). Run from the repository root:
 #   bash benchmarks/census/run.sh            # counts (deterministic; ~10 min on 2 cores)
 #   bash benchmarks/census/run.sh host_time  # host time per step, ours vs the baselines (a quiet machine)
 set -euo pipefail

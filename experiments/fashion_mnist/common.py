@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
+from data.cli import refuse
 from data.fashion_mnist import find_or_download
 from data.image_datasets import FASHION_MNIST_DIR
 from data.image_datasets import ShardError
@@ -35,7 +35,7 @@ def fashion_mnist_shards() -> tuple[Path, Path]:
         try:
             src = find_or_download(system=FASHION_MNIST_DIR)
         except ShardError as e:
-            sys.exit(f"error: {e}")
+            refuse(str(e))
         write_shards(["fashion-mnist", str(SHARDS), "--src", str(src), "--samples_per_shard", "2500"])
     return SHARDS / "train.json", SHARDS / "test.json"
 

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from data.cli import Parser
+from data.folders import unwritable
 from data.shards import ShardSet
 from experiments.fashion_mnist import common
 from experiments.fashion_mnist.common import (
@@ -68,7 +70,7 @@ D = " (default: %(default)s)"  # argparse fills in each option's default
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     methods = demo_methods()
     p.add_argument("--method", choices=methods, default=DEFAULT_METHOD,
                    help="a registered objective with a demo preset (train/configs/<method>/demo.json)" + D)
@@ -90,7 +92,10 @@ def main(argv: list[str] | None = None) -> dict:
     name = "demo" if a.method == DEFAULT_METHOD and not a.variant and not a.epochs else "_".join(
         ["demo", a.method] + ([a.variant] if a.variant else []) + ([f"{a.epochs:g}ep"] if a.epochs else []))
     run = Path(a.out) if a.out else REPO / "runs" / name
+    if problem := unwritable(run):
+        p.error(f"--out {run} {problem}")
 
+    print("[demo] Fashion-MNIST shards (written once into runs/shards/fashion_mnist)", flush=True)
     train_index, test_index = fashion_mnist_shards()
     train, test = ShardSet.from_index(train_index), ShardSet.from_index(test_index)
 
@@ -112,8 +117,14 @@ def main(argv: list[str] | None = None) -> dict:
     pool = feature_pool(run)  # energy: average-pooled (its cls token is never trained); else the cls token
     eval_train = subsample(train, a.eval_train, seed=0)  # the same samples for both encoders and every run
     # Nothing else runs now: one decode worker per core (at most one per shard).
-    decoded = [decode_all(split, EVAL_SIZE, min(cores_per_rank(), len(split.files))) for split in (eval_train, test)]
+    print(f"[demo] evaluating the pretrained encoder{'' if a.skip_control else ' and the random-init control'}: "
+          f"decoding {eval_train.num_samples} train and {test.num_samples} test images, then kNN and a linear probe "
+          f"on each encoder's features", flush=True)
+    decoded = [decode_all(split, EVAL_SIZE, min(cores_per_rank(), len(split.files)), f"decoding {what} images")
+               for split, what in ((eval_train, "train"), (test, "test"))]
     pretrained = evaluate(load_encoder(encoder=str(run / "encoder.safetensors"), img_size=EVAL_SIZE), *decoded, pool)
+    if not a.skip_control:
+        print("[demo] the random-init control", flush=True)
     control = None if a.skip_control else evaluate(load_encoder(random_init=model_name, img_size=EVAL_SIZE, seed=0),
                                                    *decoded, pool)
     eval_s = time.perf_counter() - t0

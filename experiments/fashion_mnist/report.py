@@ -7,10 +7,12 @@ The results are kept as committed run summaries, docs/study/<preset>/<entry>_see
 run's result.json and its objective's options), so the report can be written again without the
 run folders:
 
-    python -m experiments.fashion_mnist.report --preset full [--runs runs/study_full]
+    python -m experiments.fashion_mnist.report --preset full [--runs runs/study_full] [--docs DIR]
 
 --runs first collects the finished runs of a study folder into the summaries (and each method's
-own figures into the figures folder).
+own figures into the figures folder). --docs writes the report, its figures and summaries into
+another folder than docs/. Without matplotlib the committed report is not rewritten (it would
+lose its figures): the command refuses, naming the fix, unless --docs points elsewhere.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
+from data.cli import Parser, refuse
 from experiments.fashion_mnist import claims, plots
 from experiments.fashion_mnist.common import FINETUNE_BLR, RAW_PIXEL_BASELINES, REPO, TRAIN_IMAGES
 from experiments.fashion_mnist.entries import AT_ABLATION_BUDGET, ENTRIES, PRESETS
@@ -223,7 +226,7 @@ def epoch_table(summary: dict) -> list[str]:
 def reduced_budget_rows(summary: dict, reduced: dict) -> dict[str, dict]:
     """The rows of entries.AT_ABLATION_BUDGET (energy) from the ablation preset's summary, shaped for the
     accuracy-against-pretraining table and figure: their last checkpoint becomes one more earlier
-    epoch ("<metric>@3"), so the curve stops at 3 epochs instead of reaching the 10-epoch column."""
+    epoch ("<metric>@3"), so the curve ends at 3 epochs instead of reaching the 10-epoch column."""
     rows = {}
     for name in AT_ABLATION_BUDGET:
         if name in reduced and name not in summary:
@@ -362,10 +365,10 @@ def figure_lines(results: list[dict], summary: dict, figures: Path, link: str, c
 
 
 def write_report(results: list[dict], report: Path, figures: Path, discussion: Path | None = None,
-                 ablation: list[dict] | None = None, expected: list[str] = (), preset: str = "full") -> None:
+                 ablation: list[dict] | None = None, expected: list[str] = (), preset: str = "full") -> int:
     """The report from the run results; `discussion` (hand-written about the committed run) verbatim;
     `expected`: the study's entries, those without results listed as still to run; `preset` names
-    the command in the report's first line."""
+    the command in the report's first line. Returns the number of figures it links."""
     summary = summarize(results)
     figures.mkdir(parents=True, exist_ok=True)
     budget = results[0]["budget"]
@@ -400,8 +403,10 @@ def write_report(results: list[dict], report: Path, figures: Path, discussion: P
     if discussion is not None and discussion.is_file():
         lines += ["", discussion.read_text().strip()]
     link = figures.relative_to(report.parent).as_posix() if figures.is_relative_to(report.parent) else str(figures)
-    lines += figure_lines(results, summary, figures, link, curves)
+    drawn = figure_lines(results, summary, figures, link, curves)
+    lines += drawn
     report.write_text("\n".join(lines) + "\n")
+    return sum(line.startswith("![") for line in drawn)
 
 
 def paths(preset: str, docs: Path = REPO / "docs") -> dict[str, Path]:
@@ -411,29 +416,48 @@ def paths(preset: str, docs: Path = REPO / "docs") -> dict[str, Path]:
             "summaries": docs / "study" / preset, "figures": docs / "figures" / (preset if suffix else "")}
 
 
+NO_FIGURES = ("matplotlib is not installed, so the report would be written without its figures: install it "
+              "(pip install -e '.[study]')")
+
+
+def check_figures(docs: Path) -> None:
+    """Before any work: the committed report (under docs/) is never rewritten without its figures."""
+    if plots.pyplot() is None and docs.resolve() == (REPO / "docs").resolve():
+        refuse(f"{NO_FIGURES}, or write it elsewhere (report.py --docs DIR, study.py --report FILE); "
+               f"docs/ is left as it is")
+
+
 def publish(preset: str, runs: Path | None, order: list[str], expected: list[str], docs: Path = REPO / "docs") -> Path:
     """Collect `runs` (when given) into the preset's summaries and write its report; the full
-    study's report also judges the ablation preset's summaries. Returns the report's path."""
+    study's report also judges the ablation preset's summaries. Returns the report's path; says
+    where it went and how many figures it links. Refused (exit 2) before anything is written when
+    there is nothing to report, or when the report under docs/ would lose its figures."""
+    check_figures(docs)
     where = paths(preset, docs)
+    if runs is not None and not runs.is_dir():
+        refuse(f"--runs {runs} is not a folder: give the study's run folder (runs/study_{preset})")
+    if not load(where["summaries"], order) and (runs is None or not any(runs.glob("*/seed*/result.json"))):
+        refuse(f"no run summaries in {where['summaries']}" + (f" and no finished run in {runs}" if runs else "")
+               + ": pass --runs with the study's run folder")
     if runs is not None:
         collect(runs, where["summaries"], where["figures"])
     results = load(where["summaries"], order)
-    if not results:
-        raise SystemExit(f"no run summaries in {where['summaries']}: pass --runs with the study's run folder")
     ablation = load(paths("ablation", docs)["summaries"], order) if preset == "full" else None
-    write_report(results, where["report"], where["figures"], where["discussion"], ablation, expected, preset)
+    figures = write_report(results, where["report"], where["figures"], where["discussion"], ablation, expected, preset)
+    print(f"wrote {where['report']} with {figures} figure(s) in {where['figures']}" +
+          ("" if plots.pyplot() is not None else f" ({NO_FIGURES})"))
     return where["report"]
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=list(PRESETS), default="full", help="which study (default %(default)s)")
     p.add_argument("--runs", type=Path, help="the study's run folder to collect first (default: the summaries only)")
+    p.add_argument("--docs", type=Path, default=REPO / "docs",
+                   help="the folder of the report, its figures and run summaries (default: docs/, the committed ones)")
     a = p.parse_args(argv)
     controls_last = sorted(ENTRIES, key=lambda name: not ENTRIES[name].method)  # random init, supervised
-    report = publish(a.preset, a.runs, controls_last, PRESETS[a.preset]["entries"])
-    print(f"wrote {report}")
-    return report
+    return publish(a.preset, a.runs, controls_last, PRESETS[a.preset]["entries"], a.docs)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,9 @@ from experiments.fashion_mnist.common import (
     presets,
 )
 from experiments.fashion_mnist.entries import ENTRIES, PRESETS, Entry
-from experiments.fashion_mnist.report import publish, write_report
+from data.cli import Parser
+from experiments.fashion_mnist.plots import pyplot
+from experiments.fashion_mnist.report import NO_FIGURES, check_figures, publish, write_report
 from train.checkpoint import tag_for
 from train.evaluate import DecodedSet, decode_all, evaluate, load_encoder
 from train.export import export_checkpoint
@@ -252,7 +254,7 @@ def run_parallel(a, work: list[tuple[int, str]]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=list(PRESETS), default="quick",
                    help="the budget and where it goes; the options below override it" + D)
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds, one run of every entry each" + D)
@@ -288,11 +290,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     unknown = sorted(set(names) - set(ENTRIES))
     if unknown:
         p.error(f"unknown entries {unknown}; choose from {list(ENTRIES)}")
-    seeds = [int(s) for s in a.seeds.split(",")]
+    try:
+        seeds = [int(s) for s in a.seeds.split(",")]
+    except ValueError:
+        p.error(f"--seeds {a.seeds!r}: give comma-separated integers (e.g. 0,1)")
     if a.status:
         print(progress.report([progress.entry_status(a.out, name, seed, budget_of(a)) for seed in seeds
                                for name in names]))
         return []
+    if not a.no_report and a.report is None:  # hours before the report: refused now if it would lose its figures
+        check_figures(REPO / "docs")
+    if a.report is not None and a.report.is_dir():
+        p.error(f"--report {a.report} is a folder: give the report's file name")
     if a.shards is None:
         train, test = fashion_mnist_shards()
     else:
@@ -308,6 +317,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.eval_epochs and (epochs != int(epochs) or not all(0 < k < epochs for k in a.eval_epochs)):
         p.error(f"--eval_epochs {a.eval_epochs}: give whole epochs before the last of a whole-epoch budget "
                 f"(--pretrain_samples {a.pretrain_samples} is {epochs:g} epochs)")
+    for seed in seeds:  # never mix budgets in one table: refused before any entry runs
+        for name in names:
+            done = a.out / name / f"seed{seed}" / "result.json"
+            if done.is_file() and json.loads(done.read_text()).get("budget") != budget_of(a):
+                p.error(f"{done} was measured with another budget than this study's {budget_of(a)}; use another --out")
     if a.jobs > 1:
         results = run_parallel(a, [(seed, name) for seed in seeds for name in names])
     else:
@@ -319,7 +333,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.no_report:
         return results
     if a.report is not None:
-        write_report(results, a.report, a.report.parent / "figures")
+        figures = write_report(results, a.report, a.report.parent / "figures")
+        print(f"[study] {figures} figure(s) in {a.report.parent / 'figures'}" + ("" if pyplot() else f" ({NO_FIGURES})"))
         report = a.report
     else:
         report = publish(a.preset, a.out, list(ENTRIES), preset["entries"])

@@ -236,7 +236,7 @@ def one_bad_shard(tmp_path, request) -> tuple[Path, str]:
 
 @pytest.mark.parametrize("one_bad_shard", ["images", "tar"], indirect=True)
 @pytest.mark.parametrize("workers", [0, 1])
-def test_a_corrupt_shard_stops_training_and_is_named(one_bad_shard, workers):
+def test_a_corrupt_shard_ends_training_and_is_named(one_bad_shard, workers):
     index, bad = one_bad_shard
     loader = ShardLoader(ShardSet.from_index(index), 8, batch_size=2, seed=0, rank=0, world=1, num_workers=workers,
                          shuffle_buffer=3, max_bad_fraction=0.1)
@@ -272,7 +272,7 @@ def test_the_process_exits_with_an_error_instead_of_waiting_for_its_workers(one_
 
 
 @pytest.mark.parametrize("one_bad_shard", ["images"], indirect=True)
-def test_a_corrupt_fraction_of_1_never_stops(one_bad_shard):
+def test_a_corrupt_fraction_of_1_never_ends_it(one_bad_shard):
     loader = ShardLoader(ShardSet.from_index(one_bad_shard[0]), 8, batch_size=2, seed=0, rank=0, world=1,
                          num_workers=0, shuffle_buffer=3, max_bad_fraction=1.0)
     for _ in range(20):  # 40 samples: more than 3 epochs of 12

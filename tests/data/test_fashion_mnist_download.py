@@ -94,7 +94,7 @@ def test_a_file_that_does_not_match_its_checksum_is_refused_and_deleted(server, 
     assert "deleted it" in str(e.value) and str(fm.CACHE / NAMES[0]) in str(e.value)
     assert "apt-get install dataset-fashion-mnist" in str(e.value)
     assert list(fm.CACHE.iterdir()) == []  # neither the file nor its partial download
-    assert requests == [f"/{NAMES[0]}"]  # stops at the first bad file
+    assert requests == [f"/{NAMES[0]}"]  # gives up at the first bad file
 
 
 def test_a_later_mismatch_keeps_the_files_already_checked(server, monkeypatch):
@@ -166,14 +166,16 @@ def test_the_demo_writes_its_shards_from_downloaded_files_without_debians(server
     assert fm.has_files(fm.CACHE)
 
 
-def test_the_demo_without_files_or_network_exits_saying_where_to_put_them(tmp_path, monkeypatch):
+def test_the_demo_without_files_or_network_exits_saying_where_to_put_them(tmp_path, monkeypatch, capsys):
     from experiments.fashion_mnist import common, demo
 
     monkeypatch.setattr(common, "FASHION_MNIST_DIR", tmp_path / "no-debian")
     monkeypatch.setattr(common, "SHARDS", tmp_path / "shards")
     with pytest.raises(SystemExit) as e:
         demo.main(["--epochs", "1", "--out", str(tmp_path / "run")])
-    assert "apt-get install dataset-fashion-mnist" in str(e.value.code) and str(fm.CACHE) in str(e.value.code)
+    *tried, err = capsys.readouterr().err.splitlines()  # the download it tried, then one line: the refusal
+    assert e.value.code == 2 and err.startswith("error: ") and all(line.startswith("downloading ") for line in tried)
+    assert "apt-get install dataset-fashion-mnist" in err and str(fm.CACHE) in err
     assert not (tmp_path / "shards").exists() and not (tmp_path / "run").exists()
 
 

@@ -38,7 +38,7 @@ def test_each_bad_shard_is_found_with_its_reason(shard_dir):
 def test_a_shard_cut_at_a_member_boundary_is_found(tmp_path):
     image_shards(tmp_path, 1, 4)
     path = tmp_path / "ok-0.tar"
-    path.write_bytes(path.read_bytes()[:2048])  # exactly one whole sample: tarfile itself stops without a word
+    path.write_bytes(path.read_bytes()[:2048])  # exactly one whole sample: tarfile itself ends without a word
     report = verify_shard(path, 1)  # even when the index agrees with what is left
     assert "truncated_shard" in report.problems and "end-of-archive" in report.reason()
 

@@ -1,4 +1,4 @@
-"""A real pretraining run on shards one of which is garbage: it stops with exit status 3 and a
+"""A real pretraining run on shards one of which is garbage: it ends with exit status 3 and a
 message naming that shard (and how to list every bad one), instead of training on (or hanging
 over) broken data, with no loader worker's traceback around the message and its checkpoints kept."""
 import io
@@ -24,7 +24,7 @@ def _tar(path, members: dict[str, bytes]):
             tar.addfile(info, io.BytesIO(data))
 
 
-def test_a_garbage_shard_stops_the_run_naming_it(tmp_path):
+def test_a_garbage_shard_ends_the_run_naming_it(tmp_path):
     rng = np.random.default_rng(0)
     shards = {}
     for s in range(4):

@@ -166,11 +166,16 @@ def test_output_places_that_cannot_be_written_are_refused_before_start(tmp_path,
 
 
 def test_messages_name_the_fix(tmp_path, rgb_shards):
-    with pytest.raises(ConfigError, match="smaller than the global batch 8 .* give a ds_config with a smaller "
-                                          "train_batch_size, or more samples"):
-        from train.trainer import check_before_start
+    from train.trainer import check_before_start
 
+    # named by the key the file sets: the micro-batch here, the global batch in a file that gives it
+    with pytest.raises(ConfigError, match=r"smaller than the global batch 8 .* give a ds_config with a "
+                                          r"train_micro_batch_size_per_gpu of at most 4 \(it sets 8\), or more samples"):
         check_before_start(parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--data.epoch_size",
+                                       "4", "--output_dir", str(tmp_path / "a")]))
+    ds = with_ds(tmp_path, {**json.loads(CPU_DS.read_text()), "train_batch_size": 8})
+    with pytest.raises(ConfigError, match="give a ds_config with a train_batch_size of at most 4, or more samples"):
+        check_before_start(parse_args(["--ds_config", str(ds), "--config", str(DEBUG_PRESET), "--data.epoch_size",
                                        "4", "--output_dir", str(tmp_path / "a")]))
     proc = run_pretrain(tmp_path / "b", "--data.source", "shards", "--data.train_index", str(rgb_shards.parent),
                         "--model.in_chans", "3", check=False)
@@ -186,9 +191,10 @@ def test_resuming_another_objective_names_both_ways_on(tmp_path):
     run_pretrain(tmp_path, "--run.max_steps", "1")
     proc = run_pretrain(tmp_path, "--run.max_steps", "2", "--resume", "auto", "--config",
                         str(PRESETS / "mixedae/debug.json"), check=False)
-    assert proc.returncode == 2
-    assert "give its objective again; to train this one from the checkpoint's weights, start it in another " \
-           "--output_dir with --model.init_from" in proc.stderr
+    assert proc.returncode == 2  # named before the objective's own checks (MixedAE's cells) could blame its options
+    assert f"--objective mixedae, but --output_dir {tmp_path} (its config.json) holds a mae run: give --objective mae " \
+           "to continue it, or another --output_dir for the mixedae run (--model.init_from starts it from that " \
+           "run's weights)" in proc.stderr
 
 
 def test_an_exported_encoder_is_readable_as_the_umask_says(tmp_path):
@@ -200,7 +206,7 @@ def test_an_exported_encoder_is_readable_as_the_umask_says(tmp_path):
     assert stat.S_IMODE((tmp_path / "encoder.safetensors").stat().st_mode) == 0o644
 
 
-def test_a_short_run_over_the_unusable_sample_limit_stops_at_its_end_before_the_last_checkpoint(tmp_path, image_folder):
+def test_a_short_run_over_the_unusable_sample_limit_ends_before_the_last_checkpoint(tmp_path, image_folder):
     """Two shards of 12 samples, 2 undecodable in each: a reader applies the limit only once it has
     seen a shard's worth of samples, which 2 steps of 2 samples never reach; the run's end applies it."""
     import io
@@ -239,7 +245,8 @@ def test_the_dry_run_checks_cpu_ranks_and_the_linear_probe_has_a_cpu_ds_config(t
     proc = subprocess.run([sys.executable, str(REPO / "train" / "linprobe.py"), "--ds_config",
                            str(REPO / "ds_configs" / "cpu_linprobe.json"), "--config", str(DEBUG_PRESET),
                            "--model.init_from", str(encoder_run / "encoder.safetensors"), "--linprobe.num_classes",
-                           "10", "--run.max_steps", "1", "--run.progress", "false", "--output_dir",
+                           "10", "--data.epoch_size", "256", "--run.max_steps", "1", "--run.progress", "false",
+                           "--output_dir",
                            str(tmp_path / "probe")], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-2000:]

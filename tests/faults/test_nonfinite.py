@@ -1,4 +1,4 @@
-"""Non-finite losses and gradients: the step is skipped and counted; a streak stops the run with
+"""Non-finite losses and gradients: the step is skipped and counted; a streak ends the run with
 its last checkpoint kept; an fp16 loss-scale collapse is reported as one. (The engine's skip
 itself, weights and moments unchanged, is tests/train/test_engine.py.)"""
 import json
@@ -49,7 +49,7 @@ def test_a_nan_loss_step_is_skipped_counted_and_training_goes_on(tmp_path, stage
     assert all(abs(r["loss"]) < 10 for r in rows[3:])  # the weights were not poisoned: training goes on
 
 
-def test_a_streak_of_nonfinite_steps_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
+def test_a_streak_of_nonfinite_steps_ends_the_run_and_keeps_the_last_checkpoint(tmp_path):
     proc = run_pretrain(tmp_path, "--run.max_steps", "10", "--run.ckpt_every", "2", "--run.max_nonfinite_steps", "3",
                         faults="nan_loss@4-10", check=False)
     assert proc.returncode == 3
@@ -106,7 +106,7 @@ def test_fp16_loss_scale_collapse_is_reported_as_such():
     with pytest.raises(NonFiniteError, match=r"fp16 loss-scale collapse by step 4: .* minimum loss scale \(1\)"):
         _run(engine, limit=0)
     assert engine.device_state()["skipped_steps"].item() == 4
-    # with a streak limit below the collapse, the streak stops it first and names the scale
+    # with a streak limit below the collapse, the streak ends it first and names the scale
     with pytest.raises(NonFiniteError, match=r"2 consecutive optimizer steps \(1-2\).*fp16 loss scale is 2"):
         _run(fp16_engine(init_power=3), limit=2)
 

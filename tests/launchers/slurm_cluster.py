@@ -10,7 +10,7 @@ Makefile's `slurm` target installs Debian's slurm-wlm and munge as root).
 A requeued job waits cred_expire + 1 s before it may start again (Slurm's default 120 s); the
 cluster sets it to 10 s so that requeue tests take seconds.
 
-    python tests/launchers/slurm_cluster.py DIR   # start one by hand (docs/SLURM.md), Ctrl-C stops it
+    python tests/launchers/slurm_cluster.py DIR   # start one by hand (docs/SLURM.md), Ctrl-C ends it
 """
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ if __name__ == "__main__":
     cluster = LocalSlurm(Path(sys.argv[1]).resolve())
     cluster.start()
     print(f"export SLURM_CONF={cluster.conf}   # then sbatch / squeue / scontrol as usual; Ctrl-C "
-          f"(or SIGTERM) stops the cluster", flush=True)
+          f"(or SIGTERM) ends the cluster", flush=True)
     stopped = []
     for sig in (signal.SIGINT, signal.SIGTERM):  # also in the background, where SIGINT may be ignored
         signal.signal(sig, lambda signum, frame: stopped.append(signum))

@@ -141,7 +141,7 @@ def jobs(tmp_path_factory):
         # check (every 30 s) after 60 s: 60-90 s after the job starts, when its step certainly runs.
         # (With a 1 min limit the warning was due at once: once, a CI run's check fell between the
         # allocation and the step's launch 1.2 s later, and the job ran 44 s with no warning.) The run
-        # stops at its next stop check (every 50 steps), writes a checkpoint and requeues. Steps 1-150
+        # halts at its next stop check (every 50 steps), writes a checkpoint and requeues. Steps 1-150
         # take 0.7 s longer each (train/fault_injection.py, slow_step): at least 105 s, so the first
         # run outlives that check however fast the machine; no weight changes.
         jobs.submit("short_time", *CPU_JOB[:-2], "--time", "4", train=("--run.stop_check_every", "50"),

@@ -33,10 +33,12 @@ def methods_for(name: str) -> list[list[str]]:
         from train.linprobe import RECIPE
 
         return [[*RECIPE, "--model.name", "vit_base_patch16", "--linprobe.num_classes", "1000"]]
-    if name == "cpu_linprobe.json":  # the linear probe (LARS: ZeRO 0) on the debug model
+    if name == "cpu_linprobe.json":  # the linear probe's CPU recipe and the MAE recipe (LARS: ZeRO 0), debug model
         from train.linprobe import RECIPE
 
-        return [[*RECIPE, "--config", str(PRESETS / "mae/debug.json"), "--linprobe.num_classes", "10"]]
+        probe = [*RECIPE, "--config", str(PRESETS / "mae/debug.json"), "--linprobe.num_classes", "10",
+                 "--data.epoch_size", "60000"]  # Fashion-MNIST's train split
+        return [probe, [*probe, "--config", str(PRESETS / "linprobe/cpu_recipe.json")]]
     if name == "cpu_demo.json":
         return [["--config", str(PRESETS / "mae/demo.json"), "--data.epoch_size", "60000"]]  # Fashion-MNIST's train split
     return [["--config", str(PRESETS / "mae/debug.json")]]  # the tests' config
@@ -145,3 +147,24 @@ def test_cli_exit_codes(capsys):
     code, out = run("--ds_config", str(DS / "vit_l_8xa100_bf16_zero2.json"), "--data.source", "synthetic",
                     "--gpu", "v100")
     assert code == 2 and "PROBLEM: ds_config enables bf16, which this GPU lacks" in out
+
+
+def test_the_world_size_checked_is_said_with_where_it_comes_from(capsys, monkeypatch):
+    from train.pretrain import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def first_line(*args):
+        with pytest.raises(SystemExit):
+            main(["--dry-run", "--data.source", "synthetic", *args])
+        return capsys.readouterr().out.splitlines()[0]
+
+    preset = str(REPO / "train" / "configs" / "mae" / "debug.json")
+    # a CPU file with no GPU named: one process, not a node of 8
+    assert first_line("--ds_config", str(DS / "cpu_debug.json"), "--config", preset, "--gpu", "cpu").endswith(
+        "world size 1 (assumed: one CPU process; pass --world_size N to check N ranks)")
+    assert first_line("--ds_config", str(DS / "vit_b_8xa100_bf16_zero1.json"), "--model.name",
+                      "vit_base_patch16").endswith("world size 8 (assumed: one node of 8 A100 SXM4 80GBs; pass "
+                                                   "--world_size N to check another)")
+    assert first_line("--ds_config", str(DS / "cpu_debug.json"), "--config", preset, "--world_size", "2").endswith(
+        "world size 2 (--world_size)")

@@ -81,7 +81,7 @@ def _finished_run(root, entry, seed, result):
         (run / "pretrain" / "vis" / f"{entry}_reconstruction_step{step:08d}.png").write_bytes(f"png {step}".encode())
 
 
-def test_collected_summaries_write_the_report_without_the_run_folders(tmp_path):
+def test_collected_summaries_write_the_report_without_the_run_folders(capsys, tmp_path):
     runs, docs = tmp_path / "runs", tmp_path / "docs"
     windows = [{"step": 50, "images_per_s": 100.0, "step_time": 1.0, "data_skipped_x": 0, "data_converted_y": 0},
                {"step": 100, "images_per_s": 900.0, "step_time": 0.1, "data_skipped_x": 0, "data_converted_y": 2},
@@ -114,8 +114,9 @@ def test_collected_summaries_write_the_report_without_the_run_folders(tmp_path):
     shutil.rmtree(runs)
     first = text
     assert publish("full", None, order, order, docs).read_text() == first
-    with pytest.raises(SystemExit, match="no run summaries"):
+    with pytest.raises(SystemExit) as status:
         publish("quick", None, order, order, docs)
+    assert status.value.code == 2 and "no run summaries" in capsys.readouterr().err
     assert paths("quick", docs)["figures"] == docs / "figures" / "quick"
 
 
@@ -132,6 +133,26 @@ def test_report_needs_no_plotting_library(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     write_report(RESULTS, tmp_path / "RESULTS.md", tmp_path / "figures")
     assert "loss_curves.png" not in (tmp_path / "RESULTS.md").read_text()
+
+
+def test_without_matplotlib_the_committed_report_is_kept_and_another_folder_says_so(tmp_path, monkeypatch, capsys):
+    from experiments.fashion_mnist import plots, report
+
+    monkeypatch.setattr(plots, "pyplot", lambda: None)
+    committed = paths("full")["report"]
+    before = committed.stat().st_mtime, committed.read_text()
+    with pytest.raises(SystemExit) as status:
+        report.main(["--preset", "full"])
+    assert status.value.code == 2 and "docs/ is left as it is" in capsys.readouterr().err
+    assert (committed.stat().st_mtime, committed.read_text()) == before
+    docs = tmp_path / "docs"
+    (docs / "study" / "full").mkdir(parents=True)
+    for r in RESULTS:
+        (docs / "study" / "full" / f"{r['entry']}_seed{r['seed']}.json").write_text(json.dumps(r))
+    assert report.main(["--preset", "full", "--docs", str(docs)]) == docs / "RESULTS.md"
+    said = capsys.readouterr().out
+    assert "RESULTS.md with 0 figure(s) in" in said and "(matplotlib is not installed" in said
+    assert "![" not in (docs / "RESULTS.md").read_text()
 
 
 def test_plots_when_matplotlib_is_installed(tmp_path):

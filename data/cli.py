@@ -1,0 +1,71 @@
+"""How every command of the repository refuses bad input: one line on stderr that names the problem
+and the fix, exit status 2, before any work and with nothing written (docs/RELIABILITY.md).
+
+- `Parser`: argparse whose errors (a misspelt option, a missing or unreadable value) are that
+  one line instead of a usage block;
+- `InputError` and `refusing(main)`: a command raises InputError (or FileNotFoundError) while it
+  checks its input; `refusing` turns it into the line and the status;
+- `read_json`: a JSON file that is missing or malformed is refused with its path, line and column.
+
+data/ is the lowest layer, so the data tools use this directly; train/cli.py builds the training
+commands' statuses (3, 130, 143) on it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, NoReturn
+
+
+class InputError(ValueError):
+    """Input a command refuses before it starts; the message names the problem and the fix."""
+
+
+def one_line(message: str) -> str:
+    """A message as one line (an exception's text may hold several: a list after a colon stays a list)."""
+    out = ""
+    for part in (p.strip() for p in str(message).splitlines()):
+        if part:
+            out += part if not out else (f" {part}" if out.endswith(":") else f"; {part}")
+    return out
+
+
+def refuse(message: str) -> NoReturn:
+    """Print `error: <message>` as one line on stderr and exit 2."""
+    print(f"error: {one_line(message)}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage block) and exit 2; `--help` is unchanged."""
+
+    def error(self, message: str) -> NoReturn:
+        refuse(f"{message} (--help lists the options)")
+
+
+def refusing(main: Callable[[], Any], refused: tuple[type[BaseException], ...] = ()) -> Any:
+    """Run `main()`; InputError, FileNotFoundError and `refused` end it with one line and exit 2."""
+    try:
+        return main()
+    except (InputError, FileNotFoundError, NotADirectoryError, *refused) as e:
+        refuse(str(e))
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """The JSON value in `path`; InputError naming `what`, the path and, when malformed, its line and column."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{what} {path} is a folder; give the JSON file itself")
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise InputError(f"{what} {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{what} {path} cannot be read ({e})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{what} {path}:{e.lineno}:{e.colno} is not valid JSON ({e.msg}): fix the file at line "
+                         f"{e.lineno}, column {e.colno}") from None

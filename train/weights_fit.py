@@ -1,0 +1,87 @@
+"""Whether the weights `--model.init_from` names fit the configured encoder, judged from the file's
+tensor shapes before any process group starts (the load itself comes later, in train/build.py).
+
+A mismatch is refused naming both values: input channels, width, patch size, depth, or the first
+tensor whose shape differs. A position table of another grid is no mismatch (it is resized when
+loaded: MAE+ pretrains on small crops).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from model.interop import split_official_mae
+from train import checkpoint
+from train.config import ConfigError, PretrainConfig
+
+RESIZED = {"pos_embed"}  # rebuilt for the target grid when loaded (model/interop.py resize_pos_embed)
+NEW = ("head.", "fc_norm.")  # trained anew by a classifier objective
+
+
+def file_shapes(source: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of the encoder in an exported .safetensors, an official MAE / timm
+    torch file, or a run / checkpoint folder of ours (memory-mapped: nothing is read but headers
+    where the format allows)."""
+    path = Path(source)
+    if path.is_dir():
+        from train.engine import MODEL_FILE
+
+        tag = checkpoint.find_resume(source, path)
+        state = torch.load(tag / MODEL_FILE, map_location="cpu", weights_only=True, mmap=True)["module"]
+        return {k.removeprefix("encoder."): tuple(v.shape) for k, v in state.items()
+                if k.startswith("encoder.") and isinstance(v, torch.Tensor)}
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # a file of the legacy (non-zip) format cannot be memory-mapped
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    encoder, _ = split_official_mae(state)
+    return {k: tuple(v.shape) for k, v in encoder.items() if isinstance(v, torch.Tensor)}
+
+
+def describe(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """Input channels, width, patch size and depth of a ViT's encoder tensors ({} for another kind)."""
+    proj = shapes.get("patch_embed.proj.weight")
+    if proj is None or len(proj) != 4:
+        return {}
+    blocks = {int(m.group(1)) for k in shapes if (m := re.match(r"blocks\.(\d+)\.", k))}
+    return {"input channels": proj[1], "width": proj[0], "patch size": proj[2], "depth": len(blocks)}
+
+
+def mismatch(theirs: dict[str, tuple[int, ...]], ours: dict[str, tuple[int, ...]]) -> str:
+    """How the file's encoder differs from the configured one ('' when it fits)."""
+    a, b = describe(theirs), describe(ours)
+    differing = [f"{what} {a[what]} (the model's: {b[what]})" for what in a if what in b and a[what] != b[what]]
+    if differing:
+        return ", ".join(differing)
+    for name, shape in theirs.items():
+        if name in ours and name not in RESIZED and not name.startswith(NEW) and shape != ours[name]:
+            return f"{name} of shape {list(shape)} (the model's: {list(ours[name])})"
+    return ""
+
+
+def check_init_from(cfg: PretrainConfig) -> None:
+    """ConfigError when model.init_from holds an encoder of other input channels or sizes than
+    the configured model (model.name, model.in_chans, model.img_size)."""
+    if not cfg.model.init_from:
+        return
+    from train.build import build_encoder
+
+    try:
+        theirs = file_shapes(cfg.model.init_from)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:  # unreadable, or not weights
+        raise ConfigError(f"model.init_from {cfg.model.init_from}: not an encoder this code reads ({e}); give an "
+                          f"exported encoder.safetensors, a run folder, an official MAE or a timm checkpoint") from None
+    with torch.device("meta"):
+        ours = {k: tuple(v.shape) for k, v in build_encoder(cfg).state_dict().items()}
+    problem = mismatch(theirs, ours)
+    if problem:
+        raise ConfigError(f"model.init_from {cfg.model.init_from} does not fit model.name {cfg.model.name} "
+                          f"(model.in_chans {cfg.model.in_chans}): the file's encoder has {problem}; give the "
+                          f"--model.name (and --model.in_chans) it was trained with, or another encoder")
