@@ -126,7 +126,9 @@ def row(s: Scaling, model_name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from data.cli import Parser
+
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ds_config", action="extend", nargs="+", required=True, help="one or several DeepSpeed JSONs")
     p.add_argument("--world_size", type=int, nargs="+", default=[8, 32, 128],
                    help="ranks to estimate (default %(default)s)")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from data.cli import Parser
 from train.checkpoint import COMPLETE, TAG_RE, check_files
 from train.cli import cli
 from train.config import ConfigError
@@ -109,8 +110,8 @@ def tags_in(path: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    parser = argparse.ArgumentParser(prog="python -m train.convert_checkpoint", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m train.convert_checkpoint", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", metavar="TAG", help="a tag folder, or a run folder: all its tags")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     done = []

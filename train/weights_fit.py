@@ -24,17 +24,18 @@ def file_shapes(source: str) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape of the encoder in an exported .safetensors, an official MAE / timm
     torch file, or a run / checkpoint folder of ours (memory-mapped: nothing is read but headers
     where the format allows)."""
+    from safetensors import safe_open
+
     path = Path(source)
-    if path.is_dir():
-        from train.engine import MODEL_FILE
+    if path.is_dir():  # a run folder or a tag: the weights file of its checkpoint, by name
+        from train.engine.state_files import WEIGHTS_FILE, check_layout
 
         tag = checkpoint.find_resume(source, path)
-        state = torch.load(tag / MODEL_FILE, map_location="cpu", weights_only=True, mmap=True)["module"]
-        return {k.removeprefix("encoder."): tuple(v.shape) for k, v in state.items()
-                if k.startswith("encoder.") and isinstance(v, torch.Tensor)}
+        check_layout(tag)
+        with safe_open(str(tag / WEIGHTS_FILE), framework="pt") as f:
+            return {k.removeprefix("encoder."): tuple(f.get_slice(k).get_shape()) for k in f.keys()
+                    if k.startswith("encoder.")}
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as f:
             return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     try:
@@ -69,7 +70,9 @@ def mismatch(theirs: dict[str, tuple[int, ...]], ours: dict[str, tuple[int, ...]
 def check_init_from(cfg: PretrainConfig) -> None:
     """ConfigError when model.init_from holds an encoder of other input channels or sizes than
     the configured model (model.name, model.in_chans, model.img_size)."""
-    if not cfg.model.init_from:
+    from model.hf_interop import is_transformers_folder
+
+    if not cfg.model.init_from or is_transformers_folder(cfg.model.init_from):  # checked by its config.json
         return
     from train.build import build_encoder
 

@@ -50,6 +50,8 @@ ENTRY_POINTS = {
     "train.bench_objectives": ("train.bench_objectives", called, "main()"),
     "kernels.bench": ("kernels.bench", called, "main()"),
     "tools.census": ("tools.census", cli, "cli(main)"),
+    "tools.scaling": ("tools.scaling", cli, "cli(lambda: sys.exit(main()))"),
+    "train.convert_checkpoint": ("train.convert_checkpoint", cli, "cli(main)"),
     "data.write_shards": ("data.write_shards", called, "main()"),
     "data.index_shards": ("data.index_shards", exits, "sys.exit(main())"),
     "data.verify": ("data.verify", exits, "sys.exit(main())"),
@@ -83,6 +85,9 @@ def inputs(tmp_path_factory) -> Path:
     (root / "mae_run").mkdir()
     (root / "mae_run" / "config.json").write_text(json.dumps({"objective": "mae"}))
     (root / "empty").mkdir()
+    (root / "current_tag").mkdir()  # a complete tag of the engine's own layout
+    (root / "current_tag" / "model.safetensors").write_bytes(b"")
+    (root / "current_tag" / "complete.json").write_text(json.dumps({"step": 1, "files": {"model.safetensors": 0}}))
     (root / "runs" / "entry" / "seed0").mkdir(parents=True)  # a study folder without finished runs
     return root
 
@@ -183,6 +188,15 @@ CASES = [
      r"--json .*cannot be written", None),
     ("tools.census", "bad value", ["--ds_config", CPU_DS, "--config", DEBUG, "--steps", "2"],
      r"--steps must be >= 3", None),
+    ("tools.scaling", "missing ds_config", ["--ds_config", "ds_configs/vit_b_8xh100_bf16_zero9.json"],
+     r"ds_config 'ds_configs/vit_b_8xh100_bf16_zero9.json' does not exist", None),
+    ("tools.scaling", "bad value", ["--ds_config", A100, "--world_size", "x"],
+     r"argument --world_size: invalid int value: 'x' \(--help lists the options\)", None),
+    ("train.convert_checkpoint", "missing run folder", ["{d}/no/such/run"],
+     r"no/such/run holds no checkpoint tag of the earlier layout .*give a tag folder or a run folder", None),
+    ("train.convert_checkpoint", "a tag that is not of the earlier layout", ["{d}/current_tag"],
+     r"current_tag has no model.pt: it is not a tag of the earlier layout", None),
+    ("train.convert_checkpoint", "missing option", [], r"the following arguments are required: TAG", None),
     ("data.write_shards", "missing folder", ["imagefolder", "{d}/no_images", "{d}/out"],
      r"no_images", None),
     ("data.write_shards", "unwritable output", ["imagefolder", "{d}/images", "{d}/a_file"],
