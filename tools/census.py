@@ -9,6 +9,7 @@ Census options (the rest are train/pretrain.py options; data.source defaults to 
     --width W (0)             encoder (and decoder, where the objective has one) width W at the model's depth
                               and heads: the same tensors and ops at negligible compute (0 = the model's own)
     --micro M (0)             the ds_config's micro-batch set to M, its global batch to M x ranks (0 = as given)
+    --zero_stage S            the ds_config's ZeRO stage set to S (0-3; default as given)
     --baseline KIND (fused)   the baseline's AdamW: fused | foreach (torch's CUDA default) | none
     --deepspeed               also DeepSpeed's own engine training our objective with the same ds_config
                               (tools/deepspeed_step.py: the step before train/engine/)
@@ -45,15 +46,15 @@ from train.cli import cli, pop_flags
 from train.config import ConfigError, PretrainConfig, encoder_img_size, help_text, parse_args, section, to_dict
 from train.counting import PHASES, Tally, counting
 
-CENSUS_FLAGS = {"--steps": int, "--width": int, "--micro": int, "--baseline": str, "--deepspeed": None,
+CENSUS_FLAGS = {"--steps": int, "--width": int, "--micro": int, "--zero_stage": int, "--baseline": str, "--deepspeed": None,
                 "--host_time": int, "--json": str, "--record": None}
 HOST_TIME_STEPS = 10
 
 
 def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
     """(census options, run options with data.source synthetic unless given)."""
-    opts = {"steps": 4, "width": 0, "micro": 0, "baseline": "fused", "deepspeed": False, "host_time": 0, "json": "",
-            "record": False}
+    opts = {"steps": 4, "width": 0, "micro": 0, "zero_stage": -1, "baseline": "fused", "deepspeed": False,
+            "host_time": 0, "json": "", "record": False}
     found, rest = pop_flags(argv, CENSUS_FLAGS)
     opts.update(found)
     if opts["json"] and (problem := unwritable_file(Path(opts["json"]))):
@@ -64,14 +65,17 @@ def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
         raise ConfigError(f"--baseline takes fused, foreach or none, got {opts['baseline']!r}")
     if not any(a.startswith("--data.source") for a in rest):
         rest = ["--data.source", "synthetic", *rest]
-    if opts["micro"]:
-        rest = with_micro(rest, opts["micro"])
+    if opts["zero_stage"] not in (-1, 0, 1, 2, 3):
+        raise ConfigError(f"--zero_stage takes 0, 1, 2 or 3, got {opts['zero_stage']}")
+    if opts["micro"] or opts["zero_stage"] >= 0:
+        rest = with_micro(rest, opts["micro"], opts["zero_stage"])
     return opts, rest
 
 
-def with_micro(argv: list[str], micro: int) -> list[str]:
-    """argv with --ds_config pointing at a copy of the file whose micro-batch is `micro` and global
-    batch micro x ranks (no accumulation), in a temporary folder."""
+def with_micro(argv: list[str], micro: int, stage: int = -1) -> list[str]:
+    """argv with --ds_config pointing at a copy of the file, in a temporary folder, whose micro-batch
+    is `micro` and global batch micro x ranks (no accumulation; `micro` 0: as given) and whose ZeRO
+    stage is `stage` (-1: as given)."""
     import os
     import tempfile
 
@@ -79,10 +83,13 @@ def with_micro(argv: list[str], micro: int) -> list[str]:
 
     i = argv.index("--ds_config") + 1
     ds = json.loads(Path(argv[i]).read_text())
-    ds = {k: v for k, v in ds.items() if k != "gradient_accumulation_steps"}
-    ds.update(train_micro_batch_size_per_gpu=micro, train_batch_size=micro * world_size_from_env())
+    if micro:
+        ds = {k: v for k, v in ds.items() if k != "gradient_accumulation_steps"}
+        ds.update(train_micro_batch_size_per_gpu=micro, train_batch_size=micro * world_size_from_env())
+    if stage >= 0:
+        ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "stage": stage}
     folder = Path(tempfile.mkdtemp(prefix="census_"))
-    path = folder / f"{Path(argv[i]).stem}_micro{micro}_rank{os.environ.get('RANK', '0')}.json"
+    path = folder / f"{Path(argv[i]).stem}_micro{micro}_stage{stage}_rank{os.environ.get('RANK', '0')}.json"
     path.write_text(json.dumps(ds))
     return [*argv[:i], str(path), *argv[i + 1:]]
 

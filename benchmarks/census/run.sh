@@ -3,7 +3,7 @@
 # command names its record in benchmarks/results/ with --json (the committed records; without it a census writes into
 # runs/census/). Run from the repository root:
 #   bash benchmarks/census/run.sh            # counts (deterministic; ~10 min on 2 cores)
-#   bash benchmarks/census/run.sh host_time  # host time per step, ours vs the baselines (a quiet machine)
+#   bash benchmarks/census/run.sh host_time  # host time per step, ours vs the baselines, 1 and 2 ranks (a quiet machine)
 set -euo pipefail
 PY=${PYTHON:-.venv/bin/python}
 RESULTS=benchmarks/results
@@ -24,12 +24,16 @@ if [ "${1:-counts}" = counts ]; then
     --config train/configs/maeplus/variants/maeplus_rpe.json --deepspeed --baseline none
   census adpe_rpe_coord_vit_b16_h100_zero1_micro2 --ds_config $H100 --micro 2 --config train/configs/maeplus/vit_b.json \
     --config train/configs/maeplus/variants/rpe_coord.json --deepspeed --baseline none
-  # two CPU ranks (gloo): only the collectives are added
-  "$PY" -m deepspeed.launcher.runner --num_gpus 2 tools/census.py --ds_config $H100 --micro 2 --model.name vit_base_patch16 \
-    --baseline none --json "$RESULTS/census_mae_vit_b16_h100_zero1_micro2_2ranks.json"
+  # two CPU ranks (gloo), every ZeRO stage: DDP (0) and FSDP2 (1-3), where each collective is issued
+  for stage in 0 1 2 3; do
+    "$PY" -m deepspeed.launcher.runner --num_gpus 2 tools/census.py --ds_config $H100 --micro 2 --zero_stage $stage \
+      --model.name vit_base_patch16 --json "$RESULTS/census_mae_vit_b16_h100_zero${stage}_micro2_2ranks.json"
+  done
 else
   # host time per step where compute is negligible (ViT-B depth and heads, width 48, 32 px: 4 patches):
-  # 30 alternating rounds, 1 thread
+  # 30 alternating rounds, 1 thread; one rank, then two (ZeRO-1 on FSDP2)
   census mae_vit_b16_width48_32px_host_time --ds_config $H100 --micro 2 --model.name vit_base_patch16 --width 48 \
     --model.img_size 32 --host_time 30 --deepspeed
+  "$PY" -m deepspeed.launcher.runner --num_gpus 2 tools/census.py --ds_config $H100 --micro 2 --model.name vit_base_patch16 \
+    --width 48 --model.img_size 32 --host_time 30 --json "$RESULTS/census_mae_vit_b16_width48_32px_host_time_2ranks.json"
 fi
