@@ -17,7 +17,7 @@ if [ "${1:-counts}" = counts ]; then
   census mae_vit_b16_h100_zero1_micro2 --ds_config $H100 --micro 2 --model.name vit_base_patch16 --deepspeed
   census mae_vit_b16_h100_zero1_micro2_foreach --ds_config $H100 --micro 2 --model.name vit_base_patch16 --baseline foreach
   census mae_vit_b16_a100_zero2_micro2 --ds_config $A100_Z2 --micro 2 --model.name vit_base_patch16 --deepspeed
-  # (no --deepspeed: DeepSpeed's CPU accelerator refuses fp16 on CPUs without native fp16 arithmetic)
+  # (no --deepspeed: DeepSpeed's CPU accelerator refuses fp16 where oneDNN has no fp16 kernels for the CPU)
   census mae_vit_b16_v100_fp16_zero1_micro2 --ds_config $V100 --micro 2 --model.name vit_base_patch16
   # the other methods' ViT-B presets (micro-batch 2; MixedAE 4: its mixing groups), ours and DeepSpeed's engine
   census mixedae_vit_b16_h100_zero1_micro4 --ds_config $H100 --micro 4 --config train/configs/mixedae/vit_b.json --deepspeed --baseline none
