@@ -32,9 +32,12 @@ if [ "${1:-counts}" = counts ]; then
   done
 else
   # host time per step where compute is negligible (ViT-B depth and heads, width 48, 32 px: 4 patches):
-  # 30 alternating rounds, 1 thread; one rank, then two (ZeRO-1 on FSDP2)
+  # 30 alternating rounds, 1 thread; one rank, then two (ZeRO-0 on DDP, ZeRO-1 on FSDP2)
   census mae_vit_b16_width48_32px_host_time --ds_config $H100 --micro 2 --model.name vit_base_patch16 --width 48 \
     --model.img_size 32 --host_time 30 --deepspeed
-  "$PY" -m deepspeed.launcher.runner --num_gpus 2 tools/census.py --ds_config $H100 --micro 2 --model.name vit_base_patch16 \
-    --width 48 --model.img_size 32 --host_time 30 --json "$RESULTS/census_mae_vit_b16_width48_32px_host_time_2ranks.json"
+  for stage in 0 1; do
+    "$PY" -m deepspeed.launcher.runner --num_gpus 2 tools/census.py --ds_config $H100 --micro 2 --zero_stage $stage \
+      --model.name vit_base_patch16 --width 48 --model.img_size 32 --host_time 30 \
+      --json "$RESULTS/census_mae_vit_b16_width48_32px_host_time_zero${stage}_2ranks.json"
+  done
 fi
