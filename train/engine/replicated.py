@@ -74,7 +74,8 @@ class ReplicatedEngine(EngineCore):
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.ddp = DistributedDataParallel(module, broadcast_buffers=False, init_sync=False,
+            self.ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
+                                               broadcast_buffers=False, init_sync=False,  # broadcast above, in fp32
                                                gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_mb())
             if cfg.reduce_dtype != cfg.dtype:
                 self.ddp.register_comm_hook(None, reduce_in(cfg.reduce_dtype))
