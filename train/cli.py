@@ -24,6 +24,7 @@ def cli(main_fn) -> None:
     Slurm (train/preemption.py) with 130 / 143 and one line naming its checkpoint and how to resume."""
     try:
         main_fn()
+        end_process_group()
     except Interrupted as e:
         if e.message:  # rank 0's
             print(e.message, file=sys.stderr)
@@ -37,6 +38,18 @@ def cli(main_fn) -> None:
     except CorruptDataError as e:  # a data/ message: it knows shards, not checkpoints
         print(f"training stopped: {e}\n{KEPT_AFTER_CORRUPT_DATA}", file=sys.stderr)
         raise SystemExit(3) from None
+
+
+def end_process_group() -> None:
+    """After a run that ended well on every rank: the process group ends here, while the
+    interpreter is whole, rather than in its shutdown (where NCCL warns that nothing ended it, and
+    the backends' threads are torn down in whatever order the interpreter frees them). A failed run
+    skips this: a rank that raised must not wait in a collective for ranks still training."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_script(main_fn) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tools.census import census
+from rank_end import end_rank
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,8 +39,7 @@ def main(out: Path) -> None:
         result[stage] = {"ranks": ranks, "engine": record["zero_stage"], "world": record["world_size"]}
     if dist.get_rank() == 0:
         (out / "census.json").write_text(json.dumps(result, default=str))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from train import distributed
 from train.build import build_engine
 from train.config import parse_args
 from train.ds_config import resolve
+from rank_end import end_rank
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = (0, 1, 2, 3)
@@ -190,8 +191,7 @@ def main(out: Path, cases: list[str], steps: int) -> None:
             result = poison(out, steps)
         if dist.get_rank() == 0:
             (out / f"{case}_{dist.get_world_size()}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":
