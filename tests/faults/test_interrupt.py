@@ -139,7 +139,9 @@ def test_two_ranks_under_the_deepspeed_launcher_stop_on_ctrl_c_with_one_checkpoi
     t0 = time.time()
     out, err = proc.communicate(timeout=60)  # EOF once every process holding the pipes has ended
     assert time.time() - t0 < 25, "the launcher's 30 s SIGKILL ended it, not the ranks"
-    assert proc.returncode == -signal.SIGINT  # deepspeed's runner re-raises the Ctrl-C
+    # deepspeed's runner either dies of the Ctrl-C or, when its launch.py (which exits 1 on SIGINT)
+    # ends before the runner's interpreter runs its own pending SIGINT, exits 1 with that status
+    assert proc.returncode in (-signal.SIGINT, 1), err[-3000:]
     end = time.time() + 10
     while session_processes(proc.pid) and time.time() < end:
         time.sleep(0.1)
