@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from train.engine.config import EngineConfig
+from train.engine.state_files import load as load_tag
+from train.engine.state_files import save as save_tag
 from train.loss_scale import DeviceLossScale
 from train.nonfinite import DeviceHealth
 
@@ -154,16 +156,12 @@ class EngineCore:
 
     def save(self, tag_dir: Path, client: dict) -> None:
         """Collective: the tag's engine files (train/engine/state_files.py)."""
-        from train.engine import state_files
-
-        state_files.save(self, tag_dir, client)
+        save_tag(self, tag_dir, client)
 
     def load(self, tag_dir: Path) -> dict:
         """Weights, optimizer state, schedule and counters from a tag written by any engine, world
         size or ZeRO stage; returns its client state."""
-        from train.engine import state_files
-
-        return state_files.load(self, tag_dir)
+        return load_tag(self, tag_dir)
 
     # what train/engine/state_files.py reads and writes, per engine
     def master_weights(self) -> dict[str, torch.Tensor]:
