@@ -10,8 +10,9 @@ def end_rank() -> None:
     interpreter's shutdown. These scripts build dozens of DDP / FSDP2 engines in one process; what
     they check is in the records they wrote, and the order in which the shutdown then frees gloo's,
     the store's and autograd's native objects is not under test (a rank that had written its
-    records and ended its process group has been seen to abort there). How a training command
-    ends is train/cli.py's, tested through the commands themselves."""
+    records has been seen to abort there with "terminate called without an active exception", both
+    with its gloo process group still alive and after ending it). How a training command ends is
+    train/cli.py's, tested through the commands themselves."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()

@@ -19,6 +19,7 @@ from train import checkpoint, distributed
 from train.build import build_engine
 from train.config import parse_args
 from train.ds_config import resolve
+from rank_end import end_rank
 
 REPO = Path(__file__).resolve().parents[2]
 GLOBAL, MICRO, STEPS, SAVE_AT = 16, 8, 5, 3
@@ -63,7 +64,7 @@ def main(out: Path, phase: str, stage: int) -> None:
             checkpoint.save(engine, tag.parent, step, {"step": step, "data": [{}] * world}, rank, world, meta)
     if rank == 0:
         (out / f"losses_{phase}.json").write_text(json.dumps(losses))
-    distributed.barrier()
+    end_rank()
 
 
 if __name__ == "__main__":
