@@ -33,6 +33,7 @@ def main(argv: list[str]) -> int:
     split = argv.index("--")
     out, configs, bench_args = Path(argv[0]), argv[1:split], argv[split + 1:]
     from train import bench
+    from train.cli import end_process_group
     from tools.gpu_check import free_memory
 
     failed = 0
@@ -43,7 +44,10 @@ def main(argv: list[str]) -> int:
             failed += 1
             print(f"[scale_ranks] {path} failed:\n{traceback.format_exc()[-1500:]}", flush=True)
         free_memory()
-    return 1 if failed else 0
+    if failed:
+        return 1
+    end_process_group()  # before the interpreter's shutdown, as the training commands do
+    return 0
 
 
 if __name__ == "__main__":
