@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -66,6 +67,9 @@ def hit(point: str, step: int) -> bool:
 def at(point: str, step: int) -> None:
     """Kill this process (SIGKILL) if `point` is armed here."""
     if hit(point, step):
+        # said first: which rank died first is otherwise a race the launcher's report may lose
+        # (a peer blocked in a collective can fail and be reported before the killed rank is)
+        print(f"[fault] rank {_rank()} SIGKILLs itself at {point}@{step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
