@@ -13,6 +13,7 @@ moments as they were, as torch's GradScaler does.
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def adamw_state(t: torch.Tensor) -> dict[str, torch.Tensor]:
             "exp_avg_sq": torch.zeros_like(t, memory_format=torch.preserve_format)}
 
 
-class EngineCore:
+class EngineCore(abc.ABC):
     """What the loop calls: engine(batch), backward(loss), step() after every micro-batch,
     after_optimizer_step(lr, batches) after every optimizer step, device_state() at reads; and
     save(tag) / load(tag) for checkpoints (train/engine/state_files.py: the same files from every
@@ -84,9 +85,9 @@ class EngineCore:
         self.micro = 0
         self.steps += 1
 
+    @abc.abstractmethod
     def _norm(self) -> torch.Tensor:
         """The global l2 norm of the step's gradients (before unscaling; NaN / inf if any element is)."""
-        raise NotImplementedError
 
     def _after_update(self) -> None:
         """After the optimizer step: the compute-dtype weights follow the master weights, gradients cleared."""
@@ -136,9 +137,9 @@ class EngineCore:
             out["loss_scale_collapsed"] = self.scaler.collapsed
         return out
 
+    @abc.abstractmethod
     def describe(self) -> str:
         """How this engine trains and communicates, for the start line and meta.json."""
-        raise NotImplementedError
 
     # --- checkpoints -----------------------------------------------------------------------------
     def counters(self) -> dict:
@@ -164,9 +165,9 @@ class EngineCore:
         return load_tag(self, tag_dir)
 
     # what train/engine/state_files.py reads and writes, per engine
+    @abc.abstractmethod
     def master_weights(self) -> dict[str, torch.Tensor]:
         """The fp32 weights the optimizer updates, by parameter name (DTensors where sharded)."""
-        raise NotImplementedError
 
     def weights_loaded(self) -> None:
         """After the master weights were overwritten: the compute-dtype weights follow."""
