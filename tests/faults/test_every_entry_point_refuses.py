@@ -235,6 +235,10 @@ CASES = [
      None),
     ("experiments.fashion_mnist.demo", "unwritable output", ["--out", "{d}/a_file/run"], r"--out .*cannot be created",
      None),
+    # --- untrusted checkpoints and faults during save ---
+    # --- values: types, ranges, composition ---
+    # --- weights files, special files, outputs ---
+    # --- labels ---
 ]
 
 
