@@ -5,7 +5,9 @@ and the fix, exit status 2, before any work and with nothing written (docs/RELIA
   one line instead of a usage block;
 - `InputError` and `refusing(main)`: a command raises InputError (or FileNotFoundError) while it
   checks its input; `refusing` turns it into the line and the status;
-- `read_json`: a JSON file that is missing or malformed is refused with its path, line and column.
+- `read_json`: a JSON file that is missing or malformed is refused with its path, line and column;
+- `regular_file`: a path that must be a regular file is refused when it is missing, a folder or a
+  special file (a FIFO would block the reader forever; a device never ends), without opening it.
 
 data/ is the lowest layer, so the data tools use this directly; train/cli.py builds the training
 commands' statuses (3, 130, 143) on it.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import stat
 import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -53,11 +56,37 @@ def refusing(main: Callable[[], Any], refused: tuple[type[BaseException], ...] =
         refuse(str(e))
 
 
+SPECIAL_FILES = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                 (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def regular_file(path: str | Path, what: str, fix: str = "") -> Path:
+    """`path` when it is a regular file (symbolic links followed); else InputError naming `what`, the
+    path and what it is instead, then `fix` (e.g. "give an exported encoder.safetensors"). Judged
+    from `stat` alone: a FIFO is never opened, so the check cannot block."""
+    path = Path(path)
+    hint = f": {fix}" if fix else ""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise InputError(f"{what} {path} does not exist{hint}") from None
+    except OSError as e:  # a path under a file, a loop of links, no permission on a folder above it
+        raise InputError(f"{what} {path} cannot be read ({e.strerror}){hint}") from None
+    if stat.S_ISDIR(mode):
+        raise InputError(f"{what} {path} is a folder{hint or '; give the file itself'}")
+    for is_kind, kind in SPECIAL_FILES:
+        if is_kind(mode):
+            raise InputError(f"{what} {path} is {kind}, not a regular file{hint}")
+    return path
+
+
 def read_json(path: str | Path, what: str) -> Any:
     """The JSON value in `path`; InputError naming `what`, the path and, when malformed, its line and column."""
     path = Path(path)
     if path.is_dir():
         raise InputError(f"{what} {path} is a folder; give the JSON file itself")
+    if path.exists():
+        regular_file(path, what, "give the JSON file itself")
     try:
         text = path.read_text()
     except FileNotFoundError:
