@@ -110,11 +110,31 @@ class Block(nn.Module):
         self.mlp = mlp_layer(dim, int(dim * mlp_ratio))
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
+    compiled_forward: Callable | None = None  # set by compile_static
+
     def forward(self, x: torch.Tensor, attn_mask: AttentionMask | None = None,
                 bias_hook: BiasHook | None = None) -> torch.Tensor:
+        """x: (B, N, D) -> (B, N, D)."""
+        if self.compiled_forward is not None:
+            torch._dynamo.maybe_mark_dynamic(x, 0)  # B symbolic in the graph; N and D stay static
+            return self.compiled_forward(x, attn_mask, bias_hook)
+        return self.block_forward(x, attn_mask, bias_hook)
+
+    def block_forward(self, x: torch.Tensor, attn_mask: AttentionMask | None,
+                      bias_hook: BiasHook | None) -> torch.Tensor:
         extra = {"bias_hook": bias_hook} if bias_hook is not None else {}  # attn_layer classes without hooks work
         x = x + self.drop_path(self.attn(self.norm1(x), attn_mask, **extra))
         return x + self.drop_path(self.mlp(self.norm2(x)))
+
+    def compile_static(self) -> None:
+        """torch.compile the block's computation as one graph (`fullgraph`: a graph break is an
+        error, not a silent split), specialised to its token count and width: without
+        `dynamic=False`, the second shape the shared code meets (the MAE decoder's token count and
+        width after the encoder's) makes dynamo mark those dimensions symbolic for every block, and
+        inductor then tiles and fuses for unknown sizes. Only the batch dimension is symbolic, so a
+        short last micro-batch or an evaluation batch reuses the graph. Module hooks (FSDP2's
+        all-gather and reshard) stay outside the graph, as with torchtitan's per-block compile."""
+        self.compiled_forward = torch.compile(self.block_forward, dynamic=False, fullgraph=True)
 
 
 def run_block(block: Block, x: torch.Tensor, attn_mask: AttentionMask | None = None,

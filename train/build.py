@@ -82,14 +82,20 @@ def training_source(cfg: PretrainConfig, img_size: int, plan: BatchPlan, rank: i
 
 def apply_execution_options(objective: torch.nn.Module, recompute: bool, compile_blocks: bool) -> None:
     """Activation checkpointing (the ds_config's section: every transformer block recomputed in
-    backward) and run.compile (torch.compile of every ViT block: one graph per block shape)."""
+    backward) and run.compile (torch.compile of every ViT block: one static graph per block shape,
+    model/vit.py `Block.compile_static`). Compiling starts from an empty dynamo cache: every block of
+    every model shares one code object, whose graphs count against dynamo's recompile limit (8), so
+    a process that builds several runs (benchmarks, tests) must not carry the earlier runs' graphs;
+    inductor's compiled kernels stay in its on-disk cache."""
     from model.vit import Block
 
+    if compile_blocks:
+        torch._dynamo.reset()
     for module in objective.modules():
         if recompute and hasattr(module, "set_grad_checkpointing"):
             module.set_grad_checkpointing(True)
         if compile_blocks and isinstance(module, Block):
-            module.compile()
+            module.compile_static()
 
 
 def profile_config(cfg: PretrainConfig, ds_config: dict, micro: int, fused_kernels: bool, value_bytes: int = 2):

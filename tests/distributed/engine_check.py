@@ -12,6 +12,9 @@ own random draws (seeded alike for every stage): the same per-step mean losses.
 CASE `sweep`: every objective's debug preset (AdPE: MAE+ with the RPE-coordinate adversary; the
 linear probe on ZeRO-0 only, LARS needing whole tensors) through the real loop and data source,
 2 optimizer steps on every stage: rank 0 writes {"<objective> <stage>": [losses], ...}.
+CASE `compile-mae`: every stage, accumulation 1, the blocks compiled (run.compile) and eager, on
+the same batches: rank 0 writes {"<stage> <compiled|eager>": [losses], "<stage> graphs": [graphs
+dynamo compiled after the first step, after the last]}.
 CASE `poison`: every stage; rank 1's loss is NaN in step 2: every rank skips it, the weights and
 the optimizer's moments are unchanged, and the skip is counted.
 """
@@ -51,24 +54,26 @@ def global_batch(step: int) -> dict[str, torch.Tensor]:
             "val_label": torch.randint(0, 10, (GLOBAL,), generator=g)}
 
 
-def engine_for(out: Path, objective: str, stage: int, accum: int, world: int, precision: str = "fp32"):
+def engine_for(out: Path, objective: str, stage: int, accum: int, world: int, precision: str = "fp32",
+               options: tuple[str, ...] = ()):
     ds_file = out / f"ds_{objective}_{stage}_{accum}_{precision}.json"
     ds = {"train_batch_size": GLOBAL, "gradient_accumulation_steps": accum, "gradient_clipping": 1.0,
           "zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"}}
     if dist.get_rank() == 0:
         ds_file.write_text(json.dumps(ds))
     dist.barrier()
-    cfg = parse_args(["--ds_config", str(ds_file), *ARGS[objective], "--output_dir", str(out / "run")])
+    cfg = parse_args(["--ds_config", str(ds_file), *ARGS[objective], *options, "--output_dir", str(out / "run")])
     ds, plan = resolve(cfg, world)
     device = torch.device("cpu")
     engine, _, _ = build_engine(cfg, ds, device, peak_lr=2e-3, warmup_steps=1, total_steps=20)
     return engine, plan
 
 
-def train(engine, plan, steps: int, rank: int, world: int, keys, poison_step: int = 0) -> list[float]:
-    """Per optimizer step: each rank's rows of each micro-batch; the global mean loss."""
+def train(engine, plan, steps: int, rank: int, world: int, keys, poison_step: int = 0, first: int = 1) -> list[float]:
+    """Per optimizer step (`first` .. `first + steps - 1`): each rank's rows of each micro-batch; the
+    global mean loss."""
     losses = []
-    for step in range(1, steps + 1):
+    for step in range(first, first + steps):
         batch = global_batch(step)
         total = torch.zeros(())
         seen = []
@@ -97,6 +102,25 @@ def equality(out: Path, objective: str, precision: str, steps: int) -> dict:
             torch.manual_seed(0)
             engine, plan = engine_for(out, objective, stage, accum, world, precision)
             result[f"{stage}_{accum}"] = train(engine, plan, steps, rank, world, keys)
+    return result
+
+
+def compiled_and_eager(out: Path, steps: int) -> dict:
+    from train.compile_watch import compiled_graphs
+
+    rank, world, _ = distributed.init()
+    result = {}
+    for stage in STAGES:
+        for mode in ("eager", "compiled"):
+            torch.manual_seed(0)
+            options = ("--run.compile", "true") if mode == "compiled" else ()
+            engine, plan = engine_for(out, "mae", stage, 1, world, options=options)
+            losses = train(engine, plan, 1, rank, world, ("image", "mask_noise"))
+            after_first = compiled_graphs()
+            losses += train(engine, plan, steps - 1, rank, world, ("image", "mask_noise"), first=2)
+            result[f"{stage} {mode}"] = losses
+            if mode == "compiled":
+                result[f"{stage} graphs"] = [after_first, compiled_graphs()]
     return result
 
 
@@ -187,6 +211,8 @@ def main(out: Path, cases: list[str], steps: int) -> None:
             result = objective_stages(out, rest, steps)
         elif kind == "sweep":
             result = sweep(out)
+        elif kind == "compile":
+            result = compiled_and_eager(out, steps)
         else:
             result = poison(out, steps)
         if dist.get_rank() == 0:

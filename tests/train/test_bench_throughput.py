@@ -72,7 +72,7 @@ def test_compile_switch_compiles_every_block():
     objective = build_objective("mae", create_model("vit_debug_patch4"), MAEConfig(decoder_depth=2))
     apply_execution_options(objective, recompute=True, compile_blocks=True)
     blocks = [m for m in objective.modules() if isinstance(m, Block)]
-    assert len(blocks) == 4 and all(b._compiled_call_impl is not None for b in blocks)
+    assert len(blocks) == 4 and all(b.compiled_forward is not None for b in blocks)
     assert objective.encoder.grad_checkpointing and objective.decoder.grad_checkpointing
 
 
@@ -89,7 +89,7 @@ def test_a_compiled_block_computes_what_the_eager_block_does():
     grads = (x.grad.clone(), block.mlp.fc1.weight.grad.clone())
     x.grad = None
     block.zero_grad()
-    block.compile()  # what run.compile does to every block (inductor, CPU here)
+    block.compile_static()  # what run.compile does to every block (inductor, CPU here)
     compiled = block(x)
     compiled.sum().backward()
     assert torch.allclose(compiled, eager, atol=1e-5)
