@@ -99,6 +99,7 @@ class Collective:
     op: str  # e.g. c10d::_reduce_scatter_base_
     elements: int  # reduced (all-reduce, reduce-scatter: the input), gathered (all-gather: the output) or sent
     in_backward: bool  # issued while autograd's backward ran
+    launches_before: int = 0  # kernels launched earlier in the same step and phase
 
     @property
     def reduces(self) -> bool:
@@ -126,7 +127,8 @@ class LaunchCounter(TorchDispatchMode):
         if func.namespace in COMM_NAMESPACES:
             self.tally.add("comm", func.name())
             self.tally.collectives.append(Collective(self.tally.step, self.tally.phase, func.name(),
-                                                     _elements(func, args), self.tally.in_autograd > 0))
+                                                     _elements(func, args), self.tally.in_autograd > 0,
+                                                     self.tally.counts[self.tally.step, self.tally.phase]["launches"]))
         elif _is_kernel(func):
             self.tally.add("launches", func.name())
         return func(*args, **(kwargs or {}))

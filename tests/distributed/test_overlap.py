@@ -34,6 +34,22 @@ def test_gradient_reductions_are_issued_inside_the_backward(census, stage):
             assert len(reduce_scatters) == BLOCKS + 1 and all(c["phase"] == "backward" for c in reduce_scatters)
 
 
+@pytest.mark.parametrize("stage", ["1", "2", "3"])
+def test_each_block_gathers_the_next_blocks_weights_before_it_computes(census, stage):
+    """FSDP2's explicit forward prefetch: in a step's forward (every stage gathers the weights once
+    per optimizer step), the first block issues its own all-gather and the second block's before it
+    computes (only the second gather's copy-in between them), and every later gather follows one
+    block's forward after the one before: each block's weights are on their way while the block
+    before it runs. Without the prefetch the first two gathers are a whole block's forward apart."""
+    for rank, counts in enumerate(census[stage]["ranks"]):
+        gathers = [c for c in counts["overlap"]["collectives"] if c["phase"] == "forward" and "gather" in c["op"]]
+        assert len(gathers) == BLOCKS + 1, (rank, len(gathers))  # the root's, then every block's
+        gaps = [b["launches_before"] - a["launches_before"] for a, b in zip(gathers[1:], gathers[2:])]
+        block_forward = gaps[1]  # a block's kernels and the next gather's copy-in
+        assert gaps[0] <= 4 < block_forward, (rank, gaps)
+        assert set(gaps[1:12]) == {block_forward}, (rank, gaps)  # the encoder's blocks, one ahead each
+
+
 @pytest.mark.parametrize("stage", ["0", "1", "2", "3"])
 def test_every_stage_launches_fewer_kernels_than_the_plain_loop_without_a_sync(census, stage):
     baseline = census["0"]["ranks"][0]["counts"]["baseline (fused AdamW)"]["total"]

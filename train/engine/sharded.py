@@ -38,6 +38,17 @@ def units_of(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, Block)]
 
 
+def prefetch_in_order(blocks: list[FSDPModule]) -> None:
+    """Each block's forward issues the next block's all-gather before it computes, and each block's
+    backward the previous block's, so the gathers overlap compute whether or not the host runs ahead
+    of the device (FSDP2 otherwise issues a forward gather only when the host reaches the block).
+    `blocks` in the order the forward runs them (registration order: the encoder's, then the
+    decoder's); a block run out of that order is gathered where it runs, as without prefetching."""
+    for earlier, later in zip(blocks, blocks[1:]):
+        earlier.set_modules_to_forward_prefetch([later])
+        later.set_modules_to_backward_prefetch([earlier])
+
+
 class ShardedEngine(EngineCore):
     """See the module docstring; the constructor's arguments are ReplicatedEngine's."""
 
@@ -62,6 +73,7 @@ class ShardedEngine(EngineCore):
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.stage == 3)
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)  # the backward starts there
+        prefetch_in_order(blocks)
         self.units: list[FSDPModule] = [*blocks, module]
         # energy: the restoration's inner backward must not reshard the weights its outer backward uses
         self.double_backward = bool(getattr(module, "double_backward", False))
