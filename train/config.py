@@ -2,8 +2,12 @@
 
 One source of truth per setting: batch sizes, precision, ZeRO stage and gradient clipping live
 in the DeepSpeed JSON (`--ds_config`); everything else lives here. Values come from the
-dataclass defaults, then an optional JSON preset (`--config FILE`), then `--section.key value`
-command-line overrides, in that order. Unknown keys are errors naming the closest valid key.
+dataclass defaults, then what the JSON presets (`--config FILE`, any number, in any order) agree
+on (train/presets.py), then `--section.key value` on the command line. Unknown keys are errors
+naming the closest valid key. Every value is read strictly as its field's type (train/values.py)
+and every number must lie in the range its field declares, `field(default=..., metadata={"range":
+"[0, 1)"})`: `validate` checks them for every section, objectives' included, and `--help` shows
+them.
 
 The common sections are the fields of PretrainConfig; each registered objective adds its own
 section under its name (`cfg.mae`, `--mae.mask_ratio`), built from the registry when the config
@@ -14,11 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
+import functools
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from data.labels import LabelKey
 from data.transforms import DECODES
@@ -28,17 +32,19 @@ from model.objectives import OBJECTIVES, ObjectiveConfig, list_objectives
 from model.registry import list_models, model_arch
 from model.timm_backbone import is_timm_name
 from train.config_error import ConfigError
-from train.presets import load_preset
+from train.options_help import field_comments, option_lines, show_default
+from train.presets import DEFAULTS, IF_OBJECTIVE, PresetOptions, compose, load_preset
+from train.values import Interval, check_range, from_json, from_text, shown
 
 
 @dataclass
 class ModelConfig:
     name: str = "vit_base_patch16"  # a key of model.registry.list_models(), or timm/<timm model name> (energy)
-    img_size: int = 0  # 0 = the registry entry's default (224 for standard sizes)
-    in_chans: int = 3  # input channels (3 = RGB; the shards decode to RGB)
+    img_size: int = field(default=0, metadata={"range": "[0, inf)"})  # 0 = the registry entry's default (224 for standard sizes)
+    in_chans: int = field(default=3, metadata={"range": "[1, inf)"})  # input channels (3 = RGB; the shards decode to RGB)
     attn_backend: str = "auto"  # auto (= sdpa) | sdpa | math | flash_attn
     global_pool: str = "token"  # token (cls) | avg (patch mean + fc_norm, MAE fine-tuning)
-    drop_path_rate: float = 0.0  # stochastic depth, grows linearly to this value over the blocks
+    drop_path_rate: float = field(default=0.0, metadata={"range": "[0, 1)"})  # stochastic depth, grows linearly to this value over the blocks
     rpe: bool = False  # iRPE in every block (to fine-tune an MAE+/AdPE RPE encoder; maeplus.rpe sets it for pretraining)
     init_from: str = ""  # weights to start from: our run folder / checkpoint, official MAE .pth, timm or exported encoder, a transformers folder
 
@@ -49,50 +55,50 @@ class DataConfig:
     train_index: str = ""  # the <name>.json index of the training shards
     eval_index: str = ""  # labeled shards for top-1/top-5 of classification objectives ('' = none)
     label_key: str = ""  # where labels are: empty = the key the index records (cls for data/write_shards.py's), else cls (the .cls member) | json:FIELD (a field of the .json member), which must be the index's; unlabeled indexes are read without labels
-    eval_crop_pct: float = 0.875  # evaluation resize = img_size / eval_crop_pct, then center crop
-    epoch_size: int = 0  # nominal samples per epoch; 0 = the shard index's count (synthetic: 1,281,167)
-    num_workers: int = -1  # DataLoader workers per rank; -1 = auto: min(4, cores per rank - 1, shards per rank); 0 = decode in the training process
-    shuffle_buffer: int = 1000  # samples held by each worker's shuffle buffer
-    crop_scale_min: float = 0.2  # RandomResizedCrop scale range (crop_scale_min, 1)
+    eval_crop_pct: float = field(default=0.875, metadata={"range": "(0, 1]"})  # evaluation resize = img_size / eval_crop_pct, then center crop
+    epoch_size: int = field(default=0, metadata={"range": "[0, inf)"})  # nominal samples per epoch; 0 = the shard index's count (synthetic: 1,281,167)
+    num_workers: int = field(default=-1, metadata={"range": "[-1, inf)"})  # DataLoader workers per rank; -1 = auto: min(4, cores per rank - 1, shards per rank); 0 = decode in the training process
+    shuffle_buffer: int = field(default=1000, metadata={"range": "[1, inf)"})  # samples held by each worker's shuffle buffer
+    crop_scale_min: float = field(default=0.2, metadata={"range": "(0, 1]"})  # RandomResizedCrop scale range (crop_scale_min, 1)
     train_transform: str = "crop_flip"  # crop_flip (MAE pretraining / linprobe) | randaug (fine-tuning) | multicrop (MAE+)
     decode: str = "cpu"  # cpu | cpu_draft (JPEG decoded at 1/2-1/8 scale when the crop allows) | nvjpeg (on the GPU)
-    num_crops: int = 4  # crops per image with train_transform multicrop (each img_size, scale (crop_scale_min, 1))
+    num_crops: int = field(default=4, metadata={"range": "[1, inf)"})  # crops per image with train_transform multicrop (each img_size, scale (crop_scale_min, 1))
     randaug: str = "rand-m9-mstd0.5-inc1"  # timm RandAugment policy (train_transform randaug)
-    reprob: float = 0.25  # random erasing probability (train_transform randaug)
-    num_classes: int = 1000  # synthetic source only
-    max_bad_fraction: float = 0.01  # stop when more of a reader's samples are unusable (data/faults.py; 1.0 = never)
-    max_image_pixels: int = 89_478_485  # larger images are skipped from their header (PIL's default limit)
+    reprob: float = field(default=0.25, metadata={"range": "[0, 1]"})  # random erasing probability (train_transform randaug)
+    num_classes: int = field(default=1000, metadata={"range": "[1, inf)"})  # synthetic source only
+    max_bad_fraction: float = field(default=0.01, metadata={"range": "[0, 1]"})  # stop when more of a reader's samples are unusable (data/faults.py; 1.0 = never)
+    max_image_pixels: int = field(default=89_478_485, metadata={"range": "[1, inf)"})  # larger images are skipped from their header (PIL's default limit)
     allow_pipe_urls: bool = False  # let index entries 'pipe:<shell command>' run commands to read shards
     verify_shards: bool = False  # before start, check every shard's tar and image headers (python -m data.verify); refuse bad ones
 
 
 @dataclass
 class OptimConfig:
-    blr: float = 1.5e-4  # lr = blr * global_batch / 256
-    weight_decay: float = 0.05  # AdamW decay of weight matrices (none on biases, norms, tokens, position tables)
-    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas, comma-separated
-    epochs: int = 800  # schedule length in epochs of data.epoch_size samples
-    warmup_epochs: float = 40.0  # linear warmup, then half-cycle cosine to min_lr
-    min_lr: float = 0.0  # the cosine schedule's floor
+    blr: float = field(default=1.5e-4, metadata={"range": "(0, inf)"})  # lr = blr * global_batch / 256
+    weight_decay: float = field(default=0.05, metadata={"range": "[0, inf)"})  # AdamW decay of weight matrices (none on biases, norms, tokens, position tables)
+    betas: tuple[float, float] = field(default=(0.9, 0.95), metadata={"range": "[0, 1)"})  # AdamW betas, comma-separated
+    epochs: int = field(default=800, metadata={"range": "[1, inf)"})  # schedule length in epochs of data.epoch_size samples
+    warmup_epochs: float = field(default=40.0, metadata={"range": "[0, inf)"})  # linear warmup, then half-cycle cosine to min_lr
+    min_lr: float = field(default=0.0, metadata={"range": "[0, inf)"})  # the cosine schedule's floor
     name: str = "adamw"  # adamw | lars (momentum 0.9, trust 0.001; needs ZeRO stage 0)
-    layer_decay: float = 1.0  # layer-wise lr decay of the encoder (1.0 = none; MAE fine-tuning 0.65 B / 0.75 L)
+    layer_decay: float = field(default=1.0, metadata={"range": "(0, 1]"})  # layer-wise lr decay of the encoder (1.0 = none; MAE fine-tuning 0.65 B / 0.75 L)
 
 
 @dataclass
 class RunConfig:
-    log_every: int = 20  # optimizer steps between metric lines
-    ckpt_every: int = 1000  # optimizer steps between checkpoints (one is always written at the end)
-    keep_checkpoints: int = 3  # newest complete checkpoints kept on disk (0 = all)
-    keep_every_epochs: int = 0  # also checkpoint at the end of every N-th epoch and never delete those (0 = none)
-    max_steps: int = 0  # stop after this many optimizer steps (0 = the full schedule); the schedule is unchanged
+    log_every: int = field(default=20, metadata={"range": "[1, inf)"})  # optimizer steps between metric lines
+    ckpt_every: int = field(default=1000, metadata={"range": "[1, inf)"})  # optimizer steps between checkpoints (one is always written at the end)
+    keep_checkpoints: int = field(default=3, metadata={"range": "[0, inf)"})  # newest complete checkpoints kept on disk (0 = all)
+    keep_every_epochs: int = field(default=0, metadata={"range": "[0, inf)"})  # also checkpoint at the end of every N-th epoch and never delete those (0 = none)
+    max_steps: int = field(default=0, metadata={"range": "[0, inf)"})  # stop after this many optimizer steps (0 = the full schedule); the schedule is unchanged
     tensorboard: bool = True  # TensorBoard events in <output_dir>/tb beside metrics.jsonl
     progress: bool = True  # a progress bar on rank 0 (tqdm)
     export: bool = True  # write encoder.safetensors + encoder.json at the end
-    vis_every: int = 0  # optimizer steps between PNG figures in <output_dir>/vis (0 = none)
-    eval_every: int = 0  # optimizer steps between evaluations on data.eval_index (0 = only at the end)
-    compile: bool = False  # torch.compile every ViT block (encoder and decoder; ZeRO stages 0-2)
-    stop_check_every: int = 5  # optimizer steps between the ranks' agreement on a stop signal (SIGUSR1 / SIGTERM)
-    max_nonfinite_steps: int = 20  # consecutive skipped steps (non-finite loss / gradients) that stop the run; 0 = never
+    vis_every: int = field(default=0, metadata={"range": "[0, inf)"})  # optimizer steps between PNG figures in <output_dir>/vis (0 = none)
+    eval_every: int = field(default=0, metadata={"range": "[0, inf)"})  # optimizer steps between evaluations on data.eval_index (0 = only at the end)
+    compile: bool = False  # torch.compile every ViT block (encoder and decoder; any ZeRO stage): one static graph per block shape
+    stop_check_every: int = field(default=5, metadata={"range": "[1, inf)"})  # optimizer steps between the ranks' agreement on a stop signal (SIGUSR1 / SIGTERM)
+    max_nonfinite_steps: int = field(default=20, metadata={"range": "[0, inf)"})  # consecutive skipped steps (non-finite loss / gradients) that stop the run; 0 = never
     overwrite: bool = False  # start afresh in an output_dir that holds another run (its checkpoints and logs are deleted)
 
 
@@ -112,7 +118,7 @@ class PretrainConfig:
     ds_config: str = ""  # DeepSpeed JSON: batch, precision, ZeRO, clipping
     output_dir: str = "runs/pretrain"  # the run folder: config, metrics, checkpoints, figures, export
     resume: str = ""  # '' | 'auto' (latest complete checkpoint in output_dir) | path to a checkpoint
-    seed: int = 0  # initial weights (every rank); masks, augmentation and data order draw from seed + rank
+    seed: int = field(default=0, metadata={"range": "[0, 2147483647]"})  # initial weights (every rank); masks, augmentation and data order draw from seed + rank (numpy takes seeds below 2**32)
     objective: str = "mae"  # a registered objective: one of the sections below after run
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -136,6 +142,7 @@ class PretrainConfig:
             super().__setattr__(name, value)
 
     def validate(self) -> None:
+        check_values(self)  # every option's type and range, as its field declares them
         if not self.ds_config:
             raise ConfigError("--ds_config is required (e.g. ds_configs/cpu_debug.json)")
         if self.objective not in OBJECTIVES or self.objective not in self.sections:
@@ -152,10 +159,6 @@ class PretrainConfig:
                               f"(timm's pipeline decodes whole images with PIL); use data.decode cpu")
         if self.data.decode == "nvjpeg" and self.data.train_transform != "crop_flip":
             raise ConfigError("data.decode nvjpeg supports train_transform crop_flip only; use cpu_draft for multicrop")
-        if self.data.train_transform == "multicrop" and self.data.num_crops < 1:
-            raise ConfigError(f"data.num_crops must be >= 1, got {self.data.num_crops}")
-        if not 0.0 < self.optim.layer_decay <= 1.0:
-            raise ConfigError(f"optim.layer_decay must be in (0, 1], got {self.optim.layer_decay}")
         if self.model.global_pool not in ("token", "avg"):
             raise ConfigError(f"model.global_pool must be token or avg, got {self.model.global_pool!r}")
         objective_cls = OBJECTIVES[self.objective][1]
@@ -170,28 +173,10 @@ class PretrainConfig:
         if self.run.compile and objective_cls.double_backward:
             raise ConfigError(f"run.compile: objective {self.objective} differentiates through input gradients, "
                               f"which compiled graphs do not support; set run.compile false")
-        if self.run.stop_check_every < 1:
-            raise ConfigError("run.stop_check_every must be >= 1")
-        if self.run.max_nonfinite_steps < 0:
-            raise ConfigError("run.max_nonfinite_steps must be >= 0 (0: never)")
         if self.run.overwrite and self.resume:
             raise ConfigError("run.overwrite starts afresh and --resume continues: give one of them")
-        if not self.optim.blr > 0:  # also NaN; a negative lr trains by gradient ascent
-            raise ConfigError(f"optim.blr must be > 0, got {self.optim.blr} (lr = blr x global batch / 256; "
-                              f"MAE's recipe: 1.5e-4)")
-        if not self.optim.min_lr >= 0:
-            raise ConfigError(f"optim.min_lr (the lr the cosine ends at) must be >= 0, got {self.optim.min_lr}")
-        if not self.optim.weight_decay >= 0:
-            raise ConfigError(f"optim.weight_decay must be >= 0 (0 = none), got {self.optim.weight_decay}")
         if self.optim.warmup_epochs > self.optim.epochs:
             raise ConfigError(f"optim.warmup_epochs ({self.optim.warmup_epochs}) exceeds optim.epochs ({self.optim.epochs})")
-        if self.run.keep_checkpoints < 0:
-            raise ConfigError("run.keep_checkpoints must be >= 0 (0 keeps all)")
-        if self.run.keep_every_epochs < 0:
-            raise ConfigError("run.keep_every_epochs must be >= 0 (0 = no epoch checkpoints kept for later)")
-        for name in ("log_every", "ckpt_every"):
-            if getattr(self.run, name) < 1:
-                raise ConfigError(f"run.{name} must be >= 1")
         if self.data.source not in ("shards", "synthetic"):
             raise ConfigError(f"data.source {self.data.source!r} is unknown; choose 'shards' or 'synthetic'")
         if self.data.source == "shards" and not self.data.train_index:
@@ -200,18 +185,11 @@ class PretrainConfig:
                               "(--config train/configs/<method>/debug.json: the debug ViT on synthetic images, "
                               "32 steps), not --data.source synthetic alone (ImageNet-sized epochs of the model "
                               f"{self.model.name})")
-        if not 0.0 <= self.data.max_bad_fraction <= 1.0:
-            raise ConfigError(f"data.max_bad_fraction must be in [0, 1] (1.0 disables the check), got "
-                              f"{self.data.max_bad_fraction}")
         try:
             if self.data.label_key:  # empty: the index's own
                 LabelKey.parse(self.data.label_key)
         except ValueError as e:
             raise ConfigError(f"data.label_key: {e}") from None
-        if self.data.max_image_pixels < 1:
-            raise ConfigError(f"data.max_image_pixels must be >= 1, got {self.data.max_image_pixels}")
-        if not 0.0 < self.data.crop_scale_min <= 1.0:
-            raise ConfigError(f"data.crop_scale_min must be in (0, 1], got {self.data.crop_scale_min}")
         if self.model.init_from and not Path(self.model.init_from).exists():
             raise ConfigError(f"model.init_from {self.model.init_from!r} does not exist: give an exported "
                               f"encoder.safetensors, a run folder, an official MAE or a timm checkpoint")
@@ -220,11 +198,24 @@ class PretrainConfig:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"model.name {self.model.name!r} is not registered{hint} Choose one of {list_models()} "
                               f"or a timm model as 'timm/<name>' (e.g. timm/convnext_atto)")
+        check_patch_grid(self.model)
         try:
             resolve_backend(self.model.attn_backend)
             section(self).validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def check_patch_grid(model: ModelConfig) -> None:
+    """A ViT's model.img_size (0: the registry entry's own) must be a whole number of patches."""
+    if not model.img_size or is_timm_name(model.name):
+        return
+    arch = model_arch(model.name)
+    patch = arch["patch_size"]
+    if model.img_size % patch:
+        raise ConfigError(f"model.img_size {model.img_size} is not divisible by the patch size {patch} of "
+                          f"{model.name}: give a multiple of the patch size (e.g. "
+                          f"{max(patch, model.img_size // patch * patch)}), or 0 for its own size ({arch['img_size']})")
 
 
 def section(cfg: PretrainConfig) -> ObjectiveConfig:
@@ -280,27 +271,93 @@ def check_transformers_init(cfg: PretrainConfig, arch: dict) -> None:
 
 # --- parsing ---------------------------------------------------------------------------------
 
-def _leaves(cls: type, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Dotted key -> type annotation for every leaf field of a config dataclass."""
-    out: dict[str, Any] = {}
+@dataclass(frozen=True)
+class Option:
+    """What an option may hold: its type (bool, int, float, str, or a tuple of floats), its default,
+    for numbers the interval its field declares (`field(..., metadata={"range": "[0, 1)"})`; None:
+    any finite number) and its description (the comment on its field's line)."""
+    type: Any
+    default: Any
+    range: Interval | None
+    text: str
+
+    def read(self, value: Any, text: bool) -> Any:
+        """A command-line text (`text`) or a JSON value as this option's type; ValueError saying
+        what it must be."""
+        if typing.get_origin(self.type) is not tuple:
+            return (from_text if text else from_json)(self.type, value)
+        kinds = typing.get_args(self.type)
+        items = value.split(",") if text else value
+        if not isinstance(items, list) or len(items) != len(kinds):
+            raise ValueError(f"must be {len(kinds)} {'comma-separated numbers' if text else 'numbers in a list'}, "
+                             f"got {shown(value)}")
+        return tuple((from_text if text else from_json)(kind, item) for kind, item in zip(kinds, items))
+
+    def check(self, value: Any) -> None:
+        """ValueError when `value` is not of this option's type or lies outside its range."""
+        if typing.get_origin(self.type) is tuple:
+            items = list(value) if isinstance(value, (tuple, list)) else value
+            self.read(items, text=False)
+            if self.range is not None and not all(item in self.range for item in items):
+                raise ValueError(f"must be {len(items)} numbers each {self.range}, got {show_default(tuple(items))}")
+            return
+        from_json(self.type, value)
+        if self.type is int and not isinstance(value, int):  # 8.0 is read as 8, but not kept as 8.0
+            raise ValueError(f"must be an integer, got {shown(value)}")
+        if self.type in (int, float):
+            check_range(value, self.range)
+
+    def refusal(self, key: str, problem: ValueError, origin: str = "command line") -> ConfigError:
+        """The one line refusing a value: the option, where it was set, what it must be, what it
+        is for and an example (its default)."""
+        where = "" if origin == "command line" else f" (set by the preset {origin})"
+        about = f" ({self.text})" if self.text else ""
+        return ConfigError(f"option {key}{where} {problem}{about}; e.g. --{key} {show_default(self.default)}")
+
+
+@functools.lru_cache(maxsize=None)
+def _class_options(cls: type) -> dict[str, Option]:
+    """Dotted key -> Option for every leaf field of a config dataclass (nested ones included)."""
+    out: dict[str, Option] = {}
     hints = typing.get_type_hints(cls)
+    comments = field_comments(cls)
     for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
         tp = hints[f.name]
+        if f.name == "sections":  # the objectives' sections: each its own class
+            continue
         if dataclasses.is_dataclass(tp):
-            out.update(_leaves(tp, f"{prefix}{f.name}."))
-        else:
-            out[f"{prefix}{f.name}"] = tp
+            out.update({f"{f.name}.{k}": option for k, option in _class_options(tp).items()})
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        interval = Interval.parse(f.metadata["range"]) if "range" in f.metadata else None
+        out[f.name] = Option(tp, default, interval, comments.get(f.name, ""))
+    return out
+
+
+def options(cfg: PretrainConfig | None = None) -> dict[str, Option]:
+    """Every option (dotted key -> Option): the common sections, then each objective's section, of
+    `cfg` or (None) of every registered objective."""
+    sections = {name: config_cls for name, (config_cls, _) in OBJECTIVES.items()} if cfg is None else \
+        {name: type(section) for name, section in cfg.sections.items()}
+    out = dict(_class_options(PretrainConfig))
+    for name, config_cls in sections.items():
+        out.update({f"{name}.{k}": option for k, option in _class_options(config_cls).items()})
     return out
 
 
 def valid_keys() -> dict[str, Any]:
     """Every option (dotted key -> type): the common sections, then each registered objective's."""
-    keys = _leaves(PretrainConfig, skip=("sections",))
-    for name, (config_cls, _) in OBJECTIVES.items():
-        keys.update(_leaves(config_cls, f"{name}."))
-    return keys
+    return {key: option.type for key, option in options().items()}
+
+
+def check_values(cfg: PretrainConfig, origins: dict[str, str] | None = None) -> None:
+    """Every option's value of its type, finite and inside its field's range (`origins`: where each
+    was set, for the message)."""
+    for key, option in options(cfg).items():
+        try:
+            option.check(_get(cfg, key))
+        except ValueError as e:
+            raise option.refusal(key, e, (origins or {}).get(key, "command line")) from None
 
 
 def _unknown(key: str) -> ConfigError:
@@ -309,73 +366,69 @@ def _unknown(key: str) -> ConfigError:
     return ConfigError(f"unknown option {key!r}{hint}")
 
 
-def _convert(key: str, tp: Any, value: Any) -> Any:
-    """Coerce a CLI string or JSON value to the declared type, with an error naming the key."""
-    origin = typing.get_origin(tp)
-    try:
-        if origin in (Union, types.UnionType):
-            inner = [a for a in typing.get_args(tp) if a is not type(None)]
-            if value is None or (isinstance(value, str) and value.lower() == "none"):
-                return None
-            return _convert(key, inner[0], value)
-        if origin is tuple:
-            items = value.split(",") if isinstance(value, str) else list(value)
-            args = typing.get_args(tp)
-            if len(items) != len(args):
-                raise ValueError(f"expected {len(args)} comma-separated values")
-            return tuple(_convert(key, a, v) for a, v in zip(args, items))
-        if tp is bool:
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("1", "true", "yes", "on"):
-                return True
-            if str(value).lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError("expected true or false")
-        if tp is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError("expected an integer")
-        if tp is int and isinstance(value, str):
-            return int(float(value)) if float(value).is_integer() else int(value)  # accepts 1e3
-        return tp(value)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"option {key!r}: cannot read {value!r} as {getattr(tp, '__name__', tp)} ({e})") from None
-
-
-def _set(cfg: PretrainConfig, key: str, value: Any, keys: dict[str, Any]) -> None:
-    if key not in keys:
-        raise _unknown(key)
+def _set(cfg: PretrainConfig, key: str, value: Any) -> None:
     *path, leaf = key.split(".")
     target = cfg
     for part in path:
         target = getattr(target, part)
-    setattr(target, leaf, _convert(key, keys[key], value))
+    setattr(target, leaf, value)
 
 
-def _flatten(d: dict, keys: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def _flatten(d: dict, known: dict[str, Option], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
-        if isinstance(v, dict) and f"{prefix}{k}" not in keys:
-            out.update(_flatten(v, keys, f"{prefix}{k}."))
+        if isinstance(v, dict) and f"{prefix}{k}" not in known:
+            out.update(_flatten(v, known, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
 
 
-def help_text() -> str:
-    """Every option, one line each, grouped by section: type, default, description (train/options_help.py)."""
-    from train.options_help import option_lines
+def _read_preset(path: str, known: dict[str, Option]) -> PresetOptions:
+    """A --config file's options, defaults and if_objective sections, each value read as its type."""
+    preset = load_preset(path)
+    parts = {part: preset.pop(part, {}) for part in (DEFAULTS, IF_OBJECTIVE)}
+    examples = {DEFAULTS: {"optim": {"blr": 1.5e-4}}, IF_OBJECTIVE: {"mae": {"decoder_dim": 32}}}
+    for part, value in parts.items():
+        sections = value.values() if part == IF_OBJECTIVE and isinstance(value, dict) else []
+        if not isinstance(value, dict) or not all(isinstance(v, dict) for v in sections):
+            raise ConfigError(f"preset --config {path}: {part!r} must be an object of options (e.g. "
+                              f"{shown({part: examples[part]})}), got {shown(value)}")
+    unknown = sorted(set(parts[IF_OBJECTIVE]) - set(OBJECTIVES))
+    if unknown:
+        raise ConfigError(f"preset --config {path}: {IF_OBJECTIVE!r} names {unknown}, which are not objectives; "
+                          f"choose from {list_objectives()}")
 
+    def read(options: dict) -> dict[str, Any]:
+        out = {}
+        for key, value in _flatten(options, known).items():
+            if key not in known:
+                raise _unknown(key)
+            try:
+                out[key] = known[key].read(value, text=False)
+            except ValueError as e:
+                raise known[key].refusal(key, e, path) from None
+        return out
+
+    return PresetOptions(path, read(preset), read(parts[DEFAULTS]),
+                         {name: read({name: section}) for name, section in parts[IF_OBJECTIVE].items()})
+
+
+def help_text() -> str:
+    """Every option, one line each, grouped by section: type, default, range, description (train/options_help.py)."""
     cfg = PretrainConfig()
     sections = {"": cfg, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                             if dataclasses.is_dataclass(getattr(cfg, f.name))}, **cfg.sections}
     head = ["command options:",
-            "  --config FILE         a JSON preset (train/configs/<method>/*.json), loaded before the --key value options;",
-            "                        may be given several times (later files win)",
+            "  --config FILE         a JSON preset (train/configs/<method>/*.json); may be given several times, in any",
+            "                        order: presets that set one option to different values are refused, and the",
+            "                        --key value options win over every preset",
             "  --dry-run             check the configuration for --world_size N ranks on --gpu NAME (a100, h100, v100, ...)",
             "                        and estimate memory; starts nothing (train/dry_run.py)",
             "  --help, -h            this text",
             "",
-            "options (--key value or --key=value; booleans true|false):"]
+            "options (--key value or --key=value; booleans true|false; integers also as 1e3; numbers finite and in",
+            "the range shown):"]
     return "\n".join(head + option_lines(sections))
 
 
@@ -406,7 +459,6 @@ READ_ONLY_WHEN: dict[str, tuple[Any, str, bool]] = {
     "data.eval_crop_pct": (_eval, "--data.eval_index", True),  # a probe recipe's scoring crop
     "run.eval_every": (_eval, "--data.eval_index", False),
 }
-IF_OBJECTIVE = "if_objective"  # a preset's sections applied only when the run's objective is theirs
 
 
 def check_read(cfg: PretrainConfig, origins: dict[str, str], entry_point_reads_not: dict[str, str]) -> None:
@@ -442,9 +494,9 @@ def _get(cfg: PretrainConfig, key: str) -> Any:
     return target
 
 
-def parse_args(argv: list[str], entry_point_reads_not: dict[str, str] | None = None) -> PretrainConfig:
-    """Parse `--key value` / `--key=value` pairs; `--local_rank` (added by the deepspeed launcher) is
-    ignored. `entry_point_reads_not`: options the calling command does not read -> why (refused when set)."""
+def _pairs(argv: list[str]) -> list[tuple[str, str]]:
+    """(key, value) of every `--key value` / `--key=value`; `--local_rank` (added by the deepspeed
+    launcher) is left out."""
     pairs: list[tuple[str, str]] = []
     i = 0
     while i < len(argv):
@@ -461,26 +513,38 @@ def parse_args(argv: list[str], entry_point_reads_not: dict[str, str] | None = N
             i += 2
         if key != "local_rank":
             pairs.append((key, value))
-    cfg, keys = PretrainConfig(), valid_keys()
-    origins: dict[str, str] = {}
-    conditional: list[tuple[str, dict]] = []  # (objective, its section) of presets' if_objective parts
-    for key, value in pairs:
+    return pairs
+
+
+def parse_args(argv: list[str], entry_point_reads_not: dict[str, str] | None = None) -> PretrainConfig:
+    """The options of `argv`: the dataclass defaults, under what the `--config` presets agree on
+    (train/presets.py `compose`: their order does not matter), under the command line's
+    `--key value` options. `entry_point_reads_not`: options the calling command does not read ->
+    why (refused when set)."""
+    known = options()
+    command_line: dict[str, Any] = {}
+    presets: list[PresetOptions] = []
+    for key, value in _pairs(argv):
         if key == "config":
-            preset = load_preset(value)
-            for name, section in preset.pop(IF_OBJECTIVE, {}).items():
-                conditional.append((name, section))
-            for k, v in _flatten(preset, keys).items():
-                _set(cfg, k, v, keys)
-                origins[k] = value
-    for key, value in pairs:
-        if key != "config":
-            _set(cfg, key, value, keys)
-            origins[key] = "command line"
-    for name, section in conditional:  # the preset's defaults for that objective, under what the command line sets
-        if name == cfg.objective:
-            for k, v in _flatten({name: section}, keys).items():
-                if origins.get(k) != "command line":
-                    _set(cfg, k, v, keys)
+            presets.append(_read_preset(value, known))
+            continue
+        if key not in known:
+            raise _unknown(key)
+        try:
+            command_line[key] = known[key].read(value, text=True)
+        except ValueError as e:
+            raise known[key].refusal(key, e) from None
+    objective = command_line["objective"] if "objective" in command_line else \
+        compose(presets, set(command_line)).get("objective", (PretrainConfig.objective, ""))[0]
+    cfg = PretrainConfig()
+    origins: dict[str, str] = {}
+    for key, (value, path) in compose(presets, set(command_line), objective).items():
+        _set(cfg, key, value)
+        origins[key] = path
+    for key, value in command_line.items():
+        _set(cfg, key, value)
+        origins[key] = "command line"
+    check_values(cfg, origins)
     cfg.validate()
     check_read(cfg, origins, entry_point_reads_not or {})
     return cfg

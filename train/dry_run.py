@@ -27,7 +27,8 @@ from train.config import ConfigError, PretrainConfig, check_objective_fits, pars
 from train.ds_config import activation_checkpointing, load, precision, resolve, zero_stage
 from train.engine.config import EngineConfig
 from train.gpus import GPU, current_gpu, gpu_in_filename, gpu_named
-from train.memory import GIB, HEADROOM, MemoryEstimate, estimate
+from train.memory import GIB, HEADROOM, MemoryEstimate, check_floor, estimate, ram
+from train.values import from_text
 from train.weights_fit import check_init_from
 
 
@@ -47,15 +48,26 @@ class DryRun:
 def default_world(ds_config: str, gpu: GPU | None) -> tuple[int, str]:
     """(the world size checked without --world_size, where it comes from)."""
     if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"
+        return world_size(os.environ["WORLD_SIZE"], "WORLD_SIZE"), "WORLD_SIZE"
     ds = load(ds_config)
-    tb, mb, ga = (ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
-                                      "gradient_accumulation_steps"))
+    tb, mb, ga = (int(ds.get(k) or 0) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                "gradient_accumulation_steps"))
     if tb and mb and ga and tb % (mb * ga) == 0:
         return tb // (mb * ga), "train_batch_size / (micro-batch x accumulation) of the ds_config"
     if gpu is None:
         return 1, "assumed: one CPU process; pass --world_size N to check N ranks"
     return 8, f"assumed: one node of 8 {gpu.name}s; pass --world_size N to check another"
+
+
+def world_size(text: str, where: str = "--world_size") -> int:
+    """The ranks `text` names: an integer >= 1."""
+    try:
+        world = from_text(int, text)
+    except ValueError as e:
+        raise ConfigError(f"{where} {e}: give the number of ranks to check, e.g. --world_size 8") from None
+    if world < 1:
+        raise ConfigError(f"{where} must be >= 1, got {world}: a run needs at least one rank (e.g. --world_size 8)")
+    return world
 
 
 def default_gpu(ds_config: str) -> GPU | None:
@@ -84,7 +96,9 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
     if gpu is not None and cfg.model.attn_backend == "flash_attn" and not gpu.sm80:
         run.problems.append(f"model.attn_backend flash_attn needs an sm80+ GPU (FlashAttention-2); {gpu.name} has "
                             f"none: use sdpa")
-    for checked in (lambda: check_objective_fits(cfg, plan.micro, plan.accum, stage),
+    limit, where = (gpu.memory_gib * GIB, gpu.name) if gpu is not None else ram()  # CPU ranks: this machine's
+    for checked in (lambda: check_floor(cfg, ds, plan, limit, where),  # tensors that cannot be allocated at all
+                    lambda: check_objective_fits(cfg, plan.micro, plan.accum, stage),
                     lambda: check_init_from(cfg)):  # the weights' channels and sizes against the model
         try:
             checked()
@@ -131,7 +145,7 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
 
 
 def main(argv: list[str]) -> int:
-    flags, rest = pop_flags(argv, {"--dry-run": None, "--world_size": int, "--gpu": str})
+    flags, rest = pop_flags(argv, {"--dry-run": None, "--world_size": world_size, "--gpu": str})
     world, gpu_name = flags.get("world_size"), flags.get("gpu")
     cfg = parse_args(rest)
     try:  # --gpu cpu: CPU ranks, as launchers/submit.py checks them with --gpus_per_node 0

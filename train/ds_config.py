@@ -16,7 +16,8 @@ import torch
 
 from train.config import ConfigError, PretrainConfig
 from train.device_checks import check_kernels, this_device
-from train.ds_keys import check_keys, did_you_mean
+from train.ds_keys import check_keys, check_values, did_you_mean
+from train.values import shown
 
 
 @dataclass(frozen=True)
@@ -32,24 +33,31 @@ class BatchPlan:
 
 def zero_stage(ds: dict) -> int:
     """The ZeRO stage a DeepSpeed JSON asks for (0 when it has no zero_optimization section)."""
-    return ds.get("zero_optimization", {}).get("stage", 0)
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
 def load(path: str) -> dict:
+    """The ds_config at `path`: a JSON object whose values the engine reads are of their types and
+    inside their ranges (train/ds_keys.py); its keys are checked by `resolve`."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"ds_config {path!r} does not exist; pass a file from ds_configs/")
     try:
-        return json.loads(p.read_text())
+        ds = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"ds_config {path!r} is not valid JSON: {e}") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"ds_config {path!r} holds a JSON {type(ds).__name__}, not an object of DeepSpeed "
+                          f'settings (e.g. {{"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, '
+                          f'"gradient_clipping": 0.0}})')
+    check_values(ds)
+    return ds
 
 
 def resolve_batch(ds: dict, world: int) -> BatchPlan:
     """DeepSpeed's rule train_batch = micro * accum * world, with any two of three given."""
-    tb = ds.get("train_batch_size")
-    mb = ds.get("train_micro_batch_size_per_gpu")
-    ga = ds.get("gradient_accumulation_steps")
+    tb, mb, ga = (None if ds.get(k) is None else int(ds[k])  # 8.0 is 8 (train/ds_keys.py check_values)
+                  for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"))
     if mb is not None and ga is not None:
         if tb is not None and tb != mb * ga * world:
             raise ConfigError(
@@ -77,7 +85,7 @@ def resolve_batch(ds: dict, world: int) -> BatchPlan:
 
 def precision(ds: dict) -> str:
     fp16 = ds.get("fp16", {}).get("enabled", False)
-    bf16 = ds.get("bf16", {}).get("enabled", False)
+    bf16 = any(ds.get(name, {}).get("enabled", False) for name in ("bf16", "bfloat16"))  # DeepSpeed's two spellings
     if fp16 and bf16:
         raise ConfigError("ds_config enables both fp16 and bf16; enable at most one")
     return "fp16" if fp16 else "bf16" if bf16 else "fp32"
@@ -111,6 +119,9 @@ def activation_checkpointing(ds: dict) -> bool:
     section = ds.get("activation_checkpointing")
     if section is None:
         return False
+    if not isinstance(section, dict):
+        raise ConfigError(f"ds_config activation_checkpointing must be an object, got {shown(section)} (the section's "
+                          f"presence switches recomputation on: an empty section {{}} is enough)")
     for key in section:
         if key not in UNSUPPORTED_CHECKPOINTING + ("number_checkpoints",):
             close = did_you_mean(key, UNSUPPORTED_CHECKPOINTING + ("number_checkpoints",))
@@ -136,8 +147,6 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
     for section, owner in (("optimizer", "--optim.*"), ("scheduler", "--optim.* (warmup + cosine)")):
         if section in ds:
             raise ConfigError(f"ds_config has an '{section}' section; it is set by {owner}. Remove it from the JSON")
-    if isinstance(ds.get("zero_optimization"), dict) and zero_stage(ds) not in (0, 1, 2, 3):
-        raise ConfigError(f"zero_optimization.stage must be 0-3, got {zero_stage(ds)}")
     check_keys(ds)  # every key takes effect or is refused (train/ds_keys.py)
     if "gradient_clipping" not in ds:
         raise ConfigError(
@@ -145,9 +154,8 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
             "clips at 1.0 when the key is missing"
         )
     stage = zero_stage(ds)
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"zero_optimization.stage must be 0-3, got {stage}")
     prec = precision(ds)
+    reduce_dtype(ds)  # refuses a communication_data_type the engine has no dtype for
     here = this_device() if cuda is None else None
     if here is not None:
         check_kernels(here)  # nothing else matters on a GPU the torch build cannot launch a kernel on

@@ -19,20 +19,58 @@ from __future__ import annotations
 import difflib
 import functools
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from train.config import ConfigError
+from train.values import Interval, check_range, from_json, shown
 
-# read by the engine: section -> keys (None: the whole key is read)
-ENGINE_READS: dict[str, set[str] | None] = {
-    "train_batch_size": None, "train_micro_batch_size_per_gpu": None, "gradient_accumulation_steps": None,
-    "gradient_clipping": None, "communication_data_type": None,
-    "zero_optimization": {"stage", "overlap_comm", "reduce_bucket_size"},
-    "bf16": {"enabled"}, "bfloat16": {"enabled"},
-    "fp16": {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-             "consecutive_hysteresis", "min_loss_scale"},
-    "activation_checkpointing": set(),  # its presence switches recomputation on (train/ds_config.py)
+
+@dataclass(frozen=True)
+class Setting:
+    """A value the engine reads: its type (bool, int, float, str), for numbers its interval
+    (train/values.py), what it means and an example."""
+    kind: type
+    range: str = ""
+    meaning: str = ""
+    example: Any = None
+
+
+# every value the engine reads ("section.key" inside a section), with its type and range
+ENGINE_VALUES: dict[str, Setting] = {
+    "train_batch_size": Setting(int, "[1, inf)", "samples per optimizer step over all ranks", 4096),
+    "train_micro_batch_size_per_gpu": Setting(int, "[1, inf)", "samples per rank per forward", 8),
+    "gradient_accumulation_steps": Setting(int, "[1, inf)", "micro-batches per optimizer step", 1),
+    "gradient_clipping": Setting(float, "[0, inf)", "the largest global l2 norm of the gradients; 0 = no clipping",
+                                 1.0),
+    "communication_data_type": Setting(str, "", "the dtype gradients are reduced in: fp32, bf16 or fp16", "fp32"),
+    "zero_optimization.stage": Setting(int, "[0, 3]", "the ZeRO stage", 1),
+    "zero_optimization.overlap_comm": Setting(bool, "", "", True),
+    "zero_optimization.reduce_bucket_size": Setting(int, "[1, inf)", "elements per DDP bucket under ZeRO stage 0",
+                                                    500000000),
+    "bf16.enabled": Setting(bool, "", "", True),
+    "bfloat16.enabled": Setting(bool, "", "", True),
+    "fp16.enabled": Setting(bool, "", "", True),
+    # fp16's largest value is 65504 (~2**16): a scale past 2**32 overflows every step until it has halved back
+    "fp16.loss_scale": Setting(float, "[0, 4294967296]", "0 = dynamic loss scaling, else this static scale", 0),
+    "fp16.initial_scale_power": Setting(int, "[0, 32]", "the dynamic scale starts at 2**power", 16),
+    "fp16.loss_scale_window": Setting(int, "[1, inf)", "overflow-free steps before the scale doubles", 1000),
+    "fp16.hysteresis": Setting(int, "[1, inf)", "overflows tolerated before the scale halves", 2),
+    "fp16.consecutive_hysteresis": Setting(bool, "", "", False),
+    "fp16.min_loss_scale": Setting(float, "(0, 4294967296]", "the dynamic scale's floor", 1),
 }
+
+
+def _engine_reads() -> dict[str, set[str] | None]:
+    """Section -> the keys of it the engine reads (None: the whole key is read)."""
+    reads: dict[str, set[str] | None] = {"activation_checkpointing": set()}  # its presence switches recomputation on
+    for key in ENGINE_VALUES:
+        section, _, sub = key.partition(".")
+        reads[section] = reads.get(section, set()) | {sub} if sub else None
+    return reads
+
+
+ENGINE_READS = _engine_reads()
 # DeepSpeed settings that change nothing here when they hold these values (what the engine does anyway)
 AS_THE_ENGINE_DOES: dict[str, Any] = {
     "zero_optimization.contiguous_gradients": True,
@@ -129,8 +167,39 @@ def _validate_section(name: str, section: Any) -> None:
                           f"{model.__name__})") from None
 
 
+def check_values(ds: dict) -> None:
+    """ConfigError for the first value the engine reads that is not of its type or lies outside its
+    range (a JSON string is not a number, 1 is not true, 8.5 is not an integer: train/values.py).
+    A whole number written as a float (5e8) is an integer: the readers of integers take int() of it."""
+    for key, setting in ENGINE_VALUES.items():
+        section, _, sub = key.partition(".")
+        holder = ds.get(section) if sub else ds
+        if sub and holder is not None and not isinstance(holder, dict):
+            raise ConfigError(f"ds_config {section!r} must be an object ({{...}}), got {shown(holder)}")
+        if not isinstance(holder, dict) or (sub or section) not in holder:
+            continue
+        value = holder[sub or section]
+        try:
+            from_json(setting.kind, value)
+            if setting.range:
+                check_range(value, Interval.parse(setting.range))
+        except ValueError as e:
+            meaning = f" ({setting.meaning})" if setting.meaning else ""
+            raise ConfigError(f"ds_config {key}{meaning} {e}; e.g. \"{sub or section}\": {shown(setting.example)}") \
+                from None
+
+
+def _same(value: Any, expected: Any) -> bool:
+    """`value` is `expected` with its JSON type: true is not 1, 1.0 is 1 but not true."""
+    if isinstance(expected, dict):
+        return isinstance(value, dict) and value.keys() == expected.keys() and \
+            all(_same(value[k], expected[k]) for k in expected)
+    return isinstance(value, bool) == isinstance(expected, bool) and type(value) in (bool, int, float) and \
+        value == expected
+
+
 def _refuse(key: str, value: Any) -> None:
-    if key in AS_THE_ENGINE_DOES and value == AS_THE_ENGINE_DOES[key]:
+    if key in AS_THE_ENGINE_DOES and _same(value, AS_THE_ENGINE_DOES[key]):
         return
     why = WHY.get(key, "the engine (train/engine/) does not implement it")
     raise ConfigError(f"ds_config {key} = {value!r} would not take effect: {why}. Remove it from the JSON (the "

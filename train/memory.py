@@ -22,14 +22,23 @@ ZeRO 1-3 on several ranks (FSDP2: train/engine/sharded.py): the fp32 shards are 
   extra_gradients  (w + r) L: a unit's gradients before and during its reduce-scatter
   optimizer        8 Psi / N
 `buffers` are the module's registered buffers (fixed position tables and the like).
+
+`check_floor` is the check before start on any machine (the command's start and the dry run,
+CPU ranks included): a floor of what a rank must hold for one step, from the model's geometry
+alone (nothing is built), against the GPU's memory or this machine's RAM. It refuses only what
+cannot fit whatever the kernels: an image size whose tensors cannot be allocated, say.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
+from model.registry import model_arch
+from model.timm_backbone import is_timm_name
 from train.build import profile_config
+from train.config import ConfigError, PretrainConfig, encoder_img_size
 from train.costs import Profile
 from train.ds_config import BatchPlan, precision, reduce_dtype, zero_stage
 from train.gpus import GPU
@@ -126,3 +135,49 @@ def estimate(cfg, ds: dict, plan: BatchPlan, gpu: GPU) -> MemoryEstimate:
     buffers = sum(b.numel() for b in objective.buffers()) * value_bytes
     return MemoryEstimate(params, trainable, largest, states.weights, states.gradients, states.optimizer,
                           states.extra_gradients, buffers, acts, acts / plan.micro, prof)
+
+
+def step_floor(cfg: PretrainConfig, micro: int, prec: str) -> dict[str, float]:
+    """Bytes one rank certainly holds in a step of micro-batch `micro`, by part: the batch of
+    images, and for our ViTs the patch embeddings of that batch (the encoder embeds every patch
+    before any masking), the position table and the blocks' fp32 weights (12 d^2 each)."""
+    value_bytes = 4 if prec == "fp32" else 2
+    img, chans = encoder_img_size(cfg), cfg.model.in_chans
+    crops = cfg.data.num_crops if cfg.data.train_transform == "multicrop" else 1
+    parts = {"images": micro * crops * chans * img * img * value_bytes}
+    if is_timm_name(cfg.model.name):
+        return parts
+    arch = model_arch(cfg.model.name, img_size=img)
+    tokens, dim = (img // arch["patch_size"]) ** 2, arch["embed_dim"]
+    parts["patch embeddings"] = micro * crops * tokens * dim * value_bytes
+    parts["position table"] = (tokens + 1) * dim * 4
+    parts["block weights"] = arch["depth"] * 12 * dim * dim * 4
+    return parts
+
+
+def machine_memory() -> tuple[float, str]:
+    """(bytes, what they are) one rank of this machine can use at most: its GPU's memory, else the RAM."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return float(props.total_memory), f"this GPU ({props.name})"
+    return ram()
+
+
+def ram() -> tuple[float, str]:
+    """(bytes, what they are) of this machine's memory (psutil may be absent; sysconf is POSIX)."""
+    return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")), "this machine's memory"
+
+
+def check_floor(cfg: PretrainConfig, ds: dict, plan: BatchPlan, limit: float | None = None, where: str = "") -> None:
+    """ConfigError when a step's floor (`step_floor`) exceeds `limit` bytes of `where` (None: this
+    machine's, `machine_memory`)."""
+    if limit is None:
+        limit, where = machine_memory()
+    parts = step_floor(cfg, plan.micro, precision(ds))
+    total = sum(parts.values())
+    if total > limit:
+        listed = ", ".join(f"{name} {size / GIB:,.1f}" for name, size in parts.items())
+        raise ConfigError(f"a step needs at least {total / GIB:,.1f} GiB per rank ({listed} GiB at micro-batch "
+                          f"{plan.micro}, image size {encoder_img_size(cfg)}), more than the {limit / GIB:,.1f} GiB of "
+                          f"{where}: lower model.img_size, model.in_chans or the ds_config's "
+                          f"train_micro_batch_size_per_gpu")

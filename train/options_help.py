@@ -1,5 +1,6 @@
 """`--help` of the config-driven entry points (pretrain, finetune, linprobe, bench): one line per
-option, grouped by section, with its type, default and description.
+option, grouped by section, with its type, default, range (numbers: the interval its field
+declares, train/values.py) and description.
 
 The description of an option is the comment on its field's line in the config dataclass (the
 same text a reader of the code sees; no second list to keep in step), so every field carries
@@ -15,6 +16,8 @@ import tokenize
 import typing
 from functools import lru_cache
 from typing import Any
+
+from train.values import Interval
 
 
 @lru_cache(maxsize=None)
@@ -61,10 +64,18 @@ def show_default(value: Any) -> str:
     return str(value)
 
 
+def range_text(tp: Any, metadata: Any) -> str:
+    """'in [0, 1)', '> 0', ... for a number (the range its field declares; 'finite' when none), '' otherwise."""
+    numbers = (int, float)
+    if tp not in numbers and not (typing.get_origin(tp) is tuple and set(typing.get_args(tp)) <= set(numbers)):
+        return ""
+    return str(Interval.parse(metadata["range"])) if "range" in metadata else "finite"
+
+
 def option_lines(sections: dict[str, Any]) -> list[str]:
     """`sections`: '' (top-level options) or a section name -> its config instance at its defaults.
-    One header per section, then one line per option: `--key TYPE (default X)  description`."""
-    rows: list[tuple[str, str, str, str]] = []
+    One header per section, then one line per option: `--key TYPE  default X  RANGE  description`."""
+    rows: list[tuple[str, str, str, str, str]] = []
     lines: list[str] = []
     for name, instance in sections.items():
         cls = type(instance)
@@ -76,12 +87,13 @@ def option_lines(sections: dict[str, Any]) -> list[str]:
                 continue  # sections are listed on their own
             key = f"{name}.{f.name}" if name else f.name
             section_rows.append((key, type_name(hints[f.name]), show_default(getattr(instance, f.name)),
-                                 comments.get(f.name, "")))
+                                 range_text(hints[f.name], f.metadata), comments.get(f.name, "")))
         rows += section_rows
         lines.append(("" if not lines else "\n") + (f"{name}:" if name else "top level:"))
         lines += [None] * len(section_rows)  # filled once the column widths are known
-    width = max(len(f"--{key} {tp}") for key, tp, _, _ in rows)
-    dwidth = max(len(default) for _, _, default, _ in rows)
-    filled = iter(f"  {f'--{key} {tp}':<{width}}  default {default:<{dwidth}}  {text}".rstrip()
-                  for key, tp, default, text in rows)
+    width = max(len(f"--{key} {tp}") for key, tp, *_ in rows)
+    dwidth = max(len(default) for _, _, default, *_ in rows)
+    rwidth = max(len(bounds) for *_, bounds, _ in rows)
+    filled = iter(f"  {f'--{key} {tp}':<{width}}  default {default:<{dwidth}}  {bounds:<{rwidth}}  {text}".rstrip()
+                  for key, tp, default, bounds, text in rows)
     return [next(filled) if line is None else line for line in lines]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABCMeta, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -147,11 +147,7 @@ class ClassifierConfig(ObjectiveConfig):
     """The config of an objective that trains a classifier on the training labels (finetune,
     linprobe): its output count, checked against the labels before start."""
 
-    num_classes: int = 1000  # classifier outputs (the labeled shards' class count)
-
-    def validate(self) -> None:
-        if self.num_classes < 2:
-            raise ValueError(f"{self.section}.num_classes must be >= 2, got {self.num_classes}")
+    num_classes: int = field(default=1000, metadata={"range": "[2, inf)"})  # classifier outputs (the labeled shards' class count)
 
     def check_labels(self, num_classes: int | None) -> None:
         if num_classes is None:

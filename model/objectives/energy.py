@@ -20,7 +20,7 @@ kernels and flash-attn are not, so the ViT is built with the dispatch's `math` b
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
@@ -38,39 +38,33 @@ CORRUPTIONS = ("grid", "blank_small", "blank_large", "sr", "denoise", "colorize"
 
 @dataclass
 class EnergyConfig(ObjectiveConfig):
-    steps: int = 2  # N restoration steps
-    alpha_init: float = 1.0  # initial step size (alpha = exp(log_alpha), learnable)
+    steps: int = field(default=2, metadata={"range": "[1, inf)"})  # N restoration steps
+    alpha_init: float = field(default=1.0, metadata={"range": "(0, inf)"})  # initial step size (alpha = exp(log_alpha), learnable)
     corruption: str = "mixture"  # mixture | grid | blank_small | blank_large | sr | denoise | colorize
     mixture: str = "grid,sr,denoise,colorize"  # the mixture's parts (the paper's main setting: masking, SR, denoising, colorization)
-    grid_cell: int = 16  # px per grid cell (paper: 16, 24, 32)
-    grid_ratio: float = 0.75  # share of cells blanked [project default: MAE's ratio]
-    small_blanks: int = 75  # blanks per image in the small-blank corruption
-    small_area: tuple[float, float] = (0.01, 0.025)  # of the image area, per blank
-    large_blanks: int = 25  # blanks per image in the large-blank corruption
-    large_area: tuple[float, float] = (0.02, 0.08)  # U(0.5, 2.0) / 25 of the area [project interpretation]
-    sr_scale: int = 16  # super-resolution factor (paper: 14, 16, 24, 32 at 224 px)
+    grid_cell: int = field(default=16, metadata={"range": "[1, inf)"})  # px per grid cell (paper: 16, 24, 32)
+    grid_ratio: float = field(default=0.75, metadata={"range": "(0, 1)"})  # share of cells blanked [project default: MAE's ratio]
+    small_blanks: int = field(default=75, metadata={"range": "[1, inf)"})  # blanks per image in the small-blank corruption
+    small_area: tuple[float, float] = field(default=(0.01, 0.025), metadata={"range": "(0, 1]"})  # of the image area, per blank
+    large_blanks: int = field(default=25, metadata={"range": "[1, inf)"})  # blanks per image in the large-blank corruption
+    large_area: tuple[float, float] = field(default=(0.02, 0.08), metadata={"range": "(0, 1]"})  # U(0.5, 2.0) / 25 of the area [project interpretation]
+    sr_scale: int = field(default=16, metadata={"range": "[1, inf)"})  # super-resolution factor (paper: 14, 16, 24, 32 at 224 px)
     pool: str = "avg"  # ViT features: avg (patch tokens) | cls
-    fp16_inner_scale: float = 1024.0  # scale of E before the inner gradient under fp16
+    fp16_inner_scale: float = field(default=1024.0, metadata={"range": "(0, inf)"})  # scale of E before the inner gradient under fp16
 
     def validate(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"energy.steps must be >= 1, got {self.steps}")
-        if self.alpha_init <= 0:
-            raise ValueError(f"energy.alpha_init must be > 0, got {self.alpha_init}")
         if self.corruption != "mixture" and self.corruption not in CORRUPTIONS:
             raise ValueError(f"energy.corruption must be mixture or one of {CORRUPTIONS}, got {self.corruption!r}")
         parts = self.mixture_parts()
         unknown = [p for p in parts if p not in CORRUPTIONS]
         if not parts or unknown:
             raise ValueError(f"energy.mixture lists unknown corruptions {unknown}; choose from {CORRUPTIONS}")
-        if not 0.0 < self.grid_ratio < 1.0:
-            raise ValueError(f"energy.grid_ratio must be in (0, 1), got {self.grid_ratio}")
         if self.pool not in ("avg", "cls"):
             raise ValueError(f"energy.pool must be avg or cls, got {self.pool!r}")
         for name in ("small_area", "large_area"):
             lo, hi = getattr(self, name)
-            if not 0.0 < lo <= hi <= 1.0:
-                raise ValueError(f"energy.{name} must satisfy 0 < low <= high <= 1, got {(lo, hi)}")
+            if lo > hi:  # each bound's range is its field's
+                raise ValueError(f"energy.{name} must be low,high with low <= high, got {lo},{hi}")
 
     def mixture_parts(self) -> list[str]:
         return [p.strip() for p in self.mixture.split(",") if p.strip()]

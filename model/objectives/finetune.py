@@ -10,7 +10,7 @@ parameter groups (train/optim.py) then give it lr scale layer_decay^(depth + 1) 
 through the encoder's no_weight_decay()."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from timm.data import Mixup
@@ -23,14 +23,9 @@ from model.vit import VisionTransformer
 
 @dataclass
 class FinetuneConfig(ClassifierConfig):
-    mixup: float = 0.8  # mixup alpha (0 = off)
-    cutmix: float = 1.0  # cutmix alpha (0 = off)
-    smoothing: float = 0.1  # label smoothing
-
-    def validate(self) -> None:
-        super().validate()
-        if min(self.mixup, self.cutmix, self.smoothing) < 0:
-            raise ValueError("finetune.mixup, finetune.cutmix and finetune.smoothing must be >= 0")
+    mixup: float = field(default=0.8, metadata={"range": "[0, inf)"})  # mixup alpha (0 = off)
+    cutmix: float = field(default=1.0, metadata={"range": "[0, inf)"})  # cutmix alpha (0 = off)
+    smoothing: float = field(default=0.1, metadata={"range": "[0, 1)"})  # label smoothing
 
 
 @register_objective("finetune", FinetuneConfig)

@@ -6,7 +6,7 @@ the loss is the per-patch MSE to normalized pixels, averaged over removed patche
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,23 +26,27 @@ from model.vit import VisionTransformer
 
 @dataclass
 class MAEConfig(ObjectiveConfig):
-    mask_ratio: float = 0.75  # share of patches removed, in (0, 1)
+    mask_ratio: float = field(default=0.75, metadata={"range": "(0, 1)"})  # share of patches removed, in (0, 1)
     norm_pix_loss: bool = True  # reconstruct per-patch normalised pixels (MAE's default)
-    decoder_dim: int = 512  # MAE decoder width
-    decoder_depth: int = 8  # MAE decoder blocks
-    decoder_heads: int = 16  # MAE decoder attention heads
+    decoder_dim: int = field(default=512, metadata={"range": "[4, inf)"})  # MAE decoder width
+    decoder_depth: int = field(default=8, metadata={"range": "[1, inf)"})  # MAE decoder blocks
+    decoder_heads: int = field(default=16, metadata={"range": "[1, inf)"})  # MAE decoder attention heads
 
     def validate(self) -> None:
-        if not 0.0 < self.mask_ratio < 1.0:  # 0 masks nothing: the loss over masked patches is NaN
-            raise ValueError(f"mae.mask_ratio must be in (0, 1) (the share of patches masked; MAE: 0.75), "
-                             f"got {self.mask_ratio}")
-        if self.decoder_dim % self.decoder_heads:
-            raise ValueError(
-                f"mae.decoder_dim {self.decoder_dim} is not divisible by mae.decoder_heads {self.decoder_heads}"
-            )
+        check_decoder("mae", self.decoder_dim, self.decoder_heads)
 
     def check_fits(self, img_size: int, patch_size: int, depth: int, micro_batch: int) -> None:
         check_mask_ratio("mae.mask_ratio", self.mask_ratio, (img_size // patch_size) ** 2)
+
+
+def check_decoder(section: str, dim: int, heads: int) -> None:
+    """The MAE decoder's width against its heads and its 2-D sin-cos position table (a quarter of
+    the width per sin/cos of each axis)."""
+    if dim % heads:
+        raise ValueError(f"{section}.decoder_dim {dim} is not divisible by {section}.decoder_heads {heads}")
+    if dim % 4:
+        raise ValueError(f"{section}.decoder_dim {dim} is not a multiple of 4, which its 2-D sin-cos position "
+                         f"table needs (e.g. {dim // 4 * 4 or 4})")
 
 
 def per_patch_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ The RPE variants need `rpe true` (iRPE in every encoder and decoder block).
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from timm.data.constants import IMAGENET_DEFAULT_STD
@@ -34,7 +34,7 @@ from model.irpe import COORD_LOOKUPS, grid_coords
 from model.mae_decoder import MAEDecoder
 from model.objectives.adversary import NORMS, UPDATES, Adversaries, RPEPerturbation, coordinate_corners
 from model.objectives.base import Objective, ObjectiveConfig, register_objective
-from model.objectives.mae import masked_patch_loss
+from model.objectives.mae import check_decoder, masked_patch_loss
 from model.objectives.masking import check_mask_ratio, random_masking
 from model.objectives.patches import normalized_pixels, patchify
 from model.pos_embed import sincos_2d_at
@@ -46,26 +46,24 @@ APE_MODES = ("add", "replace")
 
 @dataclass
 class MAEPlusConfig(ObjectiveConfig):
-    mask_ratio: float = 0.75  # per crop
+    mask_ratio: float = field(default=0.75, metadata={"range": "(0, 1)"})  # per crop
     norm_pix_loss: bool = True  # reconstruct per-patch normalised pixels (MAE's default)
-    decoder_dim: int = 512  # MAE decoder width
-    decoder_depth: int = 8  # MAE decoder blocks
-    decoder_heads: int = 16  # MAE decoder attention heads
+    decoder_dim: int = field(default=512, metadata={"range": "[4, inf)"})  # MAE decoder width
+    decoder_depth: int = field(default=8, metadata={"range": "[1, inf)"})  # MAE decoder blocks
+    decoder_heads: int = field(default=16, metadata={"range": "[1, inf)"})  # MAE decoder attention heads
     rpe: bool = False  # iRPE (contextual, product, on keys) in every encoder and decoder block
     irpe_shared_heads: bool = True  # one iRPE table per layer shared by its heads (official shared_head=True); false: one per head (H x the table parameters)
     adversary: str = "none"  # none (MAE+) | ape_embed | ape_coord | rpe_embed | rpe_coord | fgsm
     adv_norm: str = "linf"  # linf | l2: the constraint set of the PGD projection
-    adv_eps: float = 20.0  # radius (position units: patches for coordinates, embedding units otherwise)
-    adv_lr_scale: float = 1.0  # PGD step = lr_t x this [project default]
+    adv_eps: float = field(default=20.0, metadata={"range": "(0, inf)"})  # radius (position units: patches for coordinates, embedding units otherwise)
+    adv_lr_scale: float = field(default=1.0, metadata={"range": "[0, inf)"})  # PGD step = lr_t x this [project default]
     adv_update: str = "steepest"  # steepest (sign for linf, normalised for l2) | sign | normalised | adam (official code: Adam ascent, then projection)
     ape_mode: str = "add"  # ape_embed: add (mask token + perturbed position) | replace (official code: the adversary replaces the mask token; fixed positions)
     coord_lookup: str = "project"  # rpe_coord's table lookup: project (the paper's; visible rows integer) | official (the official code's grid_sample: axes swapped, align_corners=False, +-beta; visible rows too)
     decay_tokens: bool = False  # weight-decay cls_token, mask_token and the iRPE tables (official code: true; project: exempt like MAE's position tables)
-    fgsm_eps: float = 0.01  # pixel-space l_inf radius on [0, 1] pixels (Table A.1: 0.001 / 0.01 / 0.1)
+    fgsm_eps: float = field(default=0.01, metadata={"range": "(0, 1]"})  # pixel-space l_inf radius on [0, 1] pixels (Table A.1: 0.001 / 0.01 / 0.1)
 
     def validate(self) -> None:
-        if not 0.0 < self.mask_ratio < 1.0:
-            raise ValueError(f"maeplus.mask_ratio must be in (0, 1), got {self.mask_ratio}")
         if self.adversary not in ADVERSARIES:
             raise ValueError(f"maeplus.adversary must be one of {ADVERSARIES}, got {self.adversary!r}")
         if self.adversary.startswith("rpe") and not self.rpe:
@@ -80,11 +78,7 @@ class MAEPlusConfig(ObjectiveConfig):
             raise ValueError(f"maeplus.coord_lookup must be one of {COORD_LOOKUPS}, got {self.coord_lookup!r}{hint}")
         if self.ape_mode not in APE_MODES:
             raise ValueError(f"maeplus.ape_mode must be one of {APE_MODES}, got {self.ape_mode!r}")
-        if self.adv_eps <= 0 or self.fgsm_eps <= 0 or self.adv_lr_scale < 0:
-            raise ValueError("maeplus.adv_eps and maeplus.fgsm_eps must be > 0, maeplus.adv_lr_scale >= 0")
-        if self.decoder_dim % self.decoder_heads:
-            raise ValueError(f"maeplus.decoder_dim {self.decoder_dim} is not divisible by maeplus.decoder_heads "
-                             f"{self.decoder_heads}")
+        check_decoder("maeplus", self.decoder_dim, self.decoder_heads)
 
     def encoder_overrides(self) -> dict:
         """Encoder constructor arguments this objective needs (pretrain.py applies them)."""

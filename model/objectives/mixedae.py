@@ -16,7 +16,7 @@ embeddings by the image's index in its group, HomoCon across the images of the l
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,7 +24,7 @@ from kernels import GLOBAL, AttentionMask, SegmentMask, TopKMask
 from model.mae_decoder import MAEDecoder
 from model.objectives.base import Objective, ObjectiveConfig, register_objective
 from model.objectives.homocon import ProjectionHead, homologous_contrastive_loss
-from model.objectives.mae import masked_patch_loss
+from model.objectives.mae import check_decoder, masked_patch_loss
 from model.objectives.masking import gather_tokens, random_masking
 from model.objectives.mixing import MODES, Mixing, make_mixing, mix_images
 from model.objectives.patches import normalized_pixels, patchify, unpatchify
@@ -34,31 +34,31 @@ from model.vit import VisionTransformer
 
 @dataclass
 class MixedAEConfig(ObjectiveConfig):
-    mix_ratio: float = 0.25  # r: each image's share of a mixed image; groups of g = 1/r images
+    mix_ratio: float = field(default=0.25, metadata={"range": "(0, 0.5]"})  # r: each image's share of a mixed image; groups of g = 1/r images
     mixing: str = "compose"  # compose (one mixed image per group) | full (g per group) | none (ablation)
-    cell_size: int = 32  # mixing cell side in pixels, a multiple of the patch size (2x2 patches at p=16)
+    cell_size: int = field(default=32, metadata={"range": "[1, inf)"})  # mixing cell side in pixels, a multiple of the patch size (2x2 patches at p=16)
     exact_counts: bool = False  # true: require exactly C/g cells per image; false: C//g or C//g + 1 (ViT-B at 224: 49 cells)
     attention: str = "topk"  # topk (homologous TopK) | masked (same-source only, Table A4a) | global (naive)
-    topk: int = 0  # keys kept per query in TopK blocks; 0 = round(r * N) [project default]
+    topk: int = field(default=0, metadata={"range": "[0, inf)"})  # keys kept per query in TopK blocks; 0 = round(r * N) [project default]
     topk_per_source: bool = False  # K of each query = its own image's patch count (overrides topk)
     homologous_blocks: str = "all"  # blocks with topk/masked attention: all | comma-separated indices [project default: all]
     segment_embed: bool = True  # sin-cos of the source index, added to every block's input
-    recon_weight: float = 1.0  # 0 = HomoCon only (Table A4b)
-    homocon_weight: float = 1.0  # lambda [project default 1]; 0 = reconstruction only
-    temperature: float = 0.1  # HomoCon tau [project default]
-    proj_dim: int = 256  # projection head output [project default]
-    proj_hidden_dim: int = 0  # projection head hidden width; 0 = the encoder width
+    recon_weight: float = field(default=1.0, metadata={"range": "[0, inf)"})  # 0 = HomoCon only (Table A4b)
+    homocon_weight: float = field(default=1.0, metadata={"range": "[0, inf)"})  # lambda [project default 1]; 0 = reconstruction only
+    temperature: float = field(default=0.1, metadata={"range": "(0, inf)"})  # HomoCon tau [project default]
+    proj_dim: int = field(default=256, metadata={"range": "[1, inf)"})  # projection head output [project default]
+    proj_hidden_dim: int = field(default=0, metadata={"range": "[0, inf)"})  # projection head hidden width; 0 = the encoder width
     norm_pix_loss: bool = True  # reconstruct per-patch normalised pixels (MAE's default)
-    decoder_dim: int = 512  # MAE decoder width
-    decoder_depth: int = 8  # MAE decoder blocks
-    decoder_heads: int = 16  # MAE decoder attention heads
+    decoder_dim: int = field(default=512, metadata={"range": "[4, inf)"})  # MAE decoder width
+    decoder_depth: int = field(default=8, metadata={"range": "[1, inf)"})  # MAE decoder blocks
+    decoder_heads: int = field(default=16, metadata={"range": "[1, inf)"})  # MAE decoder attention heads
 
     @property
     def group_size(self) -> int:
         return round(1 / self.mix_ratio)
 
     def validate(self) -> None:
-        if not 0.0 < self.mix_ratio <= 0.5 or abs(1 / self.mix_ratio - self.group_size) > 1e-6:
+        if abs(1 / self.mix_ratio - self.group_size) > 1e-6:  # in (0, 0.5]: its field's range
             raise ValueError(f"mixedae.mix_ratio must be 1/g for an integer g >= 2 (e.g. 0.25), got {self.mix_ratio}")
         if self.mixing not in (*MODES, "none"):
             raise ValueError(f"mixedae.mixing must be compose, full or none, got {self.mixing!r}")
@@ -67,15 +67,10 @@ class MixedAEConfig(ObjectiveConfig):
         if self.mixing == "none" and self.attention != "global":
             raise ValueError("mixedae.mixing none encodes single images, where homologous attention has nothing to "
                              "select: set mixedae.attention global")
-        if self.recon_weight < 0 or self.homocon_weight < 0 or self.recon_weight == self.homocon_weight == 0:
-            raise ValueError("mixedae.recon_weight and mixedae.homocon_weight must be >= 0 and not both 0")
-        if self.temperature <= 0:
-            raise ValueError(f"mixedae.temperature must be > 0, got {self.temperature}")
-        if self.topk < 0 or self.proj_dim < 1 or self.proj_hidden_dim < 0:
-            raise ValueError("mixedae.topk and mixedae.proj_hidden_dim must be >= 0, mixedae.proj_dim >= 1")
-        if self.decoder_dim % self.decoder_heads:
-            raise ValueError(f"mixedae.decoder_dim {self.decoder_dim} is not divisible by mixedae.decoder_heads "
-                             f"{self.decoder_heads}")
+        if self.recon_weight == self.homocon_weight == 0:
+            raise ValueError("mixedae.recon_weight and mixedae.homocon_weight may be 0, but not both 0: nothing would "
+                             "be trained")
+        check_decoder("mixedae", self.decoder_dim, self.decoder_heads)
         self.block_indices(depth=None)
 
     def block_indices(self, depth: int | None) -> list[int]:

@@ -37,7 +37,7 @@ not reach C in the lower level, so there is no head path).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ from torch.func import functional_call
 
 from model.objectives.base import ObjectiveConfig, register_objective
 from model.objectives.hypergrad import Points, call_with, full_fp32, mask_hypergradient
-from model.objectives.mae import MAEObjective, per_patch_mse
+from model.objectives.mae import MAEObjective, check_decoder, per_patch_mse
 from model.objectives.masking import Masking, check_mask_ratio
 from model.objectives.masking_net import (
     MaskingNetwork,
@@ -63,53 +63,40 @@ VARIANTS = ("mlo", "blo")
 
 @dataclass
 class MLOMAEConfig(ObjectiveConfig):
-    mask_ratio: float = 0.75  # share of patches T masks, in (0, 1)
+    mask_ratio: float = field(default=0.75, metadata={"range": "(0, 1)"})  # share of patches T masks, in (0, 1)
     norm_pix_loss: bool = True  # reconstruct per-patch normalised pixels (MAE's default)
-    decoder_dim: int = 512  # MAE decoder width
-    decoder_depth: int = 8  # MAE decoder blocks
-    decoder_heads: int = 16  # MAE decoder attention heads
-    mask_hidden: int = 512  # masking network: Linear(N*D, hidden) -> ReLU -> Linear(hidden, N) -> sigmoid
+    decoder_dim: int = field(default=512, metadata={"range": "[4, inf)"})  # MAE decoder width
+    decoder_depth: int = field(default=8, metadata={"range": "[1, inf)"})  # MAE decoder blocks
+    decoder_heads: int = field(default=16, metadata={"range": "[1, inf)"})  # MAE decoder attention heads
+    mask_hidden: int = field(default=512, metadata={"range": "[1, inf)"})  # masking network: Linear(N*D, hidden) -> ReLU -> Linear(hidden, N) -> sigmoid
     straight_through: bool = False  # top-k as identity in the backward (Appendix A.4)
-    num_classes: int = 1000  # classes of the labeled shards (levels II and III)
-    head_lr_scale: float = 0.4  # lr of C / lr of E (paper: 4e-5 / 1e-4 ImageNet, 1e-3 / 1e-3 CIFAR)
-    mask_lr_scale: float = 0.4  # lr of T / lr of E
-    aux_weight_decay: float = 0.05  # AdamW weight decay of C and T (weights only, unless aux_decay_biases)
+    num_classes: int = field(default=1000, metadata={"range": "[2, inf)"})  # classes of the labeled shards (levels II and III)
+    head_lr_scale: float = field(default=0.4, metadata={"range": "[0, inf)"})  # lr of C / lr of E (paper: 4e-5 / 1e-4 ImageNet, 1e-3 / 1e-3 CIFAR)
+    mask_lr_scale: float = field(default=0.4, metadata={"range": "[0, inf)"})  # lr of T / lr of E
+    aux_weight_decay: float = field(default=0.05, metadata={"range": "[0, inf)"})  # AdamW weight decay of C and T (weights only, unless aux_decay_biases)
     aux_decay_biases: bool = False  # decay C's and T's biases too (released code: torch AdamW over all their parameters)
-    level1_steps: int = 1  # encoder/decoder steps per head step (unroll steps: 1 ImageNet, 2 CIFAR)
-    level2_steps: int = 1  # head steps per cycle, on the cycle's latest D_tr micro-batches
-    mask_every: int = 1  # cycles per masking-network step (Table 16)
+    level1_steps: int = field(default=1, metadata={"range": "[1, inf)"})  # encoder/decoder steps per head step (unroll steps: 1 ImageNet, 2 CIFAR)
+    level2_steps: int = field(default=1, metadata={"range": "[1, inf)"})  # head steps per cycle, on the cycle's latest D_tr micro-batches
+    mask_every: int = field(default=1, metadata={"range": "[1, inf)"})  # cycles per masking-network step (Table 16)
     through_head: bool = True  # keep Eq. 9's path dL3/dC' dC'/dE' (False: through E' only)
     unroll_lr: str = "schedule"  # eta_E, eta_C of Eqs. 6-7: schedule (the current lrs, Appendix A) | unit (1, as Betty's FD in the released code)
-    mask_adam_eps: float = 1e-16  # AdamW eps of T [project default]: with eta_E ~ 1e-4 its gradients sit far below 1e-8
-    fd_eps: float = 0.01  # finite-difference radius: eps = fd_eps / ||v||
-    val_fraction: float = 0.2  # share of the labeled training shards held out as D_val (level III)
-    split_seed: int = 0  # salt of the per-sample hash split (data/split.py)
+    mask_adam_eps: float = field(default=1e-16, metadata={"range": "(0, inf)"})  # AdamW eps of T [project default]: with eta_E ~ 1e-4 its gradients sit far below 1e-8
+    fd_eps: float = field(default=0.01, metadata={"range": "(0, inf)"})  # finite-difference radius: eps = fd_eps / ||v||
+    val_fraction: float = field(default=0.2, metadata={"range": "(0, 1)"})  # share of the labeled training shards held out as D_val (level III)
+    split_seed: int = field(default=0, metadata={"range": "[0, 2147483647]"})  # salt of the per-sample hash split (data/split.py)
     variant: str = "mlo"  # mlo (three levels) | blo (BLO-MAE, Eq. 5)
-    blo_gamma: float = 1.0  # BLO-MAE: weight of the reconstruction loss in the lower level
+    blo_gamma: float = field(default=1.0, metadata={"range": "[0, inf)"})  # BLO-MAE: weight of the reconstruction loss in the lower level
     mask_input_grad: bool = False  # let L1 reach the patch embedding through T's input (released code) [paper's Eq. 1: T reads data]
     level2_batch: str = "shared"  # D_tr batches of levels II/III: shared (level I's latest) | own (micro-batches before the last level-I step, as the released code's separate loader draws others)
 
     def validate(self) -> None:
-        if not 0.0 < self.mask_ratio < 1.0:
-            raise ValueError(f"mlomae.mask_ratio must be in (0, 1), got {self.mask_ratio}")
         if self.unroll_lr not in ("schedule", "unit"):
             raise ValueError(f"mlomae.unroll_lr must be schedule or unit, got {self.unroll_lr!r}")
         if self.level2_batch not in ("shared", "own"):
             raise ValueError(f"mlomae.level2_batch must be shared or own, got {self.level2_batch!r}")
         if self.variant not in VARIANTS:
             raise ValueError(f"mlomae.variant must be one of {VARIANTS}, got {self.variant!r}")
-        if self.decoder_dim % self.decoder_heads:
-            raise ValueError(f"mlomae.decoder_dim {self.decoder_dim} is not divisible by mlomae.decoder_heads "
-                             f"{self.decoder_heads}")
-        for name in ("mask_hidden", "level1_steps", "level2_steps", "mask_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"mlomae.{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_classes < 2:
-            raise ValueError(f"mlomae.num_classes must be >= 2, got {self.num_classes}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"mlomae.val_fraction must be in (0, 1), got {self.val_fraction}")
-        if min(self.head_lr_scale, self.mask_lr_scale, self.aux_weight_decay, self.blo_gamma) < 0 or self.fd_eps <= 0:
-            raise ValueError("mlomae lr scales, aux_weight_decay and blo_gamma must be >= 0, fd_eps > 0")
+        check_decoder("mlomae", self.decoder_dim, self.decoder_heads)
 
     # --- checks before any process starts (train/config.py, train/pretrain.py) ---------------
     def check_fits(self, img_size: int, patch_size: int, depth: int, micro_batch: int) -> None:

@@ -40,7 +40,7 @@ def test_grayscale_shards_against_a_one_channel_model_name_both_counts_and_the_f
 @pytest.mark.parametrize("option, value, says", [
     ("optim.blr", "-1e-3", "optim.blr must be > 0, got -0.001"),
     ("optim.blr", "0", "optim.blr must be > 0, got 0.0"),
-    ("optim.min_lr", "-1e-6", "optim.min_lr (the lr the cosine ends at) must be >= 0"),
+    ("optim.min_lr", "-1e-6", "optim.min_lr must be >= 0, got -1e-06"),
     ("optim.weight_decay", "-0.05", "optim.weight_decay must be >= 0"),
     ("mae.mask_ratio", "0.0", "mae.mask_ratio must be in (0, 1)"),
 ])

@@ -1,4 +1,5 @@
 import json
+import typing
 
 import pytest
 
@@ -60,3 +61,49 @@ def test_mlomae_refuses_its_training_index_as_the_reported_split():
     assert parse_args([*base, "--data.eval_index", "a/test.json"]).data.eval_index == "a/test.json"
     with pytest.raises(ConfigError, match="has none"):  # MAE has no classifier to score
         parse_args([*DS, "--data.eval_index", "a/test.json"])
+
+
+def test_every_number_declares_its_range_and_its_default_lies_in_it():
+    """A new numeric option without `field(..., metadata={"range": ...})` fails here: its values
+    would only be checked to be finite."""
+    from train.config import options
+
+    for key, option in options().items():
+        kinds = typing.get_args(option.type) if typing.get_origin(option.type) is tuple else (option.type,)
+        if kinds[0] not in (int, float):
+            continue
+        assert option.range is not None, f"--{key} declares no range"
+        option.check(option.default)
+
+
+def test_a_value_outside_its_range_is_refused_wherever_it_was_set():
+    """validate() checks every section's ranges: a config built in code too, another objective's
+    section included."""
+    cfg = PretrainConfig(ds_config="ds_configs/cpu_debug.json")
+    cfg.data.source = "synthetic"
+    cfg.validate()
+    cfg.mixedae.temperature = -0.1
+    with pytest.raises(ConfigError, match=r"option mixedae.temperature must be > 0, got -0\.1 \(HomoCon tau"):
+        cfg.validate()
+    cfg.mixedae.temperature = 0.1
+    cfg.run.max_steps = True  # a bool is not a number
+    with pytest.raises(ConfigError, match="option run.max_steps must be an integer, got true"):
+        cfg.validate()
+
+
+def test_booleans_on_the_command_line_are_true_or_false_in_any_case():
+    assert parse_args([*DS, "--run.export", "False", "--run.compile", "TRUE"]).run.compile is True
+    for word in ("yes", "no", "on", "1", "0", ""):
+        with pytest.raises(ConfigError, match=f'option run.export must be true or false, got "{word}"'):
+            parse_args([*DS, "--run.export", word])
+
+
+def test_help_shows_each_numbers_range():
+    from train.config import help_text
+
+    text = help_text()
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  --") and "default" in line}
+    assert lines["--optim.blr"].split()[2:6] == ["default", "0.00015", ">", "0"]
+    assert "in [0, 1)" in lines["--optim.betas"] and "in (0, 1)" in lines["--mae.mask_ratio"]
+    assert ">= -1" in lines["--data.num_workers"] and "in [0, 2147483647]" in lines["--seed"]
+    assert "presets that set one option to different values are refused" in text

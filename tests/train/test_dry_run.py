@@ -1,5 +1,6 @@
 """The dry run over every shipped ds_config, for the methods each serves, and what it rejects."""
 import json
+import re
 import math
 import sys
 
@@ -36,9 +37,10 @@ def methods_for(name: str) -> list[list[str]]:
     if name == "cpu_linprobe.json":  # the linear probe's CPU recipe and the MAE recipe (LARS: ZeRO 0), debug model
         from train.linprobe import RECIPE
 
-        probe = [*RECIPE, "--config", str(PRESETS / "mae/debug.json"), "--linprobe.num_classes", "10",
-                 "--data.epoch_size", "60000"]  # Fashion-MNIST's train split
-        return [probe, [*probe, "--config", str(PRESETS / "linprobe/cpu_recipe.json")]]
+        probe = [*RECIPE, "--linprobe.num_classes", "10", "--data.epoch_size", "60000"]  # Fashion-MNIST's train split
+        return [[*probe, "--config", str(PRESETS / "mae/debug.json")],
+                [*probe, "--config", str(PRESETS / "linprobe/cpu_recipe.json"), "--model.name", "vit_debug_patch4",
+                 "--data.num_classes", "10"]]
     if name == "cpu_demo.json":
         return [["--config", str(PRESETS / "mae/demo.json"), "--data.epoch_size", "60000"]]  # Fashion-MNIST's train split
     return [["--config", str(PRESETS / "mae/debug.json")]]  # the tests' config
@@ -168,3 +170,20 @@ def test_the_world_size_checked_is_said_with_where_it_comes_from(capsys, monkeyp
                                                    "--world_size N to check another)")
     assert first_line("--ds_config", str(DS / "cpu_debug.json"), "--config", preset, "--world_size", "2").endswith(
         "world size 2 (--world_size)")
+
+
+def test_tensors_that_cannot_be_allocated_are_a_problem_before_any_estimate(monkeypatch):
+    """An image size whose batch or position table alone exceeds the GPU (or, for CPU ranks, this
+    machine's memory) is refused from the model's geometry, where the meta-device estimate cannot
+    even allocate its tensors."""
+    huge = _check("vit_b_8xa100_bf16_zero1.json", "--model.name", "vit_base_patch16", "--model.img_size", "160000")
+    assert not huge.ok and huge.memory is None
+    assert re.match(r"a step needs at least [\d,.]+ GiB per rank \(images [\d,.]+, patch embeddings [\d,.]+, position "
+                    r"table [\d,.]+, block weights [\d,.]+ GiB at micro-batch 256, image size 160000\), more than the "
+                    r"80\.0 GiB of A100 SXM4 80GB: lower model.img_size", huge.problems[0]), huge.problems
+    monkeypatch.setattr("train.memory.os.sysconf", lambda name: {"SC_PHYS_PAGES": 2**18, "SC_PAGE_SIZE": 4096}[name])
+    cpu = check(parse_args(["--ds_config", str(DS / "cpu_debug.json"), "--config", str(PRESETS / "mae/debug.json"),
+                            "--model.img_size", "4096"]), 1, None)
+    assert "more than the 1.0 GiB of this machine's memory" in cpu.problems[0]
+    assert check(parse_args(["--ds_config", str(DS / "cpu_debug.json"), "--config", str(PRESETS / "mae/debug.json")]),
+                 1, None).ok

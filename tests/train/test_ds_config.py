@@ -1,4 +1,6 @@
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -6,6 +8,8 @@ from fake_gpu import CU126_ARCHS, fake_gpu
 
 from train.config import ConfigError, PretrainConfig
 from train.ds_config import resolve, resolve_batch
+from train.ds_keys import ENGINE_READS, ENGINE_VALUES
+from train.values import KINDS, Interval
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,7 +81,7 @@ def test_batch_derivation_and_contradiction():
     ({k: v for k, v in BASE.items() if k != "gradient_clipping"}, {}, False, "gradient_clipping explicitly"),
     ({**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, {}, True, "both fp16 and bf16"),
     ({**BASE, "fp16": {"enabled": True}}, {}, False, "needs CUDA"),
-    ({**BASE, "zero_optimization": {"stage": 4}}, {}, False, "stage must be 0-3"),
+    ({**BASE, "zero_optimization": {"stage": 4}}, {}, False, r"zero_optimization.stage \(the ZeRO stage\) must be in \[0, 3\], got 4"),
     (BASE, {"attn_backend": "flash_attn"}, True, "runs only in fp16/bf16.*use attn_backend sdpa"),
 ])
 def test_contradictions_rejected(tmp_path, ds, model, cuda, message):
@@ -92,3 +96,56 @@ def test_missing_and_malformed_file(tmp_path):
     bad.write_text("{")
     with pytest.raises(ConfigError, match="not valid JSON"):
         resolve(PretrainConfig(ds_config=str(bad)), world=1)
+
+
+def _place(ds: dict, key: str, value) -> dict:
+    section, _, sub = key.partition(".")
+    out = json.loads(json.dumps(ds))
+    if sub:
+        out.setdefault(section, {})[sub] = value
+    else:
+        out[section] = value
+    return out
+
+
+@pytest.mark.parametrize("key", sorted(ENGINE_VALUES))
+def test_every_value_the_engine_reads_has_a_type_and_the_wrong_one_is_refused(tmp_path, key):
+    setting = ENGINE_VALUES[key]
+    wrong = [5] if setting.kind is str else ["1", None, [1]] + ([0.5, True] if setting.kind is int else []) + \
+        ([1] if setting.kind is bool else []) + ([float("nan"), float("inf"), True] if setting.kind is float else [])
+    for value in wrong:
+        with pytest.raises(ConfigError, match=rf"^ds_config {key}( \(.*\))? must be {KINDS[setting.kind]}, got "):
+            resolve(_cfg(tmp_path, _place(BASE, key, value)), world=1)
+    if setting.range:  # just past each finite bound
+        interval = Interval.parse(setting.range)
+        for bound, step in ((interval.lo, -1), (interval.hi, 1)):
+            if math.isfinite(float(bound)):
+                past = float(bound) + step * (1 if setting.kind is int else 1e-3)
+                past = int(past) if setting.kind is int else past
+                with pytest.raises(ConfigError, match=rf"^ds_config {key} .* must be {re.escape(str(interval))}, got"):
+                    resolve(_cfg(tmp_path, _place(BASE, key, past)), world=1)
+
+
+def test_the_sections_the_engine_reads_follow_from_its_values():
+    assert ENGINE_READS["zero_optimization"] == {"stage", "overlap_comm", "reduce_bucket_size"}
+    assert ENGINE_READS["gradient_clipping"] is None and ENGINE_READS["activation_checkpointing"] == set()
+    assert {f"fp16.{k}" for k in ENGINE_READS["fp16"]} == {k for k in ENGINE_VALUES if k.startswith("fp16.")}
+
+
+def test_settings_the_engine_behaves_as_anyway_must_hold_that_value_with_its_type(tmp_path):
+    resolve(_cfg(tmp_path, {**BASE, "wall_clock_breakdown": False, "gradient_predivide_factor": 1}), world=1)
+    for key, value in (("wall_clock_breakdown", 0), ("prescale_gradients", 0), ("gradient_predivide_factor", True)):
+        with pytest.raises(ConfigError, match=f"ds_config {key} = {value!r} would not take effect"):
+            resolve(_cfg(tmp_path, {**BASE, key: value}), world=1)
+
+
+def test_whole_numbers_written_as_floats_are_the_integers_they_are(tmp_path):
+    ds = {"train_batch_size": 64.0, "train_micro_batch_size_per_gpu": 4.0, "gradient_clipping": 1,
+          "zero_optimization": {"stage": 2.0}, "bfloat16": {"enabled": True}}
+    final, plan = resolve(_cfg(tmp_path, ds), world=2)
+    assert (plan.micro, plan.accum, plan.world) == (4, 8, 2) and all(type(n) is int for n in (plan.micro, plan.accum))
+    assert final["train_batch_size"] == 64 and type(final["train_batch_size"]) is int
+    from train.ds_config import precision, zero_stage
+
+    assert zero_stage(final) == 2 and type(zero_stage(final)) is int
+    assert precision(final) == "bf16"  # DeepSpeed's other spelling of the bf16 section

@@ -8,7 +8,7 @@ import torch
 from conftest import REPO
 
 from train.build import build_engine
-from train.config import parse_args
+from train.config import ConfigError, parse_args
 from train.ds_config import resolve
 from train.memory import largest_layer, model_states
 
@@ -57,3 +57,25 @@ def test_sharded_stages_divide_what_they_shard():
     assert model_states(P, psi, L, "bf16", 1, 8, accum=2).gradients == 4 * psi / 8 + 2 * psi  # unsynced sums, bf16
     assert model_states(P, psi, L, "bf16", 1, 8, accum=2, reduce="fp32").gradients == 4 * psi / 8 + 4 * psi
     assert model_states(P, psi, L, "bf16", 3, 1) == z0  # one rank: nothing to shard
+
+
+def test_a_steps_floor_is_what_the_debug_vit_certainly_holds(monkeypatch):
+    from train.memory import check_floor, step_floor
+
+    cfg = parse_args(["--ds_config", str(REPO / "ds_configs/cpu_debug.json"), "--config",
+                      str(REPO / "train/configs/mae/debug.json")])  # 28 px, patch 4, width 32, depth 2, 1 channel
+    assert step_floor(cfg, 8, "fp32") == {"images": 8 * 28 * 28 * 4, "patch embeddings": 8 * 49 * 32 * 4,
+                                         "position table": 50 * 32 * 4, "block weights": 2 * 12 * 32 * 32 * 4}
+    assert step_floor(cfg, 8, "bf16")["images"] == 8 * 28 * 28 * 2
+    cfg.model.img_size, cfg.data.train_transform = 56, "multicrop"  # 4 crops of 56 px: 196 patches each
+    assert step_floor(cfg, 2, "fp32")["patch embeddings"] == 2 * 4 * 196 * 32 * 4
+    final, plan = resolve(cfg, 1)
+    need = sum(step_floor(cfg, plan.micro, "fp32").values())
+    check_floor(cfg, final, plan, need, "a machine of exactly that much")
+    with pytest.raises(ConfigError, match=r"a step needs at least 0\.0 GiB per rank \(images 0\.0, .*\), more than "
+                                          r"the 0\.0 GiB of a smaller one: lower model.img_size"):
+        check_floor(cfg, final, plan, need - 1, "a smaller one")
+    monkeypatch.setattr("train.memory.torch.cuda.is_available", lambda: False)  # the command's start on a CPU
+    monkeypatch.setattr("train.memory.os.sysconf", lambda name: {"SC_PHYS_PAGES": 16, "SC_PAGE_SIZE": 4096}[name])
+    with pytest.raises(ConfigError, match="GiB of this machine's memory"):
+        check_floor(cfg, final, plan)
