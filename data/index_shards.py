@@ -28,6 +28,11 @@ member boundary: no end-of-archive marker) or holds no sample is bad: the indexe
 the reason and exits 1 writing nothing, or with --skip_bad leaves them out and lists them in the
 index. Exit status 2: the input cannot be indexed (no shards, repeated shard names, labels that
 do not fit --classes). The output is the same whatever --workers.
+
+--out is refused before any shard is read when it is one of the inputs (a shard, the --classes
+file; symbolic links resolved) or names a .tar file, and when it exists, unless --overwrite or it is
+an index this indexer wrote (a rerun replaces it); the index is written under a temporary name and
+renamed, so an interrupted write leaves no half index.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
 import argparse
 import json
 import os
+import stat
 import sys
 import tarfile
 from collections import Counter
@@ -49,11 +55,12 @@ from pathlib import Path
 from braceexpand import braceexpand
 from webdataset.tariterators import base_plus_ext, group_by_keys
 
-from data.cli import Parser
+from data.cli import InputError, Parser
 from data.faults import SampleError, Tally
 from data.folders import unwritable_file
 from data.labels import LabelKey
 from data.loader import cores_per_rank
+from data.outputs import check_output, written_whole
 from data.progress import mapped
 from data.shards import (
     IMAGE_KEYS,
@@ -63,6 +70,9 @@ from data.shards import (
     pipe_members,
     shard_name,
 )
+
+
+OWN_KEYS = {"members", "unlabeled", "bad_shards"}  # build_index's, which data/write_shards.py's indexes lack
 
 
 class IndexingError(ValueError):
@@ -270,9 +280,32 @@ def build_index(scans: list[ShardScan], out: Path, label: LabelKey, name: str, p
 def write_index(index: dict, out: Path) -> None:
     """Written under a temporary name and renamed: a reader never sees half an index."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, out)
+    with written_whole(out) as tmp:
+        tmp.write_text(json.dumps(index, indent=1))
+
+
+def check_out(out: Path, shards: list[Path | PipeShard], classes: Path | None, overwrite: bool) -> None:
+    """Before any shard is read: --out is none of the input files (a shard, the class names), and
+    replaces no existing file without --overwrite but an index of this indexer's (a rerun). The
+    index may lie in the shards' folder (it is JSON; the folder's .tar files are the shards), so a
+    .tar name is refused: it would be read as a shard of that folder next time."""
+    inputs = [s for s in shards if isinstance(s, Path)] + ([classes] if classes is not None else [])
+    check_output(out, inputs, overwrite or is_our_index(out), "--out")
+    if out.suffix == ".tar":
+        raise InputError(f"--out {out} names a .tar file, but the index is JSON (a folder's .tar files are read as "
+                         f"its shards): give INDEX.json")
+
+
+def is_our_index(path: Path) -> bool:
+    """Whether `path` is a regular file holding an index this indexer wrote (its own keys, which
+    data/write_shards.py's indexes lack)."""
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO is never opened
+            return False
+        index = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(index, dict) and OWN_KEYS <= set(index)
 
 
 def summary(index: dict, out: Path) -> str:
@@ -298,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="class names, one per line (line i = label i); default: the labels as text")
     p.add_argument("--workers", type=int, default=0, help="processes reading shards (default 0: the cores available)")
     p.add_argument("--skip_bad", action="store_true", help="index the good shards and list the bad ones in the index")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--allow_pipe_urls", action="store_true",
                    help="accept pipe:<command> shards (the command runs in a shell: only commands you trust)")
     a = p.parse_args(argv)
@@ -312,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         class_names = read_classes(a.classes) if a.classes is not None else None
         shards = expand(a.shards, a.allow_pipe_urls)
+        check_out(a.out, shards, a.classes, a.overwrite)
         scans = scan_shards(shards, label, a.workers)
         bad = [s for s in scans if s.bad]
         if bad and (not a.skip_bad or len(bad) == len(scans)):
@@ -321,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 1
         index = build_index(scans, a.out, label, a.name or a.out.stem, " ".join(a.shards), class_names)
-    except (IndexingError, OSError) as e:
+    except (IndexingError, InputError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     write_index(index, a.out)

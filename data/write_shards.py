@@ -14,7 +14,12 @@ fixed seed before sharding, so every shard mixes classes. Shards are named
 `--workers N` processes (default: every core of this process's CPU affinity) each read, check and
 write whole shards, given the already shuffled order; tar members carry a fixed mtime, user and
 mode, so the shards and the index are byte-identical for the same input and seed whatever N.
-Shards are written under temporary names and renamed when all are complete; the index comes last.
+Shards are written under temporary names and renamed when all are complete; the index comes last,
+also under a temporary name. Refused before anything is read or written: an output folder that is,
+lies inside or holds the input folder (symbolic links resolved), an index that would replace an
+input file (--classes_from; Fashion-MNIST's idx files have names no output has), and without
+--overwrite an output folder that holds the index or shards of a name the command writes (with
+it they are replaced, and the shards of an earlier, larger set of that name removed).
 
 The datasets are listed (layouts and labels checked) by data/image_datasets.py.
 Fashion-MNIST (`fashion-mnist OUT_DIR`): the four idx files in --src, or without it in the folder
@@ -43,6 +48,7 @@ import io
 import json
 import os
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -55,6 +61,7 @@ from data.cli import Parser
 from data.fashion_mnist import CACHE, find_or_download
 from data.faults import Tally
 from data.folders import unwritable
+from data.outputs import clashing_input, written_whole
 from data.progress import mapped
 from data.image_datasets import (
     FASHION_MNIST_CLASSES,
@@ -69,6 +76,7 @@ from data.image_datasets import (
     list_imagefolder,
 )
 
+SHARD_NAME = re.compile(r".+-\d{6}\.tar")  # <name>-000000.tar
 TAR_MTIME = 0  # webdataset's TarWriter stamps members with time.time() unless told: fixed for identical shards
 
 
@@ -122,6 +130,46 @@ def check_output_folder(out: Path) -> None:
         raise ShardError(f"output folder {out} {problem}")
 
 
+def check_outputs(out: Path, names: list[str], folders: list[Path], files: list[Path], overwrite: bool) -> None:
+    """Before any file is read or written: the output folder is not an input folder, does not lie
+    inside one (the shards would join the images: a class folder of their own next time) and holds
+    none (symbolic links resolved); no index written is an input file (e.g. --classes_from); shards
+    or an index of the same names are replaced only with `overwrite`."""
+    for folder in folders:
+        if (clash := clashing_input(out, [folder])) is not None:
+            raise ShardError(f"output folder {out} {clash[1]} the input folder {folder}: the shards would be written "
+                             f"among the images (--overwrite never writes into an input); give another output folder")
+        if clashing_input(folder, [out]) is not None:
+            raise ShardError(f"the input folder {folder} lies inside the output folder {out}, which would hold its "
+                             f"own input (--overwrite does not change this); give an output folder outside it")
+    for index in (out / f"{name}.json" for name in names):
+        if (clash := clashing_input(index, files)) is not None:
+            raise ShardError(f"the index {index} would replace the input {clash[0]} (--overwrite never replaces an "
+                             f"input); give another output folder")
+    held = sorted(p.name for name in names for p in written_by(out, name))
+    if held and not overwrite:
+        raise ShardError(f"output folder {out} holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''} already: "
+                         f"pass --overwrite to replace them, or give another output folder or --name")
+
+
+def planned_inputs(args: argparse.Namespace) -> tuple[list[str], list[Path], list[Path]]:
+    """(the names of the shard sets the command writes, its input folders, its input files)."""
+    if args.kind == "imagefolder":
+        return [args.name], [args.src], []
+    if args.kind == "imagenet":
+        names = [n for n in ("train", "val") if args.split in (n, "both")]
+        return names, [args.root], [f for f in (args.val_labels, args.classes_from) if f is not None]
+    return ["train", "test"], [], []  # the idx files, read by their names: no index or shard is named so
+
+
+def written_by(out: Path, name: str) -> list[Path]:
+    """The files of shard set `name` in `out`: its index and its shards."""
+    if not out.is_dir():
+        return []
+    return [p for p in out.iterdir() if p.name == f"{name}.json" or SHARD_NAME.fullmatch(p.name) and
+            p.name.rsplit("-", 1)[0] == name]
+
+
 def default_workers() -> int:
     return len(os.sched_getaffinity(0))
 
@@ -160,6 +208,7 @@ def write_shards(samples: list[Sample | ImageFile], out_dir: Path, name: str, cl
         if not num_samples:
             raise ShardError(f"no samples to write for {name!r}: all {len(samples)} files were rejected")
         shards = []
+        (out_dir / f"{name}.json").unlink(missing_ok=True)  # an earlier index (--overwrite) must not list new shards
         for job, (n, _) in zip(jobs, results, strict=True):
             if n:
                 file = f"{name}-{len(shards):06d}.tar"
@@ -176,7 +225,10 @@ def write_shards(samples: list[Sample | ImageFile], out_dir: Path, name: str, cl
         "classes": classes,
         "rejected": rejected.as_json(),
     }
-    (out_dir / f"{name}.json").write_text(json.dumps(index, indent=1))
+    with written_whole(out_dir / f"{name}.json") as tmp:
+        tmp.write_text(json.dumps(index, indent=1))
+    for stale in set(written_by(out_dir, name)) - {out_dir / s["file"] for s in shards} - {out_dir / f"{name}.json"}:
+        stale.unlink()  # shards of an earlier, larger set of this name (replaced with --overwrite)
     return index
 
 
@@ -209,6 +261,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for p in (folder, imagenet, fm):
         p.add_argument("--samples_per_shard", type=int, default=1000, help="samples per .tar (default %(default)s)")
         p.add_argument("--seed", type=int, default=0, help="seed of the sample order (default %(default)s)")
+        p.add_argument("--overwrite", action="store_true",
+                       help="replace the index and shards of the same name in the output folder")
         p.add_argument("--workers", type=int, default=None,
                        help="writer processes; the output does not depend on it (default: the cores of this "
                             "process's CPU affinity)")
@@ -219,6 +273,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     try:
         start = time.perf_counter()
         check_output_folder(args.out)
+        check_outputs(args.out, *planned_inputs(args), args.overwrite)
         ignored: list[Path] = []
         if args.kind == "imagefolder":
             classes, files = list_imagefolder(args.src, ignored=ignored)

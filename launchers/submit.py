@@ -15,7 +15,11 @@
    with the dry run (train/dry_run.py; CPU ranks with --gpus_per_node 0): a configuration that
    would fail, or not fit, is refused here with the problems listed (exit 2) and nothing is
    submitted or written. So is a request Slurm itself refuses (`sbatch --test-only` first: an
-   unknown partition, GRES the cluster lacks, more CPUs per task than a node has).
+   unknown partition, GRES the cluster lacks, more CPUs per task than a node has), and before it
+   a --time that is none of sbatch's formats (minutes, minutes:seconds, hours:minutes:seconds,
+   days-hours, days-hours:minutes, days-hours:minutes:seconds) or not positive, and a name
+   (--job_name, --partition, --account, --qos, --constraint, --gres) or --sbatch argument holding
+   a control character such as a newline (names also no quote, $ or backslash).
    A submission starts a new run: an --output_dir that holds another run (its checkpoints, or a
    config.json of another experiment) is refused unless --continue says to continue that run;
    without --output_dir each submission gets a folder of its own, runs/<objective>_<model>_<UTC
@@ -58,6 +62,15 @@ from data.cli import Parser, one_line
 
 REPO = Path(__file__).resolve().parent.parent
 RESOURCE_DIRECTIVE = re.compile(r"#SBATCH\s+--(nodes|ntasks-per-node|gpus-per-node|cpus-per-task|time|job-name)\b")
+# sbatch --time: "minutes", "minutes:seconds", "hours:minutes:seconds", "days-hours",
+# "days-hours:minutes" and "days-hours:minutes:seconds" (man sbatch)
+SLURM_TIME = re.compile(r"(?:(?P<days>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?"
+                        r"|(?P<h>\d+):(?P<hm>\d+):(?P<hs>\d+)|(?P<m>\d+)(?::(?P<ms>\d+))?)")
+TIME_FORMATS = ("minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes or "
+                "days-hours:minutes:seconds (e.g. 72:00:00 or 3-00:00:00)")
+# the options whose text sbatch takes as a value (--sbatch arguments are checked as text only)
+NAMED_VALUES = ("job_name", "partition", "account", "qos", "constraint", "gres")
+UNSAFE_TEXT = re.compile(r"[\x00-\x1f\x7f'\"`$\\]")  # control characters (newlines), quotes, $, backslashes
 
 
 USAGE = "python -m launchers.submit [options] -- PRETRAINING_OPTIONS (--ds_config FILE ... --output_dir DIR)"
@@ -128,7 +141,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no_gpus_per_node", action="store_true",
                    help="request no GPUs (a partition that allocates them with the node), still check for --gpu")
     p.add_argument("--constraint", help="node features (sbatch --constraint)")
-    p.add_argument("--time", default="72:00:00", help="time limit, [D-]HH:MM:SS (sbatch --time)")
+    p.add_argument("--time", default="72:00:00",
+                   help="time limit (sbatch --time): minutes, minutes:seconds, hours:minutes:seconds, days-hours, "
+                        "days-hours:minutes or days-hours:minutes:seconds")
     p.add_argument("--partition", help="Slurm partition (sbatch --partition; default: the cluster's)")
     p.add_argument("--account", help="Slurm account (sbatch --account)")
     p.add_argument("--qos", help="quality of service (sbatch --qos)")
@@ -158,7 +173,31 @@ def request_problems(a) -> list[str]:
                         "for CPU ranks")
     if a.gres and a.no_gpus_per_node:
         problems.append("--gres and --no_gpus_per_node contradict each other: give one")
+    if time_seconds(a.time) is None:
+        problems.append(f"--time {a.time!r} is not a Slurm time limit: give a positive {TIME_FORMATS}")
+    for key in NAMED_VALUES:
+        value = getattr(a, key)
+        if value is not None and (UNSAFE_TEXT.search(value) or not value.strip()):
+            problems.append(f"--{key} {value!r}: give a name without control characters (newlines), quotes, $ or "
+                            f"backslashes, as Slurm names are")
+    for value in a.sbatch:
+        if re.search(r"[\x00-\x1f\x7f]", value):
+            problems.append(f"--sbatch {value!r} holds a control character (a newline): give one sbatch argument "
+                            f"per --sbatch")
     return problems
+
+
+def time_seconds(text: str) -> int | None:
+    """The seconds an sbatch --time value gives, None when it is none of Slurm's formats or not
+    positive (0 would ask Slurm for no limit at all)."""
+    match = SLURM_TIME.fullmatch(text)
+    if match is None:
+        return None
+    n = {k: int(v) for k, v in match.groupdict().items() if v is not None}
+    seconds = (n.get("days", 0) * 86400 + (n.get("dh", 0) + n.get("h", 0)) * 3600
+               + (n.get("dm", 0) + n.get("hm", 0) + n.get("m", 0)) * 60 + n.get("ds", 0) + n.get("hs", 0)
+               + n.get("ms", 0))
+    return seconds if seconds > 0 else None
 
 
 def sbatch_options(a, ranks_per_node: int, cpus_per_task: int) -> list[str]:

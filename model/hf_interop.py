@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from model.interop import load_into_objective, safe_load
+from model.interop import load_into_objective, safe_load, weights_shapes
 from model.objectives.mae import MAEConfig, MAEObjective
 from model.pos_embed import sincos_2d
 from model.registry import list_models, model_arch
@@ -199,13 +199,14 @@ def _same_sizes(theirs: dict) -> list[str]:
 
 
 def check_folder_fits(folder: str | Path, model_name: str, arch: dict, decoder_options: dict[str, int]) -> None:
-    """Before start: the folder is readable (known architecture, weights present) and its config's
-    sizes are those of `model_name` (`arch`: its VisionTransformer kwargs) and, for a
+    """Before start: the folder is readable (known architecture, weights present and sound) and its
+    config's sizes are those of `model_name` (`arch`: its VisionTransformer kwargs) and, for a
     ViTMAEForPreTraining folder, of the objective's decoder (`decoder_options`, e.g.
     {"mae.decoder_dim": 512, "mae.decoder_depth": 8, "mae.decoder_heads": 16}; empty when the
     objective has no MAE decoder). A mismatch names both values. Another image size is allowed."""
     config = read_config(folder)
-    weight_files(folder)
+    for path in weight_files(folder):  # each judged whole from its header (or a memory map): WeightsFileError
+        weights_shapes(path)
     theirs = encoder_arch(config)
     if not arch.get("depth"):
         raise ValueError(f"{folder} holds a transformers ViT, which initialises this repository's ViT; model.name "

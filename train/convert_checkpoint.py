@@ -5,8 +5,10 @@ in place, so that it resumes and exports as any other tag.
     python -m train.convert_checkpoint TAG [TAG ...]      (a tag folder, or a run folder: all its tags)
 
 One process, on the CPU; the converted tag holds the same weights, optimizer moments, step
-counts, schedule, counters and client state bit for bit. complete.json is rewritten to list the
-new files before the old ones are removed.
+counts, schedule, counters and client state bit for bit. The new files are written under
+temporary names and renamed once all are complete (the weights last), complete.json is rewritten
+to list them, and only then are the old ones removed: a conversion stopped at any point leaves a
+tag that resumes, or one the same command converts again.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 from data.cli import Parser
+from data.outputs import written_whole
 from train.checkpoint import COMPLETE, TAG_RE, check_files
 from train.cli import cli
 from train.config import ConfigError
@@ -76,15 +79,22 @@ def convert(tag_dir: Path) -> Path:
     if not (tag_dir / LEGACY_FILE).is_file():
         raise ConfigError(f"{tag_dir} has no {LEGACY_FILE}: it is not a tag of the earlier layout "
                           f"(already converted, or not a checkpoint)")
+    if (tag_dir / WEIGHTS_FILE).exists():
+        raise ConfigError(f"{tag_dir} holds {WEIGHTS_FILE} beside {LEGACY_FILE}: it is of the engine's layout already "
+                          f"(a conversion stopped before it removed the earlier files) and resumes as it is")
     old = torch.load(tag_dir / LEGACY_FILE, map_location="cpu", weights_only=True)
     tensors = {k: v for k, v in old["module"].items() if isinstance(v, torch.Tensor)}
     extra = {k: v for k, v in old["module"].items() if not isinstance(v, torch.Tensor)}
     kind, optim = _legacy_optimizer(tag_dir, {k: v.shape for k, v in tensors.items()})
-    write_weights(tag_dir / WEIGHTS_FILE, tensors, write=True)
-    with single_process_quiet():  # one process, no process group
-        dcp.save(optim, checkpoint_id=tag_dir / OPTIM_DIR, no_dist=True)
-    torch.save({"engine": {**old["engine"], "schedule": old["schedule"]}, "extra": extra, "optimizer": kind,
-                "client": old["client"]}, tag_dir / STATE_FILE)
+    # Each file is written under a temporary name and renamed once all are complete, the weights
+    # last: their name makes the tag one of the engine's layout, so it never is with a file missing.
+    with (written_whole(tag_dir / WEIGHTS_FILE) as weights, written_whole(tag_dir / STATE_FILE) as state,
+          written_whole(tag_dir / OPTIM_DIR) as optim_dir):
+        write_weights(weights, tensors, write=True)
+        with single_process_quiet():  # one process, no process group
+            dcp.save(optim, checkpoint_id=optim_dir, no_dist=True)
+        torch.save({"engine": {**old["engine"], "schedule": old["schedule"]}, "extra": extra, "optimizer": kind,
+                    "client": old["client"]}, state)
     meta = json.loads((tag_dir / COMPLETE).read_text())
     old_files = [LEGACY_FILE, *(f.name for f in tag_dir.glob("optim_rank*.pt"))]
     meta["files"] = {str(f.relative_to(tag_dir)): f.stat().st_size for f in sorted(tag_dir.rglob("*"))

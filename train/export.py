@@ -17,6 +17,12 @@ snippet's model against the file's names and shapes; an encoder timm cannot hold
 
 writes a Hugging Face transformers folder instead (train/export_transformers.py): an MAE run as
 ViTMAEForPreTraining, a fine-tuned one as ViTForImageClassification, other encoders as ViTModel.
+
+The default outputs are the run folder's own export, which every run also writes at its end: they
+are replaced. Files an --out names that exist already (the weights, their .json, a transformers
+folder that is not empty) are replaced only with --overwrite; an --out inside the checkpoint (or,
+for a folder, holding it) is refused even then. Everything is checked before the checkpoint is
+read, and written under temporary names renamed into place once complete.
 """
 from __future__ import annotations
 
@@ -32,13 +38,15 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from data.cli import Parser
-from data.folders import unwritable_file
+from data.folders import unwritable, unwritable_file
+from data.outputs import check_output, written_whole
+from model.interop import WeightsFileError, safe_load
 from train.checkpoint import find_resume, read_meta
 from train.config import ConfigError
-from train.engine.state_files import LegacyCheckpointError, check_layout, read_tensors
+from train.engine.state_files import WEIGHTS_FILE, LegacyCheckpointError, check_layout
 
 ENCODER_PREFIX = "encoder."
 # Our registry name at 224 px -> timm's model name, for users who prefer timm.create_model.
@@ -52,8 +60,10 @@ TIMM_NAMES = {
 def _module_state(tag_dir: Path) -> dict[str, torch.Tensor]:
     """The module's tensors in a checkpoint tag: fp32 weights of every trained parameter (the
     engine's master copy), frozen tables and buffers. Objectives' extra state (e.g. AdPE's
-    adversaries under `_extra_state`) is not weights and is not in that file."""
-    return read_tensors(tag_dir)
+    adversaries under `_extra_state`) is not weights and is not in that file. Read with the checks
+    of model/interop.py safe_load: a damaged file is a WeightsFileError naming it."""
+    check_layout(tag_dir)
+    return safe_load(tag_dir / WEIGHTS_FILE)
 
 
 def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -139,11 +149,11 @@ def readable_as_umask_says(path: Path) -> None:
 
 
 def export_checkpoint(tag_dir: Path, out: Path) -> Path:
+    """`out` (the encoder's fp32 weights) and `out` with .json (how timm rebuilds it), each written
+    under a temporary name and renamed once both are complete: an interrupted export leaves the
+    files as they were."""
     encoder, meta = encoder_state(tag_dir)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(encoder, str(out), metadata={"format": "pt"})
-    readable_as_umask_says(out)  # safetensors writes 0600: teammates on a shared file system could not read it
     kwargs = meta["encoder_timm_kwargs"]
     info = {
         "timm_kwargs": kwargs,
@@ -153,7 +163,11 @@ def export_checkpoint(tag_dir: Path, out: Path) -> Path:
         "step": meta["step"],
         "source": str(tag_dir),
     }
-    out.with_suffix(".json").write_text(json.dumps(info, indent=2))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with written_whole(out) as weights, written_whole(out.with_suffix(".json")) as description:
+        save_file(encoder, str(weights), metadata={"format": "pt"})
+        readable_as_umask_says(weights)  # safetensors writes 0600: teammates on a shared file system could not read it
+        description.write_text(json.dumps(info, indent=2))
     return out
 
 
@@ -175,7 +189,7 @@ def load_timm_encoder(path: Path):
     path = Path(path)
     kwargs = json.loads(path.with_suffix(".json").read_text())["timm_kwargs"]
     model = VisionTransformer(**kwargs)
-    model.load_state_dict(load_file(str(path)), strict=True)
+    model.load_state_dict(safe_load(path), strict=True)
     return model
 
 
@@ -198,6 +212,30 @@ def find_checkpoint(path: str, option: str) -> Path:
     return tag
 
 
+def check_outputs(out: Path, default: Path, tag_dir: Path, overwrite: bool, folder: bool) -> None:
+    """Before the checkpoint is read: the export's files (`out`, and for timm its .json beside it)
+    can be written, are not inside the checkpoint, and replace no existing file unless --overwrite.
+    The run folder's own export (`default`, rewritten at the end of every run) is always replaced."""
+    if folder:
+        outputs = [out]
+        if problem := unwritable(out):
+            raise ConfigError(f"--out {out} {problem}")
+        overwrite = overwrite or (out.is_dir() and not any(out.iterdir()))  # an empty folder: nothing to replace
+    else:
+        if out.suffix == ".json":
+            raise ConfigError(f"--out {out} ends in .json, the name of the description written beside the weights: "
+                              f"give NAME.safetensors")
+        if problem := unwritable_file(out):
+            raise ConfigError(f"--out {out} {problem}")
+        outputs = [out, out.with_suffix(".json")]
+    owned = out.resolve() == default.resolve()
+    for path in outputs:
+        check_output(path, [tag_dir], overwrite or owned, "--out" if path == out else "the description beside --out")
+        if folder and tag_dir.resolve().is_relative_to(path.resolve()):
+            raise ConfigError(f"--out {out} holds the checkpoint {tag_dir} it would be written from (--overwrite "
+                              f"never replaces an input); give another folder")
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="run folder or checkpoint tag folder")
@@ -205,19 +243,31 @@ def main(argv: list[str] | None = None) -> Path:
                                       "--format transformers a folder (default: <run folder>/transformers)")
     parser.add_argument("--format", choices=("timm", "transformers"), default="timm",
                         help="timm safetensors + encoder.json (default), or a Hugging Face transformers folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace existing files --out names (the run folder's own export, the default, is "
+                             "always replaced)")
     args = parser.parse_args(argv)
     tag_dir = find_checkpoint(args.checkpoint, "--checkpoint")
-    if args.format == "transformers":
-        from train.export_transformers import loading_lines
+    transformers = args.format == "transformers"
+    default = tag_dir.parent.parent / ("transformers" if transformers else "encoder.safetensors")
+    out = Path(args.out) if args.out else default
+    check_outputs(out, default, tag_dir, args.overwrite, folder=transformers)
+    try:
+        if transformers:
+            from train.export_transformers import loading_lines
 
-        out, name = export_transformers(tag_dir, Path(args.out) if args.out else tag_dir.parent.parent / "transformers")
+            out, name = export_transformers(tag_dir, out)
+        else:
+            path = export_checkpoint(tag_dir, out)
+    except WeightsFileError as e:
+        raise ConfigError(f"--checkpoint {args.checkpoint}: {e}; export another of the run's checkpoints (its "
+                          f"checkpoints/step* folders)") from None
+    except ValueError as e:  # no encoder in the checkpoint; an encoder transformers' ViT cannot hold
+        raise ConfigError(f"--checkpoint {args.checkpoint}: {e}") from None
+    if transformers:
         print(f"wrote {out} ({name}) from {tag_dir}")
         print(f"load it in transformers:\n{loading_lines(name, out)}")
         return out
-    out = Path(args.out) if args.out else tag_dir.parent.parent / "encoder.safetensors"
-    if problem := unwritable_file(out):
-        raise ConfigError(f"--out {out} {problem}")
-    path = export_checkpoint(tag_dir, out)
     print(f"wrote {path} and {path.with_suffix('.json')} from {tag_dir}")
     snippet = json.loads(path.with_suffix(".json").read_text())["timm_snippet"]
     print(f"load it in timm (strict):\n{snippet}" if snippet else

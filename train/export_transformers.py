@@ -11,18 +11,19 @@ training shards' index when it names them; any other run -> its encoder as ViTMo
 `add_pooling_layer=False`: transformers' default adds a pooler the encoder does not have).
 Refused: average-pooled encoders (model.global_pool avg; transformers' ViT normalises every token
 and classifies the cls token), iRPE encoders and timm backbones (no place in transformers' ViT).
-The folder is written beside `out`, loaded back with the installed transformers (nothing missing,
-unexpected or mis-shaped, or the export fails) and only then moved to `out`.
+The folder is written beside `out` under a temporary name, loaded back with the installed
+transformers (nothing missing, unexpected or mis-shaped, or the export fails and the temporary
+folder is removed) and only then moved to `out`.
 """
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from data.outputs import written_whole
 from data.synthetic import mean_std
 from model.hf_interop import WITH_VIT_PREFIX, to_transformers, transformers_config
 from train.run_dir import read_metrics
@@ -194,19 +195,11 @@ def write_folder(encoder: dict[str, torch.Tensor], decoder: dict[str, torch.Tens
     classes = head["head.weight"].shape[0] if head else 0
     state = to_transformers(body, decoder if name == "ViTMAEForPreTraining" else None, head,
                             vit_prefix=name in WITH_VIT_PREFIX)
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    save_file(state, str(partial / "model.safetensors"), metadata={"format": "pt"})  # transformers reads "format"
-    build_config(transformers, name, meta, arch, classes).save_pretrained(str(partial))
-    image_processor(transformers, arch["img_size"], arch["in_chans"]).save_pretrained(str(partial))
-    (partial / "README.md").write_text(model_card(name, meta, arch, tag_dir, classes))
-    try:
+    with written_whole(out) as partial:  # an earlier export (checked above) is replaced whole
+        partial.mkdir(parents=True)
+        save_file(state, str(partial / "model.safetensors"), metadata={"format": "pt"})  # transformers reads "format"
+        build_config(transformers, name, meta, arch, classes).save_pretrained(str(partial))
+        image_processor(transformers, arch["img_size"], arch["in_chans"]).save_pretrained(str(partial))
+        (partial / "README.md").write_text(model_card(name, meta, arch, tag_dir, classes))
         check_loads(transformers, name, partial)
-    except ValueError:
-        shutil.rmtree(partial)
-        raise
-    if out.exists():  # an earlier export (checked above): replaced whole
-        shutil.rmtree(out)
-    partial.rename(out)
     return out, name

@@ -12,38 +12,28 @@ from pathlib import Path
 
 import torch
 
-from model.interop import split_official_mae
+from model.interop import DECODER_PREFIXES, WeightsFileError, weights_shapes
 from train import checkpoint
 from train.config import ConfigError, PretrainConfig
 
 RESIZED = {"pos_embed"}  # rebuilt for the target grid when loaded (model/interop.py resize_pos_embed)
 NEW = ("head.", "fc_norm.")  # trained anew by a classifier objective
+WEIGHTS_KINDS = "an exported encoder.safetensors, a run folder, an official MAE or a timm checkpoint"
 
 
 def file_shapes(source: str) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape of the encoder in an exported .safetensors, an official MAE / timm
-    torch file, or a run / checkpoint folder of ours (memory-mapped: nothing is read but headers
-    where the format allows)."""
-    from safetensors import safe_open
-
+    torch file, or a run / checkpoint folder of ours (model/interop.py weights_shapes: headers or a
+    memory map, the file judged whole; WeightsFileError when it is not weights)."""
     path = Path(source)
     if path.is_dir():  # a run folder or a tag: the weights file of its checkpoint, by name
         from train.engine.state_files import WEIGHTS_FILE, check_layout
 
         tag = checkpoint.find_resume(source, path)
         check_layout(tag)
-        with safe_open(str(tag / WEIGHTS_FILE), framework="pt") as f:
-            return {k.removeprefix("encoder."): tuple(f.get_slice(k).get_shape()) for k in f.keys()
-                    if k.startswith("encoder.")}
-    if path.suffix == ".safetensors":
-        with safe_open(str(path), framework="pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # a file of the legacy (non-zip) format cannot be memory-mapped
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    encoder, _ = split_official_mae(state)
-    return {k: tuple(v.shape) for k, v in encoder.items() if isinstance(v, torch.Tensor)}
+        return {k.removeprefix("encoder."): shape for k, shape in weights_shapes(tag / WEIGHTS_FILE).items()
+                if k.startswith("encoder.")}
+    return {k: shape for k, shape in weights_shapes(path).items() if not k.startswith(DECODER_PREFIXES)}
 
 
 def describe(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
@@ -78,11 +68,18 @@ def check_init_from(cfg: PretrainConfig) -> None:
 
     try:
         theirs = file_shapes(cfg.model.init_from)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:  # unreadable, or not weights
-        raise ConfigError(f"model.init_from {cfg.model.init_from}: not an encoder this code reads ({e}); give an "
-                          f"exported encoder.safetensors, a run folder, an official MAE or a timm checkpoint") from None
+    except WeightsFileError as e:  # the file names itself and what is wrong with it
+        raise ConfigError(f"model.init_from: {e}; give {WEIGHTS_KINDS}") from None
+    except (OSError, ValueError, RuntimeError, KeyError) as e:  # a run folder without a readable checkpoint
+        detail = str(e).removeprefix(f"--resume {cfg.model.init_from!r}: ")  # find_resume names the option of a resume
+        raise ConfigError(f"model.init_from {cfg.model.init_from}: not an encoder this code reads ({detail}); give "
+                          f"{WEIGHTS_KINDS}") from None
     with torch.device("meta"):
         ours = {k: tuple(v.shape) for k, v in build_encoder(cfg).state_dict().items()}
+    if not set(theirs) & set(ours):
+        raise ConfigError(f"model.init_from {cfg.model.init_from} holds no encoder tensors: none of its {len(theirs)} "
+                          f"tensor names is one of the model's (e.g. {sorted(theirs)[:3]}, the model's "
+                          f"{sorted(ours)[:3]}); give {WEIGHTS_KINDS}")
     problem = mismatch(theirs, ours)
     if problem:
         raise ConfigError(f"model.init_from {cfg.model.init_from} does not fit model.name {cfg.model.name} "

@@ -191,9 +191,9 @@ def test_imagenet_refusals_say_what_to_do(tmp_path, capsys):
     assert valid["num_samples"] == 6
     write_jpeg(root / "val" / "stray.JPEG", 0)
     with pytest.raises(SystemExit):
-        write_shards(["imagenet", str(root), str(tmp_path / "out"), "--val_labels", str(tmp_path / "elsewhere.csv")])
+        write_shards(["imagenet", str(root), str(tmp_path / "out2"), "--val_labels", str(tmp_path / "elsewhere.csv")])
     assert "1 file(s)" in (err := capsys.readouterr().err) and "stray.JPEG" in err and "have no row" in err
     (root / "train" / "cats").mkdir()
     with pytest.raises(SystemExit):
-        write_shards(["imagenet", str(root), str(tmp_path / "out"), "--split", "train"])
+        write_shards(["imagenet", str(root), str(tmp_path / "out2"), "--split", "train"])
     assert "not WordNet ids" in (err := capsys.readouterr().err) and "imagefolder" in err

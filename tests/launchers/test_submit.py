@@ -220,3 +220,43 @@ def test_dry_writes_nothing_and_prints_a_command_whose_files_exist(tmp_path, mon
     assert Path(cmd[cmd.index("--ds_config") + 1]).is_file() and Path(cmd[cmd.index("--config") + 1]).is_file()
     assert f"VITPRETRAIN_CODE={REPO}," in cmd[cmd.index("--export") + 1]
     assert not (tmp_path / "run").exists()
+
+
+def test_time_limits_are_read_in_sbatchs_formats_only(tmp_path, capsys):
+    """man sbatch: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
+    days-hours:minutes:seconds; a duration of 0 (no limit at all) or another text is refused in one
+    line before anything is written."""
+    from launchers.submit import time_seconds
+
+    for text, seconds in {"60": 3600, "30:30": 1830, "4:30:30": 16230, "72:00:00": 259200, "4-12": 388800,
+                          "4-12:15": 389700, "4-12:15:30": 389730}.items():
+        assert time_seconds(text) == seconds, text
+    for text in ("0", "0:00:00", "0-0", "72h", "3 days", "1:2:3:4", "1-2-3", "-1", "", " 60", "60\n", "1.5"):
+        assert time_seconds(text) is None, text
+    assert main(["--nodes", "1", "--gpus_per_node", "0", "--time", "72h", "--dry", *cpu_job(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not submitted: --time '72h' is not a Slurm time limit: give a positive minutes, " \
+                                  "minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes or " \
+                                  "days-hours:minutes:seconds" in err
+    assert main(["--nodes", "1", "--gpus_per_node", "0", "--time", "3-00:00:00", "--dry",
+                 *cpu_job(tmp_path / "run")]) == 0
+    assert "--time 3-00:00:00" in capsys.readouterr().out and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--job_name", "mae\n#SBATCH --exclusive"), ("--partition", "gpu'"),
+                                         ("--account", "a$HOME"), ("--qos", "q\\"), ("--constraint", "a100\r"),
+                                         ("--gres", 'gpu:"8"'), ("--job_name", " ")])
+def test_names_that_would_break_the_job_are_refused(tmp_path, capsys, flag, value):
+    assert main(["--nodes", "1", "--gpus_per_node", "0", flag, value, "--dry", *cpu_job(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{flag} {value!r}: give a name without control characters (newlines), " \
+                                    f"quotes, $ or backslashes" in err, err
+
+
+def test_names_slurm_reads_pass_and_an_sbatch_argument_holds_no_newline(tmp_path, capsys):
+    ok = ["--job_name", "mae vit-b", "--constraint", "a100|h100", "--partition", "gpu,gpu2", "--gres", "gpu:a100:8"]
+    assert main(["--nodes", "1", "--gpus_per_node", "0", *ok, "--dry", *cpu_job(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    assert main(["--nodes", "1", "--gpus_per_node", "0", "--sbatch=--comment=a\nb", "--dry",
+                 *cpu_job(tmp_path / "run")]) == 2
+    assert "--sbatch '--comment=a\\nb' holds a control character (a newline)" in capsys.readouterr().err

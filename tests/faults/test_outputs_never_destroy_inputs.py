@@ -1,0 +1,348 @@
+"""Outputs never destroy inputs (data/outputs.py): every command that writes a file refuses an
+output that is one of its inputs or lies inside one (symbolic links resolved) even with
+--overwrite, replaces an existing file only with --overwrite, and writes under a temporary name
+renamed into place, so a write interrupted by an error leaves the final name as it was. After
+every refusal the inputs hold the bytes they held."""
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint
+from conftest import CPU_DS, DEBUG_PRESET
+from PIL import Image
+
+import train.export
+import train.export_transformers
+from data.write_shards import main as write_shards
+from train.cli import cli
+from train.pretrain import main as pretrain
+
+
+def snapshot(*folders: Path) -> dict[str, bytes | None]:
+    """Every path under the folders, with each file's bytes."""
+    return {str(p): p.read_bytes() if p.is_file() else None for f in folders for p in sorted(f.rglob("*"))}
+
+
+def temporaries(folder: Path) -> list[str]:
+    """Files or folders a write left under a temporary name (data/outputs.py temporary_name)."""
+    return [str(p) for p in folder.rglob(".*.tmp*")]
+
+
+def run(module: str, argv: list[str], capsys) -> tuple[int, str]:
+    """(exit status, stderr) of a command's main as its __main__ block runs it."""
+    main = importlib.import_module(module).main
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            if module.startswith("train."):
+                cli(lambda: main(argv))
+                status = 0
+            else:
+                status = main(argv)
+                status = 0 if isinstance(status, list) else status  # write_shards returns its indexes
+        except SystemExit as e:
+            status = e.code
+    return status, capsys.readouterr().err
+
+
+def refused(module: str, argv: list[str], message: str, capsys) -> str:
+    status, err = run(module, argv, capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and "Traceback" not in err, (status, err[-3000:])
+    assert re.search(message, lines[0]), lines[0]
+    return lines[0]
+
+
+def half_then_fail(monkeypatch, owner, name: str):
+    """Replace `owner.name(data, path, ...)`-style writers: write half the bytes to the path they
+    are given, then fail as a full disk would."""
+    def writer(*args, **kwargs):
+        target = next(a for a in args if isinstance(a, (str, Path)))
+        Path(target).write_bytes(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(owner, name, writer)
+
+
+def text_writes_half(monkeypatch):
+    """Path.write_text writes half its text, then fails as a full disk would."""
+    original = Path.write_text
+
+    def write_text(self, data, *args, **kwargs):
+        original(self, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("images")
+    for c in range(2):
+        (root / f"class{c}").mkdir()
+        for i in range(3):
+            Image.fromarray(np.full((16, 16, 3), 70 * c + 20 * i, dtype=np.uint8)).save(root / f"class{c}" / f"{i}.png")
+    return root
+
+
+@pytest.fixture
+def shards(images, tmp_path) -> Path:
+    """A labeled shard set written from `images` (train.json + train-000000.tar, 3 samples each)."""
+    write_shards(["imagefolder", str(images), str(tmp_path / "shards"), "--workers", "1", "--samples_per_shard", "3"])
+    return tmp_path / "shards"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A one-step MAE run of RGB inputs (the debug preset): its checkpoint and its own export."""
+    out = tmp_path_factory.mktemp("run") / "run"
+    cli(lambda: pretrain(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(out),
+                      "--run.progress", "false", "--run.max_steps", "1", "--model.in_chans", "3"]))
+    return out
+
+
+# --- data.index_shards ---------------------------------------------------------------------------
+
+def test_index_shards_never_writes_over_its_inputs(shards, tmp_path, capsys):
+    shard = shards / "train-000000.tar"
+    (tmp_path / "names.txt").write_text("a\nb\n")
+    (tmp_path / "link.json").symlink_to(shard)
+    before = snapshot(shards, tmp_path)
+    for out, extra, message in (
+            (shard, ["--overwrite"], r"--out .*train-000000.tar is the input .*train-000000.tar: writing it would "
+                                     r"destroy the input \(--overwrite never replaces an input\)"),
+            (tmp_path / "link.json", ["--overwrite"], r"--out .*link.json is the input .*train-000000.tar"),
+            (tmp_path / "names.txt", ["--overwrite", "--classes", str(tmp_path / "names.txt")],
+             r"--out .*names.txt is the input .*names.txt"),
+            (shards / "new.tar", ["--overwrite"], r"names a .tar file, but the index is JSON .*give INDEX.json"),
+            (shards / "train.json", [], r"--out .*train.json exists already: pass --overwrite to replace it")):
+        refused("data.index_shards", [str(shards), "--out", str(out), "--workers", "1", *extra], message, capsys)
+        assert snapshot(shards, tmp_path) == before
+    assert run("data.index_shards", [str(shards), "--out", str(shards / "train.json"), "--workers", "1",
+                                     "--overwrite"], capsys)[0] == 0
+    assert json.loads((shards / "train.json").read_text())["label_key"] == "cls"  # the indexer's, not the writer's
+    (shards / "more").mkdir()
+    (shards / "train-000001.tar").rename(shards / "more" / "train-000001.tar")
+    assert run("data.index_shards", [str(shards), "--out", str(shards / "train.json"), "--workers", "1"],
+               capsys)[0] == 0  # its own index, rewritten by a rerun unasked
+    assert json.loads((shards / "train.json").read_text())["num_samples"] == 3
+    assert not temporaries(tmp_path) and not temporaries(shards)
+
+
+def test_an_interrupted_index_leaves_the_earlier_one(shards, capsys, monkeypatch):
+    earlier = (shards / "train.json").read_bytes()
+    text_writes_half(monkeypatch)
+    with pytest.raises(OSError, match="No space left"):
+        run("data.index_shards", [str(shards), "--out", str(shards / "train.json"), "--workers", "1", "--overwrite"],
+            capsys)
+    assert (shards / "train.json").read_bytes() == earlier and not temporaries(shards)
+
+
+# --- data.write_shards ---------------------------------------------------------------------------
+
+def test_write_shards_never_writes_into_or_around_its_input(images, tmp_path, capsys):
+    (tmp_path / "holder").mkdir()
+    (tmp_path / "holder" / "images").symlink_to(images, target_is_directory=True)
+    before = snapshot(images)
+    for src, out, message in (
+            (tmp_path / "holder" / "images", images,  # the same folder once the link is resolved
+             r"output folder .* is the input folder .*holder/images: the shards would be written among the images"),
+            (images, images / "class0" / "shards", r"output folder .* lies inside the input folder"),
+            (images / "class0", images, r"the input folder .*class0 lies inside the output folder")):
+        refused("data.write_shards", ["imagefolder", str(src), str(out), "--workers", "1", "--overwrite"], message,
+                capsys)
+        assert snapshot(images) == before
+    assert sorted(p.name for p in (tmp_path / "holder").iterdir()) == ["images"]
+
+
+def test_write_shards_replaces_a_shard_set_only_with_overwrite(images, shards, capsys):
+    before = snapshot(shards)
+    argv = ["imagefolder", str(images), str(shards), "--workers", "1", "--samples_per_shard", "6"]
+    refused("data.write_shards", argv, r"output folder .*shards holds train-000000.tar, train-000001.tar, train.json "
+                                       r"already: pass --overwrite to replace them, or give another output folder or "
+                                       r"--name", capsys)
+    assert snapshot(shards) == before
+    assert run("data.write_shards", [*argv, "--overwrite"], capsys)[0] == 0
+    index = json.loads((shards / "train.json").read_text())
+    assert [s["samples"] for s in index["shards"]] == [6]
+    assert sorted(p.name for p in shards.iterdir()) == ["train-000000.tar", "train.json"]  # the larger set's gone
+
+
+def test_an_interrupted_shard_index_leaves_no_half_index(images, shards, capsys, monkeypatch):
+    text_writes_half(monkeypatch)
+    with pytest.raises(OSError, match="No space left"):
+        run("data.write_shards", ["imagefolder", str(images), str(shards), "--workers", "1", "--overwrite"], capsys)
+    assert not (shards / "train.json").exists()  # the earlier index would not describe the new shards
+    assert not temporaries(shards) and not list(shards.glob(".*"))
+
+
+def test_write_shards_never_replaces_the_index_it_takes_classes_from(tmp_path, capsys):
+    root = tmp_path / "in1k"
+    for wnid, value in (("n01440764", 30), ("n01443537", 200)):
+        (root / "train" / wnid).mkdir(parents=True)
+        Image.fromarray(np.full((8, 8, 3), value, dtype=np.uint8)).save(root / "train" / wnid / "a.JPEG")
+    out = tmp_path / "out"
+    assert run("data.write_shards", ["imagenet", str(root), str(out), "--split", "train", "--workers", "1"],
+               capsys)[0] == 0
+    before = snapshot(out)
+    refused("data.write_shards", ["imagenet", str(root), str(out), "--split", "train", "--classes_from",
+                                  str(out / "train.json"), "--overwrite"],
+            r"the index .*out/train.json would replace the input .*out/train.json", capsys)
+    assert snapshot(out) == before
+
+
+# --- train.export (timm) -------------------------------------------------------------------------
+
+def test_export_never_writes_into_the_checkpoint(run_dir, tmp_path, capsys):
+    tag = run_dir / "checkpoints" / "step00000001"
+    before = snapshot(run_dir)
+    for out, message in ((tag / "model.safetensors", r"--out .*model.safetensors lies inside the input "
+                                                     r".*step00000001"),
+                         (tag / "more" / "enc.safetensors", r"--out .*enc.safetensors lies inside the input "
+                                                            r".*step00000001"),
+                         (tmp_path / "enc.json", r"--out .*enc.json ends in .json, the name of the description")):
+        refused("train.export", ["--checkpoint", str(run_dir), "--out", str(out), "--overwrite"], message, capsys)
+        assert snapshot(run_dir) == before
+    assert not list(tmp_path.iterdir())
+
+
+def test_export_replaces_a_file_only_with_overwrite_but_always_its_own(run_dir, tmp_path, capsys):
+    out = tmp_path / "enc.safetensors"
+    out.write_bytes(b"someone's file")
+    refused("train.export", ["--checkpoint", str(run_dir), "--out", str(out)],
+            r"--out .*enc.safetensors exists already: pass --overwrite to replace it", capsys)
+    (tmp_path / "enc.json").write_text("someone's notes")
+    out.unlink()
+    refused("train.export", ["--checkpoint", str(run_dir), "--out", str(out)],
+            r"the description beside --out .*enc.json exists already: pass --overwrite", capsys)
+    assert (tmp_path / "enc.json").read_text() == "someone's notes" and not out.exists()
+    assert run("train.export", ["--checkpoint", str(run_dir), "--out", str(out), "--overwrite"], capsys)[0] == 0
+    assert json.loads((tmp_path / "enc.json").read_text())["step"] == 1
+    own = run_dir / "encoder.safetensors"  # written by the run; the default output, replaced unasked
+    assert run("train.export", ["--checkpoint", str(run_dir)], capsys)[0] == 0
+    assert own.read_bytes() == out.read_bytes() and not temporaries(run_dir) and not temporaries(tmp_path)
+
+
+def test_an_interrupted_export_leaves_the_earlier_files(run_dir, tmp_path, capsys, monkeypatch):
+    own = {p: p.read_bytes() for p in (run_dir / "encoder.safetensors", run_dir / "encoder.json")}
+    half_then_fail(monkeypatch, train.export, "save_file")
+    with pytest.raises(OSError, match="No space left"):
+        run("train.export", ["--checkpoint", str(run_dir)], capsys)
+    with pytest.raises(OSError, match="No space left"):
+        run("train.export", ["--checkpoint", str(run_dir), "--out", str(tmp_path / "new.safetensors")], capsys)
+    assert {p: p.read_bytes() for p in own} == own
+    assert not list(tmp_path.iterdir()) and not temporaries(run_dir)
+
+
+# --- train.export --format transformers ----------------------------------------------------------
+
+def test_transformers_export_never_writes_over_or_around_the_checkpoint(run_dir, tmp_path, capsys):
+    tag = run_dir / "checkpoints" / "step00000001"
+    before = snapshot(run_dir)
+    for out, message in ((tag, r"--out .*step00000001 is the input .*step00000001"),
+                         (tag / "hf", r"--out .*hf lies inside the input .*step00000001"),
+                         (run_dir / "checkpoints", r"--out .*checkpoints holds the checkpoint .*step00000001 it "
+                                                   r"would be written from")):
+        refused("train.export", ["--checkpoint", str(run_dir), "--format", "transformers", "--out", str(out),
+                                 "--overwrite"], message, capsys)
+        assert snapshot(run_dir) == before
+
+
+def test_transformers_export_replaces_a_folder_only_with_overwrite(run_dir, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "hf"
+    argv = ["--checkpoint", str(run_dir), "--format", "transformers", "--out", str(out)]
+    assert run("train.export", argv, capsys)[0] == 0
+    before = snapshot(out)
+    refused("train.export", argv, r"--out .*hf exists already: pass --overwrite to replace it", capsys)
+    assert snapshot(out) == before
+
+    def fails(*args):
+        raise ValueError("transformers loads the export with missing keys")
+
+    monkeypatch.setattr(train.export_transformers, "check_loads", fails)
+    refused("train.export", [*argv, "--overwrite"], "transformers loads the export with missing keys", capsys)
+    assert snapshot(out) == before and not temporaries(tmp_path)  # the earlier export, whole
+
+
+# --- train.evaluate --out ------------------------------------------------------------------------
+
+def test_evaluate_never_writes_its_result_over_an_input(run_dir, shards, tmp_path, capsys):
+    index, tag = shards / "train.json", run_dir / "checkpoints" / "step00000001"
+    source = ["--train_index", str(index), "--test_index", str(index)]
+    before = snapshot(shards, run_dir)
+    for encoder, out, message in (
+            (["--random_init", "vit_debug_patch4"], index, r"--out .*train.json is the input .*train.json"),
+            (["--random_init", "vit_debug_patch4"], shards / "train-000001.tar", r"--out .*train-000001.tar is the "
+                                                                                 r"input"),
+            (["--encoder", str(run_dir / "encoder.safetensors")], run_dir / "encoder.json",
+             r"--out .*encoder.json is the input .*encoder.json"),
+            (["--checkpoint", str(run_dir)], tag / "eval.json", r"--out .*eval.json lies inside the input "
+                                                                 r".*step00000001")):
+        refused("train.evaluate", [*source, *encoder, "--out", str(out), "--overwrite"], message, capsys)
+        assert snapshot(shards, run_dir) == before
+
+
+def test_evaluate_replaces_a_result_only_with_overwrite(shards, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "eval.json"
+    out.write_text("an earlier result")
+    argv = ["--train_index", str(shards / "train.json"), "--test_index", str(shards / "train.json"),
+            "--random_init", "vit_debug_patch4", "--out", str(out)]
+    refused("train.evaluate", argv, r"--out .*eval.json exists already: pass --overwrite", capsys)
+    assert out.read_text() == "an earlier result"
+    text_writes_half(monkeypatch)
+    with pytest.raises(OSError, match="No space left"):
+        run("train.evaluate", [*argv, "--overwrite"], capsys)
+    assert out.read_text() == "an earlier result" and not temporaries(tmp_path)
+    monkeypatch.undo()
+    assert run("train.evaluate", [*argv, "--overwrite"], capsys)[0] == 0
+    assert json.loads(out.read_text())["train_samples"] == 6
+
+
+# --- train.convert_checkpoint --------------------------------------------------------------------
+
+def legacy_tag(tag: Path) -> Path:
+    """A tag of the earlier layout: model.pt (weights, counters, client state) + optim_rank*.pt."""
+    tag.mkdir(parents=True)
+    weight = torch.arange(4.0)
+    torch.save({"module": {"w": weight}, "engine": {"steps": 1}, "schedule": {"last": 1},
+                "client": {"step": 1}}, tag / "model.pt")
+    torch.save({"layout": [["w", 0, 4]], "optimizer": "AdamW",
+                "pieces": [{"start": 0, "end": 4, "state": {"step": torch.tensor(1.0), "exp_avg": weight / 2}}]},
+               tag / "optim_rank00000.pt")
+    files = {p.name: p.stat().st_size for p in tag.iterdir()}
+    (tag / "complete.json").write_text(json.dumps({"step": 1, "world_size": 1, "files": files}))
+    return tag
+
+
+def test_an_interrupted_conversion_leaves_the_tag_as_it_was(tmp_path, capsys, monkeypatch):
+    tag = legacy_tag(tmp_path / "run" / "checkpoints" / "step00000001")
+    before = snapshot(tag)
+    def optimizer_state_fails(state, checkpoint_id, **kwargs):  # after the weights were written
+        Path(checkpoint_id).mkdir()
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch.distributed.checkpoint, "save", optimizer_state_fails)
+    with pytest.raises(OSError, match="No space left"):
+        run("train.convert_checkpoint", [str(tag)], capsys)
+    assert snapshot(tag) == before and not temporaries(tag)
+    monkeypatch.undo()
+    assert run("train.convert_checkpoint", [str(tag)], capsys)[0] == 0
+    assert sorted(p.name for p in tag.iterdir()) == ["complete.json", "model.safetensors", "optim", "state.pt"]
+
+
+def test_a_tag_holding_both_layouts_is_not_converted_over(tmp_path, capsys):
+    tag = legacy_tag(tmp_path / "step00000001")
+    (tag / "model.safetensors").write_bytes(b"the engine's weights")
+    before = snapshot(tag)
+    refused("train.convert_checkpoint", [str(tag)], r"holds model.safetensors beside model.pt: it is of the engine's "
+                                                    r"layout already", capsys)
+    assert snapshot(tag) == before
