@@ -8,6 +8,7 @@ from typing import Any, Callable
 from data.cli import InputError, one_line
 from data.faults import CorruptDataError, ShardIndexError
 from train import early_signals
+from train.checkpoint import CheckpointWriteError
 from train.config import ConfigError
 from train.nonfinite import NonFiniteError
 from train.preemption import Interrupted
@@ -20,8 +21,9 @@ KEPT_AFTER_CORRUPT_DATA = ("A training run keeps its last complete checkpoint, i
 def cli(main_fn) -> None:
     """Run an entry point; a configuration problem exits with status 2 and a one-line message; a
     run stopped by what it detected (diverged: train/nonfinite.py; too much corrupt data:
-    data/faults.py) with status 3, its last checkpoint kept; a run stopped by Ctrl-C or kill outside
-    Slurm (train/preemption.py) with 130 / 143 and one line naming its checkpoint and how to resume."""
+    data/faults.py; a checkpoint that could not be written: train/checkpoint.py) with status 3, its
+    last checkpoint kept; a run stopped by Ctrl-C or kill outside Slurm (train/preemption.py) with
+    130 / 143 and one line naming its checkpoint and how to resume."""
     try:
         main_fn()
         end_process_group()
@@ -32,7 +34,7 @@ def cli(main_fn) -> None:
     except (ConfigError, InputError, FileNotFoundError, NotADirectoryError, ShardIndexError) as e:
         print(f"config error: {one_line(str(e))}", file=sys.stderr)
         raise SystemExit(2) from None
-    except NonFiniteError as e:  # its message says what is kept and how to continue
+    except (NonFiniteError, CheckpointWriteError) as e:  # its message says what is kept and how to continue
         print(f"training stopped: {e}", file=sys.stderr)
         raise SystemExit(3) from None
     except CorruptDataError as e:  # a data/ message: it knows shards, not checkpoints

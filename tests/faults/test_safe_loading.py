@@ -1,6 +1,7 @@
 """Checkpoints and imported weights never unpickle code: a file that would run something when
 loaded is refused, and the something does not run."""
 import json
+import re
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path, capsys, monke
     with pytest.raises(SystemExit) as exit_info:
         cli(lambda: main([*argv, "--resume", str(tag)]))
     assert exit_info.value.code == 2
-    assert "would unpickle ['io.open']; refusing to load it" in capsys.readouterr().err
+    assert re.search(r"state.pt would unpickle \['_?io.open'\]; refused", capsys.readouterr().err)  # _io: Python 3.12
     assert not marker.exists()
     assert not torch.distributed.is_initialized()
 
