@@ -28,8 +28,13 @@ Images of other modes are converted to 8-bit RGB and counted by conversion (CMYK
 images in formats other than JPEG / PNG / WebP counted as `other_format` (data/image_modes.py).
 Each reader gives up with `CorruptDataError` when more than data.max_bad_fraction of what it
 read was unusable (the rule is in data/faults.py). The index must list at least one shard, each
-with samples and a non-empty file; a `pipe:<shell command>` entry (webdataset's URL for a tar on
-a command's stdout) runs only with data.allow_pipe_urls, and other URLs are refused.
+with samples and a non-empty file, named by its path relative to the index's folder or by an
+absolute path (an entry with a '..' component is refused: it could name any file); a
+`pipe:<shell command>` entry (webdataset's URL for a tar on a command's stdout) runs only with
+data.allow_pipe_urls, and other URLs are refused.
+
+An evaluation set is scored against a training set's labels only when both indexes give the same
+class names to the same integers (`check_scored_against`, from the indexes alone).
 """
 from __future__ import annotations
 
@@ -106,6 +111,9 @@ class ShardSet:
     index: Path | None = None  # the index file it was read from (corrupt-data messages name it)
     labeled: bool = True  # every sample carries a label under label_key; False: read without labels
     label_key: str = DEFAULT_LABEL_KEY  # where the labels are (data/labels.py)
+    # the labels found in the shards when they were indexed (data/index_shards.py's "labels_seen"); None where
+    # the index does not record them (data/write_shards.py's, whose labels are the positions of its classes)
+    labels_seen: tuple[int, ...] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -128,6 +136,11 @@ class ShardSet:
             f"python -m data.index_shards SHARDS... --out INDEX.json --label_key KEY (KEY: the member holding each "
             f"sample's integer class, cls, or json:FIELD for a field of its json member) or write them with "
             f"data/write_shards.py. Objectives that read no labels (e.g. mae) pretrain on this index as it is.")
+
+    def possible_labels(self) -> tuple[int, ...]:
+        """The labels this labeled set may hold, known without reading a shard: those its index
+        recorded, else one per class it names."""
+        return self.labels_seen or tuple(range(len(self.classes)))
 
     def check_label_key(self, label_key: str, option: str = "data.label_key") -> None:
         """A labeled set's labels are read only under the key it was indexed with (ValueError otherwise);
@@ -165,6 +178,11 @@ class ShardSet:
             LabelKey.parse(label_key)
         except ValueError as e:
             raise ShardIndexError(f"shard index {path}: {e}") from None
+        labels_seen = index.get("labels_seen")
+        if labels_seen is not None and not (isinstance(labels_seen, list) and all(
+                isinstance(y, int) and not isinstance(y, bool) for y in labels_seen)):
+            raise ShardIndexError(f"shard index {path}: 'labels_seen' must be a list of integer labels, got "
+                                  f"{str(labels_seen)[:60]}; re-index the shards (python -m data.index_shards)")
         if not entries:
             raise ShardIndexError(f"shard index {path} lists no shards; there is nothing to train on")
         malformed = [e for e in entries if not isinstance(e, dict) or not isinstance(e.get("file"), str)
@@ -188,7 +206,7 @@ class ShardSet:
             raise ShardIndexError(f"shard index {path}: shard names repeat ({twice[:3]}); sample ids are "
                                   f"<shard name>/<key>, so every shard needs its own name")
         return cls(files, tuple(e["samples"] for e in entries), tuple(classes), path, labeled=labeled,
-                   label_key=label_key)
+                   label_key=label_key, labels_seen=tuple(labels_seen) if labels_seen and labeled else None)
 
 
 def _shard_file(index: Path, entry: str, allow_pipe_urls: bool) -> Path | PipeShard:
@@ -202,7 +220,41 @@ def _shard_file(index: Path, entry: str, allow_pipe_urls: bool) -> Path | PipeSh
         raise ShardIndexError(f"shard index {index}: entry {entry!r} is a URL; shards are read from local files or "
                               f"from a command's output: write the entry as a pipe: command (e.g. 'pipe:curl -sfL "
                               f"{entry}' or 'pipe:aws s3 cp {entry} -') and set data.allow_pipe_urls true")
+    if ".." in Path(entry).parts:  # the writers never climb: a shard under the index's folder is named below it
+        raise ShardIndexError(f"shard index {index}: entry {entry!r} climbs with '..' and may name a file outside the "
+                              f"index's folder; name a shard by its path under that folder or by its absolute path, "
+                              f"as python -m data.index_shards SHARDS... --out INDEX.json writes them")
     return index.parent / entry
+
+
+CLASS_LIST_FIX = ("give both the same class list in the same order (data.write_shards imagenet --classes_from the "
+                  "training index; imagefolder: the same class sub-folders; data.index_shards --classes NAMES.txt)")
+
+
+def check_scored_against(test: ShardSet, train: ShardSet, test_option: str, train_option: str) -> None:
+    """`test` is scored with what was fitted on `train`'s labels, so an integer label must mean the same
+    class in both. Judged from the two indexes alone, before any shard is read: every label an index
+    records lies inside its own classes; the class names agree position by position (the test index
+    may name only the first of the training classes: a test set of fewer classes); no label the test
+    index may hold (`possible_labels`) lies past the training classes. ShardIndexError naming both
+    indexes, what disagrees and the fix. Both sets are labeled (`require_labels` first)."""
+    for shards, option in ((train, train_option), (test, test_option)):
+        outside = [y for y in shards.possible_labels() if not 0 <= y < len(shards.classes)]
+        if outside:
+            raise ShardIndexError(f"{option} {shards.index} records label {outside[0]} (its labels_seen) but names "
+                                  f"{len(shards.classes)} classes: re-index the shards with a --classes file naming "
+                                  f"every class (python -m data.index_shards SHARDS... --classes NAMES.txt)")
+    names = f"{test_option} {test.index} does not fit {train_option} {train.index}"
+    differ = next((i for i, (a, b) in enumerate(zip(test.classes, train.classes)) if a != b), None)
+    if differ is not None:
+        raise ShardIndexError(f"{names}: label {differ} is class {test.classes[differ]!r} in {test_option} and "
+                              f"{train.classes[differ]!r} in {train_option}, so their labels mean other classes; "
+                              f"{CLASS_LIST_FIX}")
+    past = [y for y in test.possible_labels() if y >= len(train.classes)]
+    if past:
+        raise ShardIndexError(f"{names}: {test_option} may hold label {past[0]} (class {test.classes[past[0]]!r}), "
+                              f"{train_option} names {len(train.classes)} classes, so that class can never be "
+                              f"predicted; score on the training classes only, or {CLASS_LIST_FIX}")
 
 
 def check_split(shards: ShardSet, world: int, num_workers: int) -> None:

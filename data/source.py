@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from data.loader import ShardLoader
-from data.shards import ShardSet, check_split, open_sample, shard_samples
+from data.shards import ShardSet, check_scored_against, check_split, open_sample, shard_samples
 from data.split import LabeledSplit, SplitSource
 from data.synthetic import SyntheticImages
 from data.transforms import PretrainTransform
@@ -62,7 +62,9 @@ def stored_image(shards: ShardSet, max_samples: int = 8) -> tuple[str, int] | No
 
 def check_source(data_cfg, world: int, in_chans: int = 3) -> None:
     """Fail before any process starts when the shards cannot feed every rank and worker, or the
-    model cannot take what they decode to; the evaluation index must be readable and labeled too."""
+    model cannot take what they decode to; the evaluation index must be readable and labeled too,
+    and give the training shards' class names to the same labels (check_scored_against)."""
+    shards = None
     if data_cfg.source == "shards":
         shards = train_shards(data_cfg)
         if in_chans != DECODED_CHANNELS:
@@ -75,9 +77,11 @@ def check_source(data_cfg, world: int, in_chans: int = 3) -> None:
         check_split(shards, world, data_cfg.num_workers)
     if data_cfg.eval_index:
         try:
-            eval_shards(data_cfg)
+            scored = eval_shards(data_cfg)
         except (OSError, ValueError) as e:  # a missing file / ShardIndexError
             raise ValueError(f"data.eval_index: {e}") from None
+        if shards is not None and shards.labeled:  # unlabeled: the objective's own check refuses it (train/config.py)
+            check_scored_against(scored, shards, "data.eval_index", "data.train_index")
 
 
 def build_source(data_cfg, img_size: int, in_chans: int, batch_size: int, seed: int, rank: int, world: int,

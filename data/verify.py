@@ -4,10 +4,16 @@ pixels are not decoded) and label, then the sample count against the index. Shar
 parallel by a pool of processes (--workers, default: the cores available).
 
     python -m data.verify shards/train.json [--workers N] [--max_image_pixels N]
+    python -m data.verify shards/test.json --train_index shards/train.json
 
 Prints one line per bad shard with the reason and exits 1 when any is bad, 0 when all are good,
-2 when the index itself cannot be read. `--data.verify_shards true` runs the same check on the
-training (and evaluation) index before a run starts, refusing it with exit status 2.
+2 when the index itself cannot be read. In a labeled index a label past the index's classes
+(label >= the number of names in "classes") makes its shard bad (`label_out_of_range`); an
+unlabeled index is checked without labels, and says so. `--train_index` checks the index as an
+evaluation set of that training index first, from the two indexes alone: the same class names
+for the same labels (data/shards.py check_scored_against); when they differ it exits 2 naming
+the first difference, before any shard is read. `--data.verify_shards true` runs the same check
+on the training (and evaluation) index before a run starts, refusing it with exit status 2.
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ from data.shards import (
     PipeShard,
     ShardSet,
     _is_sample_member,
+    check_scored_against,
     open_sample,
 )
 
@@ -52,7 +59,7 @@ HEADER_BYTES = 64 * 1024  # read of each image member: holds the header of any P
 @dataclass
 class ShardReport:
     """What one shard holds: usable samples, problems by kind (data/faults.py's ERROR_KINDS, plus
-    not_a_tar and count_mismatch) and the first example of each."""
+    not_a_tar, count_mismatch and label_out_of_range) and the first example of each."""
 
     file: str
     expected: int  # the index's count
@@ -107,8 +114,9 @@ def _members(path: Path, tar: tarfile.TarFile):
 
 
 def verify_shard(path: Path | PipeShard, expected: int, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                 labels: LabelKey | None = CLS) -> ShardReport:
-    """labels: the index's label key (ShardSet.labels); None for an unlabeled index (no label checked)."""
+                 labels: LabelKey | None = CLS, num_classes: int | None = None) -> ShardReport:
+    """labels: the index's label key (ShardSet.labels); None for an unlabeled index (no label checked).
+    num_classes: the index's class count, which every label must stay below (None: not checked)."""
     report = ShardReport(str(path), expected)
     if isinstance(path, PipeShard):
         report.skipped = "a pipe: shard (read by running its command, not checked)"
@@ -123,11 +131,16 @@ def verify_shard(path: Path | PipeShard, expected: int, max_image_pixels: int = 
             for sample in group_by_keys(_members(path, tar)):
                 report.samples += 1
                 try:
-                    open_sample(sample, max_image_pixels, labels)
+                    label = open_sample(sample, max_image_pixels, labels)[1]
                 except SampleError as e:
                     report.add(e.kind, f"{sample['__key__']}: {PIL_OBJECT.sub('', str(e))}")
+                    continue
                 except DECODE_ERRORS as e:  # open_sample maps these; kept for what PIL may add
                     report.add("undecodable_image", f"{sample['__key__']}: {e}")
+                    continue
+                if num_classes is not None and label is not None and label >= num_classes:
+                    report.add("label_out_of_range", f"{sample['__key__']}: label {label}, the index names "
+                                                      f"{num_classes} classes")
         except (tarfile.TarError, OSError, EOFError, ValueError) as e:
             report.add("truncated_shard", f"cut short or damaged after {report.samples} whole samples: "
                                           f"{str(e) or type(e).__name__}")
@@ -143,7 +156,9 @@ def _verify_one(args: tuple) -> ShardReport:
 def verify_shards(shards: ShardSet, workers: int = 0,
                   max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> list[ShardReport]:
     """One report per shard, in index order; `workers` processes (0 = this process's cores)."""
-    jobs = [(f, n, max_image_pixels, shards.labels) for f, n in zip(shards.files, shards.counts, strict=True)]
+    num_classes = len(shards.classes) if shards.labeled else None
+    jobs = [(f, n, max_image_pixels, shards.labels, num_classes) for f, n in zip(shards.files, shards.counts,
+                                                                                   strict=True)]
     workers = min(workers or cores_per_rank(), len(jobs))
     return mapped(_verify_one, jobs, workers, "verifying", chunksize=max(1, len(jobs) // (8 * max(1, workers))))
 
@@ -180,6 +195,13 @@ def verify_before_start(data_cfg) -> None:
         check_index(index, data_cfg.allow_pipe_urls, data_cfg.max_image_pixels)
 
 
+def check_evaluation_set(shards: ShardSet, train: ShardSet) -> None:
+    """--train_index: `shards` can be scored against what is fitted on `train` (ShardIndexError otherwise)."""
+    train.require_labels("--train_index: its labels are what an evaluation set is scored with")
+    shards.require_labels("--train_index: an evaluation set is scored against its labels")
+    check_scored_against(shards, train, "the index", "--train_index")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("index", help="shard index (<name>.json written by data/write_shards.py)")
@@ -187,14 +209,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max_image_pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
                    help="images with more pixels count as bad, as data.max_image_pixels skips them (default %(default)s)")
     p.add_argument("--allow_pipe_urls", action="store_true", help="accept pipe: entries (they are listed, not checked)")
+    p.add_argument("--train_index", help="check INDEX as an evaluation set of this training index: the same class "
+                                         "names for the same labels")
     a = p.parse_args(argv)
     if a.workers < 0:
         p.error("--workers must be >= 0")
     try:
         shards = ShardSet.from_index(a.index, a.allow_pipe_urls)
+        if a.train_index is not None:
+            check_evaluation_set(shards, ShardSet.from_index(a.train_index, a.allow_pipe_urls))
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not shards.labeled:
+        print(f"warning: {a.index} is unlabeled (\"labeled\": false): no label is checked; it feeds pretraining "
+              f"objectives that read none, not fine-tuning, probes or evaluation", file=sys.stderr)
     reports = verify_shards(shards, a.workers, a.max_image_pixels)
     for r in reports:
         if r.skipped:

@@ -3,7 +3,7 @@
     python -m train.evaluate --train_index shards/train.json --test_index shards/test.json \
         (--encoder runs/x/encoder.safetensors | --encoder mae_pretrain_vit_base.pth | --checkpoint runs/x
          | --random_init vit_mini_patch4 [--img_size 32]) \
-        [--pool cls|avg] [--max_train N] [--max_test N] [--subset_seed S] [--out eval.json]
+        [--pool cls|avg] [--max_train N] [--max_test N] [--subset_seed S] [--out eval.json [--overwrite]]
 
 --max_train / --max_test evaluate on a seeded subset of that many samples (0 = all): the same
 samples for every encoder and every run with the same seed; only those are decoded.
@@ -12,6 +12,16 @@ kNN: cosine similarity, k = 20 nearest training features, votes weighted by exp(
 (DINO's protocol). Linear probe: features standardised with the training mean/std, one linear
 layer trained full-batch with L-BFGS on cross-entropy plus a small L2 penalty. This is the quick
 probe for small data sets; the MAE LARS protocol is train/linprobe.py.
+
+--out is written under a temporary name and renamed once complete; it replaces an existing file
+only with --overwrite, and is refused even then when it is one of the inputs (an index, a shard,
+the encoder or its .json) or lies inside the checkpoint evaluated.
+
+The test index must give the training index's class names to the same labels (it may name only
+the first of them): checked from the two indexes before any image is decoded
+(data/shards.py check_scored_against). Samples that cannot be used (data/faults.py's kinds) are
+skipped and counted: the result says how many of each set's samples were used and why the others
+were not, and a set of which none could be used is refused (exit 2) rather than scored 0.
 """
 from __future__ import annotations
 
@@ -29,20 +39,23 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from PIL import Image
 
-from data.cli import Parser, read_json
+from data.cli import Parser, read_json, regular_file
 from data.folders import unwritable_file
+from data.outputs import check_output, written_whole
 from data.loader import resolve_num_workers
 from data.progress import Progress
-from data.shards import ShardSet, decode, raw_samples, shard_samples
+from data.faults import ERROR_KINDS, CorruptDataError, SampleError, ShardIndexError
+from data.shards import DECODE_ERRORS, ShardSet, check_scored_against, decode, shard_samples
 from data.source import DECODED_CHANNELS
 from data.transforms import EvalTransform
-from model.interop import resize_pos_embed
+from model.interop import WeightsFileError, encoder_from_state, resize_pos_embed, safe_load, split_official_mae
 from model.timm_backbone import TimmBackbone
 from model.vit import VisionTransformer
 from train.config import ConfigError
 
+ENCODER_FILES = "give an exported encoder.safetensors (with its .json beside it), an official MAE or a timm checkpoint"
 OUR_ARCH_KEYS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias")
 
 
@@ -76,12 +89,10 @@ def load_encoder(encoder: str | None = None, checkpoint: str | None = None, rand
     if encoder is not None:
         path = Path(encoder)
         if not path.with_suffix(".json").is_file():  # an official MAE / timm checkpoint
-            from model.interop import encoder_from_state, safe_load, split_official_mae
-
             return encoder_from_state(split_official_mae(safe_load(path))[0])
         kwargs = json.loads(path.with_suffix(".json").read_text())["timm_kwargs"]
         model = encoder_from_timm_kwargs(kwargs, img_size)
-        load_state_any_size(model, load_file(str(path)))
+        load_state_any_size(model, safe_load(path))
         return model
     from train.checkpoint import find_resume
     from train.export import encoder_state
@@ -123,33 +134,108 @@ def subsample(shards: ShardSet, max_samples: int, seed: int) -> ShardSet:
                        keep=tuple(frozenset(positions[i]) for i in ids))
 
 
+class Coverage(NamedTuple):
+    """How much of a shard set an evaluation read: `listed` samples (its index's counts, or its
+    subset's), `used` of them, and the others by why they were skipped (data/faults.py's kinds, in
+    their order; truncated_shard counts the samples a shard cut short did not deliver)."""
+
+    index: Path | None  # the shard index read
+    listed: int
+    used: int
+    skipped: dict[str, int]
+
+    @classmethod
+    def of(cls, shards: ShardSet, used: int, skipped: Counter) -> "Coverage":
+        return cls(shards.index, shards.num_samples, used, {k: skipped[k] for k in ERROR_KINDS if skipped[k]})
+
+    def skips(self) -> str:
+        """E.g. '2 skipped: undecodable_image 1, truncated_shard 1'."""
+        kinds = ", ".join(f"{k} {n:,}" for k, n in self.skipped.items())
+        return f"{sum(self.skipped.values()):,} skipped: {kinds}"
+
+    def describe(self, what: str) -> str:
+        """E.g. '9,998 of 10,000 test samples (2 skipped: undecodable_image 2)'."""
+        said = f"{self.used:,} of {self.listed:,} {what} samples"
+        return f"{said} ({self.skips()})" if self.skipped else said
+
+    def require_some(self) -> None:
+        """An evaluation of no sample is not an accuracy of 0: CorruptDataError naming the index."""
+        if not self.used:
+            raise CorruptDataError(f"none of the {self.listed:,} samples of the shard index {self.index} could be "
+                                   f"used ({self.skips()}): fix or rewrite its shards (data/write_shards.py); "
+                                   f"python -m data.verify {self.index} lists the bad ones")
+
+
 class EvalStream(torch.utils.data.IterableDataset):
-    """Every sample of a shard set (of a ShardSubset: its kept samples) once, in shard order,
-    split by worker; corrupt ones skipped."""
+    """Every sample of a shard set (of a ShardSubset: its kept samples) once, in shard order, split
+    by worker, in batches of up to `batch_size`: (images (B, C, H, W), labels (B,), skipped
+    (len(ERROR_KINDS),)), where `skipped` counts by kind the samples this worker skipped since its
+    previous batch. Each worker ends with a batch that may hold no image, carrying its last count."""
 
-    def __init__(self, shards: ShardSet, transform: EvalTransform):
+    def __init__(self, shards: ShardSet, transform: EvalTransform, batch_size: int):
         super().__init__()
-        self.shards, self.transform = shards, transform
+        self.shards, self.transform, self.batch_size = shards, transform, batch_size
 
-    def _raw(self, worker: int, workers: int):
-        files = list(self.shards.files[worker::workers])
-        if not isinstance(self.shards, ShardSubset):
-            yield from raw_samples(files, Counter())  # eval skips silently
-            return
-        for f, keep in zip(files, self.shards.keep[worker::workers], strict=True):
-            for pos, raw in enumerate(shard_samples(f, Counter())):
-                if pos in keep:
-                    yield raw
+    def _shards(self, worker: int, workers: int):
+        """(shard, the positions kept in it (None: all), the samples expected from it) of one worker."""
+        files, counts = self.shards.files[worker::workers], self.shards.counts[worker::workers]
+        keeps = self.shards.keep[worker::workers] if isinstance(self.shards, ShardSubset) else (None,) * len(files)
+        return zip(files, keeps, counts, strict=True)
+
+    def _samples(self, worker: int, workers: int, skipped: Counter):
+        """(image, label) of each usable sample; the others counted in `skipped` by kind."""
+        for shard, keep, expected in self._shards(worker, workers):
+            delivered = 0
+            for pos, raw in enumerate(shard_samples(shard, Counter())):
+                if keep is not None and pos not in keep:
+                    continue
+                delivered += 1
+                try:
+                    img, label = decode(raw, self.shards.labels)
+                    image = self.transform(img)
+                except SampleError as e:
+                    skipped[e.kind] += 1
+                    continue
+                except Image.DecompressionBombError:  # PIL checks GIF frames as it decodes
+                    skipped["decompression_bomb"] += 1
+                    continue
+                except DECODE_ERRORS:
+                    skipped["undecodable_image"] += 1
+                    continue
+                yield image, label
+            skipped["truncated_shard"] += max(0, expected - delivered)
+
+    @staticmethod
+    def _batch(samples: list[tuple[torch.Tensor, int]], skipped: Counter):
+        """One batch with the samples skipped since the previous one (`skipped` is emptied)."""
+        counts = torch.tensor([skipped[k] for k in ERROR_KINDS])
+        skipped.clear()
+        images = torch.stack([x for x, _ in samples]) if samples else torch.empty(0)
+        return images, torch.tensor([y for _, y in samples], dtype=torch.long), counts
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for raw in self._raw(worker, workers):
-            try:
-                img, label = decode(raw, self.shards.labels)
-            except (KeyError, OSError, ValueError, SyntaxError):
-                continue
-            yield self.transform(img), label
+        skipped: Counter = Counter()
+        batch: list[tuple[torch.Tensor, int]] = []
+        for sample in self._samples(worker, workers, skipped):
+            batch.append(sample)
+            if len(batch) == self.batch_size:
+                yield self._batch(batch, skipped)
+                batch = []
+        yield self._batch(batch, skipped)
+
+
+def eval_batches(shards: ShardSet, transform: EvalTransform, batch_size: int, num_workers: int, skipped: Counter):
+    """The (images, labels) batches of an EvalStream read by `num_workers` DataLoader workers; the
+    samples skipped are added to `skipped` by kind."""
+    loader = torch.utils.data.DataLoader(EvalStream(shards, transform, batch_size), batch_size=None,
+                                         num_workers=num_workers if shards.files else 0,
+                                         generator=torch.Generator().manual_seed(0))  # leave the global RNG alone
+    for images, labels, counts in loader:
+        skipped.update({k: n for k, n in zip(ERROR_KINDS, counts.tolist(), strict=True) if n})
+        if len(labels):
+            yield images, labels
 
 
 class DecodedSet(NamedTuple):
@@ -159,37 +245,41 @@ class DecodedSet(NamedTuple):
     images: torch.Tensor  # (N, 3, H, W) float32, EvalTransform(H, crop_pct=1.0) applied
     labels: torch.Tensor  # (N,) int64
     classes: tuple[str, ...]
-
-
-def _eval_batches(shards: ShardSet, img_size: int, batch_size: int, num_workers: int):
-    return torch.utils.data.DataLoader(EvalStream(shards, EvalTransform(img_size, crop_pct=1.0)),
-                                       batch_size=batch_size, num_workers=num_workers,
-                                       generator=torch.Generator().manual_seed(0))  # leave the global RNG alone
+    coverage: Coverage
 
 
 def decode_all(shards: ShardSet, img_size: int, num_workers: int = 1, what: str = "decoding") -> DecodedSet:
-    images, labels = [], []
+    images, labels, skipped = [], [], Counter()
     with Progress(what, shards.num_samples, "images") as progress:
-        for x, y in _eval_batches(shards, img_size, 1024, num_workers):
+        for x, y in eval_batches(shards, EvalTransform(img_size, crop_pct=1.0), 1024, num_workers, skipped):
             images.append(x)
             labels.append(y)
             progress.update(len(y))
-    return DecodedSet(torch.cat(images), torch.cat(labels), tuple(shards.classes))
+    coverage = Coverage.of(shards, sum(len(y) for y in labels), skipped)
+    coverage.require_some()
+    return DecodedSet(torch.cat(images), torch.cat(labels), tuple(shards.classes), coverage)
+
+
+class Features(NamedTuple):
+    features: torch.Tensor  # (N, D)
+    labels: torch.Tensor  # (N,) int64
+    coverage: Coverage
 
 
 @torch.no_grad()
 def extract_features(model: VisionTransformer, source: ShardSet | DecodedSet, batch_size: int = 256,
-                     num_workers: int = 1, pool: str = "cls",
-                     what: str = "features") -> tuple[torch.Tensor, torch.Tensor]:
+                     num_workers: int = 1, pool: str = "cls", what: str = "features") -> Features:
     """(num_samples, D) features after the final norm: cls token or mean of patch tokens (a timm
-    backbone: its own pooled features)."""
+    backbone: its own pooled features), their labels, and which samples they cover (CorruptDataError
+    when none)."""
     model.eval()
+    skipped: Counter = Counter()
     if isinstance(source, DecodedSet):
         if source.images.shape[-1] != model.img_size:
             raise ValueError(f"decoded at {source.images.shape[-1]} px, the encoder takes {model.img_size} px")
         batches = zip(source.images.split(batch_size), source.labels.split(batch_size))
     else:
-        batches = _eval_batches(source, model.img_size, batch_size, num_workers)
+        batches = eval_batches(source, EvalTransform(model.img_size, crop_pct=1.0), batch_size, num_workers, skipped)
     feats, labels = [], []
     total = len(source.labels) if isinstance(source, DecodedSet) else source.num_samples
     with Progress(what, total, "images") as progress:
@@ -197,7 +287,10 @@ def extract_features(model: VisionTransformer, source: ShardSet | DecodedSet, ba
             feats.append(model.pooled_features(images, pool))  # (B, D)
             labels.append(y)
             progress.update(len(y))
-    return torch.cat(feats), torch.cat(labels)
+    used = sum(map(len, labels))
+    coverage = source.coverage if isinstance(source, DecodedSet) else Coverage.of(source, used, skipped)
+    coverage.require_some()
+    return Features(torch.cat(feats), torch.cat(labels), coverage)
 
 
 @torch.no_grad()
@@ -206,24 +299,36 @@ def classification_accuracy(predict, shards: ShardSet, img_size: int, crop_pct: 
                             num_workers: int = 1) -> dict[str, float]:
     """Top-1 / top-5 (%) of `predict(images) -> logits` over a labeled shard set; rank r reads
     shards r, r + world, ...; counts are summed over ranks. Uses no global RNG. num_workers -1:
-    data.num_workers' auto (data/loader.py)."""
+    data.num_workers' auto (data/loader.py). With the samples scored (`eval_samples`) of those
+    listed (`eval_listed`), and those skipped by kind (`eval_skipped_<kind>`, kinds with any);
+    CorruptDataError on every rank when no sample could be scored."""
     num_workers = resolve_num_workers(num_workers)
     mine = dataclasses.replace(shards, files=shards.files[rank::world], counts=shards.counts[rank::world])
-    loader = torch.utils.data.DataLoader(EvalStream(mine, EvalTransform(img_size, crop_pct)), batch_size=batch_size,
-                                         num_workers=num_workers if mine.files else 0,
-                                         generator=torch.Generator().manual_seed(0))
+    skipped: Counter = Counter()
     counts = torch.zeros(3, dtype=torch.float64, device=device)  # correct@1, correct@5, seen
-    for images, labels in loader:
+    for images, labels in eval_batches(mine, EvalTransform(img_size, crop_pct), batch_size, num_workers, skipped):
         logits = predict(images.to(device, dtype))
         labels = labels.to(device)
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices  # (B, 5)
         counts += torch.stack([(top[:, 0] == labels).sum(), (top == labels[:, None]).any(1).sum(),
                                torch.tensor(len(labels), device=device)]).double()
+    lost = torch.tensor([skipped[k] for k in ERROR_KINDS], dtype=torch.float64, device=device)  # (kinds,)
+    counts = torch.cat([counts, lost])
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(counts)
-    correct1, correct5, seen = counts.tolist()
-    return {"eval_top1": 100 * correct1 / max(seen, 1), "eval_top5": 100 * correct5 / max(seen, 1),
-            "eval_samples": int(seen)}
+    correct1, correct5, seen, *lost_counts = counts.tolist()
+    coverage = Coverage.of(shards, int(seen), Counter(dict(zip(ERROR_KINDS, map(int, lost_counts), strict=True))))
+    coverage.require_some()
+    return {"eval_top1": 100 * correct1 / seen, "eval_top5": 100 * correct5 / seen, "eval_samples": int(seen),
+            "eval_listed": coverage.listed, **{f"eval_skipped_{k}": n for k, n in coverage.skipped.items()}}
+
+
+def eval_summary(result: dict[str, float]) -> str:
+    """classification_accuracy's result in words: 'top-1 85.10%, top-5 97.02% on 9,998 of 10,000
+    evaluation samples (2 skipped: undecodable_image 2)'."""
+    skipped = {k.removeprefix("eval_skipped_"): int(v) for k, v in result.items() if k.startswith("eval_skipped_")}
+    coverage = Coverage(None, int(result["eval_listed"]), int(result["eval_samples"]), skipped)
+    return f"top-1 {result['eval_top1']:.2f}%, top-5 {result['eval_top5']:.2f}% on {coverage.describe('evaluation')}"
 
 
 def knn_top1(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torch.Tensor, test_y: torch.Tensor,
@@ -267,15 +372,32 @@ def linear_probe_top1(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torc
         return 100.0 * (head(xte).argmax(1) == test_y).float().mean().item()
 
 
+def scores(train: Features, test: Features, num_classes: int) -> dict[str, float]:
+    """kNN and linear-probe top-1 (%) of `test`, fitted on `train`, over the training set's classes.
+    A label past them (shards whose labels the index does not record and its classes do not cover)
+    is refused with ShardIndexError naming the index, rather than failing inside the kNN."""
+    for f in (train, test):
+        if int(f.labels.max()) >= num_classes:
+            raise ShardIndexError(f"the shard index {f.coverage.index} holds label {int(f.labels.max())}, past the "
+                                  f"{num_classes} classes of the training index: python -m data.verify "
+                                  f"{f.coverage.index} names the samples; re-index the shards with a --classes file "
+                                  f"naming every class (python -m data.index_shards)")
+    args = (train.features, train.labels, test.features, test.labels, num_classes)
+    return {"knn_top1": knn_top1(*args), "linear_probe_top1": linear_probe_top1(*args)}
+
+
 def evaluate(model: VisionTransformer, train: ShardSet | DecodedSet, test: ShardSet | DecodedSet, pool: str = "cls",
              num_workers: int = 1) -> dict[str, float]:
-    train_f, train_y = extract_features(model, train, pool=pool, num_workers=num_workers, what="train features")
-    test_f, test_y = extract_features(model, test, pool=pool, num_workers=num_workers, what="test features")
-    num_classes = len(train.classes)
-    return {
-        "knn_top1": knn_top1(train_f, train_y, test_f, test_y, num_classes),
-        "linear_probe_top1": linear_probe_top1(train_f, train_y, test_f, test_y, num_classes),
-    }
+    return scores(extract_features(model, train, pool=pool, num_workers=num_workers, what="train features"),
+                  extract_features(model, test, pool=pool, num_workers=num_workers, what="test features"),
+                  len(train.classes))
+
+
+def coverage_keys(train: Coverage, test: Coverage) -> dict:
+    """The samples behind a result: `train_samples` / `test_samples` used, of `*_listed`, and those
+    skipped by kind (`*_skipped`: {kind: count}, empty when none was)."""
+    return {"train_samples": train.used, "test_samples": test.used, "train_listed": train.listed,
+            "test_listed": test.listed, "train_skipped": train.skipped, "test_skipped": test.skipped}
 
 
 def input_channels(model) -> int:
@@ -290,13 +412,10 @@ def checked_encoder(a: argparse.Namespace):
     if len(given) != 1:
         raise ConfigError(f"give exactly one of --encoder, --checkpoint, --random_init (got {', '.join(given) or 'none'})")
     if a.encoder is not None:
-        path = Path(a.encoder)
-        if not path.is_file():
-            raise ConfigError(f"--encoder {path} {'is a folder' if path.is_dir() else 'does not exist'}: give an "
-                              f"exported encoder.safetensors (with its .json beside it), an official MAE or a timm "
-                              f"checkpoint; for a run folder use --checkpoint")
-        if path.with_suffix(".json").is_file():
-            read_json(path.with_suffix(".json"), "the encoder's description")  # malformed: named with line and column
+        # judged from its stat alone: a FIFO or a device is never opened
+        path = regular_file(a.encoder, "--encoder", f"{ENCODER_FILES}; for a run folder use --checkpoint")
+        if path.with_suffix(".json").exists():  # malformed: named with line and column; a FIFO: refused unopened
+            read_json(path.with_suffix(".json"), "the encoder's description")
     if a.checkpoint is not None:
         from train.export import find_checkpoint
 
@@ -304,6 +423,9 @@ def checked_encoder(a: argparse.Namespace):
     source = a.encoder or a.checkpoint or a.random_init
     try:
         model = load_encoder(a.encoder, a.checkpoint, a.random_init, a.img_size, a.seed)
+    except WeightsFileError as e:  # it names the file and what is wrong with it
+        fix = ENCODER_FILES if a.encoder is not None else "give another of the run's checkpoints (checkpoints/step*)"
+        raise ConfigError(f"{given[0]}: {e}; {fix}") from None
     except (ValueError, RuntimeError, KeyError) as e:  # not weights, weights of another shape, a size that does not fit
         size = (f" (--img_size {a.img_size}: give a multiple of the encoder's patch size, or 0 for its own size)"
                 if a.img_size and "divisible" in str(e) else "")
@@ -314,6 +436,17 @@ def checked_encoder(a: argparse.Namespace):
                           f"{DECODED_CHANNELS}-channel RGB (grayscale replicated): evaluate an encoder trained with "
                           f"model.in_chans {DECODED_CHANNELS}")
     return model
+
+
+def evaluation_inputs(a: argparse.Namespace, train: ShardSet, test: ShardSet) -> list[Path]:
+    """What --out may not be nor lie inside: the indexes and their shards, the encoder and its
+    .json, the checkpoint tag (its run folder may hold the result)."""
+    inputs = [Path(a.train_index), Path(a.test_index), *map(Path, train.files), *map(Path, test.files)]
+    if a.encoder is not None:
+        inputs += [Path(a.encoder), Path(a.encoder).with_suffix(".json")]
+    if a.checkpoint is not None:  # the tag folder checked_encoder found
+        inputs.append(Path(a.checkpoint))
+    return inputs
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -331,6 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max_test", type=int, default=0, help="evaluate on this many test samples; 0 = all (default %(default)s)")
     p.add_argument("--subset_seed", type=int, default=0, help="seed of the --max_train / --max_test subsets (default %(default)s)")
     p.add_argument("--out", help="also write the result JSON here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     a = p.parse_args(argv)
     if min(a.max_train, a.max_test) < 0:
         p.error("--max_train and --max_test must be >= 0 (0 = all samples)")
@@ -342,16 +476,26 @@ def main(argv: list[str] | None = None) -> dict:
         train_set, test_set = ShardSet.from_index(a.train_index), ShardSet.from_index(a.test_index)
         train_set.require_labels("--train_index: the kNN and the linear probe fit on its labels")
         test_set.require_labels("--test_index: the kNN and the linear probe are scored against its labels")
-    except (OSError, ValueError) as e:  # a missing or malformed index, an unlabeled one: exit 2
+        check_scored_against(test_set, train_set, "--test_index", "--train_index")
+    except (OSError, ValueError) as e:  # a missing or malformed index, an unlabeled one, labels that differ: exit 2
         raise ConfigError(str(e)) from None
     model = checked_encoder(a)
+    if a.out:
+        check_output(Path(a.out), evaluation_inputs(a, train_set, test_set), a.overwrite, "--out")
     train = subsample(train_set, a.max_train, a.subset_seed)
     test = subsample(test_set, a.max_test, a.subset_seed + 1)  # not the train positions
-    result = evaluate(model, train, test, a.pool, a.num_workers)
-    result |= {"train_samples": train.num_samples, "test_samples": test.num_samples}
+    try:
+        features = [extract_features(model, s, pool=a.pool, num_workers=a.num_workers, what=f"{what} features")
+                    for s, what in ((train, "train"), (test, "test"))]
+    except CorruptDataError as e:  # no usable sample in a set: nothing to score, nothing written
+        raise ConfigError(str(e)) from None
+    result = scores(*features, len(train.classes)) | coverage_keys(*(f.coverage for f in features))
+    print(f"kNN top-1 {result['knn_top1']:.2f}%, linear probe top-1 {result['linear_probe_top1']:.2f}% on "
+          f"{features[1].coverage.describe('test')}; fitted on {features[0].coverage.describe('training')}")
     print(json.dumps(result))
     if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=2))
+        with written_whole(Path(a.out)) as tmp:
+            tmp.write_text(json.dumps(result, indent=2))
     return result
 
 

@@ -22,10 +22,12 @@ from data.source import check_source, eval_shards, fixed_images, train_shards
 from data.verify import verify_before_start
 from kernels.accelerators import describe as describe_accelerators
 from kernels.attention import describe_paths
+from model.objectives import build_objective
 from model.objectives.base import ClassifierConfig
 from model.timm_backbone import TimmBackbone
 from train import checkpoint, code_version, distributed, dry_run
 from train.build import (
+    build_encoder,
     build_engine,
     check_resume_compatible,
     labeled_split,
@@ -36,19 +38,43 @@ from train.build import (
 )
 from train.chance_loss import ChanceLoss
 from train.cli import pop_flags
+from train.compile_watch import CompileWatch, eager_blocks
 from train.config import ConfigError, PretrainConfig, check_objective_fits, help_text, parse_args, section, to_dict
 from train.ds_config import BatchPlan, resolve, zero_stage
 from train.early_signals import catch_stop_signals
-from train.evaluate import classification_accuracy
+from train.engine.state_files import EXTRA_STATE, WEIGHTS_FILE, TagContents
+from train.evaluate import classification_accuracy, eval_summary
 from train.export import export_checkpoint
 from train.loop import LoopSettings, LoopState
 from train.loop import run as run_loop
 from train.preemption import Interrupted, StopOnSignal, requeue_job, resume_hint
 from train.run_dir import Reporter, check_run_folder, check_writable_folder, record_resume, write_run_files
 from train.visualize import write_figures
+from train.memory import check_floor
 from train.weights_fit import check_init_from
 
-log = logging.getLogger("pretrain")
+log = logging.getLogger("pretrain")  # train/build.py and train/run_dir.py log under this name too
+
+
+class CommandName(logging.Filter):
+    """Gives the lines of the "pretrain" logger, which pretraining, fine-tuning and the linear probe
+    share, the name of the command that runs (`[finetune] ...`)."""
+
+    def __init__(self, command: str):
+        super().__init__()
+        self.command = command
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.name = self.command
+        return True
+
+
+def name_log_lines(command: str) -> None:
+    """From here on the trainer's log lines start with [command] (pretrain: the logger's own name)."""
+    for earlier in [f for f in log.filters if isinstance(f, CommandName)]:  # an earlier run in this process
+        log.removeFilter(earlier)
+    if command != log.name:
+        log.addFilter(CommandName(command))
 
 USAGE = """Pretraining entry point.
 
@@ -64,9 +90,11 @@ requeue), final checkpoint, export.
 """
 
 
-def main(argv: list[str] | None = None) -> Path:
-    """The pretraining command: the run folder of a finished (or stopped) run."""
+def main(argv: list[str] | None = None, command: str = "pretrain") -> Path:
+    """The pretraining command (or `command`, which runs it with its recipe: finetune, linprobe):
+    the run folder of a finished (or stopped) run."""
     catch_stop_signals()  # SIGUSR1 / SIGTERM during start-up: acted on at the loop's first stop check
+    name_log_lines(command)
     argv = sys.argv[1:] if argv is None else argv
     flags, _ = pop_flags(argv, {"--help": None, "-h": None, "--dry-run": None})
     if flags.get("help") or flags.get("h"):
@@ -98,6 +126,7 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     ds_config, plan = resolve(cfg, distributed.world_size_from_env())
+    check_floor(cfg, ds_config, plan)  # tensors this machine cannot hold at all, before anything is built
     check_same_objective(cfg)  # before the objective's own checks, which would blame its options
     check_objective_fits(cfg, plan.micro, plan.accum, zero_stage(ds_config))
     check_init_from(cfg)  # the weights' channels and sizes against the model, from the file's shapes
@@ -108,11 +137,16 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
         raise ConfigError(str(e)) from None
     per_epoch, total_steps, warmup_steps = schedule_steps(cfg, plan)
     run_dir = Path(cfg.output_dir)
-    resume_from = checkpoint.find_resume(cfg.resume, run_dir)
+    resume_from = checkpoint.find_resume(cfg.resume, run_dir)  # every file of the tag checked, nothing executed
     if resume_from is not None:
         check_resume(resume_from, cfg, plan)
     # options that do not break the resume (e.g. the lr) may change: said at start, kept in resumes.jsonl
     changes = resume_changes(checkpoint.read_meta(resume_from)["config"], cfg) if resume_from is not None else {}
+    if "optim.name" in changes:  # the optimizer state of one optimizer does not load into another
+        was, now = changes["optim.name"]
+        raise ConfigError(f"--resume: the checkpoint holds the optimizer state of optim.name {was}, this run has "
+                          f"{now}; give --optim.name {was} to continue it, or start another --output_dir with "
+                          f"--model.init_from <the checkpoint>")
     try:
         check_run_folder(run_dir, to_dict(cfg), resuming=resume_from is not None, overwrite=cfg.run.overwrite)
     except ValueError as e:
@@ -122,12 +156,13 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
 
 def trained_objective(cfg: PretrainConfig) -> tuple[str, str] | None:
     """(the objective of the run this one would continue, where that is recorded), or None: the
-    checkpoint --resume names, else the run folder's config.json (unless run.overwrite replaces it)."""
+    checkpoint --resume names, else the run folder's config.json (unless run.overwrite replaces it).
+    Only complete.json is read here (the resume's own check reads every file later)."""
     if cfg.resume and cfg.resume != "auto":
         try:
-            tag = checkpoint.find_resume(cfg.resume, Path(cfg.output_dir))
+            tag = checkpoint.find_resume(cfg.resume, Path(cfg.output_dir), check=checkpoint.check_files)
             return checkpoint.read_meta(tag)["config"]["objective"], f"the checkpoint {tag}"
-        except (OSError, ValueError, KeyError):  # no checkpoint there: check_resume says so
+        except (OSError, ValueError, KeyError, TypeError):  # no readable checkpoint there: check_resume says so
             return None
     saved = Path(cfg.output_dir) / "config.json"
     if cfg.run.overwrite or not saved.is_file():
@@ -149,12 +184,40 @@ def check_same_objective(cfg: PretrainConfig) -> None:
 
 
 def check_resume(resume_from: Path, cfg: PretrainConfig, plan: BatchPlan) -> None:
-    """The checkpoint is safe to load and fits this run (any world size, any ZeRO stage)."""
-    try:  # scan the files before anything starts
-        checkpoint.verify_safe(resume_from)
+    """The checkpoint fits this run (any world size, any ZeRO stage), and every file the resume
+    will read is checked first, nothing executed (checkpoint.verify_readable): bad input is refused
+    before the run folder is written."""
+    try:
+        contents = checkpoint.verify_readable(resume_from)
     except ValueError as e:
         raise ConfigError(f"--resume: {e}") from None
-    check_resume_compatible(checkpoint.read_meta(resume_from), cfg, plan)
+    meta = checkpoint.read_meta(resume_from)
+    if not isinstance(meta.get("config"), dict):
+        raise ConfigError(f"--resume: {resume_from / checkpoint.COMPLETE} holds no config: not a checkpoint this "
+                          f"code wrote; resume another tag")
+    check_resume_compatible(meta, cfg, plan)
+    check_fits_objective(resume_from, contents, cfg)
+
+
+def check_fits_objective(tag: Path, contents: TagContents, cfg: PretrainConfig) -> None:
+    """The checkpoint's tensors (names and shapes, from its weights file's header) and objective
+    states are those of this run's objective, built on the meta device: nothing is allocated and
+    no state computed (which modules keep an extra state is known from their class)."""
+    with torch.device("meta"):
+        objective = build_objective(cfg.objective, build_encoder(cfg), section(cfg))
+    params = {k: list(v.shape) for k, v in objective.named_parameters(remove_duplicate=False)}
+    tensors = params | {k: list(v.shape) for k, v in objective.named_buffers(remove_duplicate=False)}
+    extra = sorted(f"{name}.{EXTRA_STATE}" if name else EXTRA_STATE for name, module in objective.named_modules()
+                   if type(module).get_extra_state is not torch.nn.Module.get_extra_state)
+    missing = sorted(set(params) - set(contents.weights))  # a buffer may be one the module does not save
+    unexpected = sorted(set(contents.weights) - set(tensors))
+    reshaped = [f"{k} {contents.weights[k]} (the model's: {tensors[k]})" for k in sorted(tensors)
+                if k in contents.weights and contents.weights[k] != tensors[k]]
+    if missing or unexpected or reshaped or extra != contents.extra:
+        raise ConfigError(f"--resume: {tag / WEIGHTS_FILE} does not fit this run's {cfg.objective} objective "
+                          f"(missing {missing[:4]}, unexpected {unexpected[:4]}, other shapes {reshaped[:4]}, "
+                          f"objective state {contents.extra} for {extra}); resume the run that wrote it with its own "
+                          f"options, or another tag")
 
 
 def seed_global_rngs(seed: int) -> None:
@@ -200,6 +263,7 @@ class Trainer:
         if self.rank == 0:
             self.write_run_files(param_split, backend, attention_paths)
             self.record_labeled_split()
+            self.say_if_unlabeled()
         self.data = training_source(cfg, self.encoder.img_size, plan, self.rank, self.world, self.device)
         self.state = LoopState(self.resume())
         if self.rank == 0 and checked.resume_from is not None:
@@ -265,6 +329,15 @@ class Trainer:
         log.info("labeled split: %d D_tr / %d D_val samples (run folder: split.json)", record["num_train"],
                  record["num_val"])
 
+    def say_if_unlabeled(self) -> None:
+        """Rank 0: one warning line when the training index carries no labels (an objective that
+        reads none trains on it as it is; what reads labels was refused before start)."""
+        if self.cfg.data.source != "shards" or train_shards(self.cfg.data).labeled:
+            return
+        log.warning("data.train_index %s is unlabeled (\"labeled\": false): %s reads no labels and trains on every "
+                    "sample; to fine-tune, probe or evaluate on it later, index its labels (python -m "
+                    "data.index_shards ... --label_key KEY)", self.cfg.data.train_index, self.cfg.objective)
+
     def resume(self) -> int:
         """Engine, RNG and data position from the checked checkpoint, if any: the step to start from."""
         resume_from = self.checked.resume_from
@@ -287,7 +360,7 @@ class Trainer:
         """Rank 0 draws; every rank joins the gathering of sharded weights. No global RNG draws."""
         module = self.engine.module
         module.eval()
-        with self.engine.gathered(), torch.no_grad():
+        with self.engine.gathered(), torch.no_grad(), eager_blocks():
             if self.rank == 0:
                 write_figures(module, self.vis_images, self.vis_noise, self.run_dir / "vis", step)
         module.train()
@@ -295,12 +368,13 @@ class Trainer:
     def on_evaluate(self, step: int) -> None:
         module = self.engine.module
         module.eval()
-        with self.engine.gathered():  # ZeRO-3: predict() runs outside the objective's forward
+        with self.engine.gathered(), eager_blocks():  # ZeRO-3: predict() runs outside the objective's forward
             result = classification_accuracy(module.predict, self.eval_shards, self.encoder.img_size,
                                              self.cfg.data.eval_crop_pct, self.rank, self.world, self.device,
                                              self.dtype, num_workers=self.cfg.data.num_workers)
         module.train()
         if self.reporter is not None:
+            log.info("step %d: %s of data.eval_index", step, eval_summary(result))
             self.reporter.log_eval(step, result)
             if self.chance is not None:
                 result["training_loss_at_chance"] = self.chance.last is not None
@@ -312,7 +386,11 @@ class Trainer:
         stop = StopOnSignal(self.cfg.run.stop_check_every, self.device)
         report = self.reporter.log if self.reporter else lambda step, metrics: None
 
+        watch = CompileWatch() if self.cfg.run.compile else None
+
         def on_log(step: int, metrics: dict) -> None:  # every rank: the metrics are reduced over ranks
+            if watch is not None:
+                metrics.update(watch.read(step, quiet=self.rank != 0))
             if step == self.settings.stop_step and hasattr(self.data, "check_unusable"):
                 self.data.check_unusable(metrics)  # the give-up rule over the whole run, before its last checkpoint
             if self.chance is not None and self.chance.at_chance(step, metrics["loss"]):

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO
+from hostile_pickles import write_hostile_runs
 from PIL import Image
 
 from train.cli import cli
@@ -89,7 +90,31 @@ def inputs(tmp_path_factory) -> Path:
     (root / "current_tag" / "model.safetensors").write_bytes(b"")
     (root / "current_tag" / "complete.json").write_text(json.dumps({"step": 1, "files": {"model.safetensors": 0}}))
     (root / "runs" / "entry" / "seed0").mkdir(parents=True)  # a study folder without finished runs
+    write_bad_weights(root)
+    write_hostile_runs(root)  # checkpoints that would create {d}/ran if read the unsafe way
+    train = json.loads((root / "shards" / "train.json").read_text())  # indexes of these shards that do not fit them
+    (root / "shards" / "swapped.json").write_text(json.dumps(train | {"classes": train["classes"][::-1]}))
+    (root / "shards" / "climbing.json").write_text(json.dumps(train | {"shards": [{"file": "../a_file",
+                                                                                 "samples": 1}]}))
     return root
+
+
+def write_bad_weights(root: Path) -> None:
+    """Weights that are not weights (tests/faults/test_weights_files.py tries every kind): random
+    bytes, a torch file cut in half, a FIFO, and a run whose checkpoint's weights are cut short."""
+    from safetensors.torch import save_file
+
+    (root / "bad").mkdir()
+    (root / "bad" / "random.safetensors").write_bytes(np.random.default_rng(0).bytes(4096))
+    torch.save({"w": torch.zeros(64)}, root / "bad" / "whole.pth")
+    whole = (root / "bad" / "whole.pth").read_bytes()
+    (root / "bad" / "truncated.pth").write_bytes(whole[:len(whole) // 2])
+    os.mkfifo(root / "bad" / "fifo.safetensors")
+    tag = root / "bad_run" / "checkpoints" / "step00000001"
+    tag.mkdir(parents=True)
+    save_file({"encoder.w": torch.zeros(64)}, str(tag / "model.safetensors"))
+    (tag / "model.safetensors").write_bytes((tag / "model.safetensors").read_bytes()[:-8])
+    (tag / "complete.json").write_text(json.dumps({"step": 1, "world_size": 1}))  # a tag of before sizes and crc32s
 
 
 def no_pyplot(monkeypatch):
@@ -236,9 +261,138 @@ CASES = [
     ("experiments.fashion_mnist.demo", "unwritable output", ["--out", "{d}/a_file/run"], r"--out .*cannot be created",
      None),
     # --- untrusted checkpoints and faults during save ---
+    ("train.pretrain", "a checkpoint whose state.pt would run code",
+     ["--ds_config", CPU_DS, "--config", DEBUG, "--output_dir", "{d}/hostile_state", "--resume", "auto"],
+     r"--resume auto: no checkpoint in .*hostile_state/checkpoints can be used \(step00000001: state.pt would unpickle "
+     r"\['builtins.open'\]; refused.*start afresh without --resume", None),
+    ("train.pretrain", "a checkpoint whose optimizer metadata names os.system under DCP's module",
+     ["--ds_config", CPU_DS, "--config", DEBUG, "--output_dir", "{d}/out", "--resume",
+      "{d}/hostile_metadata/checkpoints/step00000001"],
+     r"optim/.metadata would unpickle torch.distributed.checkpoint.metadata.os.system; refused", None),
+    ("train.finetune", "weights from a run whose checkpoint would run code",
+     ["--ds_config", CPU_DS, "--config", DEBUG, "--model.init_from", "{d}/hostile_metadata", "--finetune.num_classes",
+      "10", "--output_dir", "{d}/out"], r"model.init_from .*hostile_metadata.*optim/.metadata would unpickle", None),
+    ("train.export", "a checkpoint whose state.pt would run code", ["--checkpoint", "{d}/hostile_state"],
+     r"--checkpoint .*hostile_state: no checkpoint in .* can be used \(step00000001: state.pt would unpickle", None),
+    ("train.evaluate", "a checkpoint whose optimizer metadata would run code",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/shards/train.json", "--checkpoint",
+      "{d}/hostile_metadata"], r"--checkpoint .*hostile_metadata: .*optim/.metadata would unpickle", None),
     # --- values: types, ranges, composition ---
+    ("train.pretrain", "a number out of its range", ["--ds_config", CPU_DS, "--config", DEBUG, "--seed", "-1",
+                                                     "--output_dir", "{d}/out"],
+     r"option seed must be in \[0, 2147483647\], got -1 .*; e\.g\. --seed 0", None),
+    ("train.pretrain", "a number that is not finite", ["--ds_config", CPU_DS, "--config", DEBUG, "--optim.blr", "inf",
+                                                       "--output_dir", "{d}/out"],
+     r"option optim.blr must be a finite number, got \"inf\"", None),
+    ("train.pretrain", "a boolean that is not true or false", ["--ds_config", CPU_DS, "--config", DEBUG,
+                                                              "--run.export", "yes", "--output_dir", "{d}/out"],
+     r"option run.export must be true or false, got \"yes\"", None),
+    ("train.pretrain", "presets that disagree", ["--ds_config", CPU_DS, "--config", "train/configs/maeplus/debug.json",
+                                                 "--config", "train/configs/maeplus/variants/official_code.json",
+                                                 "--config", "train/configs/maeplus/variants/rpe_coord.json",
+                                                 "--output_dir", "{d}/out"],
+     r"the presets .*official_code.json and .*rpe_coord.json set maeplus.adversary to \"ape_embed\" and "
+     r"\"rpe_coord\": keep one of them, or give --maeplus.adversary on the command line", None),
+    ("train.pretrain", "tensors that cannot be allocated", ["--ds_config", CPU_DS, "--config", DEBUG,
+                                                            "--model.img_size", "1000000", "--output_dir", "{d}/out"],
+     r"a step needs at least [\d,.]+ GiB per rank .* GiB of this machine's memory: lower model.img_size", "cpu_only"),
+    ("train.pretrain", "a world size below one", ["--dry-run", "--world_size", "0", "--ds_config", CPU_DS, "--config",
+                                                  DEBUG], r"--world_size must be >= 1, got 0", None),
+    ("train.finetune", "a number out of its range", ["--ds_config", CPU_DS, "--config", DEBUG, "--finetune.smoothing",
+                                                     "1", "--finetune.num_classes", "10", "--output_dir", "{d}/out"],
+     r"option finetune.smoothing must be in \[0, 1\), got 1\.0", None),
+    ("train.bench", "a number that is not finite", ["--ds_config", CPU_DS, "--config", DEBUG, "--optim.betas",
+                                                    "0.9,nan", "--out_dir", "{d}/bench"],
+     r"option optim.betas must be a finite number, got \"nan\"", None),
+    ("tools.census", "a number out of its range", ["--ds_config", CPU_DS, "--config", DEBUG, "--model.in_chans", "0"],
+     r"option model.in_chans must be >= 1, got 0", None),
+    ("launchers.submit", "a number out of its range", ["--nodes", "1", "--gpus_per_node", "0", "--dry", "--",
+                                                       "--ds_config", CPU_DS, "--config", DEBUG, "--seed", "-1",
+                                                       "--output_dir", "{d}/out"],
+     r"not submitted: option seed must be in \[0, 2147483647\], got -1", None),
     # --- weights files, special files, outputs ---
+    ("train.pretrain", "random bytes as weights",
+     ["--ds_config", CPU_DS, "--config", DEBUG, "--model.init_from", "{d}/bad/random.safetensors", "--output_dir",
+      "{d}/out"], r"model.init_from: .*random.safetensors is not a safetensors file, or is truncated in its header: "
+                  r"its first 8 bytes give a header of \d+ bytes, the file has 4088 after them; give an exported", None),
+    ("train.pretrain", "a FIFO as weights",
+     ["--ds_config", CPU_DS, "--config", DEBUG, "--model.init_from", "{d}/bad/fifo.safetensors", "--output_dir",
+      "{d}/out"], r"model.init_from: .*fifo.safetensors is a FIFO \(named pipe\), not a regular file; give", None),
+    ("train.finetune", "a torch file cut in half as weights",
+     ["--ds_config", CPU_DS, "--config", DEBUG, "--model.init_from", "{d}/bad/truncated.pth",
+      "--finetune.num_classes", "10", "--output_dir", "{d}/out"],
+     r"truncated.pth is truncated or damaged: its zip directory cannot be read .*; give an exported", None),
+    ("train.linprobe", "a character device as weights",
+     ["--ds_config", "ds_configs/cpu_linprobe.json", "--model.name", "vit_debug_patch4", "--model.init_from",
+      "/dev/zero", "--linprobe.num_classes", "2", "--data.train_index", "{d}/shards/train.json", "--output_dir",
+      "{d}/out"], r"model.init_from: /dev/zero is a character device, not a regular file; give", None),
+    ("train.evaluate", "random bytes as the encoder",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/shards/train.json", "--encoder",
+      "{d}/bad/random.safetensors"], r"--encoder: .*random.safetensors is not a safetensors file.*; give an exported",
+     None),
+    ("train.evaluate", "a FIFO as the encoder",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/shards/train.json", "--encoder",
+      "{d}/bad/fifo.safetensors"], r"--encoder .*fifo.safetensors is a FIFO \(named pipe\), not a regular file: give",
+     None),
+    ("train.evaluate", "--out that is an input",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/shards/train.json", "--random_init",
+      "vit_debug_patch4", "--out", "{d}/shards/train.json", "--overwrite"],
+     r"--out .*train.json is the input .*train.json: writing it would destroy the input", None),
+    ("train.evaluate", "an existing --out",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/shards/train.json", "--random_init",
+      "vit_debug_patch4", "--out", "{d}/malformed.json"], r"--out .*malformed.json exists already: pass --overwrite",
+     None),
+    ("train.export", "a checkpoint whose weights are cut short", ["--checkpoint", "{d}/bad_run"],
+     r"--checkpoint .*bad_run: .*model.safetensors is truncated in its data.*; export another of the run's", None),
+    ("train.export", "--out inside the checkpoint",
+     ["--checkpoint", "{d}/bad_run", "--out", "{d}/bad_run/checkpoints/step00000001/model.safetensors",
+      "--overwrite"], r"--out .*model.safetensors lies inside the input .*step00000001", None),
+    ("train.export", "an existing --out", ["--checkpoint", "{d}/bad_run", "--out", "{d}/mini.safetensors"],
+     r"--out .*mini.safetensors exists already: pass --overwrite to replace it", None),
+    ("data.index_shards", "--out that is a shard",
+     ["{d}/shards", "--out", "{d}/shards/train-000000.tar", "--overwrite"],
+     r"--out .*train-000000.tar is the input .*train-000000.tar", None),
+    ("data.index_shards", "an existing --out", ["{d}/shards", "--out", "{d}/shards/train.json"],
+     r"--out .*train.json exists already: pass --overwrite", None),
+    ("data.write_shards", "the input folder as the output",
+     ["imagefolder", "{d}/images", "{d}/images", "--overwrite"], r"output folder .*images is the input folder", None),
+    ("data.write_shards", "an output folder holding the shards",
+     ["imagefolder", "{d}/images", "{d}/shards"], r"output folder .*shards holds train-000000.tar, train.json "
+                                                  r"already: pass --overwrite", None),
+    ("launchers.submit", "a time limit Slurm does not read",
+     ["--nodes", "1", "--gpus_per_node", "0", "--time", "3 days", "--dry", "--", "--ds_config", CPU_DS, "--config",
+      DEBUG], r"not submitted: --time '3 days' is not a Slurm time limit: give a positive minutes, .*"
+              r"days-hours:minutes:seconds", None),
+    ("launchers.submit", "a job name that would break the script",
+     ["--nodes", "1", "--gpus_per_node", "0", "--job_name", "mae\n#SBATCH --exclusive", "--dry", "--",
+      "--ds_config", CPU_DS, "--config", DEBUG], r"--job_name 'mae\\n#SBATCH --exclusive': give a name without "
+                                                 r"control characters", None),
     # --- labels ---
+    ("train.evaluate", "a test index of other class names",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/shards/swapped.json", "--random_init",
+      "vit_debug_patch4"], r"--test_index .*swapped.json does not fit --train_index .*train.json: label 0 is class "
+                           r"'class1' in --test_index and 'class0' in --train_index.*same class list", None),
+    ("train.finetune", "an evaluation index of other class names",
+     ["--ds_config", CPU_DS, "--config", DEBUG, "--data.source", "shards", "--model.in_chans", "3",
+      "--finetune.num_classes", "2", "--data.train_index", "{d}/shards/train.json", "--data.eval_index",
+      "{d}/shards/swapped.json", "--output_dir", "{d}/out"],
+     r"data.eval_index .*swapped.json does not fit data.train_index .*train.json: label 0 is class 'class1'", None),
+    ("train.linprobe", "an evaluation index of other class names",
+     ["--ds_config", "ds_configs/cpu_linprobe.json", "--model.name", "vit_debug_patch4", "--linprobe.num_classes", "2",
+      "--data.train_index", "{d}/shards/train.json", "--data.eval_index", "{d}/shards/swapped.json", "--output_dir",
+      "{d}/out"], r"data.eval_index .*swapped.json does not fit data.train_index .*: label 0 is class 'class1'", None),
+    ("data.verify", "an evaluation index of other class names",
+     ["{d}/shards/swapped.json", "--train_index", "{d}/shards/train.json"],
+     r"the index .*swapped.json does not fit --train_index .*train.json: label 0 is class 'class1'", None),
+    ("train.evaluate", "an index entry that climbs out of its folder",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/shards/climbing.json", "--random_init",
+      "vit_debug_patch4"], r"climbing.json: entry '\.\./a_file' climbs with '\.\.'.*absolute path", None),
+    ("train.pretrain", "an index entry that climbs out of its folder",
+     ["--ds_config", CPU_DS, "--config", DEBUG, "--data.source", "shards", "--model.in_chans", "3",
+      "--data.train_index", "{d}/shards/climbing.json", "--output_dir", "{d}/out"],
+     r"climbing.json: entry '\.\./a_file' climbs with '\.\.'", None),
+    ("data.verify", "an index entry that climbs out of its folder", ["{d}/shards/climbing.json"],
+     r"climbing.json: entry '\.\./a_file' climbs with '\.\.'", None),
 ]
 
 

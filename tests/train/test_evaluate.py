@@ -37,9 +37,10 @@ def shards(image_folder, tmp_path):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_features_cover_every_sample_once(shards, workers):
     model = create_model("vit_debug_patch4")
-    f, y = extract_features(model, shards, batch_size=7, num_workers=workers)
+    f, y, coverage = extract_features(model, shards, batch_size=7, num_workers=workers)
     assert f.shape == (24, 32) and sorted(y.tolist()) == sorted([0] * 8 + [1] * 8 + [2] * 8)
-    f2, y2 = extract_features(model, shards, batch_size=7, num_workers=workers, pool="avg")
+    assert coverage == (shards.index, 24, 24, {})
+    f2, y2, _ = extract_features(model, shards, batch_size=7, num_workers=workers, pool="avg")
     assert f2.shape == (24, 32) and not torch.allclose(f, f2)
 
 
@@ -47,8 +48,8 @@ def test_decoded_once_gives_the_features_and_scores_of_reading_the_shards(shards
     model = create_model("vit_debug_patch4")
     decoded = decode_all(shards, model.img_size, num_workers=0)
     assert decoded.images.shape == (24, 3, model.img_size, model.img_size) and decoded.classes == shards.classes
-    f, y = extract_features(model, shards, batch_size=7, num_workers=0)
-    f2, y2 = extract_features(model, decoded, batch_size=5)
+    f, y, _ = extract_features(model, shards, batch_size=7, num_workers=0)
+    f2, y2, _ = extract_features(model, decoded, batch_size=5)
     assert torch.equal(y, y2) and torch.allclose(f, f2, atol=1e-6)
     assert evaluate(model, decoded, decoded) == pytest.approx(evaluate(model, shards, shards, num_workers=0))
     with pytest.raises(ValueError, match="decoded at 28 px"):
@@ -65,8 +66,9 @@ def test_random_init_control_is_reproducible_and_sources_exclusive():
 def test_features_skip_a_truncated_shard(shards):
     first = shards.files[0]
     first.write_bytes(first.read_bytes()[:700])  # cut inside the first sample
-    f, y = extract_features(create_model("vit_debug_patch4"), shards, batch_size=7, num_workers=0)
+    f, y, coverage = extract_features(create_model("vit_debug_patch4"), shards, batch_size=7, num_workers=0)
     assert 19 <= len(f) < 24 and len(f) == len(y)  # the other shards are read in full
+    assert coverage.used == len(f) and coverage.skipped == {"truncated_shard": 24 - len(f)}  # what it did not deliver
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -74,15 +76,16 @@ def test_subsample_is_seeded_and_decodes_only_the_chosen_samples(shards, workers
     from train.evaluate import subsample
 
     model = create_model("vit_debug_patch4")
-    full_f, _ = extract_features(model, shards, batch_size=7, num_workers=0)
+    full_f = extract_features(model, shards, batch_size=7, num_workers=0).features
     sub = subsample(shards, 10, seed=3)
     assert sub.num_samples == 10 and sub.classes == shards.classes
-    f, y = extract_features(model, sub, batch_size=4, num_workers=workers)
+    f, y, coverage = extract_features(model, sub, batch_size=4, num_workers=workers)
+    assert coverage.listed == coverage.used == 10
     assert f.shape == (10, 32) and len(y) == 10
     # every feature is one of the full set's, each a different sample
     match = torch.cdist(f, full_f).argmin(1)
     assert torch.allclose(f, full_f[match], atol=1e-6) and len(set(match.tolist())) == 10
-    f2, _ = extract_features(model, subsample(shards, 10, seed=3), batch_size=4, num_workers=0)
+    f2 = extract_features(model, subsample(shards, 10, seed=3), batch_size=4, num_workers=0).features
     # the same subset for the same seed, whatever the workers (which interleave the order)
     assert set(torch.cdist(f2, full_f).argmin(1).tolist()) == set(match.tolist())
     other = set(torch.cdist(extract_features(model, subsample(shards, 10, seed=4), num_workers=0)[0],

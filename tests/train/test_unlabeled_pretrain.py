@@ -24,6 +24,8 @@ def test_unlabeled_shardwriter_shards_pretrain_mae_with_no_sample_skipped(tmp_pa
     proc = pretrain(tmp_path / "run", "--data.source", "shards", "--data.train_index", str(index),
                     "--data.epoch_size", "0", "--model.in_chans", "3", "--run.max_steps", "4")
     assert proc.returncode == 0, proc.stderr[-4000:]
+    [said] = [line for line in proc.stderr.splitlines() if "is unlabeled" in line]  # one warning, not silence
+    assert said.startswith(f"[pretrain] data.train_index {index} is unlabeled") and "mae reads no labels" in said
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # 16 samples / batch 8: two epochs
     skipped = {k: v for k, v in rows[-1].items() if k.startswith("data_skipped_")}
