@@ -116,7 +116,6 @@ class Block(nn.Module):
                 bias_hook: BiasHook | None = None) -> torch.Tensor:
         """x: (B, N, D) -> (B, N, D)."""
         if self.compiled_forward is not None:
-            torch._dynamo.maybe_mark_dynamic(x, 0)  # B symbolic in the graph; N and D stay static
             return self.compiled_forward(x, attn_mask, bias_hook)
         return self.block_forward(x, attn_mask, bias_hook)
 
@@ -126,15 +125,19 @@ class Block(nn.Module):
         x = x + self.drop_path(self.attn(self.norm1(x), attn_mask, **extra))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
-    def compile_static(self) -> None:
+    def compile_static(self, cuda_graphs: bool = False) -> None:
         """torch.compile the block's computation as one graph (`fullgraph`: a graph break is an
-        error, not a silent split), specialised to its token count and width: without
-        `dynamic=False`, the second shape the shared code meets (the MAE decoder's token count and
-        width after the encoder's) makes dynamo mark those dimensions symbolic for every block, and
-        inductor then tiles and fuses for unknown sizes. Only the batch dimension is symbolic, so a
-        short last micro-batch or an evaluation batch reuses the graph. Module hooks (FSDP2's
-        all-gather and reshard) stay outside the graph, as with torchtitan's per-block compile."""
-        self.compiled_forward = torch.compile(self.block_forward, dynamic=False, fullgraph=True)
+        error, not a silent split), static in every dimension: without `dynamic=False`, the second
+        shape the shared code meets (the MAE decoder's token count and width after the encoder's)
+        makes dynamo mark those dimensions symbolic for every block, and inductor then tiles and
+        fuses for unknown sizes (and a symbolic batch alone costs host time at every call). A
+        training micro-batch has one size, so each block shape gets one graph. `cuda_graphs`: the
+        graph is also replayed as a CUDA graph ("reduce-overhead"), so the host issues one launch
+        per block instead of its kernels (the caller marks each step's start:
+        torch.compiler.cudagraph_mark_step_begin). Module hooks (DDP's, FSDP2's) stay outside the
+        graph, as with torchtitan's per-block compile."""
+        self.compiled_forward = torch.compile(self.block_forward, dynamic=False, fullgraph=True,
+                                              mode="reduce-overhead" if cuda_graphs else None)
 
 
 def run_block(block: Block, x: torch.Tensor, attn_mask: AttentionMask | None = None,

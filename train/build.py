@@ -80,13 +80,15 @@ def training_source(cfg: PretrainConfig, img_size: int, plan: BatchPlan, rank: i
                         section(cfg).val_every(plan.accum) if split is not None else 1)
 
 
-def apply_execution_options(objective: torch.nn.Module, recompute: bool, compile_blocks: bool) -> None:
+def apply_execution_options(objective: torch.nn.Module, recompute: bool, compile_blocks: bool,
+                            cuda_graphs: bool = False) -> None:
     """Activation checkpointing (the ds_config's section: every transformer block recomputed in
     backward) and run.compile (torch.compile of every ViT block: one static graph per block shape,
     model/vit.py `Block.compile_static`). Compiling starts from an empty dynamo cache: every block of
     every model shares one code object, whose graphs count against dynamo's recompile limit (8), so
     a process that builds several runs (benchmarks, tests) must not carry the earlier runs' graphs;
-    inductor's compiled kernels stay in its on-disk cache."""
+    inductor's compiled kernels stay in its on-disk cache. `cuda_graphs`: the compiled blocks also
+    replay as CUDA graphs (`uses_cuda_graphs`)."""
     from model.vit import Block
 
     if compile_blocks:
@@ -95,7 +97,19 @@ def apply_execution_options(objective: torch.nn.Module, recompute: bool, compile
         if recompute and hasattr(module, "set_grad_checkpointing"):
             module.set_grad_checkpointing(True)
         if compile_blocks and isinstance(module, Block):
-            module.compile_static()
+            module.compile_static(cuda_graphs)
+
+
+def uses_cuda_graphs(cfg: PretrainConfig, ds_config: dict, device: torch.device, world: int) -> bool:
+    """run.compile on a CUDA device with replicated weights (one rank, or ZeRO-0 on DDP): the compiled
+    blocks replay as CUDA graphs. Measured on one H200 (docs/PERFORMANCE.md): compiled blocks without
+    graphs cut the device time of a MAE ViT-B step by a fifth but made the host, calling 40 compiled
+    graphs a step, slower than the device. FSDP2 (ZeRO 1-3 on several ranks) regathers each block's
+    weights into storage it frees between uses, which a graph cannot keep as a fixed address, so
+    sharded runs compile without graphs."""
+    from train.ds_config import zero_stage
+
+    return cfg.run.compile and device.type == "cuda" and (world == 1 or zero_stage(ds_config) == 0)
 
 
 def profile_config(cfg: PretrainConfig, ds_config: dict, micro: int, fused_kernels: bool, value_bytes: int = 2):
@@ -130,7 +144,9 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
                 log.info(load_into_objective(objective, cfg.model.init_from, state))
         except ValueError as e:
             raise ConfigError(f"model.init_from: {e}") from None
-    apply_execution_options(objective, activation_checkpointing(ds_config), cfg.run.compile)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    cuda_graphs = uses_cuda_graphs(cfg, ds_config, device, world)
+    apply_execution_options(objective, activation_checkpointing(ds_config), cfg.run.compile, cuda_graphs)
     groups, param_split = build_param_groups(objective, cfg.optim.weight_decay, cfg.optim.layer_decay)
     engine_cfg = EngineConfig.from_ds_config(ds_config)
 
@@ -141,6 +157,7 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
         return build_optimizer(opt_groups, cfg.optim)
 
     engine = engines.build(objective, groups, make_optimizer, make_schedule, engine_cfg, device)
+    engine.cuda_graphs = cuda_graphs
     return engine, objective, param_split
 
 

@@ -111,6 +111,9 @@ def run(
     t_last, steps_since_log = time.perf_counter(), 0
     health = StepHealth(settings.max_nonfinite_steps)
     health.last_read = state.step
+    # CUDA graphs of compiled blocks: each micro-batch's forward starts a new generation of replays
+    # (the previous one's outputs, consumed by its backward, may be overwritten)
+    new_graph_step = torch.compiler.cudagraph_mark_step_begin if getattr(engine, "cuda_graphs", False) else (lambda: None)
     while state.step < settings.stop_step:
         step = state.step + 1
         log_now = step % settings.log_every == 0 or step == settings.stop_step
@@ -119,6 +122,7 @@ def run(
             with phase("data"):
                 batches.append(_to_device(next(data), device, dtype))
             with phase("forward"):
+                new_graph_step()
                 out = engine(batches[-1])
             out["loss"] = fault_injection.poison_loss(out["loss"], step)
             with phase("backward"):

@@ -1,7 +1,9 @@
-"""run.compile: every ViT block compiled as one static graph per block shape (model/vit.py
-`Block.compile_static`), with no graph break, nothing compiled after the first step (mask draws,
-steps, evaluation, figures, a short batch), and the eager blocks' losses (fp32, 1e-5 relative:
-inductor reorders float sums). Two ranks: tests/distributed/test_engines.py."""
+"""run.compile: every ViT block compiled as one graph per block shape, static in every dimension
+(model/vit.py `Block.compile_static`), with no graph break, nothing compiled after the first step
+(mask draws, steps, evaluation and figures, which run the blocks eagerly), and the eager blocks'
+losses (fp32, 1e-5 relative: inductor reorders float sums); on a GPU with replicated weights the
+blocks replay as CUDA graphs (asked for and marked per micro-batch here; replayed on the GPU only).
+Two ranks: tests/distributed/test_engines.py."""
 import json
 
 import pytest
@@ -18,10 +20,10 @@ from train.pretrain import main
 from train.run_dir import read_metrics
 
 
-def test_each_block_shape_gets_one_graph_with_static_tokens_and_width_and_a_symbolic_batch(monkeypatch):
+def test_each_block_shape_gets_one_graph_static_in_every_dimension(monkeypatch):
     """The graphs dynamo hands the compiler (recorded by a backend that runs them as they are): the
-    encoder's and the decoder's, each with its token count and width as numbers, so inductor tiles
-    and fuses for known sizes; the batch is a symbol, so a short batch reuses them."""
+    encoder's and the decoder's, each with its batch, token count and width as numbers, so inductor
+    tiles and fuses for known sizes; new masks reuse them, a batch of another size gets its own."""
     seen = []
 
     def recording(gm, example_inputs):
@@ -31,22 +33,72 @@ def test_each_block_shape_gets_one_graph_with_static_tokens_and_width_and_a_symb
         return gm.forward
 
     compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend=recording, **kw))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": recording, "mode": None}))
     torch.manual_seed(0)
     objective = build_objective("mae", create_model("vit_debug_patch4", in_chans=1), MAEConfig(decoder_dim=24, decoder_depth=2,
                                                                                    decoder_heads=2))
+    torch._dynamo.reset()
     for block in objective.modules():
         if isinstance(block, Block):
             block.compile_static()
     breaks = compile_watch.graph_breaks()
-    for batch in (8, 8, 5, 3):  # new masks every call; the last two are short batches
+    for batch in (8, 8, 8, 5):  # new masks every call; then a batch of another size
         objective({"image": torch.randn(batch, 1, 28, 28)})["loss"].backward()
-    assert len(seen) == 2, seen  # one graph per block shape, none for the short batches
-    encoder, decoder = sorted(seen, key=lambda s: s[2], reverse=True)
-    assert all(isinstance(d, torch.SymInt) for d in (encoder[0], decoder[0]))
-    assert (encoder[1:], decoder[1:]) == ((13, 32), (50, 24))  # 12 kept patches + cls; 49 patches + cls
-    assert all(type(d) is int for d in (*encoder[1:], *decoder[1:]))
+    assert seen == [(8, 13, 32), (8, 50, 24), (5, 13, 32), (5, 50, 24)]  # 12 kept patches + cls; 49 patches + cls
+    assert all(type(d) is int for shape in seen for d in shape)
     assert compile_watch.graph_breaks() == breaks
+
+
+def test_cuda_graphs_are_asked_for_on_cuda_with_replicated_weights_only(monkeypatch):
+    """run.compile on a GPU replays the compiled blocks as CUDA graphs ("reduce-overhead") on one
+    rank and on ZeRO-0; FSDP2's sharded stages compile without graphs; nothing without run.compile
+    or on a CPU; and the loop starts a new generation of replays before every micro-batch."""
+    from train.build import apply_execution_options, uses_cuda_graphs
+    from train.config import parse_args
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    on = parse_args(["--ds_config", str(CPU_DS), "--config", "train/configs/mae/debug.json", "--run.compile", "true"])
+    off = parse_args(["--ds_config", str(CPU_DS), "--config", "train/configs/mae/debug.json"])
+    stage = {s: {"zero_optimization": {"stage": s}} for s in (0, 1, 3)}
+    assert uses_cuda_graphs(on, stage[1], cuda, world=1) and uses_cuda_graphs(on, stage[0], cuda, world=8)
+    assert not uses_cuda_graphs(on, stage[1], cuda, world=2) and not uses_cuda_graphs(on, stage[3], cuda, world=8)
+    assert not uses_cuda_graphs(on, stage[0], cpu, world=1) and not uses_cuda_graphs(off, stage[0], cuda, world=1)
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: modes.append(kw) or fn)
+    objective = build_objective("mae", create_model("vit_debug_patch4"), MAEConfig(decoder_depth=1))
+    apply_execution_options(objective, recompute=False, compile_blocks=True, cuda_graphs=True)
+    assert len(modes) == 3 and all(kw == {"dynamic": False, "fullgraph": True, "mode": "reduce-overhead"}
+                                   for kw in modes)
+
+
+def test_the_loop_marks_each_micro_batch_for_cuda_graphs(monkeypatch):
+    from train.loop import LoopSettings, LoopState, run
+
+    marks, calls = [], []
+
+    class Engine:
+        accum, cuda_graphs = 3, True
+        health = type("Health", (), {"window_read": lambda self: None})()
+        module = torch.nn.Linear(1, 1)
+
+        def __call__(self, batch):
+            calls.append(len(marks))  # the marks before this forward
+            return {"loss": torch.zeros(())}
+
+        def backward(self, loss): pass
+        def step(self): pass
+        def get_lr(self): return 0.0
+        def after_optimizer_step(self, lr, batches): return {}
+
+        def device_state(self):
+            return {"skipped_steps": torch.zeros(()), "nonfinite_streak": torch.zeros(()),
+                    "nonfinite_worst": torch.zeros(()), "loss_scale_collapsed": torch.zeros(())}
+
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    data = iter(lambda: {"image": torch.zeros(1)}, None)
+    run(Engine(), data, LoopSettings(stop_step=2, log_every=2, ckpt_every=100, global_batch=3), LoopState(),
+        torch.device("cpu"), torch.float32, lambda step, m: None, lambda step: None)
+    assert calls == [1, 2, 3, 4, 5, 6]  # two optimizer steps of three micro-batches, each marked first
 
 
 def pretrain(out, *options, ds_config=CPU_DS):

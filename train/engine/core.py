@@ -40,6 +40,8 @@ class EngineCore(abc.ABC):
     save(tag) / load(tag) for checkpoints (train/engine/state_files.py: the same files from every
     engine, so a checkpoint resumes on any world size and ZeRO stage)."""
 
+    cuda_graphs = False  # the module's compiled blocks replay as CUDA graphs (train/build.py uses_cuda_graphs)
+
     module: torch.nn.Module  # the objective (FSDP2 wraps it in place; DDP's wrapper is kept apart)
     names: list[str]  # the trained parameters' names, in optimizer order
     rank: int
