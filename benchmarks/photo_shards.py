@@ -29,6 +29,11 @@ from PIL import Image
 from data.write_shards import main as write_shards
 
 
+def images_folder(out: Path) -> Path:
+    """Where the JPEGs go: beside the shards' folder (a shard writer never writes into its input)."""
+    return out.with_name(f"{out.name}_images")
+
+
 def make_images(src: Path, out: Path, count: int, seed: int = 0, noise: float = 5.0, quality: int = 95,
                 short_side: tuple[int, int] = (333, 500)) -> list[Path]:
     photos = sorted(p for p in src.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
@@ -58,16 +63,16 @@ def make_images(src: Path, out: Path, count: int, seed: int = 0, noise: float = 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", type=Path, help="folder of photographs (searched recursively)")
-    p.add_argument("out", type=Path, help="output folder: images/ (ImageFolder) and train.json + shards")
+    p.add_argument("out", type=Path, help="output folder: train.json + shards; the JPEGs go beside it, OUT_images/ (ImageFolder)")
     p.add_argument("--count", type=int, default=2000)
     p.add_argument("--samples_per_shard", type=int, default=100)
     p.add_argument("--short_side", default="333,500", help="range of the shorter side in px (ImageNet-like default)")
     a = p.parse_args(argv)
     lo, hi = (int(v) for v in a.short_side.split(","))
-    files = make_images(a.src, a.out / "images", a.count, short_side=(lo, hi))
+    files = make_images(a.src, images_folder(a.out), a.count, short_side=(lo, hi))
     sizes = [f.stat().st_size for f in files]
     print(f"{len(files)} JPEGs, mean {np.mean(sizes) / 1024:.0f} KB")
-    write_shards(["imagefolder", str(a.out / "images"), str(a.out), "--samples_per_shard", str(a.samples_per_shard)])
+    write_shards(["imagefolder", str(images_folder(a.out)), str(a.out), "--samples_per_shard", str(a.samples_per_shard)])
 
 
 if __name__ == "__main__":

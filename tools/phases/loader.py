@@ -13,7 +13,7 @@ from tools.phases.common import CPU_DEBUG_DS, TARGETS, ds_config
 
 
 def run(check: Check, a) -> None:
-    from benchmarks.photo_shards import main as photo_shards
+    from benchmarks.photo_shards import images_folder, main as photo_shards
     from tools.photos import write_photos
 
     summary = check.record["summary"]
@@ -31,7 +31,7 @@ def run(check: Check, a) -> None:
         write_photos(check.work / "photos", photos, size)
         photo_shards([str(check.work / "photos"), str(shards), "--count", str(count), "--samples_per_shard",
                       str(per_shard), "--short_side", short])
-        files = list((shards / "images").rglob("*.jpg"))
+        files = list(images_folder(shards).rglob("*.jpg"))
         return {"images": len(files), "mean_kb": sum(f.stat().st_size for f in files) / len(files) / 1024,
                 "shards": len(list(shards.glob("*.tar")))}
 
