@@ -18,6 +18,10 @@ Census options (the rest are train/pretrain.py options; data.source defaults to 
     --json FILE               where the record goes (default runs/census/census_<objective>_<model>_<time>.json)
     --record                  write it into benchmarks/results/ instead (the committed records; or --json there)
 
+With `--run.compile true` every ViT block compiles in the warm-up step and a launch is a kernel
+inductor generated or an aten op outside those kernels (the record's `launches` says which count
+it holds; train/counting.py).
+
 The record holds device, versions, commit, the final ds_config, shapes, and per phase of a
 reported step: launches, comm, syncs (the worst reported step), the ops behind the launches,
 and every sync with the line that made it; on several ranks (under `deepspeed`), rank 0 writes
@@ -36,6 +40,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -44,11 +49,14 @@ import torch
 from data.folders import unwritable_file
 from train.cli import cli, pop_flags
 from train.config import ConfigError, PretrainConfig, encoder_img_size, help_text, parse_args, section, to_dict
-from train.counting import PHASES, Tally, counting
+from train.counting import PHASES, Tally, counting, kernels_profiled
 
 CENSUS_FLAGS = {"--steps": int, "--width": int, "--micro": int, "--zero_stage": int, "--baseline": str, "--deepspeed": None,
                 "--host_time": int, "--json": str, "--record": None}
 HOST_TIME_STEPS = 10
+# what a record's launches are (train/counting.py); with run.compile every ViT block runs as a compiled graph
+LAUNCHES_EAGER = "aten ops that run a kernel"
+LAUNCHES_COMPILED = "inductor kernels + extern aten ops"
 
 
 def split_argv(argv: list[str]) -> tuple[dict, list[str]]:
@@ -196,13 +204,16 @@ def deepspeed_subject(cfg: PretrainConfig, arch: dict, run_info: dict, device: t
     return Subject("DeepSpeed's engine", steps, step.accum)
 
 
-def count(subject: Subject, steps: int) -> dict:
-    """Run `steps` optimizer steps counting everything: the worst of the steps between the first
-    (warm-up) and the last (the loop's log step), the log step's extra, the ops and the syncs."""
+def count(subject: Subject, steps: int, compiled: bool = False) -> dict:
+    """Run `steps` optimizer steps, the first (warm-up: with `compiled`, the graphs compile in it)
+    uncounted and the rest counting everything: the worst of the steps between the first and the
+    last (the loop's log step), the log step's extra, the ops and the syncs."""
     tally = Tally()
     tally.accum = subject.accum
-    with counting(tally) as syncs:
-        subject.run(tally, steps)
+    with kernels_profiled() if compiled else nullcontext():
+        subject.run(tally, 1)
+        with counting(tally, compiled) as syncs:
+            subject.run(tally, steps - 1)
     reported = range(2, steps)
     per_step = {s: tally.per_step(s) for s in reported}
     worst = max(reported, key=lambda s: (per_step[s]["total"]["launches"], per_step[s]["total"]["syncs"]))
@@ -267,7 +278,8 @@ def census(argv: list[str]) -> dict:
               "threads": torch.get_num_threads(), "command": " ".join(["python -m tools.census", *argv]),
               "census": opts, "objective": cfg.objective,
               "model": cfg.model.name, "img_size": encoder_img_size(cfg), "arch_overrides": arch, **run_info,
-              "counts": {s.name: count(s, opts["steps"]) for s in subjects}}
+              "launches": LAUNCHES_COMPILED if cfg.run.compile else LAUNCHES_EAGER,
+              "counts": {s.name: count(s, opts["steps"], cfg.run.compile) for s in subjects}}
     if opts["host_time"]:
         record["host_time_ms"] = host_time(subjects, opts["host_time"])
     return record
@@ -280,7 +292,7 @@ def table(record: dict) -> str:
     lines = [f"{record['objective']} {record['model']} {record['img_size']} px, micro-batch "
              f"{record['batch']['micro']} x {record['batch']['accum']}, {record['dtype']}, ZeRO "
              f"{record['zero_stage']}, {record['world_size']} rank(s), {record['tensors']} trained tensors",
-             "launches / comm / syncs per optimizer step", head]
+             f"launches ({record['launches']}) / comm / syncs per optimizer step", head]
     for phase in (*PHASES, "total"):
         row = phase.ljust(10)
         for n in names:

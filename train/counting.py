@@ -4,7 +4,10 @@ phase of the step it happened in (tools/census.py reports them).
 
   launches  every aten op that runs a device kernel: views, aliases, allocations and metadata
             changes are not kernels (NOT_KERNELS); a foreach or fused multi-tensor op counts once
-            (on CUDA it launches one kernel per chunk of tensors)
+            (on CUDA it launches one kernel per chunk of tensors). In a step with torch.compile'd
+            graphs (`counting(tally, compiled=True)`): each kernel inductor generated counts once per
+            launch (from the profiler), and each aten op a graph calls outside those kernels (extern
+            kernels: matmuls, attention) as above
   comm      collectives (c10d ops), each also recorded with its elements and whether it was issued
             inside autograd's backward (while torch.autograd.backward / grad runs: DDP's bucket
             all-reduces, FSDP2's per-unit reduce-scatters and its end-of-backward callback) or outside
@@ -16,16 +19,19 @@ Phases: data, forward, backward, step (the optimizer step), hook (the objective'
 """
 from __future__ import annotations
 
+import bisect
 import functools
+import re
 import sys
 import threading
 from collections import Counter, defaultdict
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
 PHASES = ("data", "forward", "backward", "step", "hook", "loop")
@@ -62,6 +68,7 @@ class Tally:
         self.syncs: list[tuple[int, str, str, str]] = []  # (step, phase, call, where)
         self.collectives: list[Collective] = []
         self.in_autograd = 0  # depth of torch.autograd.backward / grad calls running now
+        self.profiled = False  # phases also marked for the profiler (counting compiled kernels)
 
     @contextmanager
     def __call__(self, name: str):
@@ -73,14 +80,17 @@ class Tally:
             self.micro += 1
         outer, self.phase = self.phase, name
         try:
-            yield
+            with record_function(f"{PHASE_MARK}{self.step} {name}") if self.profiled else nullcontext():
+                yield
         finally:
             self.phase = outer
 
-    def add(self, kind: str, op: str = "") -> None:
-        self.counts[self.step, self.phase][kind] += 1
+    def add(self, kind: str, op: str = "", at: tuple[int, str] | None = None) -> None:
+        """One `kind` in the current step and phase, or in `at` (step, phase)."""
+        at = at or (self.step, self.phase)
+        self.counts[at][kind] += 1
         if op:
-            self.ops[self.step, self.phase][op] += 1
+            self.ops[at][op] += 1
 
     def per_step(self, step: int) -> dict[str, dict[str, int]]:
         """{phase: {"launches", "comm", "syncs"}} and "total" for one step."""
@@ -123,15 +133,90 @@ class LaunchCounter(TorchDispatchMode):
         super().__init__()
         self.tally = tally
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile traces and compiles with the counter off (a mode it must respect would make
+        it run the graph eagerly, or refuse a fullgraph one) and runs the compiled graph with it on:
+        the graph's extern aten calls are counted here, its fused kernels never reach the dispatcher
+        (counting_compiled_kernels counts them)."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in COMM_NAMESPACES:
             self.tally.add("comm", func.name())
             self.tally.collectives.append(Collective(self.tally.step, self.tally.phase, func.name(),
                                                      _elements(func, args), self.tally.in_autograd > 0,
                                                      self.tally.counts[self.tally.step, self.tally.phase]["launches"]))
+            if self.tally.profiled:  # the compiled kernels launched before it are known after the run
+                with record_function(f"{COLLECTIVE_MARK}{len(self.tally.collectives) - 1}"):
+                    return func(*args, **(kwargs or {}))
         elif _is_kernel(func):
             self.tally.add("launches", func.name())
         return func(*args, **(kwargs or {}))
+
+
+# --- kernels inductor generated (torch.compile) --------------------------------------------------
+PHASE_MARK = "census phase: "  # the profiler range of a phase: "census phase: <step> <phase>"
+COLLECTIVE_MARK = "census collective: "  # the range of a collective: "census collective: <index in Tally.collectives>"
+GRAPH_CALL = "## Call CompiledFxGraph"  # the profiler range inductor opens around each call of a compiled graph
+GRAPH_PREFIX = re.compile(r"^graph_\d+_")  # a C++ kernel's event: graph_<graph>_<kernel>
+
+
+def kernels_profiled():
+    """While active, inductor compiles its C++ kernels so that each launch records a profiler event
+    (inductor's Triton launcher records one whenever the profiler runs); kernels compiled before
+    stay silent, so compile under it."""
+    import torch._inductor.config  # a second to import: only where a compiled step is counted
+
+    return torch._inductor.config.patch({"cpp.enable_kernel_profile": True})
+
+
+def _is_compiled_kernel(event) -> bool:
+    """A launch of a kernel inductor generated: a range directly inside a compiled graph's call that is
+    not a dispatcher op (the graph's aten calls, its extern kernels, reach the LaunchCounter)."""
+    parent = event.cpu_parent
+    return parent is not None and parent.name.startswith(GRAPH_CALL) and "::" not in event.name
+
+
+def _step_and_phase(mark: str) -> tuple[int, str]:
+    step, phase = mark[len(PHASE_MARK):].split(" ")
+    return int(step), phase
+
+
+def _marked(event) -> tuple[int, str] | None:
+    """(step, phase) of the innermost phase range around `event`; None outside every phase."""
+    while event is not None and not event.name.startswith(PHASE_MARK):
+        event = event.cpu_parent
+    return None if event is None else _step_and_phase(event.name)
+
+
+@contextmanager
+def counting_compiled_kernels(tally: Tally):
+    """Each launch of a kernel inductor generated, as a launch of the phase it ran in (under the
+    profiler: phases marked as ranges; a launch outside every phase is the loop's, in the step of
+    the last phase begun before it), and in `launches_before` of the collectives of that phase
+    issued after it. Its name in the ops: `inductor::` and the kernel's name."""
+    tally.profiled = True
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            yield
+    finally:
+        tally.profiled = False
+    events = prof.events()
+    begun = sorted((e.time_range.start, _step_and_phase(e.name)[0]) for e in events if e.name.startswith(PHASE_MARK))
+    issued = [(tally.collectives[int(e.name[len(COLLECTIVE_MARK):])], e.time_range.start)
+              for e in events if e.name.startswith(COLLECTIVE_MARK)]
+    for event in events:
+        if not _is_compiled_kernel(event):
+            continue
+        at = _marked(event)
+        if at is None:
+            last = bisect.bisect_right(begun, (event.time_range.start, sys.maxsize)) - 1
+            at = (begun[last][1] if last >= 0 else tally.step, "loop")
+        tally.add("launches", "inductor::" + GRAPH_PREFIX.sub("", event.name), at)
+        for collective, start in issued:
+            if (collective.step, collective.phase) == at and start > event.time_range.start:
+                collective.launches_before += 1
 
 
 @contextmanager
@@ -279,7 +364,9 @@ def counting_syncs(tally: Tally | None = None):
 
 
 @contextmanager
-def counting(tally: Tally):
-    """Launches, collectives and syncs into `tally` while active."""
-    with counting_syncs(tally) as syncs, marking_autograd(tally), LaunchCounter(tally):
+def counting(tally: Tally, compiled: bool = False):
+    """Launches, collectives and syncs into `tally` while active; `compiled`: the step runs graphs
+    compiled under `kernels_profiled`, whose fused kernels are counted too."""
+    with counting_syncs(tally) as syncs, marking_autograd(tally), LaunchCounter(tally), \
+            counting_compiled_kernels(tally) if compiled else nullcontext():
         yield syncs
