@@ -21,6 +21,25 @@ DEBUG_PRESET = REPO / "train" / "configs" / "mae/debug.json"
 CPU_DS = REPO / "ds_configs" / "cpu_debug.json"
 
 
+PROCESS_GROUP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind():
+    """A training command run in this process starts a process group of one and writes who it is
+    into the environment (train/distributed.py init): both end with the test, so a later test's
+    child process neither inherits the rank nor the port of a store this process may still hold."""
+    saved = {k: os.environ.get(k) for k in PROCESS_GROUP_ENV}
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
