@@ -5,6 +5,7 @@ import os
 import struct
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -24,20 +25,30 @@ CPU_DS = REPO / "ds_configs" / "cpu_debug.json"
 PROCESS_GROUP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+@contextmanager
+def process_group_of_its_own():
+    """A training command run in this process starts a process group of one and writes who it is
+    into the environment (train/distributed.py init): both end here, so a later child process
+    neither inherits the rank nor the port of a store this process may still hold."""
+    saved = {k: os.environ.get(k) for k in PROCESS_GROUP_ENV}
+    try:
+        yield
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 @pytest.fixture(autouse=True)
 def no_process_group_left_behind():
-    """A training command run in this process starts a process group of one and writes who it is
-    into the environment (train/distributed.py init): both end with the test, so a later test's
-    child process neither inherits the rank nor the port of a store this process may still hold."""
-    saved = {k: os.environ.get(k) for k in PROCESS_GROUP_ENV}
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    """Every test: what its in-process runs started ends with it (module-scoped fixtures that run
+    a command in this process use process_group_of_its_own themselves)."""
+    with process_group_of_its_own():
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

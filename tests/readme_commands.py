@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from conftest import PROCESS_GROUP_ENV
+
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 CODE = "    "  # a markdown code line: indented by four spaces
@@ -172,7 +174,8 @@ def paragraph(doc: Doc | str, words: str, section: str) -> Snippet:
 def run(snippet: Snippet, argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
     """Run a page's command from the repository root, as the page says; a failure names its file and
     line (with check=False the caller judges the exit status: a refusal the page promises)."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env = {**{k: v for k, v in os.environ.items() if k not in PROCESS_GROUP_ENV},  # a shell of the user's
+           "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(argv, check=False, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"{snippet.where} `{snippet.text}` stopped working: run as {shlex.join(argv)} it exited "

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint
-from conftest import CPU_DS, DEBUG_PRESET
+from conftest import CPU_DS, DEBUG_PRESET, process_group_of_its_own
 from PIL import Image
 
 import train.export
@@ -104,8 +104,9 @@ def shards(images, tmp_path) -> Path:
 def run_dir(tmp_path_factory) -> Path:
     """A one-step MAE run of RGB inputs (the debug preset): its checkpoint and its own export."""
     out = tmp_path_factory.mktemp("run") / "run"
-    cli(lambda: pretrain(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(out),
-                      "--run.progress", "false", "--run.max_steps", "1", "--model.in_chans", "3"]))
+    with process_group_of_its_own():
+        cli(lambda: pretrain(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(out),
+                          "--run.progress", "false", "--run.max_steps", "1", "--model.in_chans", "3"]))
     return out
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CPU_DS, DEBUG_PRESET
+from conftest import CPU_DS, DEBUG_PRESET, process_group_of_its_own
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -162,8 +162,9 @@ def run_promptly(module: str, argv: list[str], capsys) -> tuple[int, str]:
 def real_tag(tmp_path_factory) -> Path:
     """The checkpoint of a one-step MAE run (debug preset)."""
     run = tmp_path_factory.mktemp("real") / "run"
-    cli(lambda: pretrain(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(run),
-                      "--run.progress", "false", "--run.max_steps", "1"]))
+    with process_group_of_its_own():
+        cli(lambda: pretrain(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(run),
+                          "--run.progress", "false", "--run.max_steps", "1"]))
     return run / "checkpoints" / "step00000001"
 
 
