@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
         from data.fashion_mnist import find_or_download
         a.src = find_or_download()
     from train.bench import cpu_name, versions
-    from train.run_dir import git_commit
+    from train.run.folder import git_commit
 
     xtr, ytr = load(a.src, "train")
     xte, yte = load(a.src, "t10k")

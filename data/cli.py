@@ -9,7 +9,7 @@ and the fix, exit status 2, before any work and with nothing written (docs/RELIA
 - `regular_file`: a path that must be a regular file is refused when it is missing, a folder or a
   special file (a FIFO would block the reader forever; a device never ends), without opening it.
 
-data/ is the lowest layer, so the data tools use this directly; train/cli.py builds the training
+data/ is the lowest layer, so the data tools use this directly; train/run/cli.py builds the training
 commands' statuses (3, 130, 143) on it.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Whether a folder or a file can be written before anything is: the output places of the shard
-writer (data/write_shards.py), of a run (train/run_dir.py) and of every command that writes a
+writer (data/write_shards.py), of a run (train/run/folder.py) and of every command that writes a
 file (an export, an evaluation, a benchmark record) are checked with it before they start."""
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from data.transforms import PretrainTransform, normalize_uint8
 
 def _init_worker(_: int) -> None:
     torch.set_num_threads(1)  # decode workers must not compete with the training process's threads
-    # Stop requests are the training process's to act on (train/preemption.py); a worker that
+    # Stop requests are the training process's to act on (train/run/preemption.py); a worker that
     # died of one first would take the batch stream, and the checkpoint, with it. SIGINT too: a
     # Ctrl-C reaches every process of the terminal's foreground group.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)

@@ -80,7 +80,7 @@ def check_source(data_cfg, world: int, in_chans: int = 3) -> None:
             scored = eval_shards(data_cfg)
         except (OSError, ValueError) as e:  # a missing file / ShardIndexError
             raise ValueError(f"data.eval_index: {e}") from None
-        if shards is not None and shards.labeled:  # unlabeled: the objective's own check refuses it (train/config.py)
+        if shards is not None and shards.labeled:  # unlabeled: the objective's own check refuses it (train/config/options.py)
             check_scored_against(scored, shards, "data.eval_index", "data.train_index")
 
 

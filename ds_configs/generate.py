@@ -9,10 +9,10 @@ Global batch 256 (MLO-MAE, energy), fine-tuning 1024 (ViT-B and ViT-L):
 Each file gives train_batch_size and train_micro_batch_size_per_gpu only: the accumulation is
 derived from the world size, so the same file serves 8 GPUs, 2 nodes (16) or a resume on another
 world size, always at the method's global batch. The micro-batch is the largest power of two at
-most MARGIN x the largest micro-batch the memory estimate (train/memory.py) lets the hungriest
+most MARGIN x the largest micro-batch the memory estimate (train/estimate/memory.py) lets the hungriest
 method of the file's group fit on the GPU (HUNGRIEST; AdPE with RPE offsets: every token of
 four crops, and iRPE in every block), and at most the global batch over 16 GPUs, so that every
-file serves one node or two; tests/train/test_dry_run.py recomputes it. `python -m train.pretrain --dry-run
+file serves one node or two; tests/train/estimate/test_dry_run.py recomputes it. `python -m train.pretrain --dry-run
 --ds_config <file> [--config <preset>]` prints the estimate for a method and the largest
 micro-batch that fits. V100 has no bf16: fp16 with dynamic loss scaling. Every file states
 gradient_clipping 0.0 (the MAE recipes clip nothing).
@@ -27,7 +27,7 @@ GPUS = {"v100": "fp16", "a100": "bf16", "h100": "bf16"}
 FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
         "min_loss_scale": 1}
 MARGIN = 0.75  # of the largest micro-batch the estimate fits: room for what it leaves out
-# (group, model) -> micro-batch per GPU: the rule of the module docstring, as tests/train/test_dry_run.py computes it
+# (group, model) -> micro-batch per GPU: the rule of the module docstring, as tests/train/estimate/test_dry_run.py computes it
 MICRO = {
     ("pretrain", "b"): {"v100": 128, "a100": 256, "h100": 256},
     ("pretrain", "l"): {"v100": 64, "a100": 256, "h100": 256},

@@ -3,7 +3,7 @@
 Two ways to start the ranks of a multi-node job (launchers/pretrain.sbatch uses either):
 
 - one task per GPU (`srun --ntasks-per-node 8 python -m train.pretrain ...`): every task is a
-  rank; train/distributed.py calls `task_env` (train/slurm_env.py) when RANK is unset: RANK = SLURM_PROCID,
+  rank; train/engine/distributed.py calls `task_env` (train/engine/slurm_env.py) when RANK is unset: RANK = SLURM_PROCID,
   LOCAL_RANK = SLURM_LOCALID, WORLD_SIZE = SLURM_STEP_NUM_TASKS, MASTER_ADDR = the step's first
   node. Only inside an srun step with more than one task (SLURM_STEP_NUM_TASKS), so a plain
   `python` in the batch script or an salloc shell stays a world of one.
@@ -34,8 +34,8 @@ import subprocess
 import sys
 from typing import Mapping
 
-# the task-environment mapping lives in train/ (train/distributed.py needs it; launchers sit above train)
-from train.slurm_env import hostnames, master, task_env
+# the task-environment mapping lives in train/ (train/engine/distributed.py needs it; launchers sit above train)
+from train.engine.slurm_env import hostnames, master, task_env
 
 
 def node_envs(env: Mapping[str, str], ranks_per_node: int) -> list[dict[str, str]]:

@@ -12,7 +12,7 @@
         --ds_config ds_configs/cpu_debug.json --config train/configs/mae/debug.json --output_dir runs/cpu
 
 1. The pretraining options are checked for the job's world size (nodes x ranks per node) and GPU
-   with the dry run (train/dry_run.py; CPU ranks with --gpus_per_node 0): a configuration that
+   with the dry run (train/estimate/dry_run.py; CPU ranks with --gpus_per_node 0): a configuration that
    would fail, or not fit, is refused here with the problems listed (exit 2) and nothing is
    submitted or written. So is a request Slurm itself refuses (`sbatch --test-only` first: an
    unknown partition, GRES the cluster lacks, more CPUs per task than a node has), and before it
@@ -122,14 +122,14 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def parser() -> argparse.ArgumentParser:
     """submit.py's own options (those before `--`); `--help` lists them with type and default."""
-    from train.gpus import GPUS
+    from train.estimate.gpus import GPUS
 
     p = Parser(prog="python -m launchers.submit", usage=USAGE, description=__doc__,
                                 formatter_class=_HelpFormatter)
     p.add_argument("--nodes", type=int, required=True, help="nodes (int >= 1; required)")
     p.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node (int); 0: CPU ranks, no GPU requested")
     p.add_argument("--gpu", metavar="NAME",
-                   help=f"the GPU the run is checked against (train/gpus.py: {', '.join(sorted(GPUS))}); "
+                   help=f"the GPU the run is checked against (train/estimate/gpus.py: {', '.join(sorted(GPUS))}); "
                         "needed with GPUs")
     p.add_argument("--ranks_per_node", type=int, help="ranks per node (int; default: --gpus_per_node, 1 without GPUs)")
     p.add_argument("--cpus_per_task", type=int,
@@ -227,8 +227,8 @@ def job_script() -> str:
 
 def new_run_problem(out: Path, cfg, continue_run: bool) -> str:
     """Why the submission may not use `out` as its run folder ('' when it may)."""
-    from train.config import to_dict
-    from train.run_dir import other_run
+    from train.config.options import to_dict
+    from train.run.folder import other_run
 
     if cfg.run.overwrite:
         return ("--run.overwrite is not for a submission: every start of the job (its requeues too) runs --resume "
@@ -264,10 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     world = a.nodes * ranks_per_node
 
     from data.loader import MAX_AUTO_WORKERS
-    from train.code_version import source_hash
-    from train.config import ConfigError, parse_args
-    from train.dry_run import check
-    from train.gpus import gpu_named
+    from train.config.errors import ConfigError
+    from train.config.options import parse_args
+    from train.estimate.dry_run import check
+    from train.estimate.gpus import gpu_named
+    from train.run.code_version import source_hash
 
     try:
         cfg = parse_args(pretrain_args)

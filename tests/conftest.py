@@ -28,7 +28,7 @@ PROCESS_GROUP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_
 @contextmanager
 def process_group_of_its_own():
     """A training command run in this process starts a process group of one and writes who it is
-    into the environment (train/distributed.py init): both end here, so a later child process
+    into the environment (train/engine/distributed.py init): both end here, so a later child process
     neither inherits the rank nor the port of a store this process may still hold."""
     saved = {k: os.environ.get(k) for k in PROCESS_GROUP_ENV}
     try:
@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(config, items):
 def run_pretrain(out_dir: Path, *args: str, ranks: int = 1, ds_config: Path = CPU_DS, check: bool = True,
                  faults: str = ""):
     """Run train/pretrain.py as a real process (1 rank: python; >1: the deepspeed launcher);
-    `faults` arms train/fault_injection.py in it."""
+    `faults` arms train/engine/fault_injection.py in it."""
     opts = ["--ds_config", str(ds_config), "--config", str(DEBUG_PRESET), "--output_dir", str(out_dir),
             "--run.progress", "false", *args]
     script = str(REPO / "train" / "pretrain.py")

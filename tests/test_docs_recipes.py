@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 
 import pytest
 from readme_commands import REPO, Doc, code_lines
 
-from train.build import peak_lr
-from train.config import parse_args
-from train.ds_config import resolve
+from train.config.ds_config import resolve
+from train.config.options import parse_args
+from train.config.plan import peak_lr
 
 PAGES = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md"))]
 TRAINING = re.compile(r"^(deepspeed --num_gpus (\d+)|python) train/(pretrain|finetune|linprobe)\.py (.*)$")

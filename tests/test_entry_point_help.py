@@ -1,6 +1,6 @@
 """Every argparse entry point's --help: each option has a description, and each option with a
 value shows its default. The config-driven ones
-(pretrain, finetune, linprobe) are tests/train/test_options_help.py."""
+(pretrain, finetune, linprobe) are tests/train/config/test_options_help.py."""
 import argparse
 import importlib
 

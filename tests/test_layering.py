@@ -36,6 +36,10 @@ ALLOWED = {
     "benchmarks": {*LIBRARY, "experiments"},
     "tools": {*LIBRARY, "experiments", "benchmarks"},
 }
+# train/'s rooms in their order: each may import its own modules and the rooms before it. The
+# commands at train/'s top (pretrain.py, export.py, ...) may import every room; no room imports a
+# command, and nothing outside train/ names a room's module through a command.
+ROOMS = ("config", "engine", "weights", "estimate", "run")
 # Packages that only exist (or only build) on CUDA machines: a module needing one is skipped by the
 # import check, with its name printed.
 CUDA_ONLY = {"flash_attn", "apex"}
@@ -187,6 +191,46 @@ def test_every_module_imports():
         print("skipped, CUDA-only packages missing:", ", ".join(skipped))
     assert not failed, "\n".join(failed)
     assert len(names) - len(skipped) > 50  # the walk found the packages
+
+
+def room_of(module: str) -> str | None:
+    """train.<room>.x -> <room>; a command at train/'s top -> "command"; outside train/: None."""
+    parts = module.split(".")
+    if parts[0] != "train":
+        return None
+    return parts[1] if len(parts) > 2 or parts[1:] and parts[1] in ROOMS else ("command" if len(parts) > 1 else "train")
+
+
+def test_train_holds_only_commands_and_rooms():
+    top = sorted(p.name for p in (REPO / "train").iterdir() if p.name != "__pycache__")
+    rooms = [p for p in top if (REPO / "train" / p).is_dir()]
+    assert sorted(rooms) == sorted([*ROOMS, "configs"]), rooms  # configs: the presets (JSON)
+    commands = [p for p in top if p.endswith(".py") and p != "__init__.py"]
+    assert all('if __name__ == "__main__":' in (REPO / "train" / c).read_text() for c in commands), commands
+
+
+def test_train_rooms_import_down_their_order_only():
+    """config < engine < weights < estimate < run < the commands: an arrow the other way, or from a
+    room to a command, fails here; train/__init__.py's docstring draws the same order."""
+    known, edges = graph()
+    offending = []
+    for module, targets in sorted(edges.items()):
+        mine = room_of(module)
+        if mine not in ROOMS:
+            continue
+        for target, line in targets:
+            theirs = room_of(target)
+            if theirs is None or theirs == mine or theirs == "train":
+                continue
+            if theirs == "command" or ROOMS.index(theirs) > ROOMS.index(mine):
+                offending.append(f"{known[module].relative_to(REPO)}:{line}: train/{mine}/ imports {target}")
+    assert not offending, f"imports against train/'s rooms ({' < '.join(ROOMS)} < commands):\n" + "\n".join(offending)
+
+
+def test_the_room_order_is_the_one_train_says():
+    doc = importlib.import_module("train").__doc__
+    assert [line.split()[0].rstrip("/") for line in doc.splitlines() if line.startswith("    ") and "/" in line.split()[0]] \
+        == list(ROOMS)
 
 
 @pytest.mark.parametrize("layer", LIBRARY + ON_TOP)

@@ -49,7 +49,7 @@ from safetensors.torch import load_file
 from wds_shards import image_bytes, write_img2dataset_shards
 
 from model.objectives import list_objectives
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
 
 TRAIN, TEST = 160, 64  # tiny splits: one shard each
 STEPS = 2
@@ -201,7 +201,7 @@ def test_timm_snippet_loads_strictly(exported):
 def test_the_timm_snippet_on_the_page_is_what_export_writes_for_vit_b():
     """docs/CHECKPOINTS.md's example snippet (a ViT-B/16 export) is the text train.export writes for one."""
     from model import create_model
-    from train.export import timm_loading
+    from train.weights.export import timm_loading
 
     name, *rest = TIMM_SNIPPET
     block = code_block(page(name), *rest)
@@ -227,7 +227,7 @@ def test_export_to_transformers(pretrain):
 
 
 def test_the_transformers_lines_on_the_page_are_what_export_prints():
-    from train.export_transformers import loading_lines
+    from train.weights.transformers import loading_lines
 
     name, *rest = HF_SNIPPET
     block = code_block(page(name), *rest)

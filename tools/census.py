@@ -1,6 +1,6 @@
 """Kernel launches, collectives and host-device syncs per training step and phase, through the real
 engine and loop, beside the plain-PyTorch MAE loop (tools/mae_baseline.py) at the same shapes;
-optionally the host time per step of both (train/counting.py says what is counted and how).
+optionally the host time per step of both (train/estimate/counting.py says what is counted and how).
 
     python -m tools.census --ds_config FILE [--config PRESET] [--key value ...] [census options]
 
@@ -20,7 +20,7 @@ Census options (the rest are train/pretrain.py options; data.source defaults to 
 
 With `--run.compile true` every ViT block compiles in the warm-up step and a launch is a kernel
 inductor generated or an aten op outside those kernels (the record's `launches` says which count
-it holds; train/counting.py).
+it holds; train/estimate/counting.py).
 
 The record holds device, versions, commit, the final ds_config, shapes, and per phase of a
 reported step: launches, comm, syncs (the worst reported step), the ops behind the launches,
@@ -47,14 +47,16 @@ from pathlib import Path
 import torch
 
 from data.folders import unwritable_file
-from train.cli import cli, pop_flags
-from train.config import ConfigError, PretrainConfig, encoder_img_size, help_text, parse_args, section, to_dict
-from train.counting import PHASES, Tally, counting, kernels_profiled
+from train.config.errors import ConfigError
+from train.config.flags import pop_flags
+from train.config.options import PretrainConfig, encoder_img_size, help_text, parse_args, section
+from train.estimate.counting import PHASES, Tally, counting, kernels_profiled
+from train.run.cli import cli
 
 CENSUS_FLAGS = {"--steps": int, "--width": int, "--micro": int, "--zero_stage": int, "--baseline": str, "--deepspeed": None,
                 "--host_time": int, "--json": str, "--record": None}
 HOST_TIME_STEPS = 10
-# what a record's launches are (train/counting.py); with run.compile every ViT block runs as a compiled graph
+# what a record's launches are (train/estimate/counting.py); with run.compile every ViT block runs as a compiled graph
 LAUNCHES_EAGER = "aten ops that run a kernel"
 LAUNCHES_COMPILED = "inductor kernels + extern aten ops"
 
@@ -87,7 +89,7 @@ def with_micro(argv: list[str], micro: int, stage: int = -1) -> list[str]:
     import os
     import tempfile
 
-    from train.distributed import world_size_from_env
+    from train.engine.distributed import world_size_from_env
 
     i = argv.index("--ds_config") + 1
     ds = json.loads(Path(argv[i]).read_text())
@@ -124,12 +126,13 @@ class Subject:
 
 
 def our_subject(cfg: PretrainConfig, arch: dict) -> tuple[Subject, dict]:
-    """The real engine and loop (train/build.py, train/loop.py), one optimizer step per call; and
+    """The real engine and loop (train/run/build.py, train/run/loop.py), one optimizer step per call; and
     what the record says of the run (ds_config, batch, dtype, device)."""
-    from train import distributed
-    from train.build import build_engine, peak_lr, schedule_steps, training_source
-    from train.ds_config import resolve
-    from train.loop import LoopSettings, LoopState, run
+    from train.config.ds_config import resolve
+    from train.config.plan import peak_lr, schedule_steps
+    from train.engine import distributed
+    from train.run.build import build_engine, training_source
+    from train.run.loop import LoopSettings, LoopState, run
 
     cuda = torch.cuda.is_available()
     # on CPU the census counts a GPU's configuration as if the machine had one (fp16 included)
@@ -189,8 +192,8 @@ def baseline_subject(cfg: PretrainConfig, arch: dict, micro: int, dtype: torch.d
 def deepspeed_subject(cfg: PretrainConfig, arch: dict, run_info: dict, device: torch.device) -> Subject:
     """DeepSpeed's engine on our objective (tools/deepspeed_step.py), the same ds_config and data."""
     from tools.deepspeed_step import DeepSpeedStep
-    from train.build import training_source
-    from train.ds_config import BatchPlan
+    from train.config.ds_config import BatchPlan
+    from train.run.build import training_source
 
     plan = BatchPlan(**{k: run_info["batch"][k] for k in ("micro", "accum", "world")})
     rank = torch.distributed.get_rank()
@@ -238,7 +241,7 @@ def overlap(tally: Tally, step: int) -> dict:
 
 def host_time(subjects: list[Subject], rounds: int) -> dict[str, float]:
     """Median ms per step of each subject over `rounds` alternating rounds of HOST_TIME_STEPS steps."""
-    from train.loop import no_phases
+    from train.run.loop import no_phases
 
     times: dict[str, list[float]] = {s.name: [] for s in subjects}
     threads = torch.get_num_threads()
@@ -260,7 +263,7 @@ def host_time(subjects: list[Subject], rounds: int) -> dict[str, float]:
 def census(argv: list[str]) -> dict:
     """The record of one census (see the module docstring)."""
     from train.bench import cpu_name, versions
-    from train.run_dir import git_commit
+    from train.run.folder import git_commit
 
     opts, rest = split_argv(argv)
     cfg, arch = narrowed(rest, opts["width"])
@@ -315,7 +318,7 @@ def record_path(opts: dict, objective: str, model: str) -> Path:
     committed records) with --record."""
     if opts["json"]:
         return Path(opts["json"])
-    from train.run_dir import REPO
+    from train.run.folder import REPO
 
     folder = REPO / ("benchmarks/results" if opts["record"] else "runs/census")
     return folder / f"census_{objective}_{model}_{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}.json"

@@ -4,7 +4,7 @@ no wrapper) on synthetic images.
 
     python -m tools.compile_probe eager|compiled|compiled_no_graphs [--model vit_base_patch16] [--micro 128]
 
-`compiled` is what `--run.compile true` does on one GPU (train/build.py `uses_cuda_graphs`: the
+`compiled` is what `--run.compile true` does on one GPU (train/run/build.py `uses_cuda_graphs`: the
 compiled blocks replay as CUDA graphs); `compiled_no_graphs` is what it does on FSDP2's sharded
 stages. Prints its findings; one process per variant, so each compiles from a fresh cache
 (inductor's on-disk cache aside). docs/PERFORMANCE.md "Compiling the blocks on one H200".
@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 from data.cli import Parser, refuse
-from train.build import apply_execution_options, build_engine
-from train.config import parse_args
-from train.ds_config import resolve
+from train.config.ds_config import resolve
+from train.config.options import parse_args
+from train.engine.execution import apply_execution_options
+from train.run.build import build_engine
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("eager", "compiled", "compiled_no_graphs")

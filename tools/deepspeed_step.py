@@ -1,7 +1,7 @@
 """DeepSpeed's own engine training our objective: the step this codebase ran before train/engine/,
 kept as a baseline to measure the engine against (tools/census.py --deepspeed, the GPU kit's bench).
 
-The same objective, parameter groups, fused AdamW and schedule as train/build.py's, handed to
+The same objective, parameter groups, fused AdamW and schedule as train/run/build.py's, handed to
 `deepspeed.initialize` with the run's batch sizes, ZeRO stage, precision and clipping and the
 bucket settings the shipped files had for it (`old_defaults`). Its loop is the plain one: per micro-batch forward, engine.backward,
 engine.step; the objective's after-step hook after the last.
@@ -13,10 +13,10 @@ from typing import Callable
 
 import torch
 
-from train.build import build_encoder
-from train.config import PretrainConfig, section
-from train.loop import no_phases
-from train.optim import WarmupCosineSchedule, build_optimizer, build_param_groups
+from train.config.options import PretrainConfig, section
+from train.config.plan import build_encoder
+from train.engine.optim import WarmupCosineSchedule, build_optimizer, build_param_groups
+from train.run.loop import no_phases
 
 
 def old_defaults(ds_config: dict) -> dict:

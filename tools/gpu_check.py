@@ -19,7 +19,7 @@ Phases (tools/phases/, one module each; each reuses the project's own entry poin
            default one epoch: 60000)
   scale    MAE ViT-B/16 images/s per GPU on 1, 2, 4, 8 GPUs of the node (those present) for ZeRO 0-3,
            through train/bench.py under torchrun; efficiency against 1 GPU beside the communication
-           model's prediction for one node and 4 nodes (train/comm_model.py)
+           model's prediction for one node and 4 nodes (train/estimate/comm_model.py)
 
 --smoke: the same phase on the CPU with tiny models and few steps (the test suite runs it); what
 needs CUDA is skipped with the reason in the JSON. Without CUDA and without --smoke: exit 2.
@@ -80,7 +80,7 @@ class Tee(io.TextIOBase):
 def commit() -> str:
     if os.environ.get("GPU_CHECK_COMMIT"):
         return os.environ["GPU_CHECK_COMMIT"]
-    from train.run_dir import git_commit
+    from train.run.folder import git_commit
 
     c = git_commit()
     return c["commit"] + ("+dirty" if c.get("dirty") else "") if c["commit"] != "unknown" else "unknown"
@@ -150,7 +150,7 @@ class Check:
 def drop_process_group_env() -> None:
     """In-process runs (train/bench.py, train/pretrain.py) make this process rank 0 of a world of 1
     through these variables; a child process inheriting them would try to bind the same port. The
-    next in-process run sets them afresh (train/distributed.py)."""
+    next in-process run sets them afresh (train/engine/distributed.py)."""
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
 

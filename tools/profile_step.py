@@ -30,7 +30,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from train.loop import no_phases
+from train.run.loop import no_phases
 
 PHASE_PREFIX = "phase:"
 TRACE_LIMIT = 16 * 2**20

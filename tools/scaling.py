@@ -1,8 +1,8 @@
 """Communication per optimizer step on paper, for any ds_config, model and world sizes: the bytes
 each rank sends by collective, the communication time, the part hidden behind compute and the
 exposed part, for the flat-buffer engine (`before`) and PyTorch's FSDP2 / DDP (`after`), with the
-assumptions printed (the model: train/comm_model.py; the configuration's units and batch:
-train/scaling.py).
+assumptions printed (the model: train/estimate/comm_model.py; the configuration's units and batch:
+train/estimate/scaling.py).
 
     python -m tools.scaling --ds_config FILE [FILE ...] [--world_size 8 32 128]
         [--gpus_per_node 8] [--intra_gbytes_s 360] [--inter_gbits_s 800] [--intra_latency_us 10]
@@ -26,11 +26,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from train.comm_model import DDP_BUCKET_BYTES, Compute, Network
-from train.config import parse_args
-from train.ds_config import load
-from train.gpus import gpu_in_filename, gpu_named
-from train.scaling import Scaling, scaling
+from train.config.ds_config import load
+from train.config.options import parse_args
+from train.estimate.comm_model import DDP_BUCKET_BYTES, Compute, Network
+from train.estimate.gpus import gpu_in_filename, gpu_named
+from train.estimate.scaling import Scaling, scaling
 
 MODELS_IN_FILENAME = {"vit_b_": "vit_base_patch16", "vit_l_": "vit_large_patch16", "vit_h_": "vit_huge_patch14"}
 SHORT_MODEL = {"vit_base_patch16": "ViT-B/16", "vit_large_patch16": "ViT-L/16", "vit_huge_patch14": "ViT-H/14"}
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="latency of a collective across nodes (default %(default)s)")
     p.add_argument("--mfu", type=float, default=Compute.mfu,
                    help="model FLOPs utilization of the compute (default %(default)s)")
-    p.add_argument("--gpu", default=None, help="whose dense peak (train/gpus.py; default: the file's, else h100)")
+    p.add_argument("--gpu", default=None, help="whose dense peak (train/estimate/gpus.py; default: the file's, else h100)")
     p.add_argument("--markdown", action="store_true", help="one table row per file and world size")
     a, rest = p.parse_known_args(argv)
     if min(a.world_size) < 1 or a.gpus_per_node < 1 or not 0 < a.mfu <= 1:
@@ -180,6 +180,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 if __name__ == "__main__":
-    from train.cli import cli
+    from train.run.cli import cli
 
     cli(lambda: sys.exit(main()))

@@ -16,13 +16,13 @@ Bench options (the rest are train/pretrain.py options; data.source synthetic or 
 (`--run.compile true` compiles the blocks; `--data.decode cpu_draft|nvjpeg` picks the decoder.)
 
 Reports images/s, step time, training TFLOP/s per GPU from the analytic FLOP count of the
-objective's actual token counts (train/costs.py: 3 x forward matmul FLOPs of one micro-batch x
-accumulation), MFU against the GPU's dense peak (train/gpus.py), peak memory (CUDA: max
+objective's actual token counts (train/estimate/costs.py: 3 x forward matmul FLOPs of one micro-batch x
+accumulation), MFU against the GPU's dense peak (train/estimate/gpus.py), peak memory (CUDA: max
 allocated; CPU: the process's peak RSS), and with --loader_only images/s of the loader and per
 worker process (each runs one thread). JSON with device, versions, commit, the final ds_config
 and every option goes to --out_dir (benchmarks/results/ with --record). Timings come from the
 loop's own log step (one host sync per window), so they include data loading and every objective
-hook. On a CPU the run first says how long it takes at least (train/cpu_time.py).
+hook. On a CPU the run first says how long it takes at least (train/estimate/cpu_time.py).
 """
 from __future__ import annotations
 
@@ -43,20 +43,24 @@ from pathlib import Path
 
 import torch
 
-from train import distributed
 from data.folders import unwritable
 from data.progress import Progress
-from train.build import build_engine, peak_lr, profile_config, schedule_steps, training_source
-from train.cli import cli, pop_flags
-from train.cpu_time import check_cpu_time
-from train.config import ConfigError, encoder_img_size, help_text, parse_args, to_dict
-from train.ds_config import resolve
-from train.gpus import current_gpu, gpu_named
-from train.loop import LoopSettings, LoopState, run
-from train.run_dir import REPO, git_commit
+from train.config.ds_config import resolve
+from train.config.errors import ConfigError
+from train.config.flags import pop_flags
+from train.config.options import encoder_img_size, help_text, parse_args, to_dict
+from train.config.plan import peak_lr, schedule_steps
+from train.engine import distributed
+from train.estimate.costs import profile_config
+from train.estimate.cpu_time import check_cpu_time
+from train.estimate.gpus import current_gpu, gpu_named
+from train.run.build import build_engine, training_source
+from train.run.cli import cli
+from train.run.folder import REPO, git_commit
+from train.run.loop import LoopSettings, LoopState, run
 
 # Run options a benchmark does not read (it times one window of --steps after --warmup, writes its
-# record to --out_dir and nothing else): refused when set (train/config.py check_read)
+# record to --out_dir and nothing else): refused when set (train/config/options.py check_read)
 NOT_READ = {
     **{k: "a benchmark writes no run folder, only its record (--out_dir)" for k in (
         "output_dir", "resume", "run.overwrite", "run.export", "run.tensorboard", "run.progress", "run.ckpt_every",

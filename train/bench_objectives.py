@@ -41,8 +41,8 @@ from model.objectives.mae import MAEConfig
 from model.objectives.maeplus import MAEPlusConfig
 from model.objectives.mixedae import MixedAEConfig
 from model.registry import create_model, list_models, model_arch
-from train.config import ConfigError
-from train.cpu_time import check_cpu_time
+from train.config.errors import ConfigError
+from train.estimate.cpu_time import check_cpu_time
 
 PAIRS = ("mixedae", "adpe")
 
@@ -91,9 +91,9 @@ def pair_runs(pair: str, model: str, batch: int, device: torch.device | str) -> 
 
 
 def train_flops(pairs: list[str], model: str, batch: int, steps: int) -> float:
-    """Matmul FLOPs of `steps` training steps of every objective of the pairs (train/costs.py, on
+    """Matmul FLOPs of `steps` training steps of every objective of the pairs (train/estimate/costs.py, on
     the meta device: nothing is computed)."""
-    from train.costs import profile
+    from train.estimate.costs import profile
 
     total = 0.0
     for pair in pairs:

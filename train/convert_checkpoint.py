@@ -27,9 +27,8 @@ import torch
 
 from data.cli import Parser
 from data.outputs import written_whole
-from train.checkpoint import COMPLETE, TAG_RE, check_files
-from train.cli import cli
-from train.config import ConfigError
+from train.config.errors import ConfigError
+from train.engine.checkpoint import COMPLETE, TAG_RE, check_files
 from train.engine.state_files import (
     LEGACY_FILE,
     OPTIM_DIR,
@@ -38,6 +37,7 @@ from train.engine.state_files import (
     single_process_quiet,
     write_weights,
 )
+from train.run.cli import cli
 
 
 def _legacy_optimizer(tag_dir: Path, shapes: dict[str, torch.Size]) -> tuple[str, dict[str, torch.Tensor]]:

@@ -19,15 +19,15 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 if __name__ == "__main__":  # before the heavy imports below: Ctrl-C / kill in start-up end it at once, quietly
-    from train import early_signals
+    from train.run import early_signals
 
     early_signals.at_script_start()
 
 import sys
 from pathlib import Path
 
-from train import trainer
-from train.cli import run_script
+from train.run import trainer
+from train.run.cli import run_script
 
 # AdamW (0.9, 0.999), blr 5e-4, wd 0.05, layer decay 0.65, 100 epochs with 5 warmup, drop path
 # 0.1, global average pool + fc_norm, RandAug(9, 0.5) + random erasing 0.25, mixup 0.8,

@@ -16,15 +16,15 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 if __name__ == "__main__":  # before the heavy imports below: Ctrl-C / kill in start-up end it at once, quietly
-    from train import early_signals
+    from train.run import early_signals
 
     early_signals.at_script_start()
 
 import sys
 from pathlib import Path
 
-from train import trainer
-from train.cli import run_script
+from train.run import trainer
+from train.run.cli import run_script
 
 # cls feature + BN(no affine) + Linear, LARS (momentum 0.9, trust 0.001), no weight decay,
 # blr 0.1 (lr = blr x batch / 256; the recipe's batch is 16384), 90 epochs with 10 warmup,

@@ -40,8 +40,8 @@ import torch
 
 from data.cli import Parser
 from data.folders import unwritable
+from data.loader import cores_per_rank
 from data.shards import ShardSet
-from experiments.fashion_mnist import common
 from experiments.fashion_mnist.common import (
     RAW_PIXEL_BASELINES,
     REPO,
@@ -54,10 +54,9 @@ from experiments.fashion_mnist.common import (
     presets,
     variants,
 )
-from data.loader import cores_per_rank
 from train.bench import cpu_name
-from train.evaluate import decode_all, evaluate, load_encoder, subsample
-from train.run_dir import read_metrics
+from train.run.evaluation import decode_all, evaluate, load_encoder, subsample
+from train.run.folder import read_metrics
 
 DEFAULT_METHOD = "mae"  # its run folder is runs/demo
 # kNN / linear probe fitted on a third of the train split: feature extraction of the mini ViT is

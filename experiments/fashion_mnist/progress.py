@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
 
 RECENT_STEPS = 5  # step time: the median over this many last logged steps (one slow step is noise)
 

@@ -36,7 +36,7 @@ from experiments.fashion_mnist.entries import AT_ABLATION_BUDGET, ENTRIES, PRESE
 from experiments.fashion_mnist.homologous_attention import has_topk, topk_reports
 from experiments.fashion_mnist.learned_masks import mask_reports
 from experiments.fashion_mnist.run_checkpoints import complete_tags
-from train.checkpoint import is_pinned
+from train.engine.checkpoint import is_pinned
 
 METRICS = plots.METRICS
 RAW_PIXELS = {"logistic regression": RAW_PIXEL_BASELINES["logistic_regression"], "5-NN": RAW_PIXEL_BASELINES["knn_5"]}

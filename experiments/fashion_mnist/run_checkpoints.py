@@ -16,11 +16,11 @@ import torch
 from data.shards import ShardSet
 from model.objectives import build_objective
 from model.objectives.base import Objective
-from train.build import build_encoder
-from train.checkpoint import is_complete, read_meta
-from train.config import parse_args, section
+from train.config.options import parse_args, section
+from train.config.plan import build_encoder
+from train.engine.checkpoint import is_complete, read_meta
 from train.engine.state_files import read_module_state
-from train.evaluate import DecodedSet, decode_all, subsample
+from train.run.evaluation import DecodedSet, decode_all, subsample
 
 
 def build_run_objective(run: Path, objective: str) -> Objective:

@@ -40,8 +40,8 @@ from experiments.fashion_mnist.run_checkpoints import (
 )
 from kernels import GLOBAL
 from model.objectives.mixedae import MixedAEObjective
-from train.checkpoint import read_meta
-from train.evaluate import DecodedSet, knn_top1, linear_probe_top1
+from train.engine.checkpoint import read_meta
+from train.run.evaluation import DecodedSet, knn_top1, linear_probe_top1
 
 
 @torch.no_grad()

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from data.cli import Parser
 from data.shards import ShardSet
 from experiments.fashion_mnist import progress
 from experiments.fashion_mnist.common import (
@@ -68,13 +69,12 @@ from experiments.fashion_mnist.common import (
     presets,
 )
 from experiments.fashion_mnist.entries import ENTRIES, PRESETS, Entry
-from data.cli import Parser
 from experiments.fashion_mnist.plots import pyplot
 from experiments.fashion_mnist.report import NO_FIGURES, check_figures, publish, write_report
-from train.checkpoint import tag_for
-from train.evaluate import DecodedSet, decode_all, evaluate, load_encoder
-from train.export import export_checkpoint
-from train.run_dir import read_metrics
+from train.engine.checkpoint import tag_for
+from train.run.evaluation import DecodedSet, decode_all, evaluate, load_encoder
+from train.run.folder import read_metrics
+from train.weights.export import export_checkpoint
 
 EVAL_SIZE = 32  # every encoder is evaluated and fine-tuned at the mini ViT's 32 px (MAE+ pretrains on 16 px crops)
 CKPT_EVERY = 100  # steps between checkpoints (pretraining and fine-tuning): a killed run loses at most this many

@@ -38,7 +38,7 @@ class NoClassifierError(NotImplementedError):
 
 class ObjectiveConfig:
     """Base of every objective's config dataclass. The checks run before any process starts
-    (train/config.py); they raise ValueError with a message naming the option and the fix."""
+    (train/config/options.py); they raise ValueError with a message naming the option and the fix."""
 
     section: ClassVar[str] = ""  # the objective's name, its command-line section (set by register_objective)
 
@@ -64,7 +64,7 @@ class ObjectiveConfig:
         None when they carry no labels (an unlabeled index, data/index_shards.py; its batches have no
         "label"). The default accepts both: objectives that read no labels pretrain on unlabeled shards. An objective that
         reads labels refuses None with a ValueError saying what it reads them for; the caller adds
-        the index and the fix (train/config.py)."""
+        the index and the fix (train/config/options.py)."""
 
     def data_split(self) -> tuple[float, int] | None:
         """(share of the training samples held out as a validation split, split seed) for an
@@ -88,7 +88,7 @@ class Objective(nn.Module, metaclass=ABCMeta):
 
     name: ClassVar[str] = ""  # set by @register_objective
     # The loss differentiates through input gradients (energy restoration): memory estimates count
-    # a second backward (train/costs.py) and run.compile is refused.
+    # a second backward (train/estimate/costs.py) and run.compile is refused.
     double_backward: ClassVar[bool] = False
     # after_optimizer_step reads the weights (MLO-MAE's levels II-III): where the engine shards
     # them, it gathers them whole for the hook (train/engine/core.py)
@@ -133,7 +133,7 @@ class Objective(nn.Module, metaclass=ABCMeta):
         return {}
 
     def visualizations(self, images: torch.Tensor, noise: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-        """Figures for the run folder (train/visualize.py): name -> rows of (B, C, H, W) images
+        """Figures for the run folder (train/run/visualize.py): name -> rows of (B, C, H, W) images
         in the input's normalisation. `noise` (B, N) in [0, 1) fixes the masks across steps."""
         return {}
 

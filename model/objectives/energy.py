@@ -120,7 +120,7 @@ def check_twice_differentiable(encoder: nn.Module) -> None:
 
 @register_objective("energy", EnergyConfig)
 class EnergyObjective(Objective):
-    double_backward = True  # the loss differentiates through input gradients (memory estimates: train/costs.py)
+    double_backward = True  # the loss differentiates through input gradients (memory estimates: train/estimate/costs.py)
 
     def __init__(self, encoder: nn.Module, cfg: EnergyConfig):
         cfg.validate()

@@ -6,7 +6,7 @@ plain label-smoothed cross-entropy when both are off.
 `pos_embed` trains, as in the official recipe (its models_vit keeps timm's learnable table,
 initialised from the pretrained one; util/lr_decay.py gives it layer id 0 and no weight decay):
 the ViT creates the sin-cos table frozen for pretraining, so this objective unfreezes it. The
-parameter groups (train/optim.py) then give it lr scale layer_decay^(depth + 1) and no decay,
+parameter groups (train/engine/optim.py) then give it lr scale layer_decay^(depth + 1) and no decay,
 through the encoder's no_weight_decay()."""
 from __future__ import annotations
 

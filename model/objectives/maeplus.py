@@ -125,7 +125,7 @@ class MAEPlusObjective(Objective):
         return set() if self.cfg.decay_tokens else {"mask_token"}
 
     def decayed_names(self) -> set[str]:
-        """Names decayed although a submodule exempts them (train.optim): the encoder's cls_token
+        """Names decayed although a submodule exempts them (train.engine.optim): the encoder's cls_token
         under decay_tokens (the iRPE tables and mask_token follow the option directly)."""
         return {"encoder.cls_token"} if self.cfg.decay_tokens else set()
 

@@ -98,7 +98,7 @@ class MLOMAEConfig(ObjectiveConfig):
             raise ValueError(f"mlomae.variant must be one of {VARIANTS}, got {self.variant!r}")
         check_decoder("mlomae", self.decoder_dim, self.decoder_heads)
 
-    # --- checks before any process starts (train/config.py, train/pretrain.py) ---------------
+    # --- checks before any process starts (train/config/options.py, train/pretrain.py) ---------------
     def check_fits(self, img_size: int, patch_size: int, depth: int, micro_batch: int) -> None:
         check_mask_ratio("mlomae.mask_ratio", self.mask_ratio, (img_size // patch_size) ** 2)
 

@@ -21,7 +21,8 @@ from data.loader import ShardLoader
 from data.shards import PipeShard, ShardSet, ShardStream, open_sample, raw_samples
 from data.source import _shard_loader
 from data.transforms import EvalTransform, MultiCropTransform, PretrainTransform, decode_rgb
-from train.config import ConfigError, DataConfig, PretrainConfig
+from train.config.errors import ConfigError
+from train.config.options import DataConfig, PretrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -98,7 +98,7 @@ def test_device_decode_matches_the_cpu_path_and_keeps_the_batch_when_a_jpeg_is_c
 def test_loader_with_each_decode_yields_normalised_batches(tmp_path, decode):
     from data.source import build_source
     from data.write_shards import main as write_shards
-    from train.config import DataConfig
+    from train.config.options import DataConfig
 
     src = tmp_path / "src" / "c0"
     src.mkdir(parents=True)

@@ -7,7 +7,7 @@ from test_data_faults import image_shards, write_index
 
 from data.loader import ShardLoader, cores_per_rank, resolve_num_workers
 from data.shards import ShardSet
-from train.config import DataConfig
+from train.config.options import DataConfig
 
 
 def _cores(monkeypatch, n: int, local: int | None = None):

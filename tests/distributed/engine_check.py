@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from train import distributed
-from train.build import build_engine
-from train.config import parse_args
-from train.ds_config import resolve
 from rank_end import end_rank
+
+from train.config.ds_config import resolve
+from train.config.options import parse_args
+from train.engine import distributed
+from train.run.build import build_engine
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = (0, 1, 2, 3)
@@ -106,7 +106,7 @@ def equality(out: Path, objective: str, precision: str, steps: int) -> dict:
 
 
 def compiled_and_eager(out: Path, steps: int) -> dict:
-    from train.compile_watch import compiled_graphs
+    from train.run.compile_watch import compiled_graphs
 
     rank, world, _ = distributed.init()
     result = {}
@@ -151,8 +151,8 @@ SWEEP = {
 
 
 def sweep(out: Path) -> dict:
-    from train.build import training_source
-    from train.loop import LoopSettings, LoopState, run
+    from train.run.build import training_source
+    from train.run.loop import LoopSettings, LoopState, run
 
     rank, world, device = distributed.init()
     result = {}

@@ -12,7 +12,7 @@ def end_rank() -> None:
     the store's and autograd's native objects is not under test (a rank that had written its
     records has been seen to abort there with "terminate called without an active exception", both
     with its gloo process group still alive and after ending it). How a training command ends is
-    train/cli.py's, tested through the commands themselves."""
+    train/run/cli.py's, tested through the commands themselves."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()

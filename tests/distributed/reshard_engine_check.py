@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 
 import torch
-
-from train import checkpoint, distributed
-from train.build import build_engine
-from train.config import parse_args
-from train.ds_config import resolve
 from rank_end import end_rank
+
+from train.config.ds_config import resolve
+from train.config.options import parse_args
+from train.engine import checkpoint, distributed
+from train.run.build import build_engine
 
 REPO = Path(__file__).resolve().parents[2]
 GLOBAL, MICRO, STEPS, SAVE_AT = 16, 8, 5, 3

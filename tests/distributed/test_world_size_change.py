@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO, _free_port, run_pretrain
 
 from data.write_shards import main as write_shards
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -66,7 +66,7 @@ def test_pretrain_on_shards_under_zero3_with_checkpointing_continues_on_one_rank
     # the figures: every rank gathers the sharded weights, rank 0 draws
     assert sorted(p.name for p in (run / "vis").glob("*.png")) == ["cls_attention_step00000002.png",
                                                                    "mae_reconstruction_step00000002.png"]
-    from train.export import load_timm_encoder
+    from train.weights.export import load_timm_encoder
 
     assert load_timm_encoder(run / "encoder.safetensors").patch_embed.proj.weight.shape[0] == 32  # ZeRO-3 exports
     proc = run_pretrain(run, *args, "--run.max_steps", "3", "--resume", "auto", ds_config=ds)

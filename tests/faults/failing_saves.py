@@ -1,4 +1,4 @@
-"""Runs of the pretraining entry point (train.cli's `cli` around train/pretrain.py's `main`) in this
+"""Runs of the pretraining entry point (train.run.cli's `cli` around train/pretrain.py's `main`) in this
 process, with one checkpoint file failing to be written as on a full disk, or with every fsync
 recorded: what tests/faults/test_save_faults.py checks, in a process of its own (the engine,
 DeepSpeed's cached process groups and the stop-signal handlers stay out of the test session).
@@ -25,9 +25,9 @@ from unittest import mock
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from train.cli import cli
 from train.engine import state_files
 from train.pretrain import main
+from train.run.cli import cli
 
 
 class FullDisk:

@@ -5,8 +5,8 @@ import json
 import pytest
 from conftest import run_pretrain
 
-from train.checkpoint import COMPLETE, LATEST, check_files, find_resume, latest_complete, prune, tag_for
-from train.run_dir import read_metrics
+from train.engine.checkpoint import COMPLETE, LATEST, check_files, find_resume, latest_complete, prune, tag_for
+from train.run.folder import read_metrics
 
 
 def test_killed_while_writing_step_4_resumes_from_step_2_and_repeats_its_losses(tmp_path):

@@ -7,9 +7,9 @@ import torch
 from conftest import CPU_DS, DEBUG_PRESET, run_pretrain
 from fake_gpu import CU126_ARCHS, CU130_ARCHS, fake_gpu
 
-from train.cli import cli
 from train.pretrain import main
-from train.run_dir import read_metrics
+from train.run.cli import cli
+from train.run.folder import read_metrics
 
 
 def _reject(tmp_path, capsys, monkeypatch, *args, world: int = 1, ds=CPU_DS) -> str:
@@ -103,7 +103,7 @@ def test_gpu_the_torch_build_has_no_kernels_for(tmp_path, capsys, monkeypatch):
 
 def _old_run(folder, config_changes: dict, checkpoint: bool):
     """A run folder as an earlier run leaves it: config.json, a log line, maybe a checkpoint."""
-    from train.config import parse_args, to_dict
+    from train.config.options import parse_args, to_dict
 
     cfg = to_dict(parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET)]))
     for key, value in config_changes.items():

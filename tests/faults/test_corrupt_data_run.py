@@ -12,8 +12,8 @@ from conftest import run_pretrain
 from PIL import Image
 
 from data.shards import shards_for
-from train import checkpoint
-from train.run_dir import read_metrics
+from train.engine import checkpoint
+from train.run.folder import read_metrics
 
 
 def _tar(path, members: dict[str, bytes]):

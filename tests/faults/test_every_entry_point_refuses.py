@@ -1,4 +1,4 @@
-"""Every command refuses bad input the way pretraining does (data/cli.py, train/cli.py): exit status
+"""Every command refuses bad input the way pretraining does (data/cli.py, train/run/cli.py): exit status
 2, one line on stderr naming the problem and the fix, no traceback, nothing written.
 
 The table runs each entry point against each class of bad input that applies to it: a path that
@@ -25,7 +25,7 @@ from conftest import REPO
 from hostile_pickles import write_hostile_runs
 from PIL import Image
 
-from train.cli import cli
+from train.run.cli import cli
 
 DEBUG = "train/configs/mae/debug.json"
 CPU_DS = "ds_configs/cpu_debug.json"
@@ -42,7 +42,7 @@ def called(main: Callable[[], object]) -> None:  # `main()`
 
 # module -> (its main, the wrapper its __main__ block runs it with, how that block reads)
 ENTRY_POINTS = {
-    "train.pretrain": ("train.trainer", cli, "run_script(main)"),
+    "train.pretrain": ("train.run.trainer", cli, "run_script(main)"),
     "train.finetune": ("train.finetune", cli, "run_script(main)"),
     "train.linprobe": ("train.linprobe", cli, "run_script(main)"),
     "train.evaluate": ("train.evaluate", cli, "cli(main)"),
@@ -67,9 +67,10 @@ ENTRY_POINTS = {
 def inputs(tmp_path_factory) -> Path:
     """Inputs good and bad, made once: labeled RGB shards, encoders of 1 and 3 channels, a run
     folder of MAE, malformed JSON, a file where a folder is expected."""
+    from safetensors.torch import save_file
+
     from data.write_shards import main as write_shards
     from model.registry import create_model
-    from safetensors.torch import save_file
 
     root = tmp_path_factory.mktemp("inputs")
     for c in range(2):

@@ -32,10 +32,10 @@ from safetensors.torch import load_file, save
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-from train.checkpoint import LATEST, find_resume, tag_for
-from train.cli import cli
+from train.engine.checkpoint import LATEST, find_resume, tag_for
 from train.engine.state_files import read_dcp_metadata, single_process_quiet
 from train.pretrain import main
+from train.run.cli import cli
 
 TAG = Path("checkpoints") / tag_for(2)
 PAYLOADS = [*code_payloads(Path("marker"), Path("nested")), *malformed_payloads()]

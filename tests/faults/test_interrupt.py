@@ -1,7 +1,7 @@
-"""Ctrl-C (SIGINT) and kill (SIGTERM) outside Slurm (train/preemption.py, train/early_signals.py):
+"""Ctrl-C (SIGINT) and kill (SIGTERM) outside Slurm (train/run/preemption.py, train/run/early_signals.py):
 the first one finishes the step, writes a checkpoint, prints one line naming it and the command
 that continues it, and exits 130 / 143; the same signal again ends the run at once. Steps are
-slowed (train/fault_injection.py's slow_step) so that the signals land mid-run."""
+slowed (train/engine/fault_injection.py's slow_step) so that the signals land mid-run."""
 import json
 import os
 import shlex
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import CPU_DS, DEBUG_PRESET, REPO
 
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
 
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))},
        "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PRETRAIN_FAULTS": "slow_step@1-100000"}
@@ -185,7 +185,7 @@ def catches(pid: int, sig: int) -> bool:
 
 def handled(pid: int, sig: int, within: float = 60) -> None:
     """Wait until the run's handler has taken the first `sig`: it then gives the signal back its
-    default action (train/early_signals.py abort_on_repeat), so the handler is gone from SigCgt.
+    default action (train/run/early_signals.py abort_on_repeat), so the handler is gone from SigCgt.
     A fixed sleep raced on a loaded machine: two signals pending before the handler ran count as one."""
     end = time.time() + within
     while catches(pid, sig):

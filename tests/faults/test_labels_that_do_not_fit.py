@@ -28,9 +28,10 @@ from data.faults import CorruptDataError, ShardIndexError
 from data.shards import ShardSet, check_scored_against
 from data.verify import main as verify
 from data.write_shards import main as write_shards
-from train import evaluate, finetune, linprobe, trainer
-from train.cli import cli
-from train.evaluate import classification_accuracy, eval_summary
+from train import evaluate, finetune, linprobe
+from train.run import trainer
+from train.run.cli import cli
+from train.run.evaluation import classification_accuracy, eval_summary
 
 
 def image_folder(root: Path, classes: list[str], per_class: int = 4) -> Path:

@@ -13,9 +13,10 @@ import pytest
 import torch
 from conftest import CPU_DS, DEBUG_PRESET, REPO, run_pretrain
 
-from train.config import ConfigError, parse_args
-from train.ds_config import resolve
-from train.ds_keys import check_keys
+from train.config.ds_config import resolve
+from train.config.ds_keys import check_keys
+from train.config.errors import ConfigError
+from train.config.options import parse_args
 
 A100 = REPO / "ds_configs" / "vit_b_8xa100_bf16_zero1.json"
 PRESETS = REPO / "train" / "configs"
@@ -51,8 +52,8 @@ def dry_run(*argv: str) -> subprocess.CompletedProcess:
     (lambda d: {**d, "steps_per_print": 100}, "steps_per_print = 100 would not take effect"),
 ])
 def test_ds_config_keys_are_checked_before_start_by_the_dry_run_and_submit(tmp_path, change, message, capsys):
-    from train.cli import cli
     from train.pretrain import main
+    from train.run.cli import cli
 
     ds = with_ds(tmp_path, change(json.loads(A100.read_text())))
     with pytest.raises(SystemExit) as status:
@@ -151,8 +152,8 @@ def test_a_benchmark_refuses_what_it_would_ignore(capsys):
     ("/proc/vitpretrain_run", "cannot be written: /proc refuses a new entry"),
 ])
 def test_output_places_that_cannot_be_written_are_refused_before_start(tmp_path, where, message, capsys):
-    from train.cli import cli
     from train.pretrain import main
+    from train.run.cli import cli
 
     (tmp_path / "a_file").write_text("not a folder")
     out = where if where.startswith("/") else str(tmp_path / where)
@@ -166,7 +167,7 @@ def test_output_places_that_cannot_be_written_are_refused_before_start(tmp_path,
 
 
 def test_messages_name_the_fix(tmp_path, rgb_shards):
-    from train.trainer import check_before_start
+    from train.run.trainer import check_before_start
 
     # named by the key the file sets: the micro-batch here, the global batch in a file that gives it
     with pytest.raises(ConfigError, match=r"smaller than the global batch 8 .* give a ds_config with a "

@@ -1,6 +1,6 @@
 """Non-finite losses and gradients: the step is skipped and counted; a streak ends the run with
 its last checkpoint kept; an fp16 loss-scale collapse is reported as one. (The engine's skip
-itself, weights and moments unchanged, is tests/train/test_engine.py.)"""
+itself, weights and moments unchanged, is tests/train/engine/test_engine.py.)"""
 import json
 
 import pytest
@@ -8,13 +8,13 @@ import torch
 from conftest import CPU_DS, run_pretrain
 
 from train.engine import EngineConfig, EngineCore, build
+from train.engine.fault_injection import parse
+from train.engine.loss_scale import LossScaleConfig
+from train.engine.nonfinite import NonFiniteError, nan_if_not_finite
+from train.engine.optim import WarmupCosineSchedule
 from train.engine.state_files import read_tensors
-from train.fault_injection import parse
-from train.loop import LoopSettings, LoopState, run
-from train.loss_scale import LossScaleConfig
-from train.nonfinite import NonFiniteError, nan_if_not_finite
-from train.optim import WarmupCosineSchedule
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
+from train.run.loop import LoopSettings, LoopState, run
 
 
 def test_a_nonfinite_loss_poisons_every_gradient_and_a_finite_one_is_untouched():
@@ -122,7 +122,7 @@ def test_a_streak_that_ended_between_two_reads_is_still_caught_at_the_next():
 def test_checkpoint_time_inside_a_log_window_is_left_out_of_throughput(monkeypatch):
     """A checkpoint mid-window (ckpt_every 3, log_every 4): images/s counts the window's 4 steps
     over their own time, without the save's; a fake clock where each step takes 1 s and the save 10 s."""
-    import train.loop as loop
+    import train.run.loop as loop
 
     clock = [0.0]
     monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])

@@ -1,5 +1,5 @@
 """A loss that is non-finite from the run's first step is blamed on the objective's configuration
-and input, not on the lr (train/nonfinite.py); a streak after finite steps still names the lr."""
+and input, not on the lr (train/engine/nonfinite.py); a streak after finite steps still names the lr."""
 from conftest import run_pretrain
 
 

@@ -19,10 +19,10 @@ from conftest import CPU_DS, DEBUG_PRESET, process_group_of_its_own
 from PIL import Image
 
 import train.export
-import train.export_transformers
+import train.weights.transformers
 from data.write_shards import main as write_shards
-from train.cli import cli
 from train.pretrain import main as pretrain
+from train.run.cli import cli
 
 
 def snapshot(*folders: Path) -> dict[str, bytes | None]:
@@ -268,7 +268,7 @@ def test_transformers_export_replaces_a_folder_only_with_overwrite(run_dir, tmp_
     def fails(*args):
         raise ValueError("transformers loads the export with missing keys")
 
-    monkeypatch.setattr(train.export_transformers, "check_loads", fails)
+    monkeypatch.setattr(train.weights.transformers, "check_loads", fails)
     refused("train.export", [*argv, "--overwrite"], "transformers loads the export with missing keys", capsys)
     assert snapshot(out) == before and not temporaries(tmp_path)  # the earlier export, whole
 

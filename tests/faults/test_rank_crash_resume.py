@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import run_pretrain
 
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
 
 pytestmark = pytest.mark.distributed
 STEPS, CKPT_EVERY, KILL_AFTER = 6, 3, 5
@@ -21,7 +21,7 @@ def test_rank_killed_at_step_5_resumes_from_step_3_with_the_uninterrupted_losses
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     before = _shm_buffers()
     run_pretrain(straight, "--run.max_steps", str(STEPS), "--run.ckpt_every", str(CKPT_EVERY), ranks=2)
-    assert _shm_buffers() <= before  # DeepSpeed's CPU all-reduce buffers are released (train/distributed.py)
+    assert _shm_buffers() <= before  # DeepSpeed's CPU all-reduce buffers are released (train/engine/distributed.py)
 
     # rank 1 is SIGKILLed once step 5 is done: no handler, no checkpoint, the launcher ends rank 0
     proc = run_pretrain(crashed, "--run.max_steps", str(STEPS), "--run.ckpt_every", str(CKPT_EVERY), ranks=2,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import CPU_DS, DEBUG_PRESET, REPO, _free_port
 
-from train.checkpoint import LATEST, PARTIAL, tag_for
-from train.run_dir import read_metrics
+from train.engine.checkpoint import LATEST, PARTIAL, tag_for
+from train.run.folder import read_metrics
 
 SCRIPT = Path(__file__).with_name("failing_saves.py")
 STEP4 = f"{tag_for(4)}{PARTIAL}"

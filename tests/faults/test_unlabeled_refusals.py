@@ -8,8 +8,9 @@ from conftest import CPU_DS, DEBUG_PRESET
 from wds_shards import write_img2dataset_shards, write_index
 
 from train import finetune, linprobe, pretrain
-from train.cli import cli
-from train.config import ConfigError, parse_args
+from train.config.errors import ConfigError
+from train.config.options import parse_args
+from train.run.cli import cli
 
 CONFIGS = DEBUG_PRESET.parent.parent
 

@@ -25,14 +25,15 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from model.objectives import list_objectives
-from train.cli import cli
-from train.config import ConfigError, options, parse_args, valid_keys
-from train.ds_config import resolve
-from train.ds_keys import ENGINE_VALUES
+from train.config.ds_config import resolve
+from train.config.ds_keys import ENGINE_VALUES
+from train.config.errors import ConfigError
+from train.config.options import options, parse_args, valid_keys
 from train.engine.config import EngineConfig
-from train.run_dir import read_metrics
-from train.trainer import check_before_start
-from train.trainer import main as pretrain
+from train.run.cli import cli
+from train.run.folder import read_metrics
+from train.run.trainer import check_before_start
+from train.run.trainer import main as pretrain
 
 PRESETS = REPO / "train" / "configs"
 DS = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0}
@@ -442,7 +443,7 @@ def test_accepted_configurations_train_a_step_to_a_finite_loss(tmp_path):
         for key, value in chosen.items():
             argv += [f"--{key}", ",".join(map(repr, value)) if isinstance(value, tuple) else as_text(value)]
         calls.append(argv)
-    child = ("import json, sys\nfrom train.cli import cli\nfrom train.pretrain import main\nstatus = []\n"
+    child = ("import json, sys\nfrom train.run.cli import cli\nfrom train.pretrain import main\nstatus = []\n"
              "for argv in json.loads(sys.argv[1]):\n    try:\n        cli(lambda: main(argv))\n"
              "        status.append(0)\n    except SystemExit as e:\n        status.append(e.code)\n"
              "print(json.dumps(status))\n")

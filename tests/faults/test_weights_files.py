@@ -11,8 +11,8 @@ import importlib
 import json
 import os
 import random
-import shutil
 import re
+import shutil
 import struct
 import sys
 import warnings
@@ -29,8 +29,8 @@ from safetensors.torch import save_file
 from data.write_shards import main as write_shards
 from model.interop import WeightsFileError, safe_load, weights_shapes
 from model.registry import create_model
-from train.cli import cli
 from train.pretrain import main as pretrain
+from train.run.cli import cli
 
 GOOD = {"a": torch.arange(16, dtype=torch.float32).reshape(4, 4), "b": torch.ones(8)}
 
@@ -139,7 +139,7 @@ def shards(tmp_path_factory) -> Path:
 
 
 def run_promptly(module: str, argv: list[str], capsys) -> tuple[int, str]:
-    """(exit status, stderr) of the entry point's main run through train.cli.cli, in this process's
+    """(exit status, stderr) of the entry point's main run through train.run.cli.cli, in this process's
     main thread (the training commands install signal handlers) under a watchdog: a call still
     running after 60 s (blocked on a FIFO, reading a device) ends the test process with every
     thread's traceback, rather than hanging the suite."""
@@ -201,7 +201,7 @@ def assert_refused(status: int, err: str, message: str, fix: str) -> str:
 
 
 ENTRIES = {  # entry point -> (module, argv for the weights path W, the output R it would write)
-    "pretrain": ("train.trainer", lambda w, r, s: ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET),
+    "pretrain": ("train.run.trainer", lambda w, r, s: ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET),
                                                    "--model.init_from", str(w), "--output_dir", str(r)]),
     "finetune": ("train.finetune", lambda w, r, s: ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET),
                                                     "--model.init_from", str(w), "--finetune.num_classes", "10",
@@ -279,7 +279,7 @@ def test_a_file_without_encoder_tensors_is_refused_before_start(tmp_path, capsys
     """Sound weights of something else (no name of the model's encoder) are no encoder."""
     save_file({"classifier.weight": torch.zeros(2, 2)}, str(tmp_path / "other.safetensors"))
     argv = ENTRIES["pretrain"][1](tmp_path / "other.safetensors", tmp_path / "run", None)
-    status, err = run_promptly("train.trainer", argv, capsys)
+    status, err = run_promptly("train.run.trainer", argv, capsys)
     assert_refused(status, err, r"holds no encoder tensors: none of its 1 tensor names is one of the model's "
                                 r"\(e.g. \['classifier.weight'\]", INIT_FROM_FIX)
     assert not (tmp_path / "run").exists()

@@ -26,7 +26,7 @@ from conftest import CPU_DS, DEBUG_PRESET, REPO
 from safetensors.torch import load_file
 from slurm_cluster import LocalSlurm, missing
 
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=f"no local Slurm cluster: {missing()}")
 
@@ -142,7 +142,7 @@ def jobs(tmp_path_factory):
         # (With a 1 min limit the warning was due at once: once, a CI run's check fell between the
         # allocation and the step's launch 1.2 s later, and the job ran 44 s with no warning.) The run
         # halts at its next stop check (every 50 steps), writes a checkpoint and requeues. Steps 1-150
-        # take 0.7 s longer each (train/fault_injection.py, slow_step): at least 105 s, so the first
+        # take 0.7 s longer each (train/engine/fault_injection.py, slow_step): at least 105 s, so the first
         # run outlives that check however fast the machine; no weight changes.
         jobs.submit("short_time", *CPU_JOB[:-2], "--time", "4", train=("--run.stop_check_every", "50"),
                     env={"PRETRAIN_FAULTS": "slow_step@1-150", "PRETRAIN_SLOW_STEP_SECONDS": "0.7"})

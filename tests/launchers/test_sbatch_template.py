@@ -84,7 +84,7 @@ def test_a_usr1_to_the_batch_shell_reaches_the_step(tmp_path):
 def test_the_job_runs_the_snapshot_and_records_it(tmp_path):
     """The template runs the code in $VITPRETRAIN_CODE, not the installed checkout, and the run
     folder says which code ran (a one-step run on one CPU rank)."""
-    from train.code_version import source_hash
+    from train.run.code_version import source_hash
 
     code = tmp_path / "launch" / "code"
     code.mkdir(parents=True)

@@ -9,8 +9,8 @@ import time
 from conftest import CPU_DS, DEBUG_PRESET, REPO, _free_port
 
 from launchers.slurm import node_envs
-from train.run_dir import read_metrics
-from train.slurm_env import hostnames, in_task_step, task_env
+from train.engine.slurm_env import hostnames, in_task_step, task_env
+from train.run.folder import read_metrics
 
 
 def test_hostlists_expand():

@@ -1,5 +1,5 @@
 """Slurm's stop signals during a rank's start-up (imports, process group, engine, resume):
-train/pretrain.py catches them from its first line (train/early_signals.py) instead of dying
+train/pretrain.py catches them from its first line (train/run/early_signals.py) instead of dying
 (what a real cluster does)."""
 import json
 import os
@@ -10,7 +10,7 @@ import time
 
 from conftest import CPU_DS, DEBUG_PRESET, REPO
 
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
 
 
 def catches(pid: int, sig: int) -> bool:

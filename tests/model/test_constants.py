@@ -2,7 +2,7 @@
 import torch
 
 from model.constants import device_constant
-from train.counting import counting_syncs
+from train.estimate.counting import counting_syncs
 
 
 def test_a_constant_is_made_once_per_device_and_dtype_and_later_calls_copy_nothing():

@@ -1,5 +1,5 @@
 """tools/scaling.py: its numbers at a small case against a hand computation (parameters and FLOPs
-counted here from the objective, not through train/scaling.py), and docs/PERFORMANCE.md's table
+counted here from the objective, not through train/estimate/scaling.py), and docs/PERFORMANCE.md's table
 as the command the page names prints it today."""
 import re
 import subprocess
@@ -26,7 +26,7 @@ def test_vit_b_zero1_on_four_nodes_by_hand(capsys):
     from model.objectives import build_objective
     from model.objectives.mae import MAEConfig
     from model.registry import create_model
-    from train.costs import profile
+    from train.estimate.costs import profile
 
     with torch.device("meta"):
         mae = build_objective("mae", create_model("vit_base_patch16"), MAEConfig())

@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import CPU_DS, DEBUG_PRESET, REPO
 
-from train.build import apply_execution_options
+from train.engine.execution import apply_execution_options
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def records(tmp_path_factory):
 def test_training_bench_reports_throughput_flops_and_mfu(records):
     r = records["train"]
     res = r["results"]
-    # the debug MAE's hand count (tests/train/test_costs.py): 2,359,040 forward FLOPs per image
+    # the debug MAE's hand count (tests/train/estimate/test_costs.py): 2,359,040 forward FLOPs per image
     assert res["train_flops_per_image"] == 3 * 2_359_040
     assert res["images_per_s"] == pytest.approx(8 / res["step_time_s"], rel=1e-6)  # cpu_debug: global batch 8 x 1
     assert res["tflops_per_gpu"] == pytest.approx(res["train_flops_per_image"] * 8 / res["step_time_s"] / 1e12)

@@ -8,13 +8,13 @@ import pytest
 import torch
 from conftest import CPU_DS, DEBUG_PRESET
 
-from train import checkpoint
-from train.build import build_engine
-from train.cli import cli
-from train.config import parse_args, to_dict
+from train.config.ds_config import resolve
+from train.config.options import parse_args, to_dict
 from train.convert_checkpoint import main as convert
-from train.ds_config import resolve
+from train.engine import checkpoint
 from train.pretrain import main as pretrain
+from train.run.build import build_engine
+from train.run.cli import cli
 
 ALIGN = 64
 

@@ -11,8 +11,8 @@ import timm
 import torch
 from conftest import CPU_DS, DEBUG_PRESET, REPO, run_pretrain_calls
 
-from train.evaluate import load_encoder
-from train.run_dir import read_metrics
+from train.run.evaluation import load_encoder
+from train.run.folder import read_metrics
 
 PRESET = REPO / "train" / "configs" / "energy/debug.json"
 VARIANTS = REPO / "train" / "configs" / "energy" / "variants"

@@ -4,7 +4,7 @@ import torch
 from data.shards import ShardSet
 from data.write_shards import main as write_shards
 from model import create_model
-from train.evaluate import decode_all, evaluate, extract_features, knn_top1, linear_probe_top1, load_encoder
+from train.run.evaluation import decode_all, evaluate, extract_features, knn_top1, linear_probe_top1, load_encoder
 
 
 def test_knn_hand_computed():
@@ -73,7 +73,7 @@ def test_features_skip_a_truncated_shard(shards):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_subsample_is_seeded_and_decodes_only_the_chosen_samples(shards, workers):
-    from train.evaluate import subsample
+    from train.run.evaluation import subsample
 
     model = create_model("vit_debug_patch4")
     full_f = extract_features(model, shards, batch_size=7, num_workers=0).features

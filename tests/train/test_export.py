@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from model import create_model
 from train.engine.state_files import read_tensors
-from train.export import load_timm_encoder
 from train.export import main as export_main
+from train.weights.export import load_timm_encoder
 
 
 def _our_encoder_from_checkpoint(tag_dir):
@@ -51,13 +51,13 @@ def test_bf16_run_exports_fp32_master_weights(tmp_path):
     assert w.dtype == torch.float32 and torch.equal(module["encoder.blocks.0.attn.qkv.weight"], w)  # the checkpoint's
     assert not torch.equal(w, w.bfloat16().float())  # real fp32 masters, not the rounded bf16 copy
     load_timm_encoder(tmp_path / "run" / "encoder.safetensors")
-    from train.checkpoint import verify_safe
+    from train.engine.checkpoint import verify_safe
 
     verify_safe(tmp_path / "run" / "checkpoints" / "step00000002")  # every file of the tag passes the scan
 
 
 def test_evaluation_loads_the_exported_encoder_and_the_checkpoint_alike(fp32_run):
-    from train.evaluate import load_encoder
+    from train.run.evaluation import load_encoder
 
     from_export = load_encoder(encoder=str(fp32_run / "encoder.safetensors")).eval()
     from_ckpt = load_encoder(checkpoint=str(fp32_run)).eval()
@@ -93,7 +93,7 @@ def test_timm_snippet_for_each_kind_of_encoder(tmp_path, name, overrides, head):
     import timm
     from safetensors.torch import save_file
 
-    from train.export import timm_loading
+    from train.weights.export import timm_loading
 
     torch.manual_seed(0)
     enc = create_model(name, **overrides)
@@ -116,7 +116,7 @@ def test_timm_snippet_for_each_kind_of_encoder(tmp_path, name, overrides, head):
 
 
 def test_an_irpe_encoder_gets_no_timm_snippet(tmp_path):
-    from train.export import timm_loading
+    from train.weights.export import timm_loading
 
     enc = create_model("vit_debug_patch4", rpe=True)
     assert timm_loading(enc.timm_kwargs(), "vit_debug_patch4", enc.state_dict(), tmp_path / "e.safetensors") == {

@@ -13,8 +13,8 @@ from model.objectives import build_objective
 from model.objectives.finetune import FinetuneConfig
 from model.registry import create_model
 from train.engine.state_files import read_tensors
-from train.export import load_timm_encoder
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
+from train.weights.export import load_timm_encoder
 
 
 def _finetune(out, *args):

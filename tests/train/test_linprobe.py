@@ -12,8 +12,8 @@ from model.objectives import build_objective
 from model.objectives.linear_probe import LinearProbeConfig
 from model.registry import create_model
 from train.engine.state_files import read_tensors
-from train.evaluate import classification_accuracy
-from train.run_dir import read_metrics
+from train.run.evaluation import classification_accuracy
+from train.run.folder import read_metrics
 
 
 def _linprobe(out, ds, *args):

@@ -9,7 +9,7 @@ import pytest
 from conftest import CPU_DS, REPO, run_pretrain
 
 from data.write_shards import main as write_shards
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
 
 PRESET = REPO / "train" / "configs" / "maeplus/debug.json"
 ADPE = REPO / "train" / "configs" / "maeplus" / "variants"

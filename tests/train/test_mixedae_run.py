@@ -7,7 +7,7 @@ import sys
 import pytest
 from conftest import CPU_DS, REPO, run_pretrain
 
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
 
 PRESET = REPO / "train" / "configs" / "mixedae/debug.json"
 ABLATIONS = REPO / "train" / "configs" / "mixedae" / "variants"

@@ -18,7 +18,7 @@ from conftest import (
 )
 
 from data.write_shards import main as write_shards
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
 
 PRESET = REPO / "train" / "configs" / "mlomae/debug.json"
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
@@ -67,7 +67,7 @@ REPLICATION = textwrap.dedent("""
     import torch, torch.distributed as dist
     sys.path.insert(0, "tests/model/objectives")
     from test_mlomae import batch, objective
-    from train import distributed
+    from train.engine import distributed
     rank, _, _ = distributed.init()
     obj = objective(seed=0)
     init = torch.cat([p.detach().flatten().clone() for p in [*obj.aux.mask_net.parameters(), *obj.aux.head.parameters()]])

@@ -16,7 +16,7 @@ from torch import nn
 
 from model.objectives import OBJECTIVES, Objective, ObjectiveConfig, register_objective
 from train.engine.state_files import read_tensors
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 NAME = "pixelmean"
@@ -103,7 +103,8 @@ def test_help_lists_the_new_section(capsys):
 
 
 def test_unknown_option_of_the_new_section_is_refused_with_a_hint():
-    from train.config import ConfigError, parse_args
+    from train.config.errors import ConfigError
+    from train.config.options import parse_args
 
     with pytest.raises(ConfigError, match=f"did you mean '{NAME}.target_scale'"):
         parse_args(["--ds_config", "x.json", "--data.source", "synthetic", f"--{NAME}.target_scal", "2"])

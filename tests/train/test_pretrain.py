@@ -5,9 +5,9 @@ import pytest
 import torch
 from conftest import run_pretrain
 
+from train.engine.optim import warmup_cosine
 from train.engine.state_files import read_tensors
-from train.optim import warmup_cosine
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
 
 STEPS = 6
 
@@ -134,9 +134,10 @@ def test_continued_pretraining_from_an_official_mae_checkpoint(straight, tmp_pat
 def test_resume_accepts_options_added_since_the_checkpoint_at_their_defaults():
     """A checkpoint written before an option existed (e.g. model.rpe) resumes when the option is
     at its default, and is refused when the run sets it otherwise."""
-    from train.build import check_resume_compatible
-    from train.config import ConfigError, PretrainConfig, to_dict
-    from train.ds_config import BatchPlan
+    from train.config.ds_config import BatchPlan
+    from train.config.errors import ConfigError
+    from train.config.options import PretrainConfig, to_dict
+    from train.run.build import check_resume_compatible
 
     cfg, plan = PretrainConfig(ds_config="x.json"), BatchPlan(8, 1, 1)
     saved = json.loads(json.dumps(to_dict(cfg)))
@@ -148,9 +149,10 @@ def test_resume_accepts_options_added_since_the_checkpoint_at_their_defaults():
 
 
 def test_resume_on_another_world_size_needs_the_same_global_batch():
-    from train.build import check_resume_compatible
-    from train.config import ConfigError, PretrainConfig, to_dict
-    from train.ds_config import BatchPlan
+    from train.config.ds_config import BatchPlan
+    from train.config.errors import ConfigError
+    from train.config.options import PretrainConfig, to_dict
+    from train.run.build import check_resume_compatible
 
     cfg = PretrainConfig(ds_config="x.json")
     saved = json.loads(json.dumps(to_dict(cfg)))
@@ -165,7 +167,7 @@ def test_resume_on_another_world_size_needs_the_same_global_batch():
 def test_epoch_checkpoints_kept_for_later_evaluation(tmp_path):
     """run.keep_every_epochs: a checkpoint at every epoch end (8 steps here) that pruning spares,
     beside the newest run.keep_checkpoints regular ones; each exports like any other tag."""
-    from train.export import export_checkpoint
+    from train.weights.export import export_checkpoint
 
     run_pretrain(tmp_path, "--run.max_steps", "20", "--run.ckpt_every", "3", "--run.keep_checkpoints", "1",
                  "--run.keep_every_epochs", "1", "--run.log_every", "10")

@@ -3,7 +3,7 @@ import pytest
 from conftest import run_pretrain
 
 from data.write_shards import main as write_shards
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ committed benchmarks/results/ only when asked (--record)."""
 import pytest
 from conftest import CPU_DS, REPO
 
-from train.config import ConfigError
+from train.config.errors import ConfigError
 
 
 def test_bench_writes_into_runs_unless_told_to_record(tmp_path):

@@ -8,7 +8,7 @@ import sys
 from conftest import REPO
 from wds_shards import write_img2dataset_shards, write_index
 
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
 
 
 def pretrain(out, *args) -> subprocess.CompletedProcess:

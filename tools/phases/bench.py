@@ -29,8 +29,8 @@ def baseline_run(check: Check, argv: list[str], steps: int, warmup: int, dtype: 
     from tools.census import baseline_model
     from tools.mae_baseline import time_training
     from train.bench import split_argv
-    from train.config import parse_args
-    from train.ds_config import resolve
+    from train.config.ds_config import resolve
+    from train.config.options import parse_args
 
     _, rest = split_argv(argv)
     cfg = parse_args(rest)
@@ -43,9 +43,9 @@ def baseline_run(check: Check, argv: list[str], steps: int, warmup: int, dtype: 
         free_memory()
 
 def run(check: Check, a) -> None:
-    from train.config import parse_args
-    from train.dry_run import check as dry_run
-    from train.gpus import current_gpu
+    from train.config.options import parse_args
+    from train.estimate.dry_run import check as dry_run
+    from train.estimate.gpus import current_gpu
 
     gpu = current_gpu() if check.cuda else None
     if check.cuda:
@@ -122,8 +122,8 @@ def attribution_items(check: Check) -> None:
     """The profiled variants (module docstring), each an item with its tools/profile_step.py summary."""
     from tools import census
     from tools.profile_step import attribution
-    from train.build import peak_lr
-    from train.ds_config import BatchPlan
+    from train.config.ds_config import BatchPlan
+    from train.config.plan import peak_lr
 
     if check.cuda:
         model, micros, steps = ["--model.name", "vit_base_patch16"], (128, 256, 512), 5

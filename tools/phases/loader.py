@@ -13,7 +13,8 @@ from tools.phases.common import CPU_DEBUG_DS, TARGETS, ds_config
 
 
 def run(check: Check, a) -> None:
-    from benchmarks.photo_shards import images_folder, main as photo_shards
+    from benchmarks.photo_shards import images_folder
+    from benchmarks.photo_shards import main as photo_shards
     from tools.photos import write_photos
 
     summary = check.record["summary"]
@@ -67,8 +68,8 @@ def device_loader(check: Check, common: list[str], batches: int, warmup: int) ->
 
     from data.source import build_source
     from train.bench import split_argv
-    from train.config import parse_args
-    from train.ds_config import resolve
+    from train.config.ds_config import resolve
+    from train.config.options import parse_args
 
     _, rest = split_argv(common)
     cfg = parse_args([*rest, "--data.decode", "nvjpeg"])

@@ -1,7 +1,7 @@
 """Phase `scale`: MAE ViT-B/16 images/s per GPU on 1, 2, 4 and 8 GPUs of one node (as many as are
 present) for ZeRO stages 0-3, through train/bench.py under torchrun (tools/phases/scale_ranks.py:
 one launch per GPU count, every stage in it); the efficiency against 1 GPU of the same stage; and
-beside it what the communication model (train/comm_model.py) predicts for this configuration on
+beside it what the communication model (train/estimate/comm_model.py) predicts for this configuration on
 one node and on 4 nodes, with the compute time measured on 1 GPU.
 
 Every GPU runs the per-GPU batch of the shipped `vit_b_8xh100_bf16_zero1.json` on 8 GPUs (micro-batch
@@ -26,7 +26,7 @@ from tools.phases.common import CPU_DEBUG_DS, DEBUG_PRESET
 STAGES = (0, 1, 2, 3)
 GPU_COUNTS = (1, 2, 4, 8)
 TARGETS = {"efficiency_8_gpus_of_a_node": ">= 0.95 (images/s per GPU against 1 GPU)",
-           "efficiency_4_nodes_by_the_model": ">= 0.90 (train/comm_model.py, the engine after)"}
+           "efficiency_4_nodes_by_the_model": ">= 0.90 (train/estimate/comm_model.py, the engine after)"}
 SHIPPED = REPO / "ds_configs" / "vit_b_8xh100_bf16_zero1.json"
 
 
@@ -93,10 +93,10 @@ def launch(check: Check, gpus: int, configs: list[Path], bench_args: list[str], 
 def predicted(argv: list[str], configs: list[Path], measured: dict, peak: float | None) -> dict:
     """The communication model's efficiency of each stage's configuration on one node and on 4, the
     compute at the MFU measured on 1 GPU of that stage (40% where none was measured)."""
-    from train.comm_model import Compute, Network
-    from train.config import parse_args
-    from train.ds_config import load
-    from train.scaling import scaling
+    from train.config.ds_config import load
+    from train.config.options import parse_args
+    from train.estimate.comm_model import Compute, Network
+    from train.estimate.scaling import scaling
 
     network = Network()
     out = {}
@@ -114,8 +114,8 @@ def predicted(argv: list[str], configs: list[Path], measured: dict, peak: float 
 
 
 def run(check: Check, a) -> None:
-    from train.config import encoder_img_size, parse_args
-    from train.gpus import current_gpu
+    from train.config.options import encoder_img_size, parse_args
+    from train.estimate.gpus import current_gpu
 
     summary = check.record["summary"]
     summary["targets"] = TARGETS

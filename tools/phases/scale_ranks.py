@@ -32,9 +32,9 @@ def main(argv: list[str]) -> int:
         return 2
     split = argv.index("--")
     out, configs, bench_args = Path(argv[0]), argv[1:split], argv[split + 1:]
-    from train import bench
-    from train.cli import end_process_group
     from tools.gpu_check import free_memory
+    from train import bench
+    from train.run.cli import end_process_group
 
     failed = 0
     for path in configs:

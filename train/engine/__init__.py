@@ -1,16 +1,25 @@
-"""The training engine: data parallel with ZeRO stages 0-3, fp32 / bf16 / fp16, gradient
-accumulation and clipping, as a ds_config describes them, on PyTorch's own distributed engines
-with one lean step on top.
+"""The engine: one optimizer step on one rank, DDP (ZeRO-0) or FSDP2 (ZeRO 1-3), as a ds_config
+describes it, the process group it runs in, and its state on disk. Imports train/config/ only.
 
-    core.py        the step every engine shares: fused AdamW with grad_scale / found_inf, clipping
-                   folded into the unscaling, fp16's loss scale and the skip counters on the device,
-                   no host read
-    replicated.py  whole weights on every rank: one rank without a wrapper (any stage), or ZeRO-0
-                   on several ranks through DDP (bucketed all-reduce inside the backward)
-    sharded.py     ZeRO-1/2/3 on several ranks through FSDP2 (one unit per transformer block + the
-                   root; reduce-scatter inside the backward, all-gathers prefetched)
-    state_files.py checkpoints by name, the same from every engine, world size and stage
-    config.py      what the engine reads from the ds_config
+    core.py            the step every engine shares: fused AdamW with grad_scale / found_inf,
+                       clipping folded into the unscaling, fp16's loss scale and the skip counters
+                       on the device, no host read
+    replicated.py      whole weights on every rank: one rank without a wrapper (any stage), or
+                       ZeRO-0 on several ranks through DDP (bucketed all-reduce inside the backward)
+    sharded.py         ZeRO-1/2/3 on several ranks through FSDP2 (one unit per transformer block +
+                       the root; reduce-scatter inside the backward, all-gathers prefetched)
+    config.py          what the engine reads from the ds_config
+    optim.py           parameter groups (decay, layer decay), AdamW / LARS, the warmup-cosine schedule
+    loss_scale.py      fp16's dynamic loss scale, on the device
+    nonfinite.py       skipped non-finite steps: their counters and the rule that stops a run
+    execution.py       how the blocks execute: recomputed (activation checkpointing), compiled
+                       (run.compile), replayed as CUDA graphs
+    distributed.py     the process group (NCCL / gloo) and its rank environment; slurm_env.py
+                       derives it from a Slurm task
+    state_files.py     the engine's files in a checkpoint tag, by name, the same from every engine,
+                       world size and stage; checkpoint.py the tag around them: rank RNGs,
+                       complete.json, atomic save, the checks a tag passes before it is trusted
+    fault_injection.py faults armed through PRETRAIN_FAULTS at named points of a real run (tests)
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""What the engine takes from the final ds_config (train/ds_config.py checked it)."""
+"""What the engine takes from the final ds_config (train/config/ds_config.py checked it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 
-from train.loss_scale import LossScaleConfig
+from train.engine.loss_scale import LossScaleConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DDP_BUCKET_MB = 25.0  # DDP's own default bucket size, used when the ds_config gives no reduce_bucket_size
@@ -23,7 +23,7 @@ class EngineConfig:
 
     @classmethod
     def from_ds_config(cls, ds: dict) -> EngineConfig:
-        from train.ds_config import precision, reduce_dtype, zero_stage
+        from train.config.ds_config import precision, reduce_dtype, zero_stage
 
         prec = precision(ds)
         return cls(zero_stage(ds), prec, ds["gradient_accumulation_steps"], float(ds.get("gradient_clipping", 0.0)),

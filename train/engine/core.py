@@ -6,7 +6,7 @@ One optimizer step, on the device, without a host read:
     norm = the gradients' global l2 norm (their squares all-reduced over ranks where each holds a shard)
     found_inf = norm is not finite                      -> the step is skipped inside the fused kernel
     fused AdamW(grad_scale = loss scale / clip coefficient, found_inf)
-    counters and the fp16 loss scale updated on the device (train/nonfinite.py, train/loss_scale.py)
+    counters and the fp16 loss scale updated on the device (train/engine/nonfinite.py, train/engine/loss_scale.py)
 Gradients arrive averaged over ranks (DDP and FSDP2 both average), so the optimizer divides by
 the loss scale only; clipping is folded into that one scale. A skipped step leaves weights and
 moments as they were, as torch's GradScaler does.
@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from train.engine.config import EngineConfig
+from train.engine.loss_scale import DeviceLossScale
+from train.engine.nonfinite import DeviceHealth
 from train.engine.state_files import load as load_tag
 from train.engine.state_files import save as save_tag
-from train.loss_scale import DeviceLossScale
-from train.nonfinite import DeviceHealth
 
 
 def adamw_state(t: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -40,7 +40,7 @@ class EngineCore(abc.ABC):
     save(tag) / load(tag) for checkpoints (train/engine/state_files.py: the same files from every
     engine, so a checkpoint resumes on any world size and ZeRO stage)."""
 
-    cuda_graphs = False  # the module's compiled blocks replay as CUDA graphs (train/build.py uses_cuda_graphs)
+    cuda_graphs = False  # the module's compiled blocks replay as CUDA graphs (train/run/build.py uses_cuda_graphs)
 
     module: torch.nn.Module  # the objective (FSDP2 wraps it in place; DDP's wrapper is kept apart)
     names: list[str]  # the trained parameters' names, in optimizer order

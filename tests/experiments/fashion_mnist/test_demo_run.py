@@ -8,9 +8,10 @@ import json
 import subprocess
 
 from conftest import fake_fashion_mnist
+
 from experiments.fashion_mnist import common, demo
 from train import evaluate
-from train.run_dir import read_metrics
+from train.run.folder import read_metrics
 
 
 def test_cpu_training_env_sleeps_openmp_threads_unless_the_user_chose(monkeypatch):

@@ -11,8 +11,8 @@ from data.write_shards import main as write_shards
 from experiments.fashion_mnist.learned_masks import main as learned_masks
 from experiments.fashion_mnist.report import collect, mask_lines
 from model.objectives import build_objective
-from train.build import build_encoder
-from train.config import parse_args, section, to_dict
+from train.config.options import parse_args, section, to_dict
+from train.config.plan import build_encoder
 
 PRESET = REPO / "train" / "configs" / "mlomae" / "debug.json"
 

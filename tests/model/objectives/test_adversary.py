@@ -5,7 +5,7 @@ import torch
 
 from model.objectives import adversary as adv
 from model.objectives.adversary import Adversaries
-from train.counting import counting_syncs
+from train.estimate.counting import counting_syncs
 
 
 def _with_grad(a: Adversaries, name: str, g: torch.Tensor) -> None:

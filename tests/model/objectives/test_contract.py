@@ -8,9 +8,16 @@ import pytest
 import torch
 from torch import nn
 
-from model.objectives import OBJECTIVES, Objective, ObjectiveConfig, build_objective, list_objectives, register_objective
+from model.objectives import (
+    OBJECTIVES,
+    Objective,
+    ObjectiveConfig,
+    build_objective,
+    list_objectives,
+    register_objective,
+)
 from model.registry import create_model
-from train.config import parse_args, section
+from train.config.options import parse_args, section
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "train" / "configs"

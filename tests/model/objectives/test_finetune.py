@@ -8,7 +8,7 @@ from model import create_model
 from model.interop import load_into_objective
 from model.objectives import build_objective
 from model.objectives.finetune import FinetuneConfig
-from train.optim import build_param_groups
+from train.engine.optim import build_param_groups
 
 
 def _ft(**kw):
@@ -122,7 +122,7 @@ def test_pos_embed_trains_in_finetuning_from_the_loaded_table(tmp_path):
 def test_pretraining_and_linear_probe_keep_the_sincos_table_fixed():
     from model.objectives.linear_probe import LinearProbeConfig
     from model.objectives.mae import MAEConfig
-    from train.optim import build_param_groups as groups_of
+    from train.engine.optim import build_param_groups as groups_of
 
     mae = build_objective("mae", create_model("vit_debug_patch4"), MAEConfig(decoder_dim=32, decoder_depth=1,
                                                                              decoder_heads=2))

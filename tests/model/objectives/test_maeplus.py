@@ -2,9 +2,8 @@ import pytest
 import torch
 
 from model import create_model
-from model.objectives.adversary import RPEPerturbation, coordinate_corners
 from model.objectives import build_objective
-from model.objectives.adversary import Adversaries
+from model.objectives.adversary import Adversaries, RPEPerturbation, coordinate_corners
 from model.objectives.maeplus import MAEPlusConfig
 
 
@@ -147,7 +146,7 @@ def test_irpe_tables_are_shared_by_default_and_per_head_as_an_option():
 
 @pytest.mark.parametrize("decay_tokens", [False, True])
 def test_weight_decay_of_tokens_and_irpe_tables_follows_decay_tokens(decay_tokens):
-    from train.optim import build_param_groups
+    from train.engine.optim import build_param_groups
 
     obj = _objective(rpe=True, decay_tokens=decay_tokens)
     groups, summary = build_param_groups(obj, weight_decay=0.05, layer_decay=1.0)

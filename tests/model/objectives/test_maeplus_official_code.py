@@ -8,7 +8,7 @@ import torch
 from model import create_model
 from model.objectives import build_objective
 from model.objectives.maeplus import MAEPlusConfig
-from train.optim import build_param_groups
+from train.engine.optim import build_param_groups
 
 CONFIGS = Path(__file__).resolve().parents[3] / "train" / "configs" / "maeplus"
 

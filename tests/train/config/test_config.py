@@ -1,0 +1,110 @@
+import json
+import typing
+
+import pytest
+
+from train.config.errors import ConfigError
+from train.config.options import PretrainConfig, parse_args
+
+DS = ["--ds_config", "ds_configs/cpu_debug.json", "--data.source", "synthetic"]
+
+
+def test_defaults_are_the_mae_recipe():
+    c = PretrainConfig()
+    assert (c.optim.blr, c.optim.weight_decay, c.optim.betas) == (1.5e-4, 0.05, (0.9, 0.95))
+    assert (c.optim.warmup_epochs, c.mae.mask_ratio, c.mae.norm_pix_loss) == (40, 0.75, True)
+    assert (c.mae.decoder_dim, c.mae.decoder_depth, c.mae.decoder_heads) == (512, 8, 16)
+
+
+def test_typed_overrides_both_syntaxes():
+    c = parse_args([*DS, "--optim.blr", "1e-3", "--run.max_steps=1e3", "--optim.betas", "0.9,0.99",
+                    "--run.tensorboard", "false", "--local_rank=3"])
+    assert c.optim.blr == 1e-3 and c.run.max_steps == 1000 and c.optim.betas == (0.9, 0.99)
+    assert c.run.tensorboard is False
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--optim.bl", "1"], "did you mean 'optim.blr'"),
+    (["--mae.mask_rato", "0.5"], "did you mean 'mae.mask_ratio'"),
+    (["--run.max_steps", "1.5"], "run.max_steps"),
+    (["--run.tensorboard", "maybe"], "true or false"),
+    (["--mae.mask_ratio", "1.0"], "mask_ratio"),
+    (["--model.name", "vit_bse_patch16"], "did you mean 'vit_base_patch16'"),
+    (["--model.attn_backend", "fast"], "unknown attention backend"),
+    (["--optim.betas", "0.9"], "2 comma-separated"),
+    (["--optim.epochs", "10", "--optim.warmup_epochs", "20"], "warmup_epochs"),
+    (["--optim.blr"], "needs a value"),
+])
+def test_bad_options_are_named(args, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args([*DS, *args])
+
+
+def test_ds_config_required():
+    with pytest.raises(ConfigError, match="--ds_config is required"):
+        parse_args([])
+
+
+def test_preset_then_cli_override(tmp_path):
+    preset = tmp_path / "p.json"
+    preset.write_text(json.dumps({"optim": {"blr": 0.5, "epochs": 3, "warmup_epochs": 1}, "run": {"log_every": 7}}))
+    c = parse_args([*DS, "--config", str(preset), "--optim.blr", "0.25"])
+    assert (c.optim.blr, c.optim.epochs, c.run.log_every) == (0.25, 3, 7)
+    preset.write_text(json.dumps({"optim": {"blrr": 0.5}}))
+    with pytest.raises(ConfigError, match="optim.blr"):
+        parse_args([*DS, "--config", str(preset)])
+
+
+def test_mlomae_refuses_its_training_index_as_the_reported_split():
+    base = ["--ds_config", "ds_configs/cpu_debug.json", "--objective", "mlomae", "--data.train_index", "a/train.json"]
+    with pytest.raises(ConfigError, match="every MLO-MAE level reads"):
+        parse_args([*base, "--data.eval_index", "a/../a/train.json"])
+    assert parse_args([*base, "--data.eval_index", "a/test.json"]).data.eval_index == "a/test.json"
+    with pytest.raises(ConfigError, match="has none"):  # MAE has no classifier to score
+        parse_args([*DS, "--data.eval_index", "a/test.json"])
+
+
+def test_every_number_declares_its_range_and_its_default_lies_in_it():
+    """A new numeric option without `field(..., metadata={"range": ...})` fails here: its values
+    would only be checked to be finite."""
+    from train.config.options import options
+
+    for key, option in options().items():
+        kinds = typing.get_args(option.type) if typing.get_origin(option.type) is tuple else (option.type,)
+        if kinds[0] not in (int, float):
+            continue
+        assert option.range is not None, f"--{key} declares no range"
+        option.check(option.default)
+
+
+def test_a_value_outside_its_range_is_refused_wherever_it_was_set():
+    """validate() checks every section's ranges: a config built in code too, another objective's
+    section included."""
+    cfg = PretrainConfig(ds_config="ds_configs/cpu_debug.json")
+    cfg.data.source = "synthetic"
+    cfg.validate()
+    cfg.mixedae.temperature = -0.1
+    with pytest.raises(ConfigError, match=r"option mixedae.temperature must be > 0, got -0\.1 \(HomoCon tau"):
+        cfg.validate()
+    cfg.mixedae.temperature = 0.1
+    cfg.run.max_steps = True  # a bool is not a number
+    with pytest.raises(ConfigError, match="option run.max_steps must be an integer, got true"):
+        cfg.validate()
+
+
+def test_booleans_on_the_command_line_are_true_or_false_in_any_case():
+    assert parse_args([*DS, "--run.export", "False", "--run.compile", "TRUE"]).run.compile is True
+    for word in ("yes", "no", "on", "1", "0", ""):
+        with pytest.raises(ConfigError, match=f'option run.export must be true or false, got "{word}"'):
+            parse_args([*DS, "--run.export", word])
+
+
+def test_help_shows_each_numbers_range():
+    from train.config.options import help_text
+
+    text = help_text()
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  --") and "default" in line}
+    assert lines["--optim.blr"].split()[2:6] == ["default", "0.00015", ">", "0"]
+    assert "in [0, 1)" in lines["--optim.betas"] and "in (0, 1)" in lines["--mae.mask_ratio"]
+    assert ">= -1" in lines["--data.num_workers"] and "in [0, 2147483647]" in lines["--seed"]
+    assert "presets that set one option to different values are refused" in text

@@ -1,0 +1,152 @@
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from fake_gpu import CU126_ARCHS, fake_gpu
+
+from train.config.ds_config import resolve, resolve_batch
+from train.config.ds_keys import ENGINE_READS, ENGINE_VALUES
+from train.config.errors import ConfigError
+from train.config.options import PretrainConfig
+from train.config.values import KINDS, Interval
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _cfg(tmp_path, ds: dict, **model) -> PretrainConfig:
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps(ds))
+    c = PretrainConfig(ds_config=str(p))
+    for k, v in model.items():
+        setattr(c.model, k, v)
+    return c
+
+
+BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "ds_configs").glob("*.json")))
+def test_shipped_configs_state_clipping_and_resolve(name):
+    path = REPO / "ds_configs" / name
+    ds = json.loads(path.read_text())
+    assert ds["gradient_clipping"] == 0.0  # the MAE recipe; DeepSpeed would clip at 1.0 otherwise
+    gpu = "8x" in name
+    cfg = PretrainConfig(ds_config=str(path))
+    if name.startswith("linprobe"):
+        cfg.optim.name = "lars"  # the probe's optimizer: must be accepted by its config
+    final, plan = resolve(cfg, world=8 if gpu else 1, cuda=gpu, bf16_ok=True)
+    if gpu:
+        # the recipes' global batches: pretraining 4096, fine-tuning 1024, linear probe 16384, MLO-MAE and energy 256
+        want = {"finetune": 1024, "linprobe": 16384, "mlomae": 256, "energy": 256}.get(name.split("_")[0], 4096)
+        assert plan.global_batch == want == final["train_batch_size"]
+        assert final["zero_optimization"]["stage"] == int(name.split("_zero")[1][0])  # as the name says
+        assert ("v100" in name) == final["fp16"]["enabled"]
+        assert ("bf16" in name) == final["bf16"]["enabled"] and not ("v100" in name and "bf16" in name)
+
+
+def test_v100_configs_have_no_bf16_and_reject_a100_config_on_v100():
+    a100 = REPO / "ds_configs" / "vit_b_8xa100_bf16_zero1.json"
+    with pytest.raises(ConfigError, match="V100 has none"):
+        resolve(PretrainConfig(ds_config=str(a100)), world=8, cuda=True, bf16_ok=False)
+
+
+@pytest.mark.parametrize("gpu,allowed", [("v100", False), ("a100", True), ("h100", True)])
+def test_bf16_follows_the_gpu_capability_not_emulation(tmp_path, gpu, allowed):
+    """torch.cuda.is_bf16_supported() says True on a V100 (it counts emulation); bf16 needs sm80+."""
+    cfg = _cfg(tmp_path, {**BASE, "bf16": {"enabled": True}})
+    with fake_gpu(gpu, CU126_ARCHS):  # a torch build with kernels for all three
+        if allowed:
+            assert resolve(cfg, world=1)[0]["bf16"]["enabled"]
+        else:
+            with pytest.raises(ConfigError, match=r"bf16, which this GPU lacks .* \(this GPU: Tesla V100-SXM2-32GB, "
+                                                  r"compute capability 7.0\)"):
+                resolve(cfg, world=1)
+
+
+def test_batch_derivation_and_contradiction():
+    assert resolve_batch({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, 2).accum == 8
+    assert resolve_batch({"train_batch_size": 64, "gradient_accumulation_steps": 4}, 2).micro == 8
+    with pytest.raises(ConfigError, match="contradict the world size"):
+        resolve_batch({"train_batch_size": 4096, "train_micro_batch_size_per_gpu": 64, "gradient_accumulation_steps": 8}, 16)
+    with pytest.raises(ConfigError, match="not divisible"):
+        resolve_batch({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, 2)
+    with pytest.raises(ConfigError, match="two of"):
+        resolve_batch({"train_batch_size": 30}, 2)
+
+
+@pytest.mark.parametrize("ds,model,cuda,message", [
+    ({**BASE, "optimizer": {"type": "AdamW"}}, {}, False, "'optimizer' section"),
+    ({**BASE, "scheduler": {"type": "WarmupLR"}}, {}, False, "'scheduler' section"),
+    ({k: v for k, v in BASE.items() if k != "gradient_clipping"}, {}, False, "gradient_clipping explicitly"),
+    ({**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, {}, True, "both fp16 and bf16"),
+    ({**BASE, "fp16": {"enabled": True}}, {}, False, "needs CUDA"),
+    ({**BASE, "zero_optimization": {"stage": 4}}, {}, False, r"zero_optimization.stage \(the ZeRO stage\) must be in \[0, 3\], got 4"),
+    (BASE, {"attn_backend": "flash_attn"}, True, "runs only in fp16/bf16.*use attn_backend sdpa"),
+])
+def test_contradictions_rejected(tmp_path, ds, model, cuda, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve(_cfg(tmp_path, ds, **model), world=1, cuda=cuda, bf16_ok=True)
+
+
+def test_missing_and_malformed_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve(PretrainConfig(ds_config=str(tmp_path / "nope.json")), world=1)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        resolve(PretrainConfig(ds_config=str(bad)), world=1)
+
+
+def _place(ds: dict, key: str, value) -> dict:
+    section, _, sub = key.partition(".")
+    out = json.loads(json.dumps(ds))
+    if sub:
+        out.setdefault(section, {})[sub] = value
+    else:
+        out[section] = value
+    return out
+
+
+@pytest.mark.parametrize("key", sorted(ENGINE_VALUES))
+def test_every_value_the_engine_reads_has_a_type_and_the_wrong_one_is_refused(tmp_path, key):
+    setting = ENGINE_VALUES[key]
+    wrong = [5] if setting.kind is str else ["1", None, [1]] + ([0.5, True] if setting.kind is int else []) + \
+        ([1] if setting.kind is bool else []) + ([float("nan"), float("inf"), True] if setting.kind is float else [])
+    for value in wrong:
+        with pytest.raises(ConfigError, match=rf"^ds_config {key}( \(.*\))? must be {KINDS[setting.kind]}, got "):
+            resolve(_cfg(tmp_path, _place(BASE, key, value)), world=1)
+    if setting.range:  # just past each finite bound
+        interval = Interval.parse(setting.range)
+        for bound, step in ((interval.lo, -1), (interval.hi, 1)):
+            if math.isfinite(float(bound)):
+                past = float(bound) + step * (1 if setting.kind is int else 1e-3)
+                past = int(past) if setting.kind is int else past
+                with pytest.raises(ConfigError, match=rf"^ds_config {key} .* must be {re.escape(str(interval))}, got"):
+                    resolve(_cfg(tmp_path, _place(BASE, key, past)), world=1)
+
+
+def test_the_sections_the_engine_reads_follow_from_its_values():
+    assert ENGINE_READS["zero_optimization"] == {"stage", "overlap_comm", "reduce_bucket_size"}
+    assert ENGINE_READS["gradient_clipping"] is None and ENGINE_READS["activation_checkpointing"] == set()
+    assert {f"fp16.{k}" for k in ENGINE_READS["fp16"]} == {k for k in ENGINE_VALUES if k.startswith("fp16.")}
+
+
+def test_settings_the_engine_behaves_as_anyway_must_hold_that_value_with_its_type(tmp_path):
+    resolve(_cfg(tmp_path, {**BASE, "wall_clock_breakdown": False, "gradient_predivide_factor": 1}), world=1)
+    for key, value in (("wall_clock_breakdown", 0), ("prescale_gradients", 0), ("gradient_predivide_factor", True)):
+        with pytest.raises(ConfigError, match=f"ds_config {key} = {value!r} would not take effect"):
+            resolve(_cfg(tmp_path, {**BASE, key: value}), world=1)
+
+
+def test_whole_numbers_written_as_floats_are_the_integers_they_are(tmp_path):
+    ds = {"train_batch_size": 64.0, "train_micro_batch_size_per_gpu": 4.0, "gradient_clipping": 1,
+          "zero_optimization": {"stage": 2.0}, "bfloat16": {"enabled": True}}
+    final, plan = resolve(_cfg(tmp_path, ds), world=2)
+    assert (plan.micro, plan.accum, plan.world) == (4, 8, 2) and all(type(n) is int for n in (plan.micro, plan.accum))
+    assert final["train_batch_size"] == 64 and type(final["train_batch_size"]) is int
+    from train.config.ds_config import precision, zero_stage
+
+    assert zero_stage(final) == 2 and type(zero_stage(final)) is int
+    assert precision(final) == "bf16"  # DeepSpeed's other spelling of the bf16 section

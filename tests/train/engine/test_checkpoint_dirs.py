@@ -1,0 +1,86 @@
+import json
+import pickle
+
+import pytest
+
+from train.engine.checkpoint import COMPLETE, LATEST, find_resume, latest_complete, prune, tag_for
+
+
+def _tag(root, step, complete=True):
+    d = root / tag_for(step)
+    d.mkdir(parents=True)
+    if complete:
+        (d / COMPLETE).write_text(json.dumps({"step": step, "world_size": 1}))
+    return d
+
+
+def test_latest_pointer_and_incomplete_tags(tmp_path):
+    root = tmp_path / "checkpoints"
+    _tag(root, 10)
+    good = _tag(root, 20)
+    _tag(root, 30, complete=False)  # a save that crashed half-way
+    assert latest_complete(root) == good
+    (root / LATEST).write_text(tag_for(30))  # pointer to an incomplete tag is not trusted
+    assert latest_complete(root) == good
+    (root / LATEST).write_text(tag_for(10))
+    assert latest_complete(root) == root / tag_for(10)
+
+
+def test_find_resume(tmp_path):
+    assert find_resume("", tmp_path) is None
+    assert find_resume("auto", tmp_path) is None  # fresh run
+    tag = _tag(tmp_path / "checkpoints", 5)
+    assert find_resume("auto", tmp_path) == tag
+    assert find_resume(str(tmp_path), tmp_path / "other") == tag
+    assert find_resume(str(tag), tmp_path / "other") == tag
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        find_resume(str(tmp_path / "missing"), tmp_path)
+
+
+def test_prune_keeps_newest_complete(tmp_path):
+    root = tmp_path / "checkpoints"
+    for s in (1, 2, 3):
+        _tag(root, s)
+    _tag(root, 4, complete=False)
+    _tag(root, 5)
+    prune(root, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == [tag_for(3), tag_for(4), tag_for(5)]
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("executed",))
+
+
+def test_verify_safe_refuses_foreign_objects(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from train.engine.checkpoint import verify_safe
+    from train.engine.state_files import single_process_quiet
+
+    tag = _tag(tmp_path, 1)
+    save_file({"w": torch.zeros(2)}, tag / "model.safetensors")
+    with single_process_quiet():
+        dcp.save({"w/exp_avg": torch.zeros(2)}, checkpoint_id=tag / "optim", no_dist=True)
+    torch.save({"engine": {"steps": 1}, "client": {"step": 1}}, tag / "state.pt")
+    verify_safe(tag)  # tensors, plain containers and the optimizer state's own metadata pass
+    torch.save({"engine": {"steps": 1}, "x": Payload()}, tag / "state.pt")
+    with pytest.raises(ValueError, match="builtins.print"):
+        verify_safe(tag)
+    torch.save({"engine": {"steps": 1}}, tag / "state.pt")
+    (tag / "optim" / ".metadata").write_bytes(pickle.dumps(Payload()))  # DCP unpickles its metadata
+    with pytest.raises(ValueError, match="builtins.print"):
+        verify_safe(tag)
+
+
+def test_prune_spares_pinned_tags(tmp_path):
+    root = tmp_path / "checkpoints"
+    for s in (1, 2, 3, 4, 5):
+        _tag(root, s)
+    for s in (2, 4):  # epoch checkpoints (run.keep_every_epochs): never deleted, not counted in `keep`
+        meta = json.loads((root / tag_for(s) / COMPLETE).read_text())
+        (root / tag_for(s) / COMPLETE).write_text(json.dumps({**meta, "pinned": True}))
+    prune(root, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == [tag_for(2), tag_for(4), tag_for(5)]

@@ -1,0 +1,215 @@
+"""train/engine/ on one rank against plain PyTorch: the same AdamW steps as a textbook loop (accumulation,
+clipping, parameter groups with lr scales, fp32 master weights under bf16 / fp16), a skipped step
+that changes nothing, the fp16 scale following DeepSpeed's dynamic loss scaler, and checkpoints
+that carry over to another layout."""
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from train.engine import EngineConfig, build
+from train.engine.loss_scale import DeviceLossScale, LossScaleConfig
+from train.engine.optim import LARS, WarmupCosineSchedule
+from train.engine.replicated import ReplicatedEngine
+
+
+class Tiny(nn.Module):
+    """An objective in miniature: forward(batch) -> {"loss"}; a parameter the loss never reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 5)
+        self.b = nn.Linear(5, 3)
+        self.token = nn.Parameter(torch.randn(3))
+        self.unused = nn.Parameter(torch.randn(2))
+        self.register_buffer("shift", torch.full((3,), 0.5))
+
+    def forward(self, batch):
+        x = batch["image"]
+        y = self.b(torch.tanh(self.a(x))) + self.token.to(x.dtype) + self.shift
+        return {"loss": (y.float() - batch["target"]).square().mean()}
+
+    def after_optimizer_step(self, lr, batches):
+        return {}
+
+
+def groups_of(module: nn.Module) -> list[dict]:
+    decay = [module.a.weight, module.b.weight]
+    rest = [module.a.bias, module.b.bias, module.token, module.unused]
+    return [{"params": decay, "weight_decay": 0.05, "lr_scale": 0.5}, {"params": rest, "weight_decay": 0.0}]
+
+
+def schedule(opt):
+    return WarmupCosineSchedule(opt, peak_lr=0.05, min_lr=0.0, warmup_steps=2, total_steps=10)
+
+
+def adamw(groups):
+    return torch.optim.AdamW(groups, lr=0.0, betas=(0.9, 0.95), fused=True)
+
+
+def batches(n: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"image": torch.randn(4, 6, generator=g), "target": torch.randn(4, 3, generator=g)} for _ in range(n)]
+
+
+def reference_steps(module: Tiny, data: list[dict], accum: int, clip: float, dtype: torch.dtype) -> Tiny:
+    """The textbook loop: fp32 master copy, the module in `dtype`, the micro-batches' gradients
+    summed in fp32 (their mean), global-norm clipping, torch AdamW over the master weights, cast back."""
+    master = copy.deepcopy(module)
+    model = copy.deepcopy(module).to(dtype)
+    groups = groups_of(master)
+    opt = adamw(groups)
+    sched = schedule(opt)
+    pairs = list(zip(master.parameters(), model.parameters()))
+    for i in range(0, len(data), accum):
+        for batch in data[i:i + accum]:
+            loss = model({"image": batch["image"].to(dtype), "target": batch["target"]})["loss"] / accum
+            loss.backward()
+            for p32, p in pairs:
+                if p.grad is not None:
+                    p32.grad = p.grad.float() if p32.grad is None else p32.grad + p.grad.float()
+                p.grad = None
+        if clip:
+            torch.nn.utils.clip_grad_norm_([p for p in master.parameters() if p.grad is not None], clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p32, p in pairs:
+                p.copy_(p32)
+    return master
+
+
+def engine_steps(module: Tiny, data: list[dict], accum: int, clip: float, precision: str,
+                 stage: int = 0) -> ReplicatedEngine:
+    module = copy.deepcopy(module)
+    scale = LossScaleConfig(initial_scale_power=8)  # 2**16 would overflow this model's fp16 gradients
+    engine = build(module, groups_of(module), adamw, schedule, EngineConfig(stage, precision, accum, clip, scale),
+                   torch.device("cpu"))
+    assert isinstance(engine, ReplicatedEngine) and engine.ddp is None  # one rank: no wrapper, every stage
+    for batch in data:
+        loss = engine({"image": batch["image"].to(engine.dtype), "target": batch["target"]})["loss"]
+        engine.backward(loss)
+        engine.step()
+    return engine
+
+
+def master_weights(engine: ReplicatedEngine) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in engine.master_weights().items()}
+
+
+@pytest.mark.parametrize("precision,accum,clip", [("fp32", 1, 0.0), ("fp32", 3, 0.5), ("bf16", 2, 0.0),
+                                                  ("bf16", 1, 0.3), ("fp16", 2, 0.0)])
+def test_steps_equal_a_textbook_adamw_loop(precision, accum, clip):
+    torch.manual_seed(0)
+    module, data = Tiny(), batches(6)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    ref = dict(reference_steps(module, data, accum, clip, dtype).named_parameters())
+    engine = engine_steps(module, data, accum, clip, precision)
+    ours = master_weights(engine)
+    assert ours.keys() == ref.keys()
+    for name, value in ours.items():
+        # fp16: the engine scales the loss by 2**16 and unscales inside AdamW (the reference does neither)
+        tol = {"fp32": 1e-6, "bf16": 1e-5, "fp16": 2e-3}[precision]
+        torch.testing.assert_close(value, ref[name].detach(), rtol=tol, atol=tol, msg=name)
+    assert torch.equal(ours["unused"], module.unused.detach())  # no gradient, no weight decay: untouched
+    for name, p in engine.module.named_parameters():  # the module computes with the master weights, cast
+        assert p.dtype == dtype and torch.equal(p.detach(), ours[name].to(dtype)), name
+        assert precision == "fp32" or p.grad is None, name  # 16-bit gradients moved into the fp32 sums
+    assert engine.module.shift.dtype == dtype  # buffers are cast too, as DeepSpeed's engine does
+    assert engine.steps == 6 // accum and engine.device_state()["skipped_steps"].item() == 0
+
+
+def optimizer_state(engine: ReplicatedEngine) -> list[torch.Tensor]:
+    return [v.clone() for t in engine.masters for v in engine.optimizer.state[t].values()]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_poisoned_step_changes_nothing_and_is_counted(precision):
+    torch.manual_seed(0)
+    module, data = Tiny(), batches(3)
+    engine = engine_steps(module, data[:2], 1, 1.0, precision)
+    weights, state = master_weights(engine), optimizer_state(engine)
+    params = [p.detach().clone() for p in engine.module.parameters()]
+    poisoned = engine({"image": data[2]["image"].to(engine.dtype), "target": data[2]["target"]})["loss"] * float("nan")
+    engine.backward(poisoned)
+    engine.step()
+    assert all(torch.equal(master_weights(engine)[k], v) for k, v in weights.items())
+    assert all(torch.equal(a, b) for a, b in zip(optimizer_state(engine), state))  # moments and step count
+    assert all(torch.equal(p.detach(), q) for p, q in zip(engine.module.parameters(), params))
+    read = {k: v.item() for k, v in engine.device_state().items()}
+    assert read["skipped_steps"] == 1 and read["nonfinite_streak"] == 1
+    engine.backward(engine({"image": data[2]["image"].to(engine.dtype), "target": data[2]["target"]})["loss"])
+    engine.step()  # the next finite step is applied
+    assert not torch.equal(master_weights(engine)["a.weight"], weights["a.weight"])
+    assert engine.device_state()["nonfinite_streak"].item() == 0
+
+
+def test_lars_skips_a_flagged_step_and_unscales_its_gradients():
+    p = nn.Parameter(torch.randn(3, 4))
+    opt = LARS([{"params": [p], "weight_decay": 0.1}], lr=0.1)
+    opt.state[p] = LARS.init_state(p)
+    p.grad = torch.randn(3, 4) * 8
+    before, mu = p.detach().clone(), opt.state[p]["mu"].clone()
+    opt.grad_scale, opt.found_inf = torch.tensor(8.0), torch.tensor(1.0)
+    opt.step()
+    assert torch.equal(p.detach(), before) and torch.equal(opt.state[p]["mu"], mu)
+    ref = nn.Parameter(before.clone())
+    ref_opt = LARS([{"params": [ref], "weight_decay": 0.1}], lr=0.1)
+    ref.grad = p.grad / 8
+    ref_opt.step()
+    opt.found_inf = torch.tensor(0.0)
+    opt.step()
+    torch.testing.assert_close(p.detach(), ref.detach())
+
+
+def test_the_fp16_scale_follows_deepspeeds_dynamic_loss_scaler(monkeypatch):
+    from deepspeed.runtime.fp16 import loss_scaler
+
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda: 0)  # it logs from rank 0
+    for hysteresis, consecutive in ((1, False), (2, False), (3, True)):
+        cfg = LossScaleConfig(initial_scale_power=6, loss_scale_window=3, hysteresis=hysteresis,
+                              consecutive_hysteresis=consecutive, min_loss_scale=2.0)
+        ours = DeviceLossScale(cfg, torch.device("cpu"))
+        theirs = loss_scaler.DynamicLossScaler(init_scale=64.0, scale_window=3, min_scale=2.0, delayed_shift=hysteresis,
+                                               consecutive_hysteresis=consecutive, raise_error_at_min_scale=True)
+        overflows = [1, 0, 0, 0, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 1]
+        for i, overflow in enumerate(overflows):
+            try:
+                theirs.update_scale(bool(overflow))
+            except Exception as e:  # at the minimum: DeepSpeed raises, ours raises its flag
+                assert "minimum" in str(e)
+                ours.update(torch.tensor(float(overflow)))
+                assert ours.collapsed.item() == 1.0, (hysteresis, i)
+                break
+            ours.update(torch.tensor(float(overflow)))
+            assert ours.scale.item() == theirs.cur_scale, (hysteresis, consecutive, i)
+            assert ours.collapsed.item() == 0.0
+    static = DeviceLossScale(LossScaleConfig(loss_scale=128.0), torch.device("cpu"))
+    static.update(torch.tensor(1.0))
+    assert static.scale.item() == 128.0
+
+
+@pytest.mark.parametrize("stages", [(0, 2), (2, 0), (1, 1)])
+def test_a_checkpoint_resumes_exactly_on_the_same_or_another_stage(tmp_path, stages):
+    torch.manual_seed(0)
+    module, data = Tiny(), batches(6)
+    whole = engine_steps(module, data, 1, 0.0, "bf16", stages[0])
+    first = engine_steps(module, data[:3], 1, 0.0, "bf16", stages[0])
+    first.save(tmp_path, {"step": 3})
+    assert {f.name for f in tmp_path.iterdir()} == {"model.safetensors", "optim", "state.pt"}
+    saved = load_file(tmp_path / "model.safetensors")  # by name, as safetensors and timm read it
+    assert saved["a.weight"].dtype == torch.float32 and torch.equal(saved["a.weight"], master_weights(first)["a.weight"])
+    assert saved["shift"].dtype == torch.bfloat16  # buffers as the module holds them
+    fresh = Tiny()  # other starting weights: everything must come from the checkpoint
+    second = build(fresh, groups_of(fresh), adamw, schedule, EngineConfig(stages[1], "bf16", 1, 0.0),
+                   torch.device("cpu"))
+    assert second.load(tmp_path) == {"step": 3}
+    for batch in data[3:]:
+        second.backward(second({"image": batch["image"].to(torch.bfloat16), "target": batch["target"]})["loss"])
+        second.step()
+    assert second.steps == whole.steps == 6 and second.get_lr() == whole.get_lr()
+    for name, value in master_weights(whole).items():
+        assert torch.equal(master_weights(second)[name], value), name

@@ -1,0 +1,174 @@
+"""Kernel launches and host-device syncs per training step (tools/census.py, train/estimate/counting.py):
+each objective's ViT-B preset at ViT-B depth and heads with narrow widths, through the real
+engine and loop with a shipped A100 ds_config (bf16, ZeRO-1) at a CPU-sized micro-batch. The
+ceilings are the counts of the lean step; a change that adds launches or a sync fails here. With
+run.compile, the blocks' fused kernels count as launches and the step must launch fewer than eager.
+docs/PERFORMANCE.md has the same census at ViT-B/16 widths and the numbers before the engine."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import REPO
+
+from tools.census import LAUNCHES_COMPILED, LAUNCHES_EAGER, census
+from train.engine import distributed
+from train.estimate.counting import Tally, counting, kernels_profiled
+
+CONFIGS = REPO / "train" / "configs"
+WIDTH = 48  # ViT-B's 12 blocks and heads, its 252 trained tensors (MAE), negligible compute
+PRESETS = {
+    "mae": ["--model.name", "vit_base_patch16"],
+    "mixedae": ["--config", str(CONFIGS / "mixedae/vit_b.json")],
+    "maeplus": ["--config", str(CONFIGS / "maeplus/vit_b.json")],
+    "adpe": ["--config", str(CONFIGS / "maeplus/vit_b.json"), "--config", str(CONFIGS / "maeplus/variants/rpe_coord.json")],
+    # the official code's coordinate lookup (every patch row through the continuous lookup): under AdPE's ceiling
+    "adpe_official": ["--config", str(CONFIGS / "maeplus/vit_b.json"), "--config",
+                      str(CONFIGS / "maeplus/variants/rpe_coord.json"), "--maeplus.coord_lookup", "official"],
+    "mlomae": ["--config", str(CONFIGS / "mlomae/vit_b.json")],
+    "energy": ["--config", str(CONFIGS / "energy/vit_b.json"), "--model.img_size", "64"],
+    "finetune": ["--objective", "finetune", "--model.name", "vit_base_patch16", "--finetune.num_classes", "10",
+                 "--optim.layer_decay", "0.65", "--data.num_classes", "10"],
+}
+# launches per optimizer step (the worst reported step, all phases); syncs: none
+CEILINGS = {"mae": 781, "mixedae": 1339, "maeplus": 776, "adpe": 2258, "adpe_official": 2258, "mlomae": 5343,
+            "energy": 7205, "finetune": 562}
+# with --run.compile true (every ViT block one inductor graph): inductor kernels + extern aten ops per step,
+# the counts these censuses measured (`python -m tools.census --ds_config ds_configs/vit_b_8xa100_bf16_zero1.json
+# --micro 4 <preset> --width 48 --run.compile true`, torch 2.14.1+cu130 on CPU: inductor's C++ kernels). Unlike
+# the eager counts they depend on the shapes (inductor fuses by size: MAE at ViT-B/16's own width launches 589)
+COMPILED_CEILINGS = {"mae": 601, "mixedae": 871}
+
+
+@pytest.fixture(scope="module")
+def ds_config(tmp_path_factory):
+    """ds_configs/vit_b_8xa100_bf16_zero1.json with a global batch of 4 (one rank, no accumulation)."""
+    ds = json.loads((REPO / "ds_configs" / "vit_b_8xa100_bf16_zero1.json").read_text())
+    ds.update(train_batch_size=4, train_micro_batch_size_per_gpu=4)
+    path = tmp_path_factory.mktemp("census") / "ds.json"
+    path.write_text(json.dumps(ds))
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_one_process_group():
+    """One thread (narrow widths: a second one only contends); the process group the censuses
+    share (a world of 1) ends with this module, and the environment it set goes back."""
+    env, threads = dict(os.environ), torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def run_census(ds_config, name: str, baseline: str = "none", *extra: str) -> dict:
+    return census(["--ds_config", str(ds_config), *PRESETS[name], "--width", str(WIDTH), "--steps", "3",
+                   "--baseline", baseline, *extra])
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_launches_and_syncs_per_step_stay_under_the_ceiling(ds_config, name):
+    record = run_census(ds_config, name)
+    ours = record["counts"]["ours"]
+    total = ours["per_phase"]["total"]
+    assert total["syncs"] == 0 and not ours["syncs"], ours["syncs"]  # nothing waits for the device in a step
+    assert total["launches"] <= CEILINGS[name], (total, ours["top_ops"])
+    # one rank: no collective but the hooks' own
+    assert total["comm"] == 0 or name in ("adpe", "adpe_official", "mlomae")
+    # the optimizer step: 3 kernels per parameter group (torch's fused AdamW: step counts up, update,
+    # step count back where the step is skipped) and 15 for the whole step; the loop adds none
+    assert ours["per_phase"]["step"]["launches"] <= 15 + 3 * record["optimizer_groups"]
+    assert ours["per_phase"]["loop"]["launches"] == 0
+    # the log step reads its window once: one .tolist() in train/run/loop.py
+    log = ours["log_step_syncs"]
+    assert [s["what"] for s in log] == ["Tensor.tolist"] and log[0]["where"].startswith("train/run/loop.py:"), log
+
+
+def test_the_mae_step_launches_fewer_kernels_than_the_plain_pytorch_loop(ds_config):
+    """tools/mae_baseline.py at the same shapes, fused AdamW (its fewest): ours launches fewer in
+    every phase but the optimizer step, fewer in all, and has no sync where the baseline reads its loss."""
+    record = run_census(ds_config, "mae", baseline="fused")
+    ours, base = (record["counts"][k]["per_phase"] for k in ("ours", "baseline (fused AdamW)"))
+    assert record["tensors"] == 252  # ViT-B's encoder and MAE's decoder, as at full width
+    for phase in ("forward", "backward"):
+        assert ours[phase]["launches"] < base[phase]["launches"], phase
+    assert ours["total"]["launches"] < base["total"]["launches"]
+    assert ours["total"]["syncs"] == 0 and base["total"]["syncs"] == 1
+
+
+def test_the_counter_sees_kernels_collectives_and_syncs_by_phase():
+    tally = Tally()
+    x = torch.arange(6.0)
+    with counting(tally) as syncs:
+        with tally("data"):
+            y = x.view(2, 3).t()  # views: no kernel
+            z = torch.empty(4)  # an allocation: no kernel
+        with tally("forward"):
+            y = y * 2 + 1  # two kernels
+            torch._foreach_add_([x, z], 1.0)  # one multi-tensor op
+        with tally("step"):
+            bool(x.sum() > 0)  # a kernel each for sum and gt, and a sync
+            x[x > 2]  # a kernel (gt), a boolean-mask index (sync) and its kernels
+    counts = tally.per_step(1)
+    assert counts["data"] == {"launches": 0, "comm": 0, "syncs": 0}
+    assert counts["forward"]["launches"] == 3
+    assert counts["step"]["syncs"] == 2 and counts["step"]["launches"] >= 3
+    assert [s.what for s in syncs.records] == ["Tensor.__bool__", "Tensor.__getitem__"]
+    assert syncs.records[0].where.startswith("test_census.py:")  # outside the library: the file's name
+
+
+def test_the_counter_sees_a_compiled_graphs_kernels_and_its_aten_calls_by_phase():
+    """mm((x * 2).relu(), w): inductor fuses the mul and the relu into one C++ kernel and calls the
+    matmul as an aten op (an extern kernel): 2 launches where eager runs 3, in the phase the graph
+    ran in (a call outside every phase is the loop's), before a collective issued after them."""
+    def f(x, w):
+        return torch.mm((x * 2).relu(), w)
+
+    distributed.init()  # a world of 1, for the collective
+    compiled = torch.compile(f, dynamic=False, fullgraph=True)
+    x, w = torch.randn(8, 8), torch.randn(8, 8)
+    tally, eager = Tally(), Tally()
+    with kernels_profiled(), counting(tally, compiled=True):
+        with tally("forward"):
+            y = compiled(x, w)  # compiled here, with the counter off; then run with it on
+        with tally("data"):  # the next step
+            pass
+        with tally("forward"):
+            torch.distributed.all_reduce(compiled(x, w))
+        compiled(x, w)
+    with counting(eager):
+        with eager("forward"):
+            f(x, w)
+    torch.testing.assert_close(y, f(x, w))
+    assert eager.per_step(0)["forward"]["launches"] == 3
+    for step, phase in ((0, "forward"), (1, "forward"), (1, "loop")):
+        launched = {op: n for op, n in tally.ops[step, phase].items() if not op.startswith("c10d::")}
+        assert launched == {"aten::mm.out": 1, "inductor::cpp_fused_mul_relu_0": 1}, (step, phase)
+        assert tally.per_step(step)[phase]["launches"] == 2
+    [collective] = tally.collectives
+    assert (collective.step, collective.phase, collective.launches_before) == (1, "forward", 2)
+
+
+@pytest.mark.parametrize("name", COMPILED_CEILINGS)
+def test_a_compiled_step_launches_fewer_kernels_than_eager_without_a_sync(ds_config, name):
+    """--run.compile true against the eager census of the same configuration: the blocks' fused
+    kernels cut the forward and the backward, the rest of the step launches what it did, nothing
+    waits for the device, and the step stays under its ceiling."""
+    compiled = run_census(ds_config, name, "none", "--run.compile", "true")
+    eager = run_census(ds_config, name)
+    assert (compiled["launches"], eager["launches"]) == (LAUNCHES_COMPILED, LAUNCHES_EAGER)
+    ours, before = compiled["counts"]["ours"], eager["counts"]["ours"]["per_phase"]
+    counts = ours["per_phase"]
+    assert counts["total"]["syncs"] == 0 and not ours["syncs"], ours["syncs"]
+    assert [s["what"] for s in ours["log_step_syncs"]] == ["Tensor.tolist"]
+    for phase in ("forward", "backward"):
+        assert counts[phase]["launches"] < before[phase]["launches"], (phase, ours["top_ops"][phase])
+        assert any(op.startswith("inductor::") for op, _ in ours["top_ops"][phase]), ours["top_ops"][phase]
+    for phase in ("data", "step", "hook", "loop"):
+        assert counts[phase] == before[phase], phase
+    assert counts["total"]["launches"] <= COMPILED_CEILINGS[name], (counts["total"], ours["top_ops"])

@@ -1,0 +1,189 @@
+"""The dry run over every shipped ds_config, for the methods each serves, and what it rejects."""
+import json
+import math
+import re
+import sys
+
+import pytest
+from conftest import REPO
+
+from train.config.options import parse_args
+from train.estimate.dry_run import check
+from train.estimate.gpus import gpu_in_filename, gpu_named
+
+DS = REPO / "ds_configs"
+PRESETS = REPO / "train" / "configs"
+MODELS = {"b": "vit_base_patch16", "l": "vit_large_patch16", "h": "vit_huge_patch14"}
+
+
+def methods_for(name: str) -> list[list[str]]:
+    """The option sets (method presets) a shipped file is meant for: for the 4096 matrix MAE+ (every
+    token of 4 crops in the encoder: the most memory) everywhere, MAE and MixedAE on ZeRO-1."""
+    if name.startswith("vit_"):
+        model = ["--model.name", MODELS[name[4]]]
+        cell = ["--mixedae.cell_size", "28"] if name[4] == "h" else []  # 2 x 2 patches of 14 px
+        others = [model, ["--config", str(PRESETS / "mixedae/vit_b.json"), *model, *cell]] if "zero1" in name else []
+        return [["--config", str(PRESETS / "maeplus/vit_b.json"), *model], *others]
+    if name.startswith(("mlomae_", "energy_")):
+        return [["--config", str(PRESETS / name.split('_')[0] / "vit_b.json")]]
+    if name.startswith("finetune_"):
+        from train.finetune import RECIPE
+
+        return [[*RECIPE, "--model.name", MODELS[name.split("_")[2]], "--finetune.num_classes", "1000"]]
+    if name.startswith("linprobe_"):
+        from train.linprobe import RECIPE
+
+        return [[*RECIPE, "--model.name", "vit_base_patch16", "--linprobe.num_classes", "1000"]]
+    if name == "cpu_linprobe.json":  # the linear probe's CPU recipe and the MAE recipe (LARS: ZeRO 0), debug model
+        from train.linprobe import RECIPE
+
+        probe = [*RECIPE, "--linprobe.num_classes", "10", "--data.epoch_size", "60000"]  # Fashion-MNIST's train split
+        return [[*probe, "--config", str(PRESETS / "mae/debug.json")],
+                [*probe, "--config", str(PRESETS / "linprobe/cpu_recipe.json"), "--model.name", "vit_debug_patch4",
+                 "--data.num_classes", "10"]]
+    if name == "cpu_demo.json":
+        return [["--config", str(PRESETS / "mae/demo.json"), "--data.epoch_size", "60000"]]  # Fashion-MNIST's train split
+    return [["--config", str(PRESETS / "mae/debug.json")]]  # the tests' config
+
+
+@pytest.mark.parametrize("path", sorted(DS.glob("*.json")), ids=lambda p: p.stem)
+def test_every_shipped_ds_config_passes_the_dry_run_for_its_methods(path):
+    gpu = gpu_named(gpu_in_filename(path.name) or "a100")
+    world = 8 if gpu_in_filename(path.name) else 1
+    for options in methods_for(path.name):
+        cfg = parse_args(["--ds_config", str(path), "--data.source", "synthetic", *options])
+        run = check(cfg, world, gpu)
+        assert run.ok, f"{path.name} {options}: {run.problems}"
+        assert run.memory is not None and run.memory.fits(gpu)
+
+
+def test_shipped_micro_batches_are_the_largest_the_memory_estimate_allows_with_a_margin(tmp_path):
+    """ds_configs/generate.py's rule: the largest power of two at most MARGIN x the largest micro-batch
+    the estimate fits for the group's hungriest method, and at most the global batch over 16 GPUs."""
+    sys.path.insert(0, str(DS))
+    try:
+        from generate import GLOBAL, HUNGRIEST, MARGIN, config, matrix
+    finally:
+        sys.path.remove(str(DS))
+    for name in matrix():
+        group = "pretrain" if name.startswith("vit_") else name.split("_vit_")[0]
+        group = "pretrain_actckpt" if "actckpt" in name else group
+        model, gpu = name.split("vit_")[1][0], gpu_in_filename(name)
+        stage = int(name.split("zero")[1][0])
+        probe = tmp_path / "probe.json"  # any micro-batch: the estimate scales the activations per sample
+        probe.write_text(json.dumps(config(group, model, gpu, stage, micro=8)))
+        options = [*(str(REPO / o) if o.endswith(".json") else o for o in HUNGRIEST[group]), "--model.name",
+                   MODELS[model], *(["--model.img_size", "112"] if group.startswith("pretrain") else [])]
+        run = check(parse_args(["--ds_config", str(probe), "--data.source", "synthetic", *options]), 8, gpu_named(gpu))
+        largest = run.memory.largest_micro(gpu_named(gpu))
+        want = min(GLOBAL[group] // 16, 2 ** int(math.log2(MARGIN * largest)))
+        assert json.loads((DS / name).read_text())["train_micro_batch_size_per_gpu"] == want, (name, largest)
+
+
+def test_matrix_files_are_the_generators_output():
+    sys.path.insert(0, str(DS))
+    try:
+        from generate import matrix, render
+    finally:
+        sys.path.remove(str(DS))
+    files = matrix()
+    for name, cfg in files.items():
+        assert (DS / name).read_text() == render(cfg), f"{name} differs: run python ds_configs/generate.py"
+    assert len([f for f in files if f.startswith("vit_")]) == 21  # B/L/H x 3 GPUs x ZeRO 1, 2 (+ ZeRO-3 for H)
+    for name, cfg in files.items():
+        if name.startswith("vit_"):
+            assert cfg["train_batch_size"] == 4096 and "gradient_accumulation_steps" not in cfg
+            assert ("activation_checkpointing" in cfg) == ("zero3" in name)
+
+
+def _check(ds: str, *options: str, world: int = 8, gpu: str = "a100"):
+    return check(parse_args(["--ds_config", str(DS / ds), "--data.source", "synthetic", *options]), world,
+                 gpu_named(gpu))
+
+
+def test_rejections_name_the_problem():
+    assert "V100 has none" in _check("vit_b_8xa100_bf16_zero1.json", gpu="v100").problems[0]
+    assert "not divisible by micro batch 256 x 24 ranks" in _check("vit_b_8xa100_bf16_zero1.json", world=24).problems[0]
+    zero3 = "vit_h_8xa100_bf16_zero3_actckpt.json"  # every objective and the figures run under ZeRO-3
+    assert _check(zero3, "--config", str(PRESETS / "mlomae/vit_b.json")).ok
+    assert _check(zero3, "--model.name", "vit_huge_patch14", "--run.vis_every", "100").ok
+
+
+def test_memory_estimate_reacts_to_zero_stage_checkpointing_and_micro_batch(tmp_path):
+    base = json.loads((DS / "vit_h_8xv100_fp16_zero1.json").read_text())
+    h = ["--model.name", "vit_huge_patch14"]
+
+    def estimate(**changes):
+        cfg = {**base, **changes}
+        (tmp_path / "ds.json").write_text(json.dumps(cfg))
+        return check(parse_args(["--ds_config", str(tmp_path / "ds.json"), "--data.source", "synthetic", *h]), 8,
+                     gpu_named("v100"))
+
+    z1 = estimate()
+    z2 = estimate(zero_optimization={**base["zero_optimization"], "stage": 2})
+    z3 = estimate(zero_optimization={"stage": 3}, activation_checkpointing={})
+    # ZeRO-1 sums the micro-batches' gradients whole (in the reduce dtype), ZeRO-2 reduces each
+    # micro-batch and keeps its shard only (train/estimate/memory.py)
+    assert z2.memory.gradients < z1.memory.gradients and z2.memory.fixed < z1.memory.fixed
+    # ZeRO-3 partitions the fp32 weights, gathering one block (and the next) at a time
+    assert z3.memory.weights == pytest.approx(4 * z1.memory.params / 8 + 2 * 2 * z1.memory.largest_layer)
+    assert z3.memory.activations < z1.memory.activations / 5  # checkpointing keeps block inputs only
+    big = estimate(train_micro_batch_size_per_gpu=512)
+    assert not big.ok and "exceeds" in big.problems[0] and f"at most {big.memory.largest_micro(gpu_named('v100'))}" \
+        in big.problems[0]
+    assert big.memory.activations == pytest.approx(z1.memory.activations * 16)  # linear in the micro-batch
+
+
+def test_cli_exit_codes(capsys):
+    from train.pretrain import main
+
+    def run(*args):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--dry-run", *args])
+        return exit_.value.code, capsys.readouterr().out
+
+    code, out = run("--ds_config", str(DS / "vit_l_8xa100_bf16_zero2.json"), "--model.name", "vit_large_patch16",
+                    "--data.source", "synthetic", "--world_size", "16")
+    assert code == 0, out
+    assert "16 x A100 SXM4 80GB: global batch 4096 = micro 256 x accumulation 1 x 16 ranks" in out
+    code, out = run("--ds_config", str(DS / "vit_l_8xa100_bf16_zero2.json"), "--data.source", "synthetic",
+                    "--gpu", "v100")
+    assert code == 2 and "PROBLEM: ds_config enables bf16, which this GPU lacks" in out
+
+
+def test_the_world_size_checked_is_said_with_where_it_comes_from(capsys, monkeypatch):
+    from train.pretrain import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def first_line(*args):
+        with pytest.raises(SystemExit):
+            main(["--dry-run", "--data.source", "synthetic", *args])
+        return capsys.readouterr().out.splitlines()[0]
+
+    preset = str(REPO / "train" / "configs" / "mae" / "debug.json")
+    # a CPU file with no GPU named: one process, not a node of 8
+    assert first_line("--ds_config", str(DS / "cpu_debug.json"), "--config", preset, "--gpu", "cpu").endswith(
+        "world size 1 (assumed: one CPU process; pass --world_size N to check N ranks)")
+    assert first_line("--ds_config", str(DS / "vit_b_8xa100_bf16_zero1.json"), "--model.name",
+                      "vit_base_patch16").endswith("world size 8 (assumed: one node of 8 A100 SXM4 80GBs; pass "
+                                                   "--world_size N to check another)")
+    assert first_line("--ds_config", str(DS / "cpu_debug.json"), "--config", preset, "--world_size", "2").endswith(
+        "world size 2 (--world_size)")
+
+
+def test_tensors_that_cannot_be_allocated_are_a_problem_before_any_estimate(monkeypatch):
+    """An image size whose batch or position table alone exceeds the GPU (or, for CPU ranks, this
+    machine's memory) is refused from the model's geometry, where the meta-device estimate cannot
+    even allocate its tensors."""
+    huge = _check("vit_b_8xa100_bf16_zero1.json", "--model.name", "vit_base_patch16", "--model.img_size", "160000")
+    assert not huge.ok and huge.memory is None
+    assert re.match(r"a step needs at least [\d,.]+ GiB per rank \(images [\d,.]+, patch embeddings [\d,.]+, position "
+                    r"table [\d,.]+, block weights [\d,.]+ GiB at micro-batch 256, image size 160000\), more than the "
+                    r"80\.0 GiB of A100 SXM4 80GB: lower model.img_size", huge.problems[0]), huge.problems
+    monkeypatch.setattr("train.estimate.memory.os.sysconf", lambda name: {"SC_PHYS_PAGES": 2**18, "SC_PAGE_SIZE": 4096}[name])
+    cpu = check(parse_args(["--ds_config", str(DS / "cpu_debug.json"), "--config", str(PRESETS / "mae/debug.json"),
+                            "--model.img_size", "4096"]), 1, None)
+    assert "more than the 1.0 GiB of this machine's memory" in cpu.problems[0]
+    assert check(parse_args(["--ds_config", str(DS / "cpu_debug.json"), "--config", str(PRESETS / "mae/debug.json")]),
+                 1, None).ok

@@ -1,0 +1,161 @@
+"""train/export.py --format transformers: a checkpoint -> a folder transformers' from_pretrained
+loads with nothing missing or unexpected, computing what our checkpoint computes."""
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_pretrain
+from safetensors.torch import load_file
+
+from model import create_model
+from model.objectives import build_objective
+from model.objectives.mae import MAEConfig
+from train.engine.checkpoint import read_meta
+from train.engine.state_files import read_tensors
+from train.export import main as export_main
+from train.run.folder import read_metrics
+from train.weights.export import export_transformers
+from train.weights.transformers import choose_architecture
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def mae_run(tmp_path_factory):
+    """The MAE debug preset (vit_debug_patch4: 28 px, 1 channel; decoder 32 wide, 1 block, 2 heads), 2 steps."""
+    out = tmp_path_factory.mktemp("mae")
+    run_pretrain(out, "--run.max_steps", "2")
+    return out
+
+
+def _tag(run_dir):
+    return run_dir / "checkpoints" / "step00000002"
+
+
+def _our_mae(tag_dir):
+    module = read_tensors(tag_dir)
+    mae = build_objective("mae", create_model("vit_debug_patch4", in_chans=1),
+                          MAEConfig(decoder_dim=32, decoder_depth=1, decoder_heads=2))
+    mae.load_state_dict({k: v.float() for k, v in module.items() if k.startswith(("encoder.", "decoder."))})
+    return mae.eval()
+
+
+def _loading_info_is_clean(info: dict) -> bool:
+    return not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"])
+
+
+def test_mae_run_exports_vit_mae_for_pretraining_with_the_same_loss_and_features(mae_run, tmp_path, capsys):
+    out = export_main(["--checkpoint", str(mae_run), "--format", "transformers", "--out", str(tmp_path / "hf")])
+    assert out == tmp_path / "hf" and "from transformers import ViTMAEForPreTraining" in capsys.readouterr().out
+    theirs, info = transformers.ViTMAEForPreTraining.from_pretrained(out, output_loading_info=True)
+    assert _loading_info_is_clean(info)
+    theirs.eval()
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_norm_eps"] == 1e-6 and config["norm_pix_loss"] is True and config["num_channels"] == 1
+    ours = _our_mae(_tag(mae_run))
+    torch.manual_seed(0)
+    x, noise = torch.randn(4, 1, 28, 28), torch.rand(4, 49)
+    with torch.no_grad():
+        a, b = theirs(pixel_values=x, noise=noise), ours({"image": x, "mask_noise": noise})
+        assert abs(a.loss.item() - b["loss"].item()) <= 1e-6 and (a.logits - b["pred"]).abs().max() <= 1e-6
+        latent = ours.encode(x, ours.make_masking({"mask_noise": noise}, 4, x.device))  # (B, 1+L, D) kept tokens
+        assert (theirs.vit(pixel_values=x, noise=noise).last_hidden_state - latent).abs().max() <= 1e-6
+    assert not (out.parent / "hf.partial").exists()
+
+
+def test_the_folder_carries_the_image_processor_and_a_model_card(mae_run, tmp_path):
+    out, _ = export_transformers(_tag(mae_run), tmp_path / "hf")
+    processor = transformers.AutoImageProcessor.from_pretrained(out)
+    pixels = np.random.default_rng(0).integers(0, 256, (28, 28, 1), dtype=np.uint8)
+    got = processor(images=pixels, return_tensors="pt")["pixel_values"][0]
+    # the run's normalisation of 1-channel (synthetic) input: (x / 255 - 0.5) / 0.25, at the run's 28 px
+    want = (torch.from_numpy(pixels).permute(2, 0, 1).float() / 255 - 0.5) / 0.25
+    assert got.shape == (1, 28, 28) and torch.allclose(got, want, atol=1e-6)
+    card = (out / "README.md").read_text()
+    last = read_metrics(mae_run)[-1]
+    assert "`mae`: mask_ratio 0.75, norm_pix_loss true, decoder_dim 32" in card
+    assert "synthetic images (data.source synthetic)" in card and "global batch 8, blr 0.0015" in card
+    assert f"step 2, loss {round(last['loss'], 6)}" in card
+    assert all(oct(p.stat().st_mode)[-3:] != "600" for p in out.iterdir())  # readable beyond the owner
+
+
+def _other_run_meta(tag_dir, **changes) -> dict:
+    meta = read_meta(tag_dir)
+    meta["encoder_timm_kwargs"] = {**meta["encoder_timm_kwargs"], **changes.pop("kwargs", {})}
+    return {**meta, **changes}
+
+
+def test_other_objectives_export_the_encoder_as_vit_model(mae_run, tmp_path):
+    from train.weights.export import _encoder_of, _module_state
+    from train.weights.transformers import write_folder
+
+    tag = _tag(mae_run)
+    encoder = _encoder_of(_module_state(tag), tag)
+    out, name = write_folder(encoder, {}, _other_run_meta(tag, objective="mixedae"), tag, tmp_path / "hf")
+    assert name == "ViTModel"
+    theirs, info = transformers.ViTModel.from_pretrained(out, add_pooling_layer=False, output_loading_info=True)
+    assert _loading_info_is_clean(info)
+    _, info = transformers.ViTModel.from_pretrained(out, output_loading_info=True)
+    # why the card says add_pooling_layer=False: by default transformers adds a pooler the encoder lacks
+    assert sorted(info["missing_keys"]) == ["pooler.dense.bias", "pooler.dense.weight"]
+    x = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        ours = _our_mae(tag).encoder.forward_features(x)
+        assert (theirs.eval()(pixel_values=x).last_hidden_state - ours).abs().max() <= 1e-6
+
+
+def test_a_classifier_exports_with_the_labels_of_its_shards(mae_run, tmp_path):
+    from train.weights.export import _encoder_of, _module_state
+    from train.weights.transformers import write_folder
+
+    tag = _tag(mae_run)
+    index = tmp_path / "train.json"
+    index.write_text(json.dumps({"shards": [], "classes": ["cat", "dog", "emu"]}))
+    meta = _other_run_meta(tag, objective="finetune", kwargs={"num_classes": 3})
+    meta["config"] = {**meta["config"], "data": {**meta["config"]["data"], "train_index": str(index)}}
+    torch.manual_seed(0)
+    encoder = {**_encoder_of(_module_state(tag), tag), "head.weight": torch.randn(3, 32), "head.bias": torch.randn(3)}
+    out, name = write_folder(encoder, {}, meta, tag, tmp_path / "hf")
+    assert name == "ViTForImageClassification"
+    theirs, info = transformers.ViTForImageClassification.from_pretrained(out, output_loading_info=True)
+    assert _loading_info_is_clean(info)
+    assert theirs.config.id2label == {0: "cat", 1: "dog", 2: "emu"} and theirs.config.label2id["emu"] == 2
+    ours = create_model("vit_debug_patch4", in_chans=1, num_classes=3)
+    ours.load_state_dict(encoder)
+    x = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        assert (theirs.eval()(pixel_values=x).logits - ours.eval()(x)).abs().max() <= 1e-6
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["ViTForImageClassification"]
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    ({"global_pool": "avg"}, "pools the patch tokens .model.global_pool avg"),
+    ({"rpe": True}, "iRPE tables"),
+    ({"timm_model": "convnext_atto"}, "timm backbone convnext_atto"),
+])
+def test_encoders_transformers_cannot_hold_are_refused(mae_run, kwargs, why):
+    meta = _other_run_meta(_tag(mae_run), kwargs=kwargs)
+    with pytest.raises(ValueError, match=why + ".*export it with --format timm"):
+        choose_architecture(meta, {}, {})
+
+
+def test_an_output_folder_with_other_files_loses_nothing(mae_run, tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds other files than a transformers export's"):
+        export_transformers(_tag(mae_run), tmp_path / "hf")
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["notes.txt"]
+    out, _ = export_transformers(_tag(mae_run), tmp_path / "again")
+    first = load_file(str(out / "model.safetensors"))
+    out, _ = export_transformers(_tag(mae_run), out)  # an earlier export is replaced
+    assert all(torch.equal(first[k], v) for k, v in load_file(str(out / "model.safetensors")).items())
+
+
+def test_without_transformers_the_export_says_how_to_install_it(mae_run, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    with pytest.raises(ValueError, match=r"needs the transformers package, which is not installed: "
+                                         r"pip install -e '\.\[hf\]'"):
+        export_transformers(_tag(mae_run), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

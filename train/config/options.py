@@ -1,0 +1,558 @@
+"""Typed, strict configuration for pretraining.
+
+One source of truth per setting: batch sizes, precision, ZeRO stage and gradient clipping live
+in the DeepSpeed JSON (`--ds_config`); everything else lives here. Values come from the
+dataclass defaults, then what the JSON presets (`--config FILE`, any number, in any order) agree
+on (train/config/presets.py), then `--section.key value` on the command line. Unknown keys are errors
+naming the closest valid key. Every value is read strictly as its field's type (train/config/values.py)
+and every number must lie in the range its field declares, `field(default=..., metadata={"range":
+"[0, 1)"})`: `validate` checks them for every section, objectives' included, and `--help` shows
+them.
+
+The common sections are the fields of PretrainConfig; each registered objective adds its own
+section under its name (`cfg.mae`, `--mae.mask_ratio`), built from the registry when the config
+is made, so a method registered anywhere (model/objectives/base.py) gets its options, its
+`--help` lines and its preset keys without an edit here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from data.labels import LabelKey
+from data.transforms import DECODES
+from kernels import resolve_backend
+from model.hf_interop import check_folder_fits, is_transformers_folder
+from model.objectives import OBJECTIVES, ObjectiveConfig, list_objectives
+from model.registry import list_models, model_arch
+from model.timm_backbone import is_timm_name
+from train.config.errors import ConfigError
+from train.config.help import field_comments, option_lines, show_default
+from train.config.presets import DEFAULTS, IF_OBJECTIVE, PresetOptions, compose, load_preset
+from train.config.values import Interval, check_range, from_json, from_text, shown
+
+
+@dataclass
+class ModelConfig:
+    name: str = "vit_base_patch16"  # a key of model.registry.list_models(), or timm/<timm model name> (energy)
+    img_size: int = field(default=0, metadata={"range": "[0, inf)"})  # 0 = the registry entry's default (224 for standard sizes)
+    in_chans: int = field(default=3, metadata={"range": "[1, inf)"})  # input channels (3 = RGB; the shards decode to RGB)
+    attn_backend: str = "auto"  # auto (= sdpa) | sdpa | math | flash_attn
+    global_pool: str = "token"  # token (cls) | avg (patch mean + fc_norm, MAE fine-tuning)
+    drop_path_rate: float = field(default=0.0, metadata={"range": "[0, 1)"})  # stochastic depth, grows linearly to this value over the blocks
+    rpe: bool = False  # iRPE in every block (to fine-tune an MAE+/AdPE RPE encoder; maeplus.rpe sets it for pretraining)
+    init_from: str = ""  # weights to start from: our run folder / checkpoint, official MAE .pth, timm or exported encoder, a transformers folder
+
+
+@dataclass
+class DataConfig:
+    source: str = "shards"  # shards (webdataset, data/write_shards.py) | synthetic (benchmarks)
+    train_index: str = ""  # the <name>.json index of the training shards
+    eval_index: str = ""  # labeled shards for top-1/top-5 of classification objectives ('' = none)
+    label_key: str = ""  # where labels are: empty = the key the index records (cls for data/write_shards.py's), else cls (the .cls member) | json:FIELD (a field of the .json member), which must be the index's; unlabeled indexes are read without labels
+    eval_crop_pct: float = field(default=0.875, metadata={"range": "(0, 1]"})  # evaluation resize = img_size / eval_crop_pct, then center crop
+    epoch_size: int = field(default=0, metadata={"range": "[0, inf)"})  # nominal samples per epoch; 0 = the shard index's count (synthetic: 1,281,167)
+    num_workers: int = field(default=-1, metadata={"range": "[-1, inf)"})  # DataLoader workers per rank; -1 = auto: min(4, cores per rank - 1, shards per rank); 0 = decode in the training process
+    shuffle_buffer: int = field(default=1000, metadata={"range": "[1, inf)"})  # samples held by each worker's shuffle buffer
+    crop_scale_min: float = field(default=0.2, metadata={"range": "(0, 1]"})  # RandomResizedCrop scale range (crop_scale_min, 1)
+    train_transform: str = "crop_flip"  # crop_flip (MAE pretraining / linprobe) | randaug (fine-tuning) | multicrop (MAE+)
+    decode: str = "cpu"  # cpu | cpu_draft (JPEG decoded at 1/2-1/8 scale when the crop allows) | nvjpeg (on the GPU)
+    num_crops: int = field(default=4, metadata={"range": "[1, inf)"})  # crops per image with train_transform multicrop (each img_size, scale (crop_scale_min, 1))
+    randaug: str = "rand-m9-mstd0.5-inc1"  # timm RandAugment policy (train_transform randaug)
+    reprob: float = field(default=0.25, metadata={"range": "[0, 1]"})  # random erasing probability (train_transform randaug)
+    num_classes: int = field(default=1000, metadata={"range": "[1, inf)"})  # synthetic source only
+    max_bad_fraction: float = field(default=0.01, metadata={"range": "[0, 1]"})  # stop when more of a reader's samples are unusable (data/faults.py; 1.0 = never)
+    max_image_pixels: int = field(default=89_478_485, metadata={"range": "[1, inf)"})  # larger images are skipped from their header (PIL's default limit)
+    allow_pipe_urls: bool = False  # let index entries 'pipe:<shell command>' run commands to read shards
+    verify_shards: bool = False  # before start, check every shard's tar and image headers (python -m data.verify); refuse bad ones
+
+
+@dataclass
+class OptimConfig:
+    blr: float = field(default=1.5e-4, metadata={"range": "(0, inf)"})  # lr = blr * global_batch / 256
+    weight_decay: float = field(default=0.05, metadata={"range": "[0, inf)"})  # AdamW decay of weight matrices (none on biases, norms, tokens, position tables)
+    betas: tuple[float, float] = field(default=(0.9, 0.95), metadata={"range": "[0, 1)"})  # AdamW betas, comma-separated
+    epochs: int = field(default=800, metadata={"range": "[1, inf)"})  # schedule length in epochs of data.epoch_size samples
+    warmup_epochs: float = field(default=40.0, metadata={"range": "[0, inf)"})  # linear warmup, then half-cycle cosine to min_lr
+    min_lr: float = field(default=0.0, metadata={"range": "[0, inf)"})  # the cosine schedule's floor
+    name: str = "adamw"  # adamw | lars (momentum 0.9, trust 0.001; needs ZeRO stage 0)
+    layer_decay: float = field(default=1.0, metadata={"range": "(0, 1]"})  # layer-wise lr decay of the encoder (1.0 = none; MAE fine-tuning 0.65 B / 0.75 L)
+
+
+@dataclass
+class RunConfig:
+    log_every: int = field(default=20, metadata={"range": "[1, inf)"})  # optimizer steps between metric lines
+    ckpt_every: int = field(default=1000, metadata={"range": "[1, inf)"})  # optimizer steps between checkpoints (one is always written at the end)
+    keep_checkpoints: int = field(default=3, metadata={"range": "[0, inf)"})  # newest complete checkpoints kept on disk (0 = all)
+    keep_every_epochs: int = field(default=0, metadata={"range": "[0, inf)"})  # also checkpoint at the end of every N-th epoch and never delete those (0 = none)
+    max_steps: int = field(default=0, metadata={"range": "[0, inf)"})  # stop after this many optimizer steps (0 = the full schedule); the schedule is unchanged
+    tensorboard: bool = True  # TensorBoard events in <output_dir>/tb beside metrics.jsonl
+    progress: bool = True  # a progress bar on rank 0 (tqdm)
+    export: bool = True  # write encoder.safetensors + encoder.json at the end
+    vis_every: int = field(default=0, metadata={"range": "[0, inf)"})  # optimizer steps between PNG figures in <output_dir>/vis (0 = none)
+    eval_every: int = field(default=0, metadata={"range": "[0, inf)"})  # optimizer steps between evaluations on data.eval_index (0 = only at the end)
+    compile: bool = False  # torch.compile every ViT block (encoder and decoder; any ZeRO stage): one static graph per block shape
+    stop_check_every: int = field(default=5, metadata={"range": "[1, inf)"})  # optimizer steps between the ranks' agreement on a stop signal (SIGUSR1 / SIGTERM)
+    max_nonfinite_steps: int = field(default=20, metadata={"range": "[0, inf)"})  # consecutive skipped steps (non-finite loss / gradients) that stop the run; 0 = never
+    overwrite: bool = False  # start afresh in an output_dir that holds another run (its checkpoints and logs are deleted)
+
+
+def _registered_sections() -> dict[str, ObjectiveConfig]:
+    """Every registered objective's config at its defaults, in registration order."""
+    common = {f.name for f in dataclasses.fields(PretrainConfig)}
+    clash = sorted(common & set(OBJECTIVES))
+    if clash:
+        raise ConfigError(f"objectives {clash} are named like common config sections; register them under other names")
+    return {name: config_cls() for name, (config_cls, _) in OBJECTIVES.items()}
+
+
+@dataclass
+class PretrainConfig:
+    """Common sections as fields; the objectives' sections (`cfg.<objective name>`) in `sections`."""
+
+    ds_config: str = ""  # DeepSpeed JSON: batch, precision, ZeRO, clipping
+    output_dir: str = "runs/pretrain"  # the run folder: config, metrics, checkpoints, figures, export
+    resume: str = ""  # '' | 'auto' (latest complete checkpoint in output_dir) | path to a checkpoint
+    seed: int = field(default=0, metadata={"range": "[0, 2147483647]"})  # initial weights (every rank); masks, augmentation and data order draw from seed + rank (numpy takes seeds below 2**32)
+    objective: str = "mae"  # a registered objective: one of the sections below after run
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    # objective name -> its config, one per objective registered when this config was made
+    sections: dict[str, ObjectiveConfig] = field(default_factory=_registered_sections, repr=False)
+
+    def __getattr__(self, name: str) -> Any:
+        """cfg.<objective name> is that objective's section (only called for names not found otherwise)."""
+        sections = self.__dict__.get("sections")
+        if sections is not None and name in sections:
+            return sections[name]
+        raise AttributeError(f"{type(self).__name__} has no section or field {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        sections = self.__dict__.get("sections")
+        if sections is not None and name in sections:
+            sections[name] = value
+        else:
+            super().__setattr__(name, value)
+
+    def validate(self) -> None:
+        check_values(self)  # every option's type and range, as its field declares them
+        if not self.ds_config:
+            raise ConfigError("--ds_config is required (e.g. ds_configs/cpu_debug.json)")
+        if self.objective not in OBJECTIVES or self.objective not in self.sections:
+            raise ConfigError(f"objective {self.objective!r} is unknown; choose one of {list_objectives()}")
+        if self.optim.name not in ("adamw", "lars"):
+            raise ConfigError(f"optim.name must be adamw or lars, got {self.optim.name!r}")
+        if self.data.train_transform not in ("crop_flip", "randaug", "multicrop"):
+            raise ConfigError(f"data.train_transform must be crop_flip, randaug or multicrop, got "
+                              f"{self.data.train_transform!r}")
+        if self.data.decode not in DECODES:
+            raise ConfigError(f"data.decode must be one of {DECODES}, got {self.data.decode!r}")
+        if self.data.decode != "cpu" and self.data.train_transform == "randaug":
+            raise ConfigError(f"data.decode {self.data.decode} is not available with train_transform randaug "
+                              f"(timm's pipeline decodes whole images with PIL); use data.decode cpu")
+        if self.data.decode == "nvjpeg" and self.data.train_transform != "crop_flip":
+            raise ConfigError("data.decode nvjpeg supports train_transform crop_flip only; use cpu_draft for multicrop")
+        if self.model.global_pool not in ("token", "avg"):
+            raise ConfigError(f"model.global_pool must be token or avg, got {self.model.global_pool!r}")
+        objective_cls = OBJECTIVES[self.objective][1]
+        if self.data.eval_index and not objective_cls.has_classifier():
+            raise ConfigError(f"data.eval_index is for objectives with a classifier; objective {self.objective!r} "
+                              f"has none (evaluate its encoder with train/evaluate.py)")
+        split_objective = section(self).data_split() is not None  # MLO-MAE: levels I-III read train_index
+        if split_objective and self.data.eval_index and \
+                Path(self.data.eval_index).resolve() == Path(self.data.train_index).resolve():
+            raise ConfigError("data.eval_index is the training index, which every MLO-MAE level reads: the reported "
+                              "accuracy would be measured on training samples; point it at the held-out test split")
+        if self.run.compile and objective_cls.double_backward:
+            raise ConfigError(f"run.compile: objective {self.objective} differentiates through input gradients, "
+                              f"which compiled graphs do not support; set run.compile false")
+        if self.run.overwrite and self.resume:
+            raise ConfigError("run.overwrite starts afresh and --resume continues: give one of them")
+        if self.optim.warmup_epochs > self.optim.epochs:
+            raise ConfigError(f"optim.warmup_epochs ({self.optim.warmup_epochs}) exceeds optim.epochs ({self.optim.epochs})")
+        if self.data.source not in ("shards", "synthetic"):
+            raise ConfigError(f"data.source {self.data.source!r} is unknown; choose 'shards' or 'synthetic'")
+        if self.data.source == "shards" and not self.data.train_index:
+            raise ConfigError("data.train_index is required with data.source shards (the JSON written by "
+                              "data/write_shards.py); to try the code without data, start from a debug preset "
+                              "(--config train/configs/<method>/debug.json: the debug ViT on synthetic images, "
+                              "32 steps), not --data.source synthetic alone (ImageNet-sized epochs of the model "
+                              f"{self.model.name})")
+        try:
+            if self.data.label_key:  # empty: the index's own
+                LabelKey.parse(self.data.label_key)
+        except ValueError as e:
+            raise ConfigError(f"data.label_key: {e}") from None
+        if self.model.init_from and not Path(self.model.init_from).exists():
+            raise ConfigError(f"model.init_from {self.model.init_from!r} does not exist: give an exported "
+                              f"encoder.safetensors, a run folder, an official MAE or a timm checkpoint")
+        if self.model.name not in list_models() and not is_timm_name(self.model.name):
+            close = difflib.get_close_matches(self.model.name, list_models(), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"model.name {self.model.name!r} is not registered{hint} Choose one of {list_models()} "
+                              f"or a timm model as 'timm/<name>' (e.g. timm/convnext_atto)")
+        check_patch_grid(self.model)
+        try:
+            resolve_backend(self.model.attn_backend)
+            section(self).validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def check_patch_grid(model: ModelConfig) -> None:
+    """A ViT's model.img_size (0: the registry entry's own) must be a whole number of patches."""
+    if not model.img_size or is_timm_name(model.name):
+        return
+    arch = model_arch(model.name)
+    patch = arch["patch_size"]
+    if model.img_size % patch:
+        raise ConfigError(f"model.img_size {model.img_size} is not divisible by the patch size {patch} of "
+                          f"{model.name}: give a multiple of the patch size (e.g. "
+                          f"{max(patch, model.img_size // patch * patch)}), or 0 for its own size ({arch['img_size']})")
+
+
+def section(cfg: PretrainConfig) -> ObjectiveConfig:
+    """The selected objective's config section (cfg.<cfg.objective>)."""
+    return cfg.sections[cfg.objective]
+
+
+def encoder_img_size(cfg: PretrainConfig) -> int:
+    """The encoder's input size: model.img_size, else the registry entry's default."""
+    return cfg.model.img_size or model_arch(cfg.model.name)["img_size"]
+
+
+def check_objective_fits(cfg: PretrainConfig, micro_batch: int, accum: int = 1, zero_stage: int = 0) -> None:
+    """Objective-vs-model/batch/engine/data checks (e.g. MixedAE's group size and mixing cells,
+    MLO-MAE's ZeRO stage and class count; objectives that read labels refuse unlabeled shards),
+    before any process starts."""
+    checks = section(cfg)
+    arch = model_arch(cfg.model.name, **({"img_size": cfg.model.img_size} if cfg.model.img_size else {}))
+    # the shard index is read only for objectives that check its labels
+    reads_labels = type(checks).check_labels is not ObjectiveConfig.check_labels
+    if cfg.model.init_from and is_transformers_folder(cfg.model.init_from):
+        check_transformers_init(cfg, {**arch, "in_chans": cfg.model.in_chans})
+    try:
+        checks.check_fits(arch["img_size"], arch["patch_size"], arch["depth"], micro_batch)
+        checks.check_engine(zero_stage, accum)
+        checks.check_input(cfg.model.in_chans)
+        if reads_labels and cfg.data.source == "synthetic":  # labels 0 .. data.num_classes - 1
+            checks.check_labels(cfg.data.num_classes)
+        if reads_labels and cfg.data.source == "shards" and Path(cfg.data.train_index).is_file():
+            from data.shards import ShardSet
+
+            shards = ShardSet.from_index(cfg.data.train_index, cfg.data.allow_pipe_urls)
+            try:
+                checks.check_labels(len(shards.classes) if shards.labeled else None)
+            except ValueError as e:
+                shards.require_labels(f"{e} (data.train_index)")  # unlabeled: the index and the fix said
+                raise
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_transformers_init(cfg: PretrainConfig, arch: dict) -> None:
+    """model.init_from naming a transformers folder: its config.json's sizes against model.name
+    and, for a ViTMAEForPreTraining folder, the objective's decoder options (model/hf_interop.py)."""
+    checks = section(cfg)
+    decoder = {f"{cfg.objective}.{k}": getattr(checks, k) for k in ("decoder_dim", "decoder_depth", "decoder_heads")
+               if hasattr(checks, k)}
+    try:
+        check_folder_fits(cfg.model.init_from, cfg.model.name, arch, decoder)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"model.init_from: {e}") from None
+
+
+# --- parsing ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Option:
+    """What an option may hold: its type (bool, int, float, str, or a tuple of floats), its default,
+    for numbers the interval its field declares (`field(..., metadata={"range": "[0, 1)"})`; None:
+    any finite number) and its description (the comment on its field's line)."""
+    type: Any
+    default: Any
+    range: Interval | None
+    text: str
+
+    def read(self, value: Any, text: bool) -> Any:
+        """A command-line text (`text`) or a JSON value as this option's type; ValueError saying
+        what it must be."""
+        if typing.get_origin(self.type) is not tuple:
+            return (from_text if text else from_json)(self.type, value)
+        kinds = typing.get_args(self.type)
+        items = value.split(",") if text else value
+        if not isinstance(items, list) or len(items) != len(kinds):
+            raise ValueError(f"must be {len(kinds)} {'comma-separated numbers' if text else 'numbers in a list'}, "
+                             f"got {shown(value)}")
+        return tuple((from_text if text else from_json)(kind, item) for kind, item in zip(kinds, items))
+
+    def check(self, value: Any) -> None:
+        """ValueError when `value` is not of this option's type or lies outside its range."""
+        if typing.get_origin(self.type) is tuple:
+            items = list(value) if isinstance(value, (tuple, list)) else value
+            self.read(items, text=False)
+            if self.range is not None and not all(item in self.range for item in items):
+                raise ValueError(f"must be {len(items)} numbers each {self.range}, got {show_default(tuple(items))}")
+            return
+        from_json(self.type, value)
+        if self.type is int and not isinstance(value, int):  # 8.0 is read as 8, but not kept as 8.0
+            raise ValueError(f"must be an integer, got {shown(value)}")
+        if self.type in (int, float):
+            check_range(value, self.range)
+
+    def refusal(self, key: str, problem: ValueError, origin: str = "command line") -> ConfigError:
+        """The one line refusing a value: the option, where it was set, what it must be, what it
+        is for and an example (its default)."""
+        where = "" if origin == "command line" else f" (set by the preset {origin})"
+        about = f" ({self.text})" if self.text else ""
+        return ConfigError(f"option {key}{where} {problem}{about}; e.g. --{key} {show_default(self.default)}")
+
+
+@functools.lru_cache(maxsize=None)
+def _class_options(cls: type) -> dict[str, Option]:
+    """Dotted key -> Option for every leaf field of a config dataclass (nested ones included)."""
+    out: dict[str, Option] = {}
+    hints = typing.get_type_hints(cls)
+    comments = field_comments(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if f.name == "sections":  # the objectives' sections: each its own class
+            continue
+        if dataclasses.is_dataclass(tp):
+            out.update({f"{f.name}.{k}": option for k, option in _class_options(tp).items()})
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        interval = Interval.parse(f.metadata["range"]) if "range" in f.metadata else None
+        out[f.name] = Option(tp, default, interval, comments.get(f.name, ""))
+    return out
+
+
+def options(cfg: PretrainConfig | None = None) -> dict[str, Option]:
+    """Every option (dotted key -> Option): the common sections, then each objective's section, of
+    `cfg` or (None) of every registered objective."""
+    sections = {name: config_cls for name, (config_cls, _) in OBJECTIVES.items()} if cfg is None else \
+        {name: type(section) for name, section in cfg.sections.items()}
+    out = dict(_class_options(PretrainConfig))
+    for name, config_cls in sections.items():
+        out.update({f"{name}.{k}": option for k, option in _class_options(config_cls).items()})
+    return out
+
+
+def valid_keys() -> dict[str, Any]:
+    """Every option (dotted key -> type): the common sections, then each registered objective's."""
+    return {key: option.type for key, option in options().items()}
+
+
+def check_values(cfg: PretrainConfig, origins: dict[str, str] | None = None) -> None:
+    """Every option's value of its type, finite and inside its field's range (`origins`: where each
+    was set, for the message)."""
+    for key, option in options(cfg).items():
+        try:
+            option.check(_get(cfg, key))
+        except ValueError as e:
+            raise option.refusal(key, e, (origins or {}).get(key, "command line")) from None
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else "; run with --help to list the options"
+    return ConfigError(f"unknown option {key!r}{hint}")
+
+
+def _set(cfg: PretrainConfig, key: str, value: Any) -> None:
+    *path, leaf = key.split(".")
+    target = cfg
+    for part in path:
+        target = getattr(target, part)
+    setattr(target, leaf, value)
+
+
+def _flatten(d: dict, known: dict[str, Option], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and f"{prefix}{k}" not in known:
+            out.update(_flatten(v, known, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _read_preset(path: str, known: dict[str, Option]) -> PresetOptions:
+    """A --config file's options, defaults and if_objective sections, each value read as its type."""
+    preset = load_preset(path)
+    parts = {part: preset.pop(part, {}) for part in (DEFAULTS, IF_OBJECTIVE)}
+    examples = {DEFAULTS: {"optim": {"blr": 1.5e-4}}, IF_OBJECTIVE: {"mae": {"decoder_dim": 32}}}
+    for part, value in parts.items():
+        sections = value.values() if part == IF_OBJECTIVE and isinstance(value, dict) else []
+        if not isinstance(value, dict) or not all(isinstance(v, dict) for v in sections):
+            raise ConfigError(f"preset --config {path}: {part!r} must be an object of options (e.g. "
+                              f"{shown({part: examples[part]})}), got {shown(value)}")
+    unknown = sorted(set(parts[IF_OBJECTIVE]) - set(OBJECTIVES))
+    if unknown:
+        raise ConfigError(f"preset --config {path}: {IF_OBJECTIVE!r} names {unknown}, which are not objectives; "
+                          f"choose from {list_objectives()}")
+
+    def read(options: dict) -> dict[str, Any]:
+        out = {}
+        for key, value in _flatten(options, known).items():
+            if key not in known:
+                raise _unknown(key)
+            try:
+                out[key] = known[key].read(value, text=False)
+            except ValueError as e:
+                raise known[key].refusal(key, e, path) from None
+        return out
+
+    return PresetOptions(path, read(preset), read(parts[DEFAULTS]),
+                         {name: read({name: section}) for name, section in parts[IF_OBJECTIVE].items()})
+
+
+def help_text() -> str:
+    """Every option, one line each, grouped by section: type, default, range, description (train/config/help.py)."""
+    cfg = PretrainConfig()
+    sections = {"": cfg, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                            if dataclasses.is_dataclass(getattr(cfg, f.name))}, **cfg.sections}
+    head = ["command options:",
+            "  --config FILE         a JSON preset (train/configs/<method>/*.json); may be given several times, in any",
+            "                        order: presets that set one option to different values are refused, and the",
+            "                        --key value options win over every preset",
+            "  --dry-run             check the configuration for --world_size N ranks on --gpu NAME (a100, h100, v100, ...)",
+            "                        and estimate memory; starts nothing (train/estimate/dry_run.py)",
+            "  --help, -h            this text",
+            "",
+            "options (--key value or --key=value; booleans true|false; integers also as 1e3; numbers finite and in",
+            "the range shown):"]
+    return "\n".join(head + option_lines(sections))
+
+
+def _shards(cfg: PretrainConfig) -> bool:
+    return cfg.data.source == "shards"
+
+
+def _eval(cfg: PretrainConfig) -> bool:
+    return bool(cfg.data.eval_index)
+
+
+SHARDS = "--data.source shards"
+# Options read only under a condition: option -> (the condition, what would read the option, whether
+# a preset may set it unread: the condition is the data source, or the option is part of a recipe's
+# pipeline, such as its evaluation crop). Objective sections are read by their objective only.
+READ_ONLY_WHEN: dict[str, tuple[Any, str, bool]] = {
+    **{f"data.{k}": (_shards, SHARDS, True) for k in (
+        "train_index", "label_key", "num_workers", "shuffle_buffer", "crop_scale_min", "decode",
+        "max_bad_fraction", "max_image_pixels", "verify_shards")},
+    "data.allow_pipe_urls": (lambda c: _shards(c) or _eval(c), f"{SHARDS} or --data.eval_index", True),
+    "data.randaug": (lambda c: _shards(c) and c.data.train_transform == "randaug",
+                     "--data.source shards with --data.train_transform randaug", True),
+    "data.reprob": (lambda c: _shards(c) and c.data.train_transform == "randaug",
+                    "--data.source shards with --data.train_transform randaug", True),
+    "data.num_crops": (lambda c: c.data.train_transform == "multicrop", "--data.train_transform multicrop", False),
+    "data.num_classes": (lambda c: c.data.source == "synthetic", "--data.source synthetic (shards carry their "
+                         "classes)", True),
+    "data.eval_crop_pct": (_eval, "--data.eval_index", True),  # a probe recipe's scoring crop
+    "run.eval_every": (_eval, "--data.eval_index", False),
+}
+
+
+def check_read(cfg: PretrainConfig, origins: dict[str, str], entry_point_reads_not: dict[str, str]) -> None:
+    """Refuse an option set away from its default (on the command line or in a preset) that nothing
+    of this run would read: another objective's section, a data option of the other source or
+    transform, an option the command ignores (given on its command line). A preset may set options
+    that depend on the data source and stay unread when the command line picks the other source
+    (it describes its recipe's pipeline, its evaluation crop included), and sections under
+    "if_objective" (applied to their objective only)."""
+    default = PretrainConfig()
+    for key, origin in origins.items():
+        section, _, name = key.partition(".")
+        value = _get(cfg, key)
+        if value == _get(default, key):
+            continue
+        where = "on the command line" if origin == "command line" else f"by the preset {origin}"
+        if key in entry_point_reads_not and origin == "command line":  # a preset describes a run, not a command
+            raise ConfigError(f"--{key} (set {where}) is not read by this command: {entry_point_reads_not[key]}")
+        if section in cfg.sections and section != cfg.objective:
+            raise ConfigError(f"--{key} (set {where}) is read only by --objective {section}, and this run's "
+                              f"objective is {cfg.objective}: add --objective {section}, or drop the option")
+        if key in READ_ONLY_WHEN:
+            condition, reader, by_source = READ_ONLY_WHEN[key]
+            if not condition(cfg) and not (by_source and origin != "command line"):
+                raise ConfigError(f"--{key} (set {where}) is read only with {reader}, which this run does not "
+                                  f"have: add it, or drop the option")
+
+
+def _get(cfg: PretrainConfig, key: str) -> Any:
+    target = cfg
+    for part in key.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def _pairs(argv: list[str]) -> list[tuple[str, str]]:
+    """(key, value) of every `--key value` / `--key=value`; `--local_rank` (added by the deepspeed
+    launcher) is left out."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options are written --key value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"option {arg!r} needs a value")
+            key, value = arg[2:], argv[i + 1]
+            i += 2
+        if key != "local_rank":
+            pairs.append((key, value))
+    return pairs
+
+
+def parse_args(argv: list[str], entry_point_reads_not: dict[str, str] | None = None) -> PretrainConfig:
+    """The options of `argv`: the dataclass defaults, under what the `--config` presets agree on
+    (train/config/presets.py `compose`: their order does not matter), under the command line's
+    `--key value` options. `entry_point_reads_not`: options the calling command does not read ->
+    why (refused when set)."""
+    known = options()
+    command_line: dict[str, Any] = {}
+    presets: list[PresetOptions] = []
+    for key, value in _pairs(argv):
+        if key == "config":
+            presets.append(_read_preset(value, known))
+            continue
+        if key not in known:
+            raise _unknown(key)
+        try:
+            command_line[key] = known[key].read(value, text=True)
+        except ValueError as e:
+            raise known[key].refusal(key, e) from None
+    objective = command_line["objective"] if "objective" in command_line else \
+        compose(presets, set(command_line)).get("objective", (PretrainConfig.objective, ""))[0]
+    cfg = PretrainConfig()
+    origins: dict[str, str] = {}
+    for key, (value, path) in compose(presets, set(command_line), objective).items():
+        _set(cfg, key, value)
+        origins[key] = path
+    for key, value in command_line.items():
+        _set(cfg, key, value)
+        origins[key] = "command line"
+    check_values(cfg, origins)
+    cfg.validate()
+    check_read(cfg, origins, entry_point_reads_not or {})
+    return cfg
+
+
+def to_dict(cfg: PretrainConfig) -> dict:
+    """Plain nested dict, as run folders and checkpoints store it: the common sections, then each
+    objective's section as a top-level key (in registration order)."""
+    out = dataclasses.asdict(cfg)
+    out.update(out.pop("sections"))
+    return out

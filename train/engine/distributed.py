@@ -1,0 +1,66 @@
+"""Process-group set-up shared by the deepspeed launcher (and torchrun, mpirun), Slurm
+(launchers/slurm.py) and plain single-process runs."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from train.engine import slurm_env
+
+if not torch.cuda.is_available():
+    # DeepSpeed (its launcher, its config classes) otherwise probes for accelerators and warns: say CPU outright
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def world_size_from_env() -> int:
+    """Known before the process group exists: WORLD_SIZE (deepspeed / torchrun / our node
+    launcher), else the task count of a one-task-per-GPU Slurm step (train/engine/slurm_env.py)."""
+    if "WORLD_SIZE" not in os.environ and slurm_env.in_task_step(os.environ):
+        return int(slurm_env.task_env(os.environ)["WORLD_SIZE"])
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# mpirun (DeepSpeed's openmpi / mvapich launchers) says who is who in its own variables
+MPI_ENV = {"RANK": "OMPI_COMM_WORLD_RANK", "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
+           "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK"}
+
+
+def init() -> tuple[int, int, torch.device]:
+    """Start the process group (NCCL on GPUs, gloo on CPU); a plain `python` run becomes rank 0 of
+    a world of 1. Returns (rank, world_size, device)."""
+    if "RANK" not in os.environ and slurm_env.in_task_step(os.environ):  # srun: one task per GPU
+        os.environ.update(slurm_env.task_env(os.environ))
+    if "RANK" not in os.environ and MPI_ENV["RANK"] in os.environ:
+        os.environ.update({k: os.environ[v] for k, v in MPI_ENV.items() if v in os.environ})
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                             device_id=device if device.type == "cuda" else None)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def all_gather_object(obj):
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out

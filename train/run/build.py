@@ -1,0 +1,122 @@
+"""Builders of a pretraining run, shared by the entry points (train/run/trainer.py runs them;
+train/bench.py times them; train/estimate/dry_run.py and train/estimate/memory.py check and profile them):
+the encoder and objective, the engine (train/engine/), the schedule's step counts, the training
+data stream, and the checks a checkpoint must pass to be resumed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from data.source import build_source
+from model.hf_interop import is_transformers_folder, load_transformers_folder
+from model.interop import load_into_objective
+from model.objectives import build_objective
+from train import engine as engines
+from train.config.ds_config import BatchPlan, activation_checkpointing
+from train.config.errors import ConfigError
+from train.config.options import PretrainConfig, section, to_dict
+from train.config.plan import build_encoder, labeled_split
+from train.engine import EngineConfig, checkpoint
+from train.engine.execution import apply_execution_options, uses_cuda_graphs
+from train.engine.optim import WarmupCosineSchedule, build_optimizer, build_param_groups
+
+log = logging.getLogger("pretrain")
+
+
+def training_source(cfg: PretrainConfig, img_size: int, plan: BatchPlan, rank: int, world: int,
+                    device: torch.device):
+    """This rank's training batches (micro-batches of `plan.micro` samples): the objective's labeled
+    split, when it has one, interleaves a validation batch every `val_every(accum)` micro-batches."""
+    split = labeled_split(cfg)
+    return build_source(cfg.data, img_size, cfg.model.in_chans, plan.micro, cfg.seed, rank, world, device, split,
+                        section(cfg).val_every(plan.accum) if split is not None else 1)
+
+
+def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, peak_lr: float,
+                 warmup_steps: float, total_steps: int, arch: dict | None = None):
+    """Encoder + objective (identical initial weights on every rank), optimizer, schedule, engine
+    (train/engine/: one rank or ZeRO-0 replicated, ZeRO-1-3 on FSDP2). Returns (engine, objective, param_split: how
+    the parameters split between decay / no decay)."""
+    torch.manual_seed(cfg.seed)
+    objective = build_objective(cfg.objective, build_encoder(cfg, arch), section(cfg))
+    if cfg.model.init_from:
+        try:
+            state = None
+            if is_transformers_folder(cfg.model.init_from):  # config.json + weights of a transformers ViT / ViT-MAE
+                log.info(load_transformers_folder(objective, cfg.model.init_from))
+            else:
+                if Path(cfg.model.init_from).is_dir():  # a run folder / checkpoint tag of ours: encoder (+ MAE decoder)
+                    from train.weights.export import pretrained_state
+
+                    state = pretrained_state(checkpoint.find_resume(cfg.model.init_from, Path(cfg.model.init_from)))
+                log.info(load_into_objective(objective, cfg.model.init_from, state))
+        except ValueError as e:
+            raise ConfigError(f"model.init_from: {e}") from None
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    cuda_graphs = uses_cuda_graphs(cfg, ds_config, device, world)
+    apply_execution_options(objective, activation_checkpointing(ds_config), cfg.run.compile, cuda_graphs)
+    groups, param_split = build_param_groups(objective, cfg.optim.weight_decay, cfg.optim.layer_decay)
+    engine_cfg = EngineConfig.from_ds_config(ds_config)
+
+    def make_schedule(optimizer):
+        return WarmupCosineSchedule(optimizer, peak_lr, cfg.optim.min_lr, warmup_steps, total_steps)
+
+    def make_optimizer(opt_groups):
+        return build_optimizer(opt_groups, cfg.optim)
+
+    engine = engines.build(objective, groups, make_optimizer, make_schedule, engine_cfg, device)
+    engine.cuda_graphs = cuda_graphs
+    return engine, objective, param_split
+
+
+def check_resume_compatible(meta: dict, cfg: PretrainConfig, plan: BatchPlan) -> None:
+    """The checkpoint (its complete.json) must come from the same model and objective and have
+    trained with the same global batch (the schedule counts its steps; the data position is in
+    samples of it)."""
+    was = meta.get("global_batch")
+    if meta["world_size"] == plan.world and was is not None and was != plan.global_batch:
+        raise ConfigError(f"--resume: the checkpoint trained with global batch {was}, this run has {plan.global_batch} "
+                          f"(same {plan.world} ranks); keep the ds_config's batch sizes, or start a new run")
+    if meta["world_size"] != plan.world:
+        if was is None:
+            raise ConfigError(f"--resume: the checkpoint was written by {meta['world_size']} ranks, this run has "
+                              f"{plan.world}, and it predates world-size changes; resume with {meta['world_size']} ranks")
+        if was != plan.global_batch:
+            raise ConfigError(
+                f"--resume: the checkpoint trained with global batch {was} on {meta['world_size']} ranks, this run "
+                f"has {plan.global_batch} on {plan.world}; keep the global batch (give train_batch_size and "
+                f"train_micro_batch_size_per_gpu in the ds_config, so the accumulation follows the world size)")
+    saved, now = meta["config"], json.loads(json.dumps(to_dict(cfg)))  # as stored: tuples become lists
+    default = json.loads(json.dumps(to_dict(PretrainConfig())))
+    for key in ("objective", "model", cfg.objective):
+        was, is_ = saved.get(key), now[key]
+        if isinstance(was, dict) and isinstance(is_, dict):
+            # an option added to the code after the checkpoint was written counts as its default
+            was = {**{k: v for k, v in default[key].items() if k not in was}, **was}
+        if was != is_:
+            raise ConfigError(f"--resume: the checkpoint was trained with {key}={saved.get(key)}, this run has "
+                              f"{now[key]}; to continue that run, give its {key} again; to train this one from the "
+                              f"checkpoint's weights, start it in another --output_dir with --model.init_from "
+                              f"<the checkpoint>")
+
+
+def _dotted(d: dict, prefix: str = "") -> dict:
+    """Nested config dict -> {'optim.blr': value, ...} (leaves only)."""
+    out: dict = {}
+    for k, v in d.items():
+        out.update(_dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def resume_changes(saved: dict, cfg: PretrainConfig) -> dict[str, list]:
+    """Options this run sets differently from the checkpoint it resumes ({'optim.blr': [old, new]}),
+    after check_resume_compatible refused those that break a resume. An option added to the code
+    after the checkpoint was written counts as its default; `resume` itself is left out."""
+    default = _dotted(json.loads(json.dumps(to_dict(PretrainConfig()))))
+    was = {**default, **_dotted(saved)}
+    now = _dotted(json.loads(json.dumps(to_dict(cfg))))  # as stored: tuples become lists
+    return {key: [was.get(key), value] for key, value in now.items() if key != "resume" and was.get(key) != value}

@@ -1,0 +1,64 @@
+"""What the command-line entry points share: their exit statuses and the extraction of an entry
+point's own flags (--dry-run, --world_size, --loader_only, ...) from the run options."""
+from __future__ import annotations
+
+import sys
+
+from data.cli import InputError, one_line
+from data.faults import CorruptDataError, ShardIndexError
+from train.config.errors import ConfigError
+from train.engine.checkpoint import CheckpointWriteError
+from train.engine.nonfinite import NonFiniteError
+from train.run import early_signals
+from train.run.preemption import Interrupted
+
+# A training run stopped by corrupt data writes no checkpoint then (a collective other ranks may not reach)
+KEPT_AFTER_CORRUPT_DATA = ("A training run keeps its last complete checkpoint, if any: once the shards are fixed, run "
+                           "the same command again with --resume auto.")
+
+
+def cli(main_fn) -> None:
+    """Run an entry point; a configuration problem exits with status 2 and a one-line message; a
+    run stopped by what it detected (diverged: train/engine/nonfinite.py; too much corrupt data:
+    data/faults.py; a checkpoint that could not be written: train/engine/checkpoint.py) with status 3, its
+    last checkpoint kept; a run stopped by Ctrl-C or kill outside Slurm (train/run/preemption.py) with
+    130 / 143 and one line naming its checkpoint and how to resume."""
+    try:
+        main_fn()
+        end_process_group()
+    except Interrupted as e:
+        if e.message:  # rank 0's
+            print(e.message, file=sys.stderr)
+        raise SystemExit(e.status) from None
+    except (ConfigError, InputError, FileNotFoundError, NotADirectoryError, ShardIndexError) as e:
+        print(f"config error: {one_line(str(e))}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (NonFiniteError, CheckpointWriteError) as e:  # its message says what is kept and how to continue
+        print(f"training stopped: {e}", file=sys.stderr)
+        raise SystemExit(3) from None
+    except CorruptDataError as e:  # a data/ message: it knows shards, not checkpoints
+        print(f"training stopped: {e}\n{KEPT_AFTER_CORRUPT_DATA}", file=sys.stderr)
+        raise SystemExit(3) from None
+
+
+def end_process_group() -> None:
+    """After a run that ended well on every rank: the process group ends here, while the
+    interpreter is whole, rather than in its shutdown (where NCCL warns that nothing ended it, and
+    the backends' threads are torn down in whatever order the interpreter frees them). A failed run
+    skips this: a rank that raised must not wait in a collective for ranks still training."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_script(main_fn) -> None:
+    """`cli(main_fn)` for a training command run as a script, whose first line was
+    `early_signals.at_script_start()`: ending with its own status, the process then ignores Slurm's
+    stop signals, so a SIGTERM during Python's shutdown (srun --kill-on-bad-exit, after another rank
+    failed) cannot turn exit 2 into 143."""
+    try:
+        cli(main_fn)
+    finally:
+        early_signals.ignore_stop_signals()

@@ -1,0 +1,184 @@
+"""The run folder: merged config, final ds_config, provenance, metrics.jsonl, TensorBoard events.
+
+Only rank 0 writes. metrics.jsonl has one JSON object per logged step.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from data.folders import unwritable
+from data.progress import Progress
+from train.engine.checkpoint import is_complete
+
+REPO = Path(__file__).resolve().parents[2]
+log = logging.getLogger("pretrain")
+
+
+def git_commit() -> dict:
+    """The checkout's commit, and whether its tracked files differ from it (benchmark records left
+    out: writing one must not make the next one's code look changed)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed)}
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return {"commit": "unknown", "dirty": None}
+
+
+# What a run writes into its folder (launchers/submit.py's `launch/` snapshots are not the run's own)
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "vis", "config.json", "ds_config.json", "meta.json",
+               "encoder.safetensors", "encoder.json", "eval.json", "split.json", "resumes.jsonl")
+
+
+def _experiment(config: dict) -> dict:
+    """The part of a config that defines the experiment: not where it writes, how it resumes,
+    or the run section's logging, checkpoint and stopping cadence."""
+    return {k: v for k, v in config.items() if k not in ("output_dir", "resume", "run")}
+
+
+def never_trained(run_dir: Path, checkpoints: list[Path]) -> bool:
+    """No complete checkpoint and no line in metrics.jsonl: a start that failed before (or during)
+    its first logged step left the folder, and nothing in it can be resumed or is worth keeping."""
+    metrics = run_dir / "metrics.jsonl"
+    return not checkpoints and (not metrics.is_file() or not metrics.read_text().strip())
+
+
+def check_writable_folder(path: Path, what: str) -> None:
+    """ValueError naming `path` when it cannot be (or become) a folder this process writes into."""
+    problem = unwritable(path)
+    if problem:
+        raise ValueError(f"{what} {path} {problem}")
+
+
+def check_run_folder(run_dir: Path, config: dict, resuming: bool, overwrite: bool) -> None:
+    """A run that does not resume must not mix into another run's folder: refuse one that holds
+    checkpoints, or a config.json of another experiment, unless `overwrite` (then delete the old
+    run's outputs). A folder whose run never trained (`never_trained`) is no other run: its
+    outputs are deleted and the folder reused. Raises ValueError naming the way out; runs before
+    any process group starts (after check_writable_folder)."""
+    if resuming or not run_dir.is_dir():
+        return
+    if never_trained(run_dir, complete_checkpoints(run_dir)):
+        if (run_dir / "config.json").is_file():  # a failed start's config.json, meta.json, empty logs, partial checkpoint
+            clear_run_outputs(run_dir)
+        return
+    problem = other_run(run_dir, config)
+    if not problem:
+        return
+    if not overwrite:
+        raise ValueError(f"output_dir {run_dir} {problem}; continue it with --resume auto, choose another "
+                         f"--output_dir, or start afresh with --run.overwrite true (deletes its checkpoints and logs)")
+    clear_run_outputs(run_dir)
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    return sorted(p for p in (run_dir / "checkpoints").glob("step*") if is_complete(p))
+
+
+def other_run(run_dir: Path, config: dict) -> str:
+    """What in `run_dir` belongs to a run that trained ("holds the checkpoints of a run ..."), '' if
+    nothing does; reads only (the submit check uses it too)."""
+    if not run_dir.is_dir():
+        return ""
+    checkpoints = complete_checkpoints(run_dir)
+    if never_trained(run_dir, checkpoints):
+        return ""
+    if checkpoints:
+        return f"holds the checkpoints of a run ({checkpoints[-1].name} ...)"
+    old_config = run_dir / "config.json"
+    if old_config.is_file():
+        saved = json.loads(old_config.read_text())
+        now = json.loads(json.dumps(config))  # as stored: tuples become lists
+        differing = sorted(k for k in set(_experiment(saved)) | set(_experiment(now)) if saved.get(k) != now.get(k))
+        if differing:
+            return f"holds a run with another config (sections differing: {', '.join(differing)})"
+    return ""
+
+
+def clear_run_outputs(run_dir: Path) -> None:
+    """Delete what a run wrote into `run_dir` (RUN_OUTPUTS; not launchers/submit.py's `launch/`)."""
+    for name in RUN_OUTPUTS:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)  # every rank does this before the group starts: races are benign
+        elif path.exists():
+            path.unlink(missing_ok=True)
+
+
+def write_run_files(run_dir: Path, config: dict, ds_config: dict, extra: dict) -> None:
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+    meta = {"git": git_commit(), "argv": sys.argv, "torch": torch.__version__, **extra}
+    (run_dir / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def record_resume(run_dir: Path, step: int, tag: Path, changes: dict[str, list]) -> None:
+    """Rank 0 at a resume: log the options changed since the checkpoint, one line each, and append
+    the resume to resumes.jsonl ({"step", "from", "changes": {option: [old, new]}}), so that a
+    reader of the run knows e.g. that the lr changed at step N (config.json holds the newest)."""
+    for key, (old, new) in changes.items():
+        log.info("resumed with %s changed: %s -> %s", key, json.dumps(old), json.dumps(new))
+    with open(run_dir / "resumes.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "from": str(tag), "changes": changes}) + "\n")
+
+
+class Reporter:
+    """Rank 0's outputs per logged step: metrics.jsonl, TensorBoard, progress bar (images/s, ETA).
+
+    On resume from step `start_step`, lines and events logged after it by the interrupted run
+    are dropped first, so every step appears once.
+    """
+
+    def __init__(self, run_dir: Path, start_step: int, stop_step: int, tensorboard: bool, progress: bool):
+        path = run_dir / "metrics.jsonl"
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= start_step]
+            path.write_text("".join(f"{line}\n" for line in kept))
+        self.file = open(path, "a", buffering=1)
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
+        # a bar on a terminal; in a log (a Slurm job, a file) a line at least every 30 s
+        self.bar = Progress("training", stop_step, "steps", initial=start_step, leave=True) if progress else None
+
+    def _write(self, step: int, metrics: dict[str, float], tb_section: str) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(f"{tb_section}/{k}", v, step)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._write(step, metrics, "train")
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", img_s=f"{metrics['images_per_s']:.0f}")
+            self.bar.update(step - self.bar.done)
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation result: its own line in metrics.jsonl, `eval/` in TensorBoard."""
+        self._write(step, metrics, "eval")
+        if self.bar is not None:
+            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.2f}" for k, v in metrics.items()))
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.bar is not None:
+            self.bar.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,419 @@
+"""The pretraining command and one run of it (train/pretrain.py runs it; finetune.py and
+linprobe.py run it with their recipes as defaults).
+
+`main(argv)`: --help, --dry-run (train/estimate/dry_run.py) or a run. A run is `check_before_start`
+(every check that can reject the input, before any process group starts), then a `Trainer`:
+process group, engine, seeded RNGs, run folder, data, resume; the loop (train/run/loop.py) with the
+trainer's checkpoint, figure and evaluation callbacks; stop and requeue on a signal; export.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.source import check_source, eval_shards, fixed_images, train_shards
+from data.verify import verify_before_start
+from kernels.accelerators import describe as describe_accelerators
+from kernels.attention import describe_paths
+from model.objectives import build_objective
+from model.objectives.base import ClassifierConfig
+from model.timm_backbone import TimmBackbone
+from train.config.ds_config import BatchPlan, resolve, zero_stage
+from train.config.errors import ConfigError
+from train.config.flags import pop_flags
+from train.config.options import PretrainConfig, check_objective_fits, help_text, parse_args, section, to_dict
+from train.config.plan import build_encoder, labeled_split, peak_lr, schedule_steps
+from train.engine import checkpoint, distributed
+from train.engine.state_files import EXTRA_STATE, WEIGHTS_FILE, TagContents
+from train.estimate import dry_run
+from train.estimate.memory import check_floor
+from train.run import code_version
+from train.run.build import build_engine, check_resume_compatible, resume_changes, training_source
+from train.run.chance_loss import ChanceLoss
+from train.run.compile_watch import CompileWatch, eager_blocks
+from train.run.early_signals import catch_stop_signals
+from train.run.evaluation import classification_accuracy, eval_summary
+from train.run.folder import Reporter, check_run_folder, check_writable_folder, record_resume, write_run_files
+from train.run.loop import LoopSettings, LoopState
+from train.run.loop import run as run_loop
+from train.run.preemption import Interrupted, StopOnSignal, requeue_job, resume_hint
+from train.run.visualize import write_figures
+from train.weights.export import export_checkpoint
+from train.weights.fit import check_init_from
+
+log = logging.getLogger("pretrain")  # train/run/build.py and train/run/folder.py log under this name too
+
+
+class CommandName(logging.Filter):
+    """Gives the lines of the "pretrain" logger, which pretraining, fine-tuning and the linear probe
+    share, the name of the command that runs (`[finetune] ...`)."""
+
+    def __init__(self, command: str):
+        super().__init__()
+        self.command = command
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.name = self.command
+        return True
+
+
+def name_log_lines(command: str) -> None:
+    """From here on the trainer's log lines start with [command] (pretrain: the logger's own name)."""
+    for earlier in [f for f in log.filters if isinstance(f, CommandName)]:  # an earlier run in this process
+        log.removeFilter(earlier)
+    if command != log.name:
+        log.addFilter(CommandName(command))
+
+USAGE = """Pretraining entry point.
+
+    deepspeed --num_gpus 8 train/pretrain.py --ds_config ds_configs/<file>.json [--key value ...]
+    python train/pretrain.py --ds_config ds_configs/cpu_debug.json [--key value ...]   (or python -m train.pretrain)
+
+Options: `python train/pretrain.py --help`; `--dry-run [--world_size N] [--gpu a100|cpu]` checks a
+configuration for another world size and GPU and estimates memory (train/estimate/dry_run.py). Everything
+is checked before the process group starts; then: build encoder + objective, the engine
+(train/engine/: one rank or ZeRO-0 replicated, ZeRO-1-3 on FSDP2), resume (also on another world size and ZeRO
+stage), loop (Ctrl-C / kill: a checkpoint, then exit 130 / 143; Slurm's SIGUSR1: a checkpoint and
+requeue), final checkpoint, export.
+"""
+
+
+def main(argv: list[str] | None = None, command: str = "pretrain") -> Path:
+    """The pretraining command (or `command`, which runs it with its recipe: finetune, linprobe):
+    the run folder of a finished (or stopped) run."""
+    catch_stop_signals()  # SIGUSR1 / SIGTERM during start-up: acted on at the loop's first stop check
+    name_log_lines(command)
+    argv = sys.argv[1:] if argv is None else argv
+    flags, _ = pop_flags(argv, {"--help": None, "-h": None, "--dry-run": None})
+    if flags.get("help") or flags.get("h"):
+        print(USAGE + "\n" + help_text())
+        raise SystemExit(0)
+    if flags.get("dry-run"):  # check for a world size and GPU, estimate memory; start nothing
+        raise SystemExit(dry_run.main(argv))
+    cfg = parse_args(argv)
+    return Trainer(cfg, check_before_start(cfg)).run()
+
+
+@dataclass
+class CheckedRun:
+    """What the checks before start settled."""
+    ds_config: dict  # final, as the engine gets it
+    plan: BatchPlan
+    per_epoch: int  # optimizer steps
+    total_steps: int
+    warmup_steps: float
+    run_dir: Path
+    resume_from: Path | None  # a checkpoint tag, checked
+    resume_changes: dict[str, list] = field(default_factory=dict)  # option -> [checkpoint's value, this run's]
+
+
+def check_before_start(cfg: PretrainConfig) -> CheckedRun:
+    """Everything that rejects bad input (ConfigError) before any process group starts."""
+    try:  # where the run writes, first: nothing else matters if it cannot
+        check_writable_folder(Path(cfg.output_dir), "--output_dir")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    ds_config, plan = resolve(cfg, distributed.world_size_from_env())
+    check_floor(cfg, ds_config, plan)  # tensors this machine cannot hold at all, before anything is built
+    check_same_objective(cfg)  # before the objective's own checks, which would blame its options
+    check_objective_fits(cfg, plan.micro, plan.accum, zero_stage(ds_config))
+    check_init_from(cfg)  # the weights' channels and sizes against the model, from the file's shapes
+    try:
+        check_source(cfg.data, plan.world, cfg.model.in_chans)
+        verify_before_start(cfg.data)  # data.verify_shards: every shard's headers, before the run folder
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    per_epoch, total_steps, warmup_steps = schedule_steps(cfg, plan)
+    run_dir = Path(cfg.output_dir)
+    resume_from = checkpoint.find_resume(cfg.resume, run_dir)  # every file of the tag checked, nothing executed
+    if resume_from is not None:
+        check_resume(resume_from, cfg, plan)
+    # options that do not break the resume (e.g. the lr) may change: said at start, kept in resumes.jsonl
+    changes = resume_changes(checkpoint.read_meta(resume_from)["config"], cfg) if resume_from is not None else {}
+    if "optim.name" in changes:  # the optimizer state of one optimizer does not load into another
+        was, now = changes["optim.name"]
+        raise ConfigError(f"--resume: the checkpoint holds the optimizer state of optim.name {was}, this run has "
+                          f"{now}; give --optim.name {was} to continue it, or start another --output_dir with "
+                          f"--model.init_from <the checkpoint>")
+    try:
+        check_run_folder(run_dir, to_dict(cfg), resuming=resume_from is not None, overwrite=cfg.run.overwrite)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return CheckedRun(ds_config, plan, per_epoch, total_steps, warmup_steps, run_dir, resume_from, changes)
+
+
+def trained_objective(cfg: PretrainConfig) -> tuple[str, str] | None:
+    """(the objective of the run this one would continue, where that is recorded), or None: the
+    checkpoint --resume names, else the run folder's config.json (unless run.overwrite replaces it).
+    Only complete.json is read here (the resume's own check reads every file later)."""
+    if cfg.resume and cfg.resume != "auto":
+        try:
+            tag = checkpoint.find_resume(cfg.resume, Path(cfg.output_dir), check=checkpoint.check_files)
+            return checkpoint.read_meta(tag)["config"]["objective"], f"the checkpoint {tag}"
+        except (OSError, ValueError, KeyError, TypeError):  # no readable checkpoint there: check_resume says so
+            return None
+    saved = Path(cfg.output_dir) / "config.json"
+    if cfg.run.overwrite or not saved.is_file():
+        return None
+    try:
+        return json.loads(saved.read_text())["objective"], f"--output_dir {cfg.output_dir} (its config.json)"
+    except (OSError, ValueError, KeyError):  # unreadable: check_run_folder judges the folder
+        return None
+
+
+def check_same_objective(cfg: PretrainConfig) -> None:
+    """A run continued (or started in a run folder) under another objective is refused naming both."""
+    found = trained_objective(cfg)
+    if found is not None and found[0] != cfg.objective:
+        was, where = found
+        raise ConfigError(f"--objective {cfg.objective}, but {where} holds a {was} run: give --objective {was} to "
+                          f"continue it, or another --output_dir for the {cfg.objective} run (--model.init_from "
+                          f"starts it from that run's weights)")
+
+
+def check_resume(resume_from: Path, cfg: PretrainConfig, plan: BatchPlan) -> None:
+    """The checkpoint fits this run (any world size, any ZeRO stage), and every file the resume
+    will read is checked first, nothing executed (checkpoint.verify_readable): bad input is refused
+    before the run folder is written."""
+    try:
+        contents = checkpoint.verify_readable(resume_from)
+    except ValueError as e:
+        raise ConfigError(f"--resume: {e}") from None
+    meta = checkpoint.read_meta(resume_from)
+    if not isinstance(meta.get("config"), dict):
+        raise ConfigError(f"--resume: {resume_from / checkpoint.COMPLETE} holds no config: not a checkpoint this "
+                          f"code wrote; resume another tag")
+    check_resume_compatible(meta, cfg, plan)
+    check_fits_objective(resume_from, contents, cfg)
+
+
+def check_fits_objective(tag: Path, contents: TagContents, cfg: PretrainConfig) -> None:
+    """The checkpoint's tensors (names and shapes, from its weights file's header) and objective
+    states are those of this run's objective, built on the meta device: nothing is allocated and
+    no state computed (which modules keep an extra state is known from their class)."""
+    with torch.device("meta"):
+        objective = build_objective(cfg.objective, build_encoder(cfg), section(cfg))
+    params = {k: list(v.shape) for k, v in objective.named_parameters(remove_duplicate=False)}
+    tensors = params | {k: list(v.shape) for k, v in objective.named_buffers(remove_duplicate=False)}
+    extra = sorted(f"{name}.{EXTRA_STATE}" if name else EXTRA_STATE for name, module in objective.named_modules()
+                   if type(module).get_extra_state is not torch.nn.Module.get_extra_state)
+    missing = sorted(set(params) - set(contents.weights))  # a buffer may be one the module does not save
+    unexpected = sorted(set(contents.weights) - set(tensors))
+    reshaped = [f"{k} {contents.weights[k]} (the model's: {tensors[k]})" for k in sorted(tensors)
+                if k in contents.weights and contents.weights[k] != tensors[k]]
+    if missing or unexpected or reshaped or extra != contents.extra:
+        raise ConfigError(f"--resume: {tag / WEIGHTS_FILE} does not fit this run's {cfg.objective} objective "
+                          f"(missing {missing[:4]}, unexpected {unexpected[:4]}, other shapes {reshaped[:4]}, "
+                          f"objective state {contents.extra} for {extra}); resume the run that wrote it with its own "
+                          f"options, or another tag")
+
+
+def seed_global_rngs(seed: int) -> None:
+    """Every global RNG the objectives draw from (masking noise, drop path: torch; timm's mixup:
+    numpy) starts from `seed` (the run's seed + rank: different across ranks); all are checkpointed."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def describe_attention(encoder, device: torch.device, dtype: torch.dtype) -> tuple[str, dict[str, str]]:
+    """(the encoder's attention backend, the implementation each kind of attention call gets)."""
+    if isinstance(encoder, TimmBackbone):  # timm's own attention modules (a timm ViT's blocks have no .backend)
+        return encoder.attn_backend, {"dense": encoder.describe_attention()}
+    attn = encoder.blocks[0].attn
+    return attn.backend, describe_paths(attn.backend, device, dtype, encoder.num_patches + 1,
+                                        encoder.embed_dim // attn.num_heads)
+
+
+def loop_settings(cfg: PretrainConfig, checked: CheckedRun) -> LoopSettings:
+    """The loop's stop step (run.max_steps caps the schedule) and cadences."""
+    stop_step = min(checked.total_steps, cfg.run.max_steps) if cfg.run.max_steps else checked.total_steps
+    return LoopSettings(stop_step, cfg.run.log_every, cfg.run.ckpt_every, checked.plan.global_batch,
+                        cfg.run.vis_every, cfg.run.eval_every, cfg.run.max_nonfinite_steps,
+                        cfg.run.keep_every_epochs * checked.per_epoch)
+
+
+class Trainer:
+    """One run, after check_before_start: set up in the constructor, trained by `run()`."""
+
+    def __init__(self, cfg: PretrainConfig, checked: CheckedRun):
+        self.cfg, self.checked, self.run_dir = cfg, checked, checked.run_dir
+        plan = checked.plan
+        self.rank, self.world, self.device = distributed.init()
+        logging.basicConfig(level=logging.INFO if self.rank == 0 else logging.WARNING, format="[%(name)s] %(message)s")
+        self.peak_lr = peak_lr(cfg, plan)
+        self.engine, objective, param_split = build_engine(cfg, checked.ds_config, self.device, self.peak_lr,
+                                                           checked.warmup_steps, checked.total_steps)
+        self.dtype = self.engine.dtype
+        seed_global_rngs(cfg.seed + self.rank)
+        self.encoder = objective.encoder
+        backend, attention_paths = describe_attention(self.encoder, self.device, self.dtype)
+        if self.rank == 0:
+            self.write_run_files(param_split, backend, attention_paths)
+            self.record_labeled_split()
+            self.say_if_unlabeled()
+        self.data = training_source(cfg, self.encoder.img_size, plan, self.rank, self.world, self.device)
+        self.state = LoopState(self.resume())
+        if self.rank == 0 and checked.resume_from is not None:
+            record_resume(self.run_dir, self.state.step, checked.resume_from, checked.resume_changes)
+        self.settings = loop_settings(cfg, checked)
+        self.ckpt_meta = {"zero_stage": self.engine.stage, "objective": cfg.objective,
+                          "config": to_dict(cfg), "global_batch": plan.global_batch,
+                          "encoder_timm_kwargs": self.encoder.timm_kwargs(), "model_name": cfg.model.name}
+        self.last_saved: Path | None = None  # the newest checkpoint tag this run wrote
+        self.vis_images = self.vis_noise = None  # rank 0: the same images and masks at every figure step
+        if self.rank == 0 and cfg.run.vis_every:
+            self.vis_images, self.vis_noise = self.figure_inputs()
+        self.reporter = Reporter(self.run_dir, self.state.step, self.settings.stop_step, cfg.run.tensorboard,
+                                 cfg.run.progress) if self.rank == 0 else None
+        # classification objectives: top-1/top-5 on every rank's share of the shards
+        self.eval_shards = eval_shards(cfg.data) if cfg.data.eval_index else None
+        # a probe or fine-tuning run whose loss stays at ln(classes) says so (train/run/chance_loss.py)
+        classifier = section(cfg)
+        self.chance = (ChanceLoss(classifier.num_classes, self.settings.stop_step)
+                       if isinstance(classifier, ClassifierConfig) else None)
+
+    def figure_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fixed images (B, C, H, W) in the compute dtype, mask noise (B, N)), drawn from their own
+        generators: the global RNGs are left as they are."""
+        images = fixed_images(self.cfg.data, self.encoder.img_size, self.cfg.model.in_chans).to(self.device, self.dtype)
+        noise = torch.rand(len(images), self.encoder.num_patches, generator=torch.Generator().manual_seed(0))
+        return images, noise.to(self.device)
+
+    def write_run_files(self, param_split: dict, backend: str, attention_paths: dict[str, str]) -> None:
+        """Rank 0: config, final ds_config and meta.json in the run folder; the run's shape in the log."""
+        cfg, checked, plan = self.cfg, self.checked, self.checked.plan
+        write_run_files(self.run_dir, to_dict(cfg), checked.ds_config, {
+            "world_size": self.world, "device": str(self.device), "precision": str(self.dtype).removeprefix("torch."),
+            "zero_stage": self.engine.stage, "offload": "none", "engine": self.engine.describe(),
+            "reduce_dtype": self.engine.cfg.reduce or self.engine.cfg.precision,
+            "batch": asdict(plan) | {"global": plan.global_batch}, "peak_lr": self.peak_lr,
+            "steps_per_epoch": checked.per_epoch, "total_steps": checked.total_steps,
+            "accelerators": describe_accelerators(), "attention_backend": backend, "attention_paths": attention_paths,
+            "param_split": param_split, "code": code_version.describe(),  # which code ran (a submit.py snapshot?)
+        })
+        log.info("world %d on %s, %s, ZeRO stage %d, offload none, global batch %d = %d x %d x %d, peak lr %.3g, "
+                 "%d steps (%d/epoch)", self.world, self.device, str(self.dtype).removeprefix("torch."),
+                 self.engine.stage, plan.global_batch, plan.micro, plan.accum, self.world, self.peak_lr,
+                 checked.total_steps, checked.per_epoch)
+        log.info("engine: %s", self.engine.describe())
+        log.info("attention: %s", "; ".join(f"{kind}: {path}" for kind, path in attention_paths.items()))
+        if cfg.optim.weight_decay == 0:
+            log.info("no weight decay (optim.weight_decay 0): %d tensors (%d params) trained",
+                     param_split["decay_tensors"] + param_split["no_decay_tensors"],
+                     param_split["decay_params"] + param_split["no_decay_params"])
+        else:
+            log.info("weight decay on %d tensors (%d params), none on %d tensors (%d params)",
+                     param_split["decay_tensors"], param_split["decay_params"], param_split["no_decay_tensors"],
+                     param_split["no_decay_params"])
+
+    def record_labeled_split(self) -> None:
+        """Rank 0: the record of the objective's D_tr / D_val split of the shards (split.json)."""
+        split = labeled_split(self.cfg)
+        if split is None or self.cfg.data.source != "shards":
+            return
+        record = split.describe(train_shards(self.cfg.data), self.cfg.data.train_index)
+        (self.run_dir / "split.json").write_text(json.dumps(record, indent=2))
+        log.info("labeled split: %d D_tr / %d D_val samples (run folder: split.json)", record["num_train"],
+                 record["num_val"])
+
+    def say_if_unlabeled(self) -> None:
+        """Rank 0: one warning line when the training index carries no labels (an objective that
+        reads none trains on it as it is; what reads labels was refused before start)."""
+        if self.cfg.data.source != "shards" or train_shards(self.cfg.data).labeled:
+            return
+        log.warning("data.train_index %s is unlabeled (\"labeled\": false): %s reads no labels and trains on every "
+                    "sample; to fine-tune, probe or evaluate on it later, index its labels (python -m "
+                    "data.index_shards ... --label_key KEY)", self.cfg.data.train_index, self.cfg.objective)
+
+    def resume(self) -> int:
+        """Engine, RNG and data position from the checked checkpoint, if any: the step to start from."""
+        resume_from = self.checked.resume_from
+        if resume_from is None:
+            return 0
+        client = checkpoint.load(self.engine, resume_from, self.rank, self.world, self.cfg.seed)
+        self.data.resume_from(client["data"])
+        log.info("resumed from %s at step %d%s", resume_from, client["step"],
+                 f" (written by {len(client['data'])} ranks, continued on {self.world})"
+                 if len(client["data"]) != self.world else "")
+        return client["step"]
+
+    def on_checkpoint(self, step: int) -> None:
+        client = {"step": step, "data": distributed.all_gather_object(self.data.state_dict())}
+        self.last_saved = checkpoint.save(self.engine, self.run_dir / "checkpoints", step, client, self.rank,
+                                          self.world, self.ckpt_meta, self.cfg.run.keep_checkpoints,
+                                          pinned=self.settings.kept_for_later(step))
+
+    def on_visualize(self, step: int) -> None:
+        """Rank 0 draws; every rank joins the gathering of sharded weights. No global RNG draws."""
+        module = self.engine.module
+        module.eval()
+        with self.engine.gathered(), torch.no_grad(), eager_blocks():
+            if self.rank == 0:
+                write_figures(module, self.vis_images, self.vis_noise, self.run_dir / "vis", step)
+        module.train()
+
+    def on_evaluate(self, step: int) -> None:
+        module = self.engine.module
+        module.eval()
+        with self.engine.gathered(), eager_blocks():  # ZeRO-3: predict() runs outside the objective's forward
+            result = classification_accuracy(module.predict, self.eval_shards, self.encoder.img_size,
+                                             self.cfg.data.eval_crop_pct, self.rank, self.world, self.device,
+                                             self.dtype, num_workers=self.cfg.data.num_workers)
+        module.train()
+        if self.reporter is not None:
+            log.info("step %d: %s of data.eval_index", step, eval_summary(result))
+            self.reporter.log_eval(step, result)
+            if self.chance is not None:
+                result["training_loss_at_chance"] = self.chance.last is not None
+            (self.run_dir / "eval.json").write_text(json.dumps({"step": step, **result}, indent=2))
+
+    def run(self) -> Path:
+        """Train to the stop step (or a stop signal: checkpoint, requeue), export; the run folder."""
+        # Slurm's SIGUSR1 / SIGTERM: checkpoint, (requeue), exit 0; SIGINT / SIGTERM elsewhere: checkpoint, exit 130 / 143
+        stop = StopOnSignal(self.cfg.run.stop_check_every, self.device)
+        report = self.reporter.log if self.reporter else lambda step, metrics: None
+
+        watch = CompileWatch() if self.cfg.run.compile else None
+
+        def on_log(step: int, metrics: dict) -> None:  # every rank: the metrics are reduced over ranks
+            if watch is not None:
+                metrics.update(watch.read(step, quiet=self.rank != 0))
+            if step == self.settings.stop_step and hasattr(self.data, "check_unusable"):
+                self.data.check_unusable(metrics)  # the give-up rule over the whole run, before its last checkpoint
+            if self.chance is not None and self.chance.at_chance(step, metrics["loss"]):
+                metrics["loss_at_chance"] = 1
+                if self.chance.first_time() and self.rank == 0:
+                    log.warning(self.chance.message())
+            report(step, metrics)
+
+        try:
+            stopped = run_loop(self.engine, self.data, self.settings, self.state, self.device, self.dtype, on_log,
+                               self.on_checkpoint, self.on_visualize,
+                               self.on_evaluate if self.eval_shards is not None else None, stop.should_stop)
+        finally:
+            stop.close()
+        if self.reporter is not None:
+            self.reporter.close()
+        if self.rank == 0 and self.chance is not None and self.chance.last is not None and not stopped:
+            log.warning("at the end: %s", self.chance.message())
+        if stopped and not stop.exit_status:
+            log.info("stopped on a signal at step %d after writing %s", self.state.step, self.last_saved)
+            if self.rank == 0 and stop.requeue:
+                log.info(requeue_job())
+        elif not stopped and self.rank == 0 and self.cfg.run.export and self.last_saved is not None:
+            out = export_checkpoint(self.last_saved, self.run_dir / "encoder.safetensors")
+            log.info("exported encoder to %s", out)
+        distributed.barrier()
+        if stopped and stop.exit_status:  # a person's Ctrl-C / kill: one line (train/run/cli.py) on where and how to resume
+            raise Interrupted(stop.exit_status, f"stopped by {stop.agreed_signal.name} after step {self.state.step}: "
+                              f"checkpoint {self.last_saved}; to continue: {resume_hint(self.world)}"
+                              if self.rank == 0 else "")
+        return self.run_dir
