@@ -18,7 +18,7 @@ import torch.distributed.checkpoint
 from conftest import CPU_DS, DEBUG_PRESET, process_group_of_its_own
 from PIL import Image
 
-import train.export
+import train.weights.export
 import train.weights.transformers
 from data.write_shards import main as write_shards
 from train.pretrain import main as pretrain
@@ -234,7 +234,7 @@ def test_export_replaces_a_file_only_with_overwrite_but_always_its_own(run_dir, 
 
 def test_an_interrupted_export_leaves_the_earlier_files(run_dir, tmp_path, capsys, monkeypatch):
     own = {p: p.read_bytes() for p in (run_dir / "encoder.safetensors", run_dir / "encoder.json")}
-    half_then_fail(monkeypatch, train.export, "save_file")
+    half_then_fail(monkeypatch, train.weights.export, "save_file")
     with pytest.raises(OSError, match="No space left"):
         run("train.export", ["--checkpoint", str(run_dir)], capsys)
     with pytest.raises(OSError, match="No space left"):

@@ -89,7 +89,7 @@ def test_the_job_runs_the_snapshot_and_records_it(tmp_path):
     code = tmp_path / "launch" / "code"
     code.mkdir(parents=True)
     snapshot(code)
-    with open(code / "train" / "config.py", "a") as f:  # an import the checkout would not print
+    with open(code / "train" / "config" / "options.py", "a") as f:  # an import the checkout would not print
         f.write("\nprint('config imported from the snapshot')\n")
     env = template_env(tmp_path, FAKE_SRUN="run", VITPRETRAIN_CODE=str(code), SLURM_JOB_NUM_NODES="1",
                        OMP_NUM_THREADS="1")
