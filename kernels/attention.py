@@ -2,8 +2,10 @@
 
 All backends take and return tensors laid out as (B, H, N, d) and compute
 softmax(q @ k^T * d^-0.5) @ v. `math` is the plain PyTorch reference every other backend is
-tested against; `sdpa` (PyTorch's fused scaled_dot_product_attention, which itself picks the
-flash / memory-efficient / math kernel for the device and dtype) is the default.
+tested against; `sdpa` (PyTorch's fused scaled_dot_product_attention) is the default: on the
+kernel measured fastest for the shape on this GPU where kernels/attention_choices.json lists it
+(kernels/attention_choice.py), else on the flash / cuDNN / memory-efficient / math kernel PyTorch
+picks for the device and dtype.
 
 A per-call `mask` (kernels.masked: SegmentMask, TopKMask) restricts which keys each query sees.
 TopK attention runs the fused Triton kernels (kernels/restricted_triton.py) on sm80+ GPUs and the
@@ -22,8 +24,10 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
 from kernels.accelerators import has_flash_attn
+from kernels.attention_choice import kernel_for
 from kernels.masked import (
     SegmentMask,
     TopKMask,
@@ -47,7 +51,13 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v)
+    """PyTorch's SDPA, on the kernel measured fastest for this shape where the active table lists
+    it (kernels/attention_choice.py), else on PyTorch's pick."""
+    kernel = kernel_for(q)
+    if kernel is None:
+        return F.scaled_dot_product_attention(q, k, v)
+    with sdpa_kernel(kernel):
+        return F.scaled_dot_product_attention(q, k, v)
 
 
 # What flash-attn 2.x's flash_attn_func takes (its checks in csrc/flash_attn/flash_api.cpp, mha_fwd and
@@ -199,7 +209,8 @@ def describe_paths(backend: str, device: torch.device, dtype: torch.dtype, token
                    capability: tuple[int, int] | None = None) -> dict[str, str]:
     """Which implementation dense, segment-masked and TopK attention calls get on this setup
     (`capability`: a GPU's compute capability to decide for, without one at hand)."""
-    dense = {"sdpa": "torch SDPA (flash / memory-efficient / math, chosen by PyTorch)", "math": "math reference",
+    dense = {"sdpa": "torch SDPA (the measured kernel where kernels/attention_choices.json lists the shape, "
+                     "else PyTorch's pick)", "math": "math reference",
              "flash_attn": "flash-attn package"}[backend]
     probe = torch.empty(1, 1, tokens, head_dim, dtype=dtype, device="meta" if capability else device)
     reason = "backend math" if backend == "math" else _fused_reason(probe, capability)

@@ -172,3 +172,8 @@ def profile_config(cfg: PretrainConfig, ds_config: dict, micro: int, fused_kerne
         apply_execution_options(objective, activation_checkpointing(ds_config), compile_blocks=False)
         batch = example_batch(cfg.data, micro, encoder_img_size(cfg), cfg.model.in_chans)
         return objective, profile(objective, batch, fused_kernels, value_bytes)
+
+
+def attention_shapes(prof: Profile) -> list[tuple[int, int, int]]:
+    """The distinct (heads, tokens, head dim) of the blocks' attention in a profile, sorted."""
+    return sorted({(c.heads, c.tokens, c.dim // c.heads) for c in prof.blocks})

@@ -21,6 +21,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from kernels import attention_choice
 from train.config.ds_config import activation_checkpointing, load, precision, resolve, zero_stage
 from train.config.errors import ConfigError
 from train.config.flags import pop_flags
@@ -28,6 +31,7 @@ from train.config.options import PretrainConfig, check_objective_fits, parse_arg
 from train.config.plan import peak_lr, schedule_steps
 from train.config.values import from_text
 from train.engine.config import EngineConfig
+from train.estimate.costs import attention_shapes
 from train.estimate.gpus import GPU, current_gpu, gpu_in_filename, gpu_named
 from train.estimate.memory import GIB, HEADROOM, MemoryEstimate, check_floor, estimate, ram
 from train.weights.fit import check_init_from
@@ -75,6 +79,17 @@ def default_gpu(ds_config: str) -> GPU | None:
     """The GPU a shipped file names, else this machine's; None (CPU ranks) on a machine without one."""
     name = gpu_in_filename(Path(ds_config).name)
     return gpu_named(name) if name is not None else current_gpu()
+
+
+def attention_line(prof, gpu: GPU, prec: str) -> str:
+    """Which SDPA kernel each attention shape of the run gets on `gpu` (kernels/attention_choice.py)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(prec, torch.float32)
+    try:
+        chosen = attention_choice.choices_for(gpu.capability, dtype)
+    except ValueError as e:
+        raise ConfigError(f"attention kernel table: {e}") from None
+    where = f"{prec} on sm{gpu.capability.replace('.', '')}"
+    return f"attention kernels ({where}; heads x tokens x head dim): {attention_choice.describe(chosen, attention_shapes(prof))}"
 
 
 def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
@@ -132,6 +147,7 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
                      f"training GFLOPs (3 x forward matmuls)")
     parts = ", ".join(f"{k} {v}" for k, v in mem.table().items())
     limit = HEADROOM * gpu.memory_gib
+    run.lines.append(attention_line(prof, gpu, prec))
     run.lines.append(f"memory per GPU, estimate (GiB): {parts} of {gpu.memory_gib:g} (limit {limit:.0f}); "
                      f"largest micro-batch that fits: {mem.largest_micro(gpu)}")
     run.lines.append(f"model states {mem.model_states / GIB:.2f} GiB: weights + gradient buffers + optimizer, as the "

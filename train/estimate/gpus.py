@@ -17,15 +17,16 @@ class GPU:
     bf16: bool
     sm80: bool  # FlashAttention-2, the fused Triton restricted-attention kernels
     peak_tflops: float  # dense fp16 / bf16 tensor-core peak
+    capability: str  # compute capability, the key of kernels/attention_choices.json
 
 
 GPUS = {
-    "v100": GPU("V100 SXM2 32GB", 32, bf16=False, sm80=False, peak_tflops=125),
-    "v100-16gb": GPU("V100 SXM2 16GB", 16, bf16=False, sm80=False, peak_tflops=125),
-    "a100": GPU("A100 SXM4 80GB", 80, bf16=True, sm80=True, peak_tflops=312),
-    "a100-40gb": GPU("A100 SXM4 40GB", 40, bf16=True, sm80=True, peak_tflops=312),
-    "h100": GPU("H100 SXM5 80GB", 80, bf16=True, sm80=True, peak_tflops=989),
-    "h200": GPU("H200 SXM 141GB", 141, bf16=True, sm80=True, peak_tflops=989),
+    "v100": GPU("V100 SXM2 32GB", 32, bf16=False, sm80=False, peak_tflops=125, capability="7.0"),
+    "v100-16gb": GPU("V100 SXM2 16GB", 16, bf16=False, sm80=False, peak_tflops=125, capability="7.0"),
+    "a100": GPU("A100 SXM4 80GB", 80, bf16=True, sm80=True, peak_tflops=312, capability="8.0"),
+    "a100-40gb": GPU("A100 SXM4 40GB", 40, bf16=True, sm80=True, peak_tflops=312, capability="8.0"),
+    "h100": GPU("H100 SXM5 80GB", 80, bf16=True, sm80=True, peak_tflops=989, capability="9.0"),
+    "h200": GPU("H200 SXM 141GB", 141, bf16=True, sm80=True, peak_tflops=989, capability="9.0"),
 }
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from data.source import build_source
+from kernels import attention_choice
 from model.hf_interop import is_transformers_folder, load_transformers_folder
 from model.interop import load_into_objective
 from model.objectives import build_objective
@@ -56,6 +57,13 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
                 log.info(load_into_objective(objective, cfg.model.init_from, state))
         except ValueError as e:
             raise ConfigError(f"model.init_from: {e}") from None
+    try:  # before compiling: the blocks' graphs trace the chosen kernels in
+        measured = attention_choice.activate(device)
+    except ValueError as e:
+        raise ConfigError(f"attention kernel table: {e}") from None
+    if measured:
+        log.info("attention: %d shapes run the SDPA kernel measured fastest on this GPU (%s)", measured,
+                 attention_choice.TABLE.relative_to(attention_choice.TABLE.parents[1]))
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     cuda_graphs = uses_cuda_graphs(cfg, ds_config, device, world)
     apply_execution_options(objective, activation_checkpointing(ds_config), cfg.run.compile, cuda_graphs)

@@ -1,0 +1,214 @@
+"""Which of SDPA's kernels runs dense attention of each shape: the one measured fastest there.
+
+PyTorch's `scaled_dot_product_attention` picks its kernel (flash, cuDNN, memory-efficient, math)
+by rules that do not look at speed for the shape at hand. `python -m kernels.choose_attention`
+times every kernel that takes a shape, forward + backward, on the GPU it runs on and records the
+fastest in kernels/attention_choices.json, keyed by compute capability, dtype and the attention's
+(heads, tokens, head dim); the batch it was measured at is recorded, not matched. `activate(device)`
+(the engine's build calls it) loads the entries of the device's compute capability, and the `sdpa`
+backend (kernels/attention.py) then runs each listed shape under `torch.nn.attention.sdpa_kernel`
+with its kernel; a shape the table does not list keeps PyTorch's own pick. The choice is one dict
+lookup with the shape's ints, so compiled blocks trace it into the graph with no break.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+TABLE = Path(__file__).with_name("attention_choices.json")
+KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+           "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH,
+           "pytorch": None}  # measured, and none beat PyTorch's own pick by MARGIN: it keeps choosing
+MARGIN = 0.03  # a kernel replaces PyTorch's pick only when this much faster (timings of one call differ ~1%)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+SHAPE_KEYS = ("heads", "tokens", "head_dim")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One measured shape: on GPUs of `capability` ("9.0"; "cpu" for CPU runs), attention of
+    `heads` x `tokens` x `head_dim` in `dtype` runs `kernel`."""
+    capability: str
+    dtype: str
+    heads: int
+    tokens: int
+    head_dim: int
+    kernel: str
+    measured: dict  # device, torch, commit, batch, milliseconds per kernel (what the choice rests on)
+
+    @property
+    def key(self) -> tuple[str, str, int, int, int]:
+        return self.capability, self.dtype, self.heads, self.tokens, self.head_dim
+
+
+# The active choices: (dtype, heads, tokens, head dim) -> kernel (None: PyTorch's, measured), for the
+# device `activate` was given.
+_ACTIVE: dict[tuple[torch.dtype, int, int, int], SDPBackend | None] = {}
+
+
+def capability_of(device: torch.device) -> str:
+    """The table's key for `device`: its compute capability "major.minor", or "cpu"."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{major}.{minor}"
+    return device.type
+
+
+def load(path: Path | None = None) -> list[Choice]:
+    """The table's (default TABLE) entries, each field checked: a file that is not this schema is refused with
+    where and what (a JSON file is data: nothing in it runs)."""
+    path = TABLE if path is None else path
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{path}: {what}; the file is written by `python -m kernels.choose_attention --write` "
+                          f"(delete the entry, or the file for PyTorch's own choice everywhere)")
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise bad(f"cannot be read ({e})") from None
+    except json.JSONDecodeError as e:
+        raise bad(f"is not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+        raise bad('the top level must be an object with an "entries" list')
+    out, seen = [], set()
+    for i, entry in enumerate(data["entries"]):
+        where = f"entry {i}"
+        if not isinstance(entry, dict):
+            raise bad(f"{where} is {type(entry).__name__}, not an object")
+        fields = {"capability", "dtype", *SHAPE_KEYS, "kernel", "measured"}
+        if set(entry) != fields:
+            raise bad(f"{where} has fields {sorted(entry)}; it must have exactly {sorted(fields)}")
+        cap = entry["capability"]
+        if not isinstance(cap, str) or not (cap == "cpu" or re.fullmatch(r"\d{1,2}\.\d", cap)):
+            raise bad(f'{where}: capability {cap!r} is neither "major.minor" (e.g. "9.0") nor "cpu"')
+        if entry["dtype"] not in DTYPES:
+            raise bad(f"{where}: dtype {entry['dtype']!r} is not one of {sorted(DTYPES)}")
+        for k in SHAPE_KEYS:
+            v = entry[k]
+            if type(v) is not int or not 1 <= v <= 1 << 20:
+                raise bad(f"{where}: {k} {v!r} is not an integer in [1, 2^20]")
+        if entry["kernel"] not in KERNELS:
+            raise bad(f"{where}: kernel {entry['kernel']!r} is not one of {sorted(KERNELS)}")
+        if not isinstance(entry["measured"], dict):
+            raise bad(f"{where}: measured must be an object (what the choice rests on)")
+        choice = Choice(**entry)
+        if choice.key in seen:
+            raise bad(f"{where} repeats capability {cap}, dtype {choice.dtype}, shape "
+                      f"{choice.heads}x{choice.tokens}x{choice.head_dim}")
+        seen.add(choice.key)
+        out.append(choice)
+    return out
+
+
+def activate(device: torch.device, path: Path | None = None) -> int:
+    """Make the table's choices for `device`'s compute capability the ones `kernel_for` returns
+    (replacing any earlier ones); the number of shapes. No file: PyTorch's pick everywhere."""
+    _ACTIVE.clear()
+    path = TABLE if path is None else path
+    if not path.exists():
+        return 0
+    cap = capability_of(device)
+    for c in load(path):
+        if c.capability == cap:
+            _ACTIVE[(DTYPES[c.dtype], c.heads, c.tokens, c.head_dim)] = KERNELS[c.kernel]
+    return len(_ACTIVE)
+
+
+def deactivate() -> None:
+    _ACTIVE.clear()
+
+
+def kernel_for(q: torch.Tensor) -> SDPBackend | None:
+    """The kernel chosen for q's (B, H, N, d) shape and dtype; None: PyTorch picks."""
+    if not _ACTIVE:
+        return None
+    _, heads, tokens, head_dim = q.shape
+    return _ACTIVE.get((q.dtype, heads, tokens, head_dim))
+
+
+def describe(chosen: dict[tuple[int, int, int], str], shapes: list[tuple[int, int, int]]) -> str:
+    """"H x N x d kernel" for each shape, from `choices_for`'s answer."""
+    def said(shape: tuple[int, int, int]) -> str:
+        if shape not in chosen:
+            return "PyTorch's pick (not measured)"
+        return "PyTorch's pick (measured fastest)" if chosen[shape] == "pytorch" else f"{chosen[shape]} (measured fastest)"
+
+    return "; ".join(f"{h}x{t}x{d} {said((h, t, d))}" for h, t, d in shapes)
+
+
+def choices_for(capability: str, dtype: torch.dtype, path: Path | None = None) -> dict[tuple[int, int, int], str]:
+    """{(heads, tokens, head dim): kernel} the table holds for a capability and dtype, read without
+    activating (the dry run speaks of a GPU it does not run on)."""
+    path = TABLE if path is None else path
+    if not path.exists():
+        return {}
+    name = DTYPE_NAMES.get(dtype)
+    return {(c.heads, c.tokens, c.head_dim): c.kernel for c in load(path) if c.capability == capability
+            and c.dtype == name}
+
+
+def merged(old: list[Choice], new: list[Choice]) -> dict:
+    """The table's JSON with `new` replacing the entries of the same key in `old`."""
+    by_key = {c.key: c for c in old}
+    by_key.update({c.key: c for c in new})
+    entries = [vars(c) for c in sorted(by_key.values(), key=lambda c: c.key)]
+    return {"entries": entries}
+
+
+def time_kernels(batch: int, heads: int, tokens: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 iters: int = 20, warmup: int = 3) -> dict[str, float | str]:
+    """Milliseconds of one forward + backward of SDPA on random (batch, heads, tokens, head_dim)
+    inputs, for PyTorch's pick ("pytorch") and under each kernel; a kernel that does not take the
+    inputs gets the reason instead of a time."""
+    import time
+    import warnings
+
+    q, k, v = (torch.randn(batch, heads, tokens, head_dim, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn(batch, heads, tokens, head_dim, device=device, dtype=dtype)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    out: dict[str, float | str] = {}
+    for name, kernel in KERNELS.items():
+        def once() -> None:
+            if kernel is None:
+                o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            else:
+                with sdpa_kernel(kernel):
+                    o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            torch.autograd.grad(o, (q, k, v), grad)
+        try:
+            with warnings.catch_warnings():  # PyTorch warns why each kernel it was told to use cannot run
+                warnings.simplefilter("ignore")
+                for _ in range(warmup):
+                    once()
+        except RuntimeError as e:  # "No available kernel" and the reasons PyTorch warned about
+            out[name] = f"not available: {str(e).splitlines()[0][:160]}"
+            continue
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            once()
+        sync()
+        out[name] = (time.perf_counter() - start) / iters * 1e3
+    return out
+
+
+def choose(ms: dict[str, float | str]) -> str:
+    """The kernel a table entry records for these timings: the fastest, if it beats PyTorch's pick
+    by MARGIN, else "pytorch"."""
+    timed = {k: v for k, v in ms.items() if isinstance(v, float)}
+    if "pytorch" not in timed:
+        raise ValueError(f"PyTorch's own pick did not run ({ms.get('pytorch')}): nothing to compare against")
+    best = min((k for k in timed if k != "pytorch"), key=timed.__getitem__, default="pytorch")
+    return best if timed.get(best, float("inf")) < (1 - MARGIN) * timed["pytorch"] else "pytorch"

@@ -1,0 +1,170 @@
+"""The per-shape SDPA kernel table (kernels/attention_choice.py): its schema, the routing of the
+`sdpa` backend through it, compiled blocks tracing the choice without a break, and the tool that
+measures and writes it (tools/choose_attention.py), on CPU, where SDPA has a flash and a math kernel."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.profiler import profile
+
+from kernels import attention_choice
+from kernels.attention import math_attention, sdpa_attention
+
+CPU = torch.device("cpu")
+
+
+def entry(**over) -> dict:
+    return {"capability": "cpu", "dtype": "fp32", "heads": 2, "tokens": 17, "head_dim": 16, "kernel": "math",
+            "measured": {"ms": {}}, **over}
+
+
+def table(tmp_path, *entries) -> "Path":  # noqa: F821
+    path = tmp_path / "choices.json"
+    path.write_text(json.dumps({"entries": list(entries)}))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def nothing_active_after():
+    yield
+    attention_choice.deactivate()
+
+
+def sdpa_ops(q: torch.Tensor) -> set[str]:
+    """The aten SDPA kernels one call of the `sdpa` backend ran."""
+    with profile() as prof:
+        sdpa_attention(q, q, q)
+    return {e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")}
+
+
+def test_a_listed_shape_runs_its_kernel_and_the_others_keep_pytorchs_pick(tmp_path):
+    path = table(tmp_path, entry(kernel="math"), entry(heads=4, kernel="pytorch"))
+    listed, other = torch.randn(3, 2, 17, 16), torch.randn(3, 2, 18, 16)
+    assert sdpa_ops(listed) == {"aten::_scaled_dot_product_flash_attention_for_cpu"}  # before: PyTorch's pick
+    assert attention_choice.activate(CPU, path) == 2
+    assert sdpa_ops(listed) == {"aten::_scaled_dot_product_attention_math"}
+    assert sdpa_ops(other) == {"aten::_scaled_dot_product_flash_attention_for_cpu"}
+    assert sdpa_ops(torch.randn(3, 4, 17, 16)) == {"aten::_scaled_dot_product_flash_attention_for_cpu"}
+    assert sdpa_ops(listed.double()) == {"aten::_scaled_dot_product_flash_attention_for_cpu"}  # another dtype
+    torch.testing.assert_close(sdpa_attention(listed, listed, listed), math_attention(listed, listed, listed))
+
+
+def test_another_capability_is_not_activated(tmp_path):
+    assert attention_choice.activate(CPU, table(tmp_path, entry(capability="9.0"))) == 0
+    assert attention_choice.kernel_for(torch.randn(3, 2, 17, 16)) is None
+    assert attention_choice.activate(CPU, tmp_path / "absent.json") == 0
+
+
+def test_a_compiled_block_traces_the_choice_without_a_break(tmp_path):
+    """fullgraph: a graph break would raise; aot_eager keeps the chosen aten kernel visible."""
+    from model.vit import Block
+
+    torch.manual_seed(0)
+    block = Block(32, 2, attn_backend="sdpa")
+    x = torch.randn(3, 17, 32, requires_grad=True)
+    want = block(x)
+    attention_choice.activate(CPU, table(tmp_path, entry(kernel="math")))
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    with profile() as prof:
+        got = compiled(x)
+        got.sum().backward()
+    kernels = {e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")}
+    assert kernels == {"aten::_scaled_dot_product_attention_math"}
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"kernel": "fastest"}, "kernel 'fastest' is not one of"),
+    ({"capability": "sm90"}, "capability 'sm90' is neither"),
+    ({"dtype": "float32"}, "dtype 'float32' is not one of"),
+    ({"heads": 0}, "heads 0 is not an integer"),
+    ({"tokens": 50.0}, "tokens 50.0 is not an integer"),
+    ({"head_dim": True}, "head_dim True is not an integer"),
+    ({"measured": []}, "measured must be an object"),
+    ({"extra": 1}, "it must have exactly"),
+])
+def test_a_bad_entry_is_refused_with_where_and_what(tmp_path, change, said):
+    path = table(tmp_path, entry(), entry(**{"tokens": 18, **change}))
+    with pytest.raises(ValueError, match="entry 1") as e:
+        attention_choice.load(path)
+    assert said in str(e.value) and str(path) in str(e.value) and "choose_attention --write" in str(e.value)
+
+
+def test_a_repeated_shape_and_a_malformed_file_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="entry 1 repeats capability cpu"):
+        attention_choice.load(table(tmp_path, entry(), entry(kernel="flash")))
+    path = tmp_path / "broken.json"
+    path.write_text('{"entries": [')
+    with pytest.raises(ValueError, match="is not JSON"):
+        attention_choice.load(path)
+    path.write_text("[]")
+    with pytest.raises(ValueError, match='an "entries" list'):
+        attention_choice.load(path)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+                        st.sampled_from(["entries", *entry()]), inner, max_size=8), max_leaves=20))
+def test_any_json_either_loads_or_is_refused_as_a_value_error(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("any") / "choices.json"
+    path.write_text(json.dumps(data))
+    try:
+        choices = attention_choice.load(path)
+    except ValueError as e:
+        assert str(path) in str(e)
+    else:
+        assert all(c.kernel in attention_choice.KERNELS for c in choices)
+
+
+def test_the_committed_table_loads():
+    assert all(c.kernel in attention_choice.KERNELS for c in attention_choice.load())
+
+
+def test_choose_takes_the_fastest_only_past_the_margin():
+    ms = {"flash": 1.0, "cudnn": 0.90, "efficient": "not available: x", "math": 3.0, "pytorch": 1.0}
+    assert attention_choice.choose(ms) == "cudnn"
+    assert attention_choice.choose({**ms, "cudnn": 0.98}) == "pytorch"  # within the margin: PyTorch keeps choosing
+    with pytest.raises(ValueError, match="PyTorch's own pick did not run"):
+        attention_choice.choose({**ms, "pytorch": "not available: y"})
+
+
+def test_the_tool_times_the_runs_shapes_and_merges_its_entries(tmp_path, capsys):
+    from tools import choose_attention
+
+    path = table(tmp_path, entry(heads=5, kernel="flash"), entry(capability="9.0", heads=12, tokens=50,
+                                                                  head_dim=64))
+    argv = ["--device", "cpu", "--dtype", "fp32", "--micro", "2", "--iters", "1", "--model", "vit_base_patch16",
+            "--config", "defaults", "--table", str(path)]
+    choices = choose_attention.main(argv)
+    # MAE ViT-B/16 at 224, mask 0.75: the encoder's 49 visible patches + cls, the decoder's 197 tokens
+    assert {(c.heads, c.tokens, c.head_dim) for c in choices} == {(12, 50, 64), (16, 197, 32)}
+    for c in choices:
+        assert isinstance(c.measured["ms"]["pytorch"], float) and isinstance(c.measured["ms"]["math"], float)
+        assert c.measured["ms"]["cudnn"].startswith("not available")  # no cuDNN kernel on CPU
+        assert c.kernel == attention_choice.choose(c.measured["ms"])
+    kept = {(c.capability, c.heads) for c in attention_choice.load(path)}
+    assert kept == {("cpu", 5), ("9.0", 12), ("cpu", 12), ("cpu", 16)}  # merged, the other capability kept
+    assert "12x50x64" in capsys.readouterr().out
+    choose_attention.main(argv)  # again: the same keys are replaced, not repeated
+    assert len(attention_choice.load(path)) == 4
+
+
+def test_the_dry_run_states_each_shapes_kernel(tmp_path, monkeypatch):
+    from train.config.options import parse_args
+    from train.estimate.dry_run import check
+    from train.estimate.gpus import gpu_named
+
+    monkeypatch.setattr(attention_choice, "TABLE", table(
+        tmp_path, entry(capability="9.0", dtype="bf16", heads=12, tokens=50, head_dim=64, kernel="cudnn"),
+        entry(capability="8.0", dtype="bf16", heads=16, tokens=197, head_dim=32, kernel="flash")))
+    cfg = parse_args(["--ds_config", "ds_configs/vit_b_8xh100_bf16_zero1.json", "--data.source", "synthetic"])
+    line, = [x for x in check(cfg, 8, gpu_named("h100")).lines if x.startswith("attention kernels")]
+    assert line == ("attention kernels (bf16 on sm90; heads x tokens x head dim): 12x50x64 cudnn (measured fastest); "
+                    "16x197x32 PyTorch's pick (not measured)")
