@@ -180,7 +180,7 @@ def time_kernels(batch: int, heads: int, tokens: int, head_dim: int, dtype: torc
 
     out: dict[str, float | str] = {}
     for name, kernel in KERNELS.items():
-        def once() -> None:
+        def once(kernel: SDPBackend | None = kernel) -> None:
             if kernel is None:
                 o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
             else:

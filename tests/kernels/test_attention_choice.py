@@ -4,6 +4,7 @@ measures and writes it (tools/choose_attention.py), on CPU, where SDPA has a fla
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ def entry(**over) -> dict:
             "measured": {"ms": {}}, **over}
 
 
-def table(tmp_path, *entries) -> "Path":  # noqa: F821
+def table(tmp_path: Path, *entries) -> Path:
     path = tmp_path / "choices.json"
     path.write_text(json.dumps({"entries": list(entries)}))
     return path

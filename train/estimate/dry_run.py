@@ -24,7 +24,13 @@ from pathlib import Path
 import torch
 
 from kernels import attention_choice
-from train.config.ds_config import activation_checkpointing, load, precision, resolve, zero_stage
+from train.config.ds_config import (
+    activation_checkpointing,
+    load,
+    precision,
+    resolve,
+    zero_stage,
+)
 from train.config.errors import ConfigError
 from train.config.flags import pop_flags
 from train.config.options import PretrainConfig, check_objective_fits, parse_args
@@ -33,7 +39,14 @@ from train.config.values import from_text
 from train.engine.config import EngineConfig
 from train.estimate.costs import attention_shapes
 from train.estimate.gpus import GPU, current_gpu, gpu_in_filename, gpu_named
-from train.estimate.memory import GIB, HEADROOM, MemoryEstimate, check_floor, estimate, ram
+from train.estimate.memory import (
+    GIB,
+    HEADROOM,
+    MemoryEstimate,
+    check_floor,
+    estimate,
+    ram,
+)
 from train.weights.fit import check_init_from
 
 
