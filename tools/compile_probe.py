@@ -3,10 +3,12 @@ and the kernels with the most device time, for MAE at 224 in bf16 through the en
 no wrapper) on synthetic images.
 
     python -m tools.compile_probe eager|compiled|compiled_no_graphs [--model vit_base_patch16] [--micro 128]
+    python -m tools.compile_probe equality [--precision bf16|fp32] [--accum N] [--steps 12] [--micro 64]
 
 `compiled` is what `--run.compile true` does on one GPU (train/run/build.py `uses_cuda_graphs`: the
 compiled blocks replay as CUDA graphs); `compiled_no_graphs` is what it does on FSDP2's sharded
-stages. Prints its findings; one process per variant, so each compiles from a fresh cache
+stages. `equality` trains eager and compiled blocks (as CUDA graphs) from the same weights, images
+and masks and compares each step's loss. Prints its findings; one process per variant, so each compiles from a fresh cache
 (inductor's on-disk cache aside). docs/PERFORMANCE.md "Compiling the blocks on one H200".
 """
 from __future__ import annotations
@@ -26,41 +28,95 @@ import torch
 
 from data.cli import Parser, refuse
 from train.config.ds_config import resolve
-from train.config.options import parse_args
+from train.config.options import encoder_img_size, parse_args
 from train.engine.execution import apply_execution_options
 from train.run.build import build_engine
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("eager", "compiled", "compiled_no_graphs")
+STEPS = 12  # trained by `equality`
 WARMUP, TIMED, PROFILED = 8, 20, 3
 
 
-def engine_for(variant: str, model: str, micro: int):
-    """The engine of MAE on `model` at `micro` images, one rank, the H100 ZeRO-1 file's settings."""
+def engine_for(variant: str, model: str, micro: int, precision: str = "bf16", accum: int = 1,
+               device: torch.device | None = None, preset: list[str] = ()):
+    """The engine of MAE on `model` (or the `preset`'s) at `micro` images x `accum` micro-batches,
+    one rank, the H100 ZeRO-1 file's settings in `precision` (bf16 | fp32); and its configuration."""
+    device = device or torch.device("cuda")
     ds = json.loads((REPO / "ds_configs" / "vit_b_8xh100_bf16_zero1.json").read_text())
-    ds.update(train_batch_size=micro, train_micro_batch_size_per_gpu=micro)
+    ds.update(train_batch_size=micro * accum, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum)
+    ds["bf16"] = {"enabled": precision == "bf16"}
     ds_file = Path(tempfile.mkdtemp()) / "ds.json"
     ds_file.write_text(json.dumps(ds))
-    cfg = parse_args(["--ds_config", str(ds_file), "--model.name", model, "--data.source", "synthetic"])
+    cfg = parse_args(["--ds_config", str(ds_file), "--data.source", "synthetic",
+                      *(preset or ["--model.name", model])])
     ds_config, _ = resolve(cfg, 1)
-    engine, objective, _ = build_engine(cfg, ds_config, torch.device("cuda"), 1e-4, 10, 1000)
+    engine, objective, _ = build_engine(cfg, ds_config, device, 1e-4, 10, 1000)
     if variant != "eager":  # what run.compile applies, with or without the CUDA graphs
         engine.cuda_graphs = variant == "compiled"
         apply_execution_options(objective, recompute=False, compile_blocks=True, cuda_graphs=engine.cuda_graphs)
-    return engine
+    return engine, cfg
+
+
+def loss_curve(variant: str, model: str, micro: int, steps: int, precision: str = "bf16", accum: int = 1,
+               device: torch.device | None = None, preset: list[str] = ()) -> list[float]:
+    """Each optimizer step's mean loss over its micro-batches, from the same weights, images and
+    mask draws whatever the variant: what compiled blocks (and their CUDA graphs) must reproduce."""
+    device = device or torch.device("cuda")
+    engine, cfg = engine_for(variant, model, micro, precision, accum, device, preset)
+    shape = (micro, cfg.model.in_chans, encoder_img_size(cfg), encoder_img_size(cfg))
+    images = torch.Generator().manual_seed(0)
+    torch.manual_seed(1)  # the masks: drawn on the device from its default generator
+    losses = []
+    for _ in range(steps):
+        total = torch.zeros((), device=device)
+        for _ in range(accum):
+            batch = {"image": torch.randn(shape, generator=images).to(device, engine.dtype)}
+            if engine.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            loss = engine(batch)["loss"]
+            engine.backward(loss)
+            total += loss.detach().float()
+        engine.step()
+        losses.append(total / accum)
+    return [x.item() for x in losses]
+
+
+def equality(model: str, micro: int, steps: int, precision: str, accum: int) -> dict:
+    """Eager against compiled blocks replayed as CUDA graphs: per-step losses, the largest relative
+    difference, and whether it is within the tolerance (fp32 1e-3, bf16 2e-2: fused kernels round
+    differently, and the difference grows with the steps trained)."""
+    curves = {}
+    for variant in ("eager", "compiled"):
+        curves[variant] = loss_curve(variant, model, micro, steps, precision, accum)
+        torch.cuda.empty_cache()
+    worst = max(abs(c - e) / abs(e) for e, c in zip(curves["eager"], curves["compiled"]))
+    tolerance = 1e-3 if precision == "fp32" else 2e-2
+    return {"model": model, "micro_batch": micro, "accum": accum, "precision": precision, "steps": steps,
+            "losses": curves, "max_relative_difference": worst, "tolerance": tolerance, "equal": worst <= tolerance}
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("variant", choices=VARIANTS)
+    p.add_argument("variant", choices=(*VARIANTS, "equality"))
     p.add_argument("--model", default="vit_base_patch16")
-    p.add_argument("--micro", type=int, default=128)
+    p.add_argument("--micro", type=int, default=None, help="images per micro-batch (default 128; equality: 64)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="equality's")
+    p.add_argument("--accum", type=int, default=1, help="equality's micro-batches per step")
+    p.add_argument("--steps", type=int, default=STEPS, help="equality's optimizer steps")
     a = p.parse_args(argv)
+    if min(a.micro or 1, a.accum, a.steps) < 1:
+        refuse(f"--micro, --accum and --steps must be >= 1, got {a.micro}, {a.accum} and {a.steps}")
     if not torch.cuda.is_available():
         refuse("tools.compile_probe measures a GPU's step; this machine has no CUDA device")
+    if a.variant == "equality":
+        result = equality(a.model, a.micro or 64, a.steps, a.precision, a.accum)
+        print(json.dumps(result, indent=1))
+        return result
+    a.micro = a.micro or 128
     from torch.profiler import ProfilerActivity, profile
 
-    engine = engine_for(a.variant, a.model, a.micro)
+    engine, _ = engine_for(a.variant, a.model, a.micro)
     images = torch.randn(a.micro, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
 
     def step() -> None:

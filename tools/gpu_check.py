@@ -6,6 +6,10 @@ install and run it: docs/GPU.md.
     python -m tools.gpu_check PHASE [PHASE ...] [--budget_s 480] [--smoke] [--out DIR | --record]
 
 Phases (tools/phases/, one module each; each reuses the project's own entry points):
+  compile  eager against compiled blocks replayed as CUDA graphs: equal losses (bf16, fp32 with
+           accumulation), the attention kernel table (tools/choose_attention.py --write), MAE ViT-B
+           at micro-batch 128 and 64 and ViT-L at 128 through train/bench.py, alternating, then
+           MixedAE / MAE and AdPE / MAE+ compiled at 128
   tests    engine checks through train/pretrain.py (fp16 dynamic loss scale 50 MAE steps, bf16
            ZeRO-1/2, checkpoint + resume equality), then `pytest -m gpu`
   bench    MAE ViT-B/16 and ViT-L/16 at 224, bf16, through train/bench.py, alternating with the
@@ -55,9 +59,9 @@ import torch
 
 from data.cli import Parser
 
-PHASES = ("tests", "bench", "methods", "loader", "study", "scale")
-PHASE_MODULES = {"tests": "gpu_tests", "bench": "bench", "methods": "methods", "loader": "loader", "study": "study",
-                 "scale": "scale"}
+PHASES = ("compile", "tests", "bench", "methods", "loader", "study", "scale")
+PHASE_MODULES = {"compile": "compile", "tests": "gpu_tests", "bench": "bench", "methods": "methods", "loader": "loader",
+                 "study": "study", "scale": "scale"}
 
 
 class Tee(io.TextIOBase):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import REPO
 
-PHASES = ("tests", "bench", "methods", "loader", "study")
+PHASES = ("compile", "tests", "bench", "methods", "loader", "study")
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,22 @@ def test_one_json_per_phase_one_log_one_trace_at_most_eight_files(records):
         assert r["mode"] == "smoke" and r["commit"] and r["versions"]["torch"] == torch.__version__
         assert "cores" in r["device"] and r["seconds"] > 0 and r["items"] and "phase_error" not in r
         assert not [k for k, v in r["items"].items() if "error" in v], r["items"]
+
+
+def test_compile_phase_times_the_attention_kernels_and_the_step_and_skips_gpu_parts_with_reasons(records):
+    from kernels.attention_choice import KERNELS
+
+    items, summary = records["compile"]["items"], records["compile"]["summary"]
+    for name in ("equality_bf16_micro64", "equality_fp32_micro32_accum2", "methods_compiled_micro128"):
+        assert "GPU only" in items[name]["skipped"]
+    entries = items["attention_choice"]["entries"]
+    assert {(e["heads"], e["tokens"], e["head_dim"]) for e in entries} == {(12, 50, 64), (16, 197, 32)}
+    for e in entries:
+        assert e["capability"] == "cpu" and e["kernel"] in KERNELS and isinstance(e["ms"]["pytorch"], float)
+    run = items["debug_eager_r0"]
+    assert run["micro_batch"] == 8 and run["images_per_s"] == pytest.approx(8 / run["step_time_s"], rel=1e-6)
+    assert summary["throughput"]["debug_eager"]["images_per_s"] == run["images_per_s"]
+    assert summary["targets"]["compile_over_eager_vit_b_128"] == ">= 1.2"
 
 
 def test_tests_phase_runs_the_engine_and_resume_checks_and_skips_gpu_parts_with_reasons(records):

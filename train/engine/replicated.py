@@ -111,6 +111,13 @@ class ReplicatedEngine(EngineCore):
                 torch._foreach_copy_(into, grads)
             elif grads:
                 torch._foreach_add_(into, grads)
+        elif self.cuda_graphs and self.ddp is None and self.micro == 0 and not self.last_micro:
+            # fp32 on one rank sums the micro-batches in `.grad`, and the first one's may be memory of
+            # the CUDA graphs' pool (autograd keeps a graph's output as the gradient), which the next
+            # micro-batch's replay overwrites: the sum starts in memory of its own.
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad = p.grad.clone()
         self.micro += 1
 
     def _norm(self) -> torch.Tensor:
