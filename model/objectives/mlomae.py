@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from model.adamw_state import with_state
 from model.objectives.base import ObjectiveConfig, register_objective
 from model.objectives.hypergrad import Points, call_with, full_fp32, mask_hypergradient
 from model.objectives.mae import MAEObjective, check_decoder, per_patch_mse
@@ -138,8 +139,12 @@ def _all_reduce_mean_(tensors: list[torch.Tensor]) -> None:
 def _adamw(module: nn.Module, weight_decay: float, eps: float = 1e-8, decay_all: bool = False) -> torch.optim.AdamW:
     decay = [p for p in module.parameters() if p.ndim >= 2 or decay_all]
     rest = [p for p in module.parameters() if p.ndim < 2 and not decay_all]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                             lr=0.0, betas=(0.9, 0.95), eps=eps)
+    # fused: one kernel per group, and the step count a device tensor beside the moments (torch's
+    # single-tensor AdamW keeps it on the host, which reads it every step and keeps the step out of a
+    # CUDA graph); the update is AdamW's, to rounding
+    return with_state(torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                         {"params": rest, "weight_decay": 0.0}],
+                                        lr=0.0, betas=(0.9, 0.95), eps=eps, fused=True))
 
 
 class Auxiliary:

@@ -22,16 +22,9 @@ import torch
 from train.engine.config import EngineConfig
 from train.engine.loss_scale import DeviceLossScale
 from train.engine.nonfinite import DeviceHealth
+from model.adamw_state import adamw_state  # made before the first step: a checkpoint loads into it
 from train.engine.state_files import load as load_tag
 from train.engine.state_files import save as save_tag
-
-
-def adamw_state(t: torch.Tensor) -> dict[str, torch.Tensor]:
-    """torch's AdamW state for a tensor, made before the first step (a checkpoint loads into it);
-    the fused kernel keeps `step` as an fp32 tensor beside the moments."""
-    return {"step": torch.zeros((), dtype=torch.float32, device=t.device),
-            "exp_avg": torch.zeros_like(t, memory_format=torch.preserve_format),
-            "exp_avg_sq": torch.zeros_like(t, memory_format=torch.preserve_format)}
 
 
 class EngineCore(abc.ABC):

@@ -1,0 +1,23 @@
+"""AdamW's per-tensor state made before the first step, as torch's fused kernel keeps it: the
+moments beside the tensor and the step count a device tensor (fp32), so no step reads a count on
+the host and a checkpoint has state to load into from the start. The engine's optimizer and the
+objectives that keep optimizers of their own (MLO-MAE's masking network and head) both use it."""
+from __future__ import annotations
+
+import torch
+
+
+def adamw_state(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """torch's AdamW state for `t` before its first step."""
+    return {"step": torch.zeros((), dtype=torch.float32, device=t.device),
+            "exp_avg": torch.zeros_like(t, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(t, memory_format=torch.preserve_format)}
+
+
+def with_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """`optimizer` (AdamW) with the state of every parameter made now (the fused kernel's first
+    step would make it lazily, after a check that refuses tensors off its devices, e.g. `meta`)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p] = adamw_state(p)
+    return optimizer
