@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from model.adamw_state import adamw_state  # made before the first step: a checkpoint loads into it
 from train.engine.config import EngineConfig
 from train.engine.loss_scale import DeviceLossScale
 from train.engine.nonfinite import DeviceHealth
-from model.adamw_state import adamw_state  # made before the first step: a checkpoint loads into it
 from train.engine.state_files import load as load_tag
 from train.engine.state_files import save as save_tag
 
