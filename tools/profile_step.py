@@ -11,9 +11,9 @@ Subject under the profiler, each phase of a step (data, forward, backward, step,
   top_kernels          the 15 with the most device time (CPU: self CPU time): name, ms, count
   longest_gaps         the 5 longest stretches with no device activity (CUDA), with the kernels
                        on either side
-  cuda_syncs_per_step  the host-device syncs PyTorch reports in the steps, with where the first
-                       ones came from (CUDA: torch.cuda.set_sync_debug_mode("warn"), one more run
-                       of `steps` steps, unprofiled)
+  cuda_syncs_per_step  the host-device syncs PyTorch reports in the steps, with the Python line
+                       of each (CUDA: torch.cuda.set_sync_debug_mode("warn"), one more run of
+                       `steps` steps, unprofiled, whose last step reads the log window: 1 sync)
 and, when `trace` is given, writes the Chrome trace gzipped there if it stays under 16 MiB.
 """
 from __future__ import annotations
@@ -103,9 +103,13 @@ def attribution(subject, steps: int, device: torch.device, trace: Path | None = 
     return out
 
 
+SYNC_MESSAGE = "called a synchronizing CUDA operation"  # PyTorch's warning for each sync (its debug mode)
+
+
 def cuda_syncs(subject, steps: int) -> dict:
-    """Syncs PyTorch's sync debug mode reports while `subject` runs `steps` steps (one log read
-    among them: the loop's window at the last step)."""
+    """Syncs PyTorch's sync debug mode reports while `subject` runs `steps` steps, with the line of
+    Python that issued each. The steps include one log read, by design (the loop's metrics window,
+    read at the last step: one sync per `log_every` steps in a run)."""
     import warnings
 
     torch.cuda.synchronize()
@@ -116,8 +120,20 @@ def cuda_syncs(subject, steps: int) -> dict:
             subject.run(no_phases, steps)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message)]
-    return {"cuda_syncs_per_step": len(syncs) / steps, "cuda_sync_examples": syncs[:5]}
+    sites = sync_sites(caught)
+    return {"cuda_syncs_per_step": len(sites) / steps, "cuda_sync_sites": sites[:10]}
+
+
+def sync_sites(caught: list) -> list[str]:
+    """file:line of each recorded sync warning; the debug mode's notice that it is a prototype (a
+    warning too, once per process) is not a sync."""
+    return [f"{_short(w.filename)}:{w.lineno}" for w in caught if SYNC_MESSAGE in str(w.message)]
+
+
+def _short(path: str) -> str:
+    here = Path(path).resolve()
+    root = Path(__file__).resolve().parents[1]
+    return str(here.relative_to(root)) if here.is_relative_to(root) else path
 
 
 def _write_trace(prof, path: Path) -> dict:
