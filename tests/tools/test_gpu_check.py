@@ -120,6 +120,12 @@ def test_loader_phase_makes_jpeg_shards_and_times_every_decode_path(records):
         assert summary[f"{decode}_images_per_s"] > 0
     assert items["decode_cpu_draft"]["decode"] == "cpu_draft" and items["decode_cpu"]["num_workers"] == 2
     assert items["decode_nvjpeg"]["batch_shape"] == [8, 3, 224, 224] and "smoke" in items["decode_nvjpeg"]["decoder"]
+    # end to end: the debug model trained from the shards and from synthetic images, alternating
+    assert [k for k in items if k.startswith("end_to_end")] == [
+        "end_to_end_synthetic_r0", "end_to_end_shards_r0", "end_to_end_shards_r1", "end_to_end_synthetic_r1"]
+    row = summary["end_to_end"]
+    assert row["workers"] == 2 and row["decode"] == "cpu"
+    assert row["shards_over_synthetic"] == pytest.approx(row["shards_images_per_s"] / row["synthetic_images_per_s"])
 
 
 def test_study_phase_writes_shards_runs_an_entry_and_summarises_it(records):

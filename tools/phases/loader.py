@@ -1,5 +1,8 @@
 """Phase `loader`: decode + RandomResizedCrop 224 images/s on JPEGs drawn on the machine, cpu /
-cpu_draft / nvjpeg."""
+cpu_draft / nvjpeg; then end to end, MAE ViT-B/16 trained from those shards with nvjpeg against
+synthetic images at the same micro-batch (128, compiled blocks, bf16), alternating twice, with
+every core of the machine as a worker (the count is recorded: an 8-GPU node of 128 cores gives
+each GPU 16)."""
 from __future__ import annotations
 
 import json
@@ -18,7 +21,7 @@ def run(check: Check, a) -> None:
     from tools.photos import write_photos
 
     summary = check.record["summary"]
-    summary["targets"] = {"nvjpeg_images_per_s": TARGETS["nvjpeg_images_per_s"]}
+    summary["targets"] = {"nvjpeg_images_per_s": TARGETS["nvjpeg_images_per_s"], "shards_over_synthetic": ">= 0.95"}
     cores = os.cpu_count() or 1
     if check.cuda:
         photos, size, count, per_shard, short = 24, (1600, 1200), 1600, 50, "333,500"
@@ -59,6 +62,36 @@ def run(check: Check, a) -> None:
         if "images_per_s" in v:
             summary[f"{decode}_images_per_s"] = v["images_per_s"]
     summary.update(workers=workers, cpu_count=cores, jpeg_mean_kb=made["mean_kb"])
+    check.save()
+    end_to_end(check, shards, workers)
+
+
+def end_to_end(check: Check, shards: Path, workers: int) -> None:
+    """train/bench.py from the JPEG shards (nvjpeg; CPU smoke: cpu decode, the debug model) and from
+    synthetic images, same model and micro-batch, alternating; images/s of each and their ratio."""
+    from tools.phases.common import DEBUG_PRESET, our_bench
+
+    if check.cuda:
+        run = ["--ds_config", str(ds_config(check, "loader_e2e", 128)), "--model.name", "vit_base_patch16",
+               "--steps", "15", "--warmup", "5", "--run.compile", "true"]
+        decode, est = "nvjpeg", 60
+    else:
+        run = ["--ds_config", str(CPU_DEBUG_DS), "--config", str(DEBUG_PRESET), "--model.in_chans", "3",
+               "--steps", "2", "--warmup", "1"]
+        decode, est = "cpu", 0
+    sources = {"synthetic": ["--data.source", "synthetic"],
+               "shards": ["--data.source", "shards", "--data.train_index", str(shards / "train.json"),
+                          "--data.num_workers", str(workers), "--data.train_transform", "crop_flip",
+                          "--data.decode", decode]}
+    for r in range(2):
+        for source in (sources if r == 0 else dict(reversed(sources.items()))):
+            check.item(f"end_to_end_{source}_r{r}", est, lambda s=source: our_bench(check, [*run, *sources[s]]))
+    rates = {s: [v["images_per_s"] for k, v in check.record["items"].items()
+                 if k.startswith(f"end_to_end_{s}_r") and "images_per_s" in v] for s in sources}
+    row = {"decode": decode, "workers": workers, **{f"{s}_images_per_s": sum(v) / len(v) for s, v in rates.items() if v}}
+    if all(rates.values()):
+        row["shards_over_synthetic"] = row["shards_images_per_s"] / row["synthetic_images_per_s"]
+    check.record["summary"]["end_to_end"] = row
     check.save()
 
 def device_loader(check: Check, common: list[str], batches: int, warmup: int) -> dict:
