@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from train.config.options import PretrainConfig, encoder_img_size
-from train.estimate.costs import example_batch
+from train.config.options import PretrainConfig
+from train.estimate.step_flops import step_batch
 from train.run.build import build_engine
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,15 +48,6 @@ def where_in_repo() -> str:
         if path.is_relative_to(REPO) and ".venv" not in path.parts and path.name != "capture_readiness.py":
             return f"{path.relative_to(REPO)}:{frame.lineno}"
     return "outside the repository"
-
-
-def step_batch(cfg: PretrainConfig, micro: int) -> dict[str, torch.Tensor]:
-    """A meta batch shaped like the training stream's, with a D_val batch where the objective
-    reads one (MLO-MAE: data/split.py attaches it)."""
-    batch = example_batch(cfg.data, micro, encoder_img_size(cfg), cfg.model.in_chans)
-    batch["label"] = batch["label"].clamp(max=0)  # a label the classifier has (values are never read on meta)
-    batch["val_image"], batch["val_label"] = batch["image"], batch["label"]
-    return batch
 
 
 def check_step(cfg: PretrainConfig, ds_config: dict, micro: int) -> list[str]:

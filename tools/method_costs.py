@@ -1,0 +1,78 @@
+"""Each method's arithmetic per image and optimizer step, by phase, against its baseline's: the
+floor its step time can reach, beside which a measured step ratio says how much is overhead.
+
+    python -m tools.method_costs [--micro 8] [--markdown]
+
+Counted by train/estimate/step_flops.py on the meta device (every matmul, convolution and
+attention of the forward, the backward and the objective's after-step hook) for the shipped ViT-B/16
+presets at 224: MAE, MixedAE, MAE+ (RPE), AdPE (RPE-coord), MLO-MAE, energy. The baseline of
+AdPE is MAE+, of every other method MAE. The model is in bf16 as the engine casts it.
+"""
+from __future__ import annotations
+
+if __name__ == "__main__" and not __package__:  # run as a script: our packages are at the repository root
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import sys
+from pathlib import Path
+
+from data.cli import Parser, refuse
+from train.config.options import parse_args
+from train.estimate.step_flops import PHASES, step_flops
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "train" / "configs"
+DS = REPO / "ds_configs" / "vit_b_8xh100_bf16_zero1.json"  # bf16, one node of H100s; the counts do not depend on it
+METHODS = {
+    "mae": ["--model.name", "vit_base_patch16"],
+    "mixedae": ["--config", str(CONFIGS / "mixedae/vit_b.json")],
+    "maeplus": ["--config", str(CONFIGS / "maeplus/vit_b.json"), "--config", str(CONFIGS / "maeplus/variants/maeplus_rpe.json")],
+    "adpe": ["--config", str(CONFIGS / "maeplus/vit_b.json"), "--config", str(CONFIGS / "maeplus/variants/rpe_coord.json")],
+    "mlomae": ["--config", str(CONFIGS / "mlomae/vit_b.json")],
+    "energy": ["--config", str(CONFIGS / "energy/vit_b.json")],
+}
+BASELINE = {"adpe": "maeplus"}  # the rest: mae
+
+
+def costs(micro: int) -> dict[str, dict[str, float]]:
+    """{method: {phase: GFLOP per image, "total": ..., "over_baseline": ...}}."""
+    out = {}
+    for method, argv in METHODS.items():
+        cfg = parse_args(["--ds_config", str(DS), "--data.source", "synthetic", *argv])
+        flops = step_flops(cfg, micro)
+        out[method] = {phase: flops[phase] / 1e9 for phase in PHASES}
+        out[method]["total"] = sum(out[method][p] for p in PHASES)
+    for method, row in out.items():
+        row["over_baseline"] = row["total"] / out[BASELINE.get(method, "mae")]["total"]
+    return out
+
+
+def markdown(rows: dict[str, dict[str, float]]) -> str:
+    lines = ["| method | forward | backward | after-step hook | total GFLOP per image | over its baseline |",
+             "|---|---|---|---|---|---|"]
+    for method, r in rows.items():
+        lines.append(f"| {method} | {r['forward']:.1f} | {r['backward']:.1f} | {r['after_step']:.1f} | "
+                     f"{r['total']:.1f} | {r['over_baseline']:.3f}x {BASELINE.get(method, 'mae')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--micro", type=int, default=8, help="images per micro-batch counted (per-image counts barely move)")
+    p.add_argument("--markdown", action="store_true", help="a markdown table instead of lines")
+    a = p.parse_args(argv)
+    if a.micro < 1:
+        refuse(f"--micro must be >= 1, got {a.micro}")
+    rows = costs(a.micro)
+    if a.markdown:
+        print(markdown(rows))
+    else:
+        for method, r in rows.items():
+            print(f"{method:8s} " + "  ".join(f"{k} {v:.2f}" for k, v in r.items()))
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

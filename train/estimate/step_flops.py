@@ -1,0 +1,77 @@
+"""The arithmetic of an objective's optimizer step, by phase, counted rather than modelled.
+
+`step_flops` builds the configured objective on PyTorch's meta device (shapes only: no memory, no
+arithmetic) and runs its training step there under torch's FlopCounterMode, one counter per
+phase: the forward (for energy with its restoration steps, which differentiate inside the
+forward), autograd's backward (for energy a double backward), and the objective's after-step
+hook (MLO-MAE's levels II and III, AdPE's adversary). The counter takes every matmul,
+convolution and attention, forward and backward, so it sees the passes that costs.py's
+convention (training = 3 x forward matmuls) leaves out. The optimizer's update is elementwise:
+not counted. `steps` optimizer steps are run and averaged, so hooks that work every k-th step
+are spread over their period.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from model.objectives import build_objective
+from train.config.options import PretrainConfig, encoder_img_size, section
+from train.config.plan import build_encoder
+from train.estimate.costs import example_batch
+
+PHASES = ("forward", "backward", "after_step")
+
+
+class FlopCount(TorchDispatchMode):
+    """FLOPs of the aten ops run inside it, by torch's own formulas (torch.utils.flop_counter's
+    registry: matmuls, convolutions, attention, forward and backward). FlopCounterMode itself also
+    tracks modules with backward hooks, which autograd.grad on a leaf (energy's restoration) refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            self.flops += count(*args, **kwargs, out_val=out)
+        return out
+
+
+def step_batch(cfg: PretrainConfig, micro: int, device="meta") -> dict[str, torch.Tensor]:
+    """A batch shaped like the training stream's, with a D_val batch where the objective reads one
+    (MLO-MAE: data/split.py attaches it); labels 0, a class every classifier has."""
+    batch = example_batch(cfg.data, micro, encoder_img_size(cfg), cfg.model.in_chans, device)
+    batch["label"] = batch["label"].clamp(max=0)
+    batch["val_image"], batch["val_label"] = batch["image"], batch["label"]
+    return batch
+
+
+def step_flops(cfg: PretrainConfig, micro: int, steps: int = 1,
+               dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """FLOPs per image of one optimizer step of one micro-batch, by phase (PHASES), averaged over
+    `steps` steps, with the objective in `dtype` as the engine casts it (what stays fp32, such as
+    MLO-MAE's masking network and head and its level-III copies, stays fp32)."""
+    with torch.device("meta"):
+        objective = build_objective(cfg.objective, build_encoder(cfg), section(cfg)).to(dtype)
+        batch = step_batch(cfg, micro)
+        batch["image"] = batch["image"].to(dtype)
+        batch["val_image"] = batch["image"]
+    totals = dict.fromkeys(PHASES, 0.0)
+
+    def counted(phase: str, fn):
+        with FlopCount() as counter:
+            out = fn()
+        totals[phase] += counter.flops
+        return out
+
+    for _ in range(steps):
+        loss = counted("forward", lambda: objective(batch)["loss"])
+        counted("backward", loss.backward)
+        objective.zero_grad(set_to_none=True)
+        counted("after_step", lambda: objective.after_optimizer_step(1e-4, [batch]))
+    return {phase: flops / steps / micro for phase, flops in totals.items()}
