@@ -22,7 +22,6 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
 
 import json
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import torch
 from data.cli import Parser, refuse, refusing
 from data.outputs import written_whole
 from kernels import attention_choice
+from kernels.bench import commit
 from train.config.ds_config import resolve
 from train.config.errors import ConfigError
 from train.config.options import parse_args
@@ -50,14 +50,6 @@ def shapes_of(config: str, model: str | None, micro: int) -> list[tuple[int, int
     ds, _ = resolve(cfg, 1)
     _, prof = profile_config(cfg, ds, micro, fused_kernels=True)
     return attention_shapes(prof)
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> list[attention_choice.Choice]:
