@@ -21,3 +21,16 @@ def with_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         for p in group["params"]:
             optimizer.state[p] = adamw_state(p)
     return optimizer
+
+
+def load_fused(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load an AdamW state dict into a fused `optimizer` and keep it fused: a state dict saved by
+    torch's default AdamW brings `fused: False` in its groups and a step count on the host, which
+    Optimizer.load_state_dict would both keep."""
+    optimizer.load_state_dict(state)
+    for group in optimizer.param_groups:
+        group.update(fused=True, foreach=None)
+        for p in group["params"]:
+            if p in optimizer.state and "step" in optimizer.state[p]:
+                # a copy: a step tensor shared with the caller's state dict would count twice
+                optimizer.state[p]["step"] = optimizer.state[p]["step"].to(p.device, torch.float32, copy=True)

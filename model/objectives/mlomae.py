@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from model.adamw_state import with_state
+from model.adamw_state import load_fused, with_state
 from model.objectives.base import ObjectiveConfig, register_objective
 from model.objectives.hypergrad import Points, call_with, full_fp32, mask_hypergradient
 from model.objectives.mae import MAEObjective, check_decoder, per_patch_mse
@@ -166,8 +166,8 @@ class Auxiliary:
         Module.to moves only the parameters, and a resumed optimizer's moments were loaded onto the
         parameters' device at the time (CPU: the engine never sees these modules), so the
         optimizers are rebuilt from their own state_dict: it names parameters by position, and
-        Optimizer.load_state_dict casts each moment to its parameter's device (`step` stays a CPU
-        scalar, as AdamW keeps it). This also holds where Module.to replaces the Parameter objects
+        Optimizer.load_state_dict casts each moment to its parameter's device (and `load_fused` the
+        step count too, which the fused kernel reads there). This also holds where Module.to replaces the Parameter objects
         (e.g. the meta device) instead of keeping them (CUDA)."""
         if self.head.weight.device == device:
             return
@@ -176,8 +176,8 @@ class Auxiliary:
         self.head.to(device)
         self.mask_opt = _adamw(self.mask_net, self.weight_decay, self.mask_eps, self.decay_all)
         self.head_opt = _adamw(self.head, self.weight_decay, decay_all=self.decay_all)
-        self.mask_opt.load_state_dict(mask_state)
-        self.head_opt.load_state_dict(head_state)
+        load_fused(self.mask_opt, mask_state)
+        load_fused(self.head_opt, head_state)
 
     @staticmethod
     def step(module: nn.Module, opt: torch.optim.Optimizer, grads: list[torch.Tensor], lr: float) -> None:
@@ -202,8 +202,8 @@ class Auxiliary:
     def load_state_dict(self, state: dict) -> None:
         self.mask_net.load_state_dict(state["mask_net"])
         self.head.load_state_dict(state["head"])
-        self.mask_opt.load_state_dict(state["mask_opt"])
-        self.head_opt.load_state_dict(state["head_opt"])
+        load_fused(self.mask_opt, state["mask_opt"])
+        load_fused(self.head_opt, state["head_opt"])
 
 
 @register_objective("mlomae", MLOMAEConfig)

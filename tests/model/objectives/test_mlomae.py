@@ -1,4 +1,6 @@
 """MLO-MAE's level I (masking network, top-k, weighted loss), the level II/III schedule, state."""
+import copy
+
 import pytest
 import torch
 
@@ -228,3 +230,44 @@ def test_config_checks():
     with pytest.raises(ValueError, match="num_classes 10"):
         MLOMAEConfig(num_classes=1000).check_labels(10)
     assert MLOMAEConfig(level1_steps=2, mask_every=3).val_every(accum=4) == 24
+
+
+def test_a_checkpoint_of_torchs_default_adamw_resumes_into_the_fused_one():
+    """Extra state written when C and T stepped with torch's single-tensor AdamW (step count on the
+    host, `fused: False` in the groups) loads into the fused optimizers and stays fused, the
+    moments and the count carried over: the next update is the one the old optimizer would make."""
+    a = objective(seed=0)
+    state = a.get_extra_state()
+    for key, net in (("mask_opt", a.aux.mask_net), ("head_opt", a.aux.head)):  # rewrite as the old optimizer saved it
+        old = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.95))
+        for p in net.parameters():
+            p.grad = torch.randn_like(p)
+        old.step()
+        saved = old.state_dict()
+        groups = state["aux"][key]["param_groups"]
+        saved["param_groups"] = [{**g, "fused": None, "foreach": None} for g in groups]
+        saved["state"] = {i: saved["state"][i] for i in range(sum(len(g["params"]) for g in groups))}
+        assert all(s["step"].device.type == "cpu" for s in saved["state"].values())
+        state["aux"][key] = saved
+    b = objective(seed=1)
+    b.set_extra_state(state)
+    for opt in (b.aux.mask_opt, b.aux.head_opt):
+        assert all(g["fused"] for g in opt.param_groups)
+        assert all(s["step"].dtype == torch.float32 and s["step"].item() == 1 for s in opt.state.values())
+    # the next step: fused from the carried-over state equals torch's default AdamW from it
+    net, opt = b.aux.head, b.aux.head_opt
+    ref_net = copy.deepcopy(net)
+    ref = torch.optim.AdamW([{"params": [ref_net.weight], **{k: v for k, v in opt.param_groups[0].items() if k != "params"},
+                              "fused": None},
+                             {"params": [ref_net.bias], **{k: v for k, v in opt.param_groups[1].items() if k != "params"},
+                              "fused": None}])
+    ref.load_state_dict(copy.deepcopy(state["aux"]["head_opt"]))
+    grads = [torch.randn_like(p) for p in net.parameters()]
+    for p, g, q in zip(net.parameters(), grads, ref_net.parameters()):
+        p.grad, q.grad = g.clone(), g.clone()
+    for group in (*opt.param_groups, *ref.param_groups):
+        group["lr"] = 1e-2
+    opt.step()
+    ref.step()
+    for p, q in zip(net.parameters(), ref_net.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
