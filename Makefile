@@ -70,7 +70,7 @@ kernel-sweep: $(STAMP)
 # cp312 wheels of what a GPU machine without network access lacks (Python 3.12, torch 2.11 there), at
 # the versions this venv runs, into the git-ignored .whl/ (~5 MB), copied there with the code; there:
 # pip install --no-index --no-deps --target SITE .whl/*.whl; PYTHONPATH=SITE:$PWD
-GPU_WHEELS := deepspeed pydantic pydantic-core annotated-types typing-inspection webdataset braceexpand hjson
+GPU_WHEELS := deepspeed pydantic pydantic-core annotated-types typing-inspection webdataset braceexpand hjson torchao
 gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl/src
 	$(PY) -m pip freeze | tr _ - | grep -iE '^($(subst $() ,|,$(filter-out deepspeed,$(GPU_WHEELS))))==' > .whl/src/pins.txt
@@ -84,7 +84,7 @@ gpu-wheels: $(STAMP)
 # Every phase of the GPU validation kit (tools/gpu_check.py) in its CPU smoke mode: debug model, a step
 # or two, CUDA-only parts skipped with the reason; JSONs + log in runs/gpu_smoke (the suite runs the same).
 gpu-smoke: $(STAMP)
-	$(PY) -m tools.gpu_check tests bench methods loader study scale --smoke --out runs/gpu_smoke
+	$(PY) -m tools.gpu_check compile tests bench methods loader study scale --smoke --out runs/gpu_smoke
 
 # Optional, for developers (no target depends on it): Debian's Slurm and munge, with which `make test`
 # also runs tests/launchers/test_real_slurm.py (a one-node cluster on localhost, run as root). As root

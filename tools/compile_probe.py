@@ -18,6 +18,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
     from pathlib import Path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+import functools
 import json
 import sys
 import tempfile
@@ -39,9 +40,10 @@ WARMUP, TIMED, PROFILED = 8, 20, 3
 
 
 def engine_for(variant: str, model: str, micro: int, precision: str = "bf16", accum: int = 1,
-               device: torch.device | None = None, preset: list[str] = ()):
+               device: torch.device | None = None, preset: list[str] = (), options: list[str] = ()):
     """The engine of MAE on `model` (or the `preset`'s) at `micro` images x `accum` micro-batches,
-    one rank, the H100 ZeRO-1 file's settings in `precision` (bf16 | fp32); and its configuration."""
+    one rank, the H100 ZeRO-1 file's settings in `precision` (bf16 | fp32), with `options` of
+    train/pretrain.py on top; and its configuration."""
     device = device or torch.device("cuda")
     ds = json.loads((REPO / "ds_configs" / "vit_b_8xh100_bf16_zero1.json").read_text())
     ds.update(train_batch_size=micro * accum, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum)
@@ -49,7 +51,7 @@ def engine_for(variant: str, model: str, micro: int, precision: str = "bf16", ac
     ds_file = Path(tempfile.mkdtemp()) / "ds.json"
     ds_file.write_text(json.dumps(ds))
     cfg = parse_args(["--ds_config", str(ds_file), "--data.source", "synthetic",
-                      *(preset or ["--model.name", model])])
+                      *(preset or ["--model.name", model]), *options])
     ds_config, _ = resolve(cfg, 1)
     engine, objective, _ = build_engine(cfg, ds_config, device, 1e-4, 10, 1000)
     if variant != "eager":  # what run.compile applies, with or without the CUDA graphs
@@ -59,14 +61,16 @@ def engine_for(variant: str, model: str, micro: int, precision: str = "bf16", ac
 
 
 def loss_curve(variant: str, model: str, micro: int, steps: int, precision: str = "bf16", accum: int = 1,
-               device: torch.device | None = None, preset: list[str] = ()) -> list[float]:
+               device: torch.device | None = None, preset: list[str] = (), options: list[str] = (),
+               seed: int = 0) -> list[float]:
     """Each optimizer step's mean loss over its micro-batches, from the same weights, images and
-    mask draws whatever the variant: what compiled blocks (and their CUDA graphs) must reproduce."""
+    mask draws for a `seed` whatever the variant: what compiled blocks (and their CUDA graphs) must
+    reproduce; another seed draws other weights, images and masks."""
     device = device or torch.device("cuda")
-    engine, cfg = engine_for(variant, model, micro, precision, accum, device, preset)
+    engine, cfg = engine_for(variant, model, micro, precision, accum, device, preset, [*options, "--seed", str(seed)])
     shape = (micro, cfg.model.in_chans, encoder_img_size(cfg), encoder_img_size(cfg))
-    images = torch.Generator().manual_seed(0)
-    torch.manual_seed(1)  # the masks: drawn on the device from its default generator
+    images = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed + 1)  # the masks: drawn on the device from its default generator
     losses = []
     for _ in range(steps):
         total = torch.zeros((), device=device)
@@ -94,6 +98,23 @@ def equality(model: str, micro: int, steps: int, precision: str, accum: int) -> 
     tolerance = 1e-3 if precision == "fp32" else 2e-2
     return {"model": model, "micro_batch": micro, "accum": accum, "precision": precision, "steps": steps,
             "losses": curves, "max_relative_difference": worst, "tolerance": tolerance, "equal": worst <= tolerance}
+
+
+def float8_curves(model: str, micro: int, steps: int, variant: str = "compiled",
+                  device: torch.device | None = None, preset: list[str] = ()) -> dict:
+    """run.float8 against bf16 over `steps` steps: the gap between float8's curve and bf16's from
+    the same seed, beside the gap between two bf16 curves of different seeds (bf16's own noise),
+    each the mean absolute difference over the last quarter of the steps."""
+    run = functools.partial(loss_curve, variant, model, micro, steps, "bf16", 1, device, preset)
+    curves = {"bf16_seed0": run(seed=0), "bf16_seed1": run(seed=1), "float8_seed0": run(["--run.float8", "true"], seed=0)}
+
+    def gap(a: list[float], b: list[float]) -> float:
+        tail = slice(len(a) - max(1, len(a) // 4), None)
+        return sum(abs(x - y) for x, y in zip(a[tail], b[tail])) / len(a[tail])
+
+    float8_gap, seed_gap = gap(curves["float8_seed0"], curves["bf16_seed0"]), gap(curves["bf16_seed1"], curves["bf16_seed0"])
+    return {"model": model, "micro_batch": micro, "steps": steps, "variant": variant, "losses": curves,
+            "float8_gap": float8_gap, "seed_gap": seed_gap, "within_bf16_noise": float8_gap <= seed_gap}
 
 
 def main(argv: list[str] | None = None) -> dict:

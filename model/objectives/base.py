@@ -93,6 +93,8 @@ class Objective(nn.Module, metaclass=ABCMeta):
     # after_optimizer_step reads the weights (MLO-MAE's levels II-III): where the engine shards
     # them, it gathers them whole for the hook (train/engine/core.py)
     hook_reads_weights: ClassVar[bool] = False
+    # Why the blocks' linear layers may not train in float8 (run.float8), or None: they may.
+    float8_refusal: ClassVar[str | None] = None
 
     def __init__(self, encoder: nn.Module, cfg: ObjectiveConfig):
         super().__init__()

@@ -211,6 +211,8 @@ class MLOMAEObjective(MAEObjective):
     """MAE (encoder, decoder, target, figures) with T's mask and weighting in level I."""
 
     hook_reads_weights = True  # levels II-III run the encoder (and its perturbations) after the step
+    float8_refusal = ("its level III takes finite differences of fp32 copies of the weights, which float8 matmuls "
+                      "would round away")
 
     def __init__(self, encoder: VisionTransformer, cfg: MLOMAEConfig):
         super().__init__(encoder, cfg)  # MLOMAEConfig carries MAE's fields (mask_ratio, norm_pix_loss, decoder_*)

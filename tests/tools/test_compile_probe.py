@@ -37,3 +37,16 @@ def test_bad_counts_are_refused_in_one_line(capsys):
         compile_probe.main(["equality", "--accum", "0"])
     err = capsys.readouterr().err
     assert refused.value.code == 2 and err.count("\n") == 1 and "--accum and --steps must be >= 1" in err
+
+
+def test_float8_curves_compare_float8_with_bf16s_own_noise():
+    """On CPU with the debug model (eager): three curves, two gaps over the last quarter, and the
+    verdict that compares them; the seed changes the curve, float8 changes it too."""
+    pytest.importorskip("torchao")
+    out = compile_probe.float8_curves("", 4, 4, "eager", torch.device("cpu"), DEBUG)
+    curves = out["losses"]
+    assert set(curves) == {"bf16_seed0", "bf16_seed1", "float8_seed0"} and all(len(c) == 4 for c in curves.values())
+    assert curves["bf16_seed1"] != curves["bf16_seed0"] != curves["float8_seed0"]
+    assert out["float8_gap"] == pytest.approx(abs(curves["float8_seed0"][-1] - curves["bf16_seed0"][-1]))
+    assert out["seed_gap"] == pytest.approx(abs(curves["bf16_seed1"][-1] - curves["bf16_seed0"][-1]))
+    assert out["within_bf16_noise"] == (out["float8_gap"] <= out["seed_gap"])

@@ -52,6 +52,39 @@ def test_compile_phase_times_the_attention_kernels_and_the_step_and_skips_gpu_pa
     assert summary["targets"]["compile_over_eager_vit_b_128"] == ">= 1.2"
 
 
+def test_compile_phase_summary_takes_the_means_and_ratios_the_targets_name(tmp_path):
+    """The GPU items' names as the phase gives them, with made-up results: the summary's arithmetic."""
+    from tools.gpu_check import Check
+    from tools.phases.compile import summarise
+
+    check = Check("compile", tmp_path, smoke=True, deadline=0.0, work=tmp_path, log=tmp_path / "log")
+    def bench(images_per_s, micro):
+        return {"images_per_s": images_per_s, "step_time_s": micro / images_per_s, "mfu": images_per_s / 10000}
+    check.record["items"] = {
+        "vit_b_128_eager_r0": bench(3000, 128), "vit_b_128_compiled_r0": bench(4000, 128),
+        "vit_b_128_compiled_r1": bench(4400, 128), "vit_b_128_eager_r1": bench(3200, 128),
+        "vit_b_64_eager_r0": bench(1600, 64), "vit_b_64_compiled_r0": bench(3600, 64),
+        "vit_l_128_eager_r0": {"skipped": "budget"}, "vit_l_128_compiled_r0": bench(2000, 128),
+        "vit_l_128_float8_r0": bench(2500, 128),
+        "method_mae_compiled_r0": {"step_time_s": 0.030}, "method_mixedae_compiled_r0": {"step_time_s": 0.031},
+        "method_maeplus_compiled_r0": {"step_time_s": 0.070}, "method_adpe_compiled_r0": {"error": "x"},
+        "method_mae_compiled_r1": {"step_time_s": 0.032}}
+    summarise(check)
+    summary = check.record["summary"]
+    b128 = summary["throughput"]["vit_b_128_compiled"]
+    assert b128["images_per_s"] == 4200 and b128["rounds"] == 2 and b128["mfu"] == pytest.approx(0.42)
+    assert set(summary["throughput"]) == {"vit_b_128_eager", "vit_b_128_compiled", "vit_b_64_eager",
+                                          "vit_b_64_compiled", "vit_l_128_compiled", "vit_l_128_float8"}
+    ratios = summary["ratios"]
+    assert ratios["compile_over_eager_vit_b_128"] == pytest.approx(4200 / 3100)
+    assert ratios["compile_over_eager_vit_b_64"] == pytest.approx(3600 / 1600)
+    assert ratios["step_64_over_step_128_compiled"] == pytest.approx((64 / 3600) / (128 / 4200))
+    assert "compile_over_eager_vit_l_128" not in ratios  # its eager item was skipped
+    assert ratios["float8_over_compiled_vit_l_128"] == pytest.approx(1.25)
+    methods = summary["methods_compiled_micro128"]
+    assert methods["mixedae_over_mae"] == pytest.approx(0.031 / 0.031) and "adpe_over_maeplus" not in methods
+
+
 def test_tests_phase_runs_the_engine_and_resume_checks_and_skips_gpu_parts_with_reasons(records):
     items, summary = records["tests"]["items"], records["tests"]["summary"]
     for name in ("engine_fp16_zero2", "engine_bf16_zero1", "engine_bf16_zero2"):

@@ -1,19 +1,25 @@
 """Phase `compile`: what run.compile (compiled blocks, replayed as CUDA graphs on one GPU) and the
-measured attention kernels give, in the order a short call should learn it:
+measured attention kernels give, in the order a short call should learn it (a call whose budget
+runs out keeps what came first):
 
-1. equality: eager and compiled blocks trained from the same weights, images and masks
-   (tools/compile_probe.py `loss_curve`), bf16 at micro-batch 64, and fp32 with 2 micro-batches
-   per step (the gradient sums that start in the graphs' memory pool);
+1. equality, bf16: eager and compiled blocks trained from the same weights, images and masks
+   (tools/compile_probe.py `loss_curve`), MAE ViT-B/16 at micro-batch 64, 12 steps;
 2. the attention table: tools/choose_attention.py times SDPA's kernels on the shapes of MAE and
    MAE+ on ViT-B/L and writes kernels/attention_choices.json, which every later item then uses;
 3. throughput through train/bench.py (the real loop, synthetic images, bf16), eager and compiled
-   alternating: MAE ViT-B/16 at micro-batch 128 and 64 (the host's share: 64 should take at most
-   0.6x the time of 128), ViT-L/16 at 128;
+   alternating: MAE ViT-B/16 at micro-batch 128 (two rounds), then at 64 (the host's share: 64
+   should take at most 0.6x the time of 128);
 4. the methods with compiled blocks at micro-batch 128, where the host no longer sets the pace:
-   MixedAE against MAE, AdPE against MAE+.
+   MAE, MixedAE, MAE+ (RPE), AdPE, one round;
+5. equality in fp32 with 2 micro-batches per step (the gradient sums that start in the graphs'
+   memory pool), ViT-L/16 at 128 eager and compiled, the methods' second round (reversed);
+6. float8 (run.float8, compiled): ViT-L/16 at 128 images/s, then 200 steps at micro-batch 64 of
+   float8 and bf16 from one seed and bf16 from another (tools/compile_probe.py `float8_curves`:
+   float8's gap to bf16 beside bf16's own seed-to-seed gap).
 
-The CPU smoke mode runs items 2-3 with the debug model (compile and graphs are GPU-only there:
-tests/train/engine/test_compile.py proves the compiled step on CPU).
+The CPU smoke mode runs the attention table and the eager throughput item with the debug model
+(compile and graphs are GPU-only there: tests/train/engine/test_compile.py proves the compiled
+step on CPU).
 """
 from __future__ import annotations
 
@@ -23,7 +29,10 @@ from tools.gpu_check import Check
 from tools.phases.common import CONFIGS, CPU_DEBUG_DS, DEBUG_PRESET, ds_config, our_bench
 
 TARGETS = {"compile_over_eager_vit_b_128": ">= 1.2", "step_64_over_step_128": "<= 0.6",
-           "mixedae_over_mae_step": "<= 1.03", "adpe_over_maeplus_step": "<= 1.015", "mfu_vit_b": ">= 0.40"}
+           "mixedae_over_mae_step": "<= 1.03", "adpe_over_maeplus_step": "<= 1.015", "mfu_vit_b": ">= 0.40",
+           "float8": "faster than compiled bf16, with the loss within bf16's seed-to-seed noise over 200 steps"}
+EAGER_S, COMPILED_S = 25, 70  # estimates of one train/bench.py item on the GPU (compiled: inductor's first compile)
+GPU_ONLY = "compiled blocks and CUDA graphs run on the GPU only (CPU smoke)"
 
 
 def run(check: Check, a) -> None:
@@ -31,85 +40,103 @@ def run(check: Check, a) -> None:
 
     summary = check.record["summary"]
     summary["targets"] = TARGETS
-    if check.cuda:
-        check.item("equality_bf16_micro64", 60, lambda: compile_probe.equality("vit_base_patch16", 64, 12, "bf16", 1))
-        check.item("equality_fp32_micro32_accum2", 70,
-                   lambda: compile_probe.equality("vit_base_patch16", 32, 8, "fp32", 2))
-        for name in ("equality_bf16_micro64", "equality_fp32_micro32_accum2"):
-            item = check.record["items"].get(name, {})
-            summary[name] = {k: item.get(k) for k in ("max_relative_difference", "tolerance", "equal", "error")
-                             if k in item}
-        attention_argv = ["--write", "--micro", "128"]
-    else:
-        check.skip("equality_bf16_micro64", "compiled blocks and CUDA graphs run on the GPU only (CPU smoke)")
-        check.skip("equality_fp32_micro32_accum2", "compiled blocks and CUDA graphs run on the GPU only (CPU smoke)")
-        attention_argv = ["--device", "cpu", "--dtype", "fp32", "--micro", "2", "--iters", "1",
-                          "--model", "vit_base_patch16", "--config", "defaults",
-                          "--table", str(check.work / "attention_choices.json")]
+
+    def equality(name: str, micro: int, steps: int, precision: str, accum: int) -> None:
+        if not check.cuda:
+            check.skip(name, GPU_ONLY)
+            return
+        item = check.item(name, 2 * COMPILED_S, lambda: compile_probe.equality("vit_base_patch16", micro, steps,
+                                                                                precision, accum)) or {}
+        summary[name] = {k: item[k] for k in ("max_relative_difference", "tolerance", "equal", "error") if k in item}
+
+    equality("equality_bf16_micro64", 64, 12, "bf16", 1)
+    attention_argv = (["--write", "--micro", "128"] if check.cuda else
+                      ["--device", "cpu", "--dtype", "fp32", "--micro", "2", "--iters", "1", "--model",
+                       "vit_base_patch16", "--config", "defaults", "--table", str(check.work / "attention_choices.json")])
     check.item("attention_choice", 60, lambda: {"entries": [
         {k: v for k, v in vars(c).items() if k != "measured"} | {"ms": c.measured["ms"]}
         for c in choose_attention.main(attention_argv)]})
 
     if check.cuda:
-        steps, rounds = ["--steps", "15", "--warmup", "5"], 2
-        runs = [("vit_b_128", ["--model.name", "vit_base_patch16"], 128, 40),
-                ("vit_b_64", ["--model.name", "vit_base_patch16"], 64, 30),
-                ("vit_l_128", ["--model.name", "vit_large_patch16"], 128, 70)]
+        steps = ["--steps", "15", "--warmup", "5"]
+        models = {"vit_b": ["--model.name", "vit_base_patch16"], "vit_l": ["--model.name", "vit_large_patch16"]}
         variants = {"eager": [], "compiled": ["--run.compile", "true"]}
     else:
-        steps, rounds = ["--steps", "2", "--warmup", "1"], 1
-        runs = [("debug", ["--config", str(DEBUG_PRESET)], 8, 0)]
+        steps = ["--steps", "2", "--warmup", "1"]
+        models = {"debug": ["--config", str(DEBUG_PRESET)]}
         variants = {"eager": []}
 
-    def argv(model: list[str], micro: int, *extra: str) -> list[str]:
-        ds = ds_config(check, f"compile_{micro}", micro) if check.cuda else CPU_DEBUG_DS
-        return ["--ds_config", str(ds), "--data.source", "synthetic", *model, *steps, *extra]
+    def throughput(model: str, micro: int, r: int) -> None:
+        for variant in (variants if r % 2 == 0 else dict(reversed(variants.items()))):
+            ds = ds_config(check, f"compile_{micro}", micro) if check.cuda else CPU_DEBUG_DS
+            argv = ["--ds_config", str(ds), "--data.source", "synthetic", *models[model], *steps, *variants[variant]]
+            check.item(f"{model}_{micro}_{variant}_r{r}" if check.cuda else f"{model}_{variant}_r{r}",
+                       COMPILED_S if variant == "compiled" else EAGER_S, lambda a=argv: our_bench(check, a))
 
-    for key, model, micro, est in runs:
-        for r in range(rounds):
-            for variant in (variants if r % 2 == 0 else dict(reversed(variants.items()))):
-                check.item(f"{key}_{variant}_r{r}", est + (60 if variant == "compiled" else 0),
-                           lambda m=model, mb=micro, v=variant: our_bench(check, argv(m, mb, *variants[v])))
-    rows = {}
-    for key, *_ in runs:
-        for variant in variants:
-            done = [v for k, v in check.record["items"].items() if k.startswith(f"{key}_{variant}_r")
-                    and "images_per_s" in v]
-            if done:
-                rows[f"{key}_{variant}"] = {"images_per_s": statistics.fmean(v["images_per_s"] for v in done),
-                                            "step_time_s": statistics.fmean(v["step_time_s"] for v in done),
-                                            "mfu": statistics.fmean(v["mfu"] for v in done if v.get("mfu") is not None)
-                                            if any(v.get("mfu") is not None for v in done) else None}
-    summary["throughput"] = rows
-    ratios = {}
-    for key in ("vit_b_128", "vit_b_64", "vit_l_128"):
-        if f"{key}_compiled" in rows and f"{key}_eager" in rows:
-            ratios[f"compile_over_eager_{key}"] = rows[f"{key}_compiled"]["images_per_s"] / rows[f"{key}_eager"]["images_per_s"]
-    for variant in variants:
-        if f"vit_b_64_{variant}" in rows and f"vit_b_128_{variant}" in rows:
-            ratios[f"step_64_over_step_128_{variant}"] = (rows[f"vit_b_64_{variant}"]["step_time_s"]
-                                                          / rows[f"vit_b_128_{variant}"]["step_time_s"])
-    summary["ratios"] = ratios
-    check.save()
-
-    if not check.cuda:
-        check.skip("methods_compiled_micro128", "the methods' compiled steps are measured on the GPU only (CPU smoke)")
-        return
-    ds = str(ds_config(check, "compile_methods_128", 128))
     presets = {"mae": ["--model.name", "vit_base_patch16"], "mixedae": ["--config", str(CONFIGS / "mixedae/vit_b.json")],
                "maeplus": ["--config", str(CONFIGS / "maeplus/vit_b.json"),
                            "--config", str(CONFIGS / "maeplus/variants/maeplus_rpe.json")],
                "adpe": ["--config", str(CONFIGS / "maeplus/vit_b.json"),
                         "--config", str(CONFIGS / "maeplus/variants/rpe_coord.json")]}
-    order = list(presets)
-    for r in range(2):
-        for method in (order if r % 2 == 0 else order[::-1]):
-            check.item(f"method_{method}_compiled_r{r}", 100, lambda m=method: our_bench(check, [
+
+    def methods(r: int) -> None:
+        ds = str(ds_config(check, "compile_methods_128", 128))
+        for method in (presets if r % 2 == 0 else dict(reversed(presets.items()))):
+            check.item(f"method_{method}_compiled_r{r}", COMPILED_S, lambda m=method: our_bench(check, [
                 "--ds_config", ds, "--data.source", "synthetic", *presets[m], *steps, "--run.compile", "true"]))
+
+    if not check.cuda:
+        throughput("debug", 8, 0)
+        equality("equality_fp32_micro32_accum2", 32, 8, "fp32", 2)
+        check.skip("methods_compiled_micro128", GPU_ONLY)
+    else:
+        throughput("vit_b", 128, 0)
+        throughput("vit_b", 128, 1)
+        throughput("vit_b", 64, 0)
+        methods(0)
+        equality("equality_fp32_micro32_accum2", 32, 8, "fp32", 2)
+        throughput("vit_l", 128, 0)
+        methods(1)
+        check.item("vit_l_128_float8_r0", COMPILED_S, lambda: our_bench(check, [
+            "--ds_config", str(ds_config(check, "compile_128", 128)), "--data.source", "synthetic", *models["vit_l"],
+            *steps, "--run.compile", "true", "--run.float8", "true"]))
+        item = check.item("float8_curves_vit_l_micro64", 4 * COMPILED_S,
+                          lambda: compile_probe.float8_curves("vit_large_patch16", 64, 200)) or {}
+        summary["float8_curves_vit_l_micro64"] = {k: item[k] for k in ("float8_gap", "seed_gap", "within_bf16_noise",
+                                                                      "error") if k in item}
+    summarise(check)
+
+
+def summarise(check: Check) -> None:
+    """Means over rounds: images/s, step time and MFU of each model x micro-batch x variant, the
+    ratios the targets name, and the methods' compiled step ratios."""
+    items, summary = check.record["items"], check.record["summary"]
+    groups: dict[str, list[dict]] = {}
+    for name, v in items.items():
+        if "_r" in name and "images_per_s" in v and not name.startswith("method_"):
+            groups.setdefault(name.rsplit("_r", 1)[0], []).append(v)
+    rows = {key: {"images_per_s": statistics.fmean(v["images_per_s"] for v in done),
+                  "step_time_s": statistics.fmean(v["step_time_s"] for v in done),
+                  "mfu": statistics.fmean(v["mfu"] for v in done) if all(v.get("mfu") is not None for v in done) else None,
+                  "rounds": len(done)}
+            for key, done in groups.items()}
+    summary["throughput"] = rows
+    ratios = {}
+    if "vit_l_128_float8" in rows and "vit_l_128_compiled" in rows:
+        ratios["float8_over_compiled_vit_l_128"] = (rows["vit_l_128_float8"]["images_per_s"]
+                                                    / rows["vit_l_128_compiled"]["images_per_s"])
+    for key in ("vit_b_128", "vit_b_64", "vit_l_128"):
+        if f"{key}_compiled" in rows and f"{key}_eager" in rows:
+            ratios[f"compile_over_eager_{key}"] = rows[f"{key}_compiled"]["images_per_s"] / rows[f"{key}_eager"]["images_per_s"]
+    for variant in ("eager", "compiled"):
+        if f"vit_b_64_{variant}" in rows and f"vit_b_128_{variant}" in rows:
+            ratios[f"step_64_over_step_128_{variant}"] = (rows[f"vit_b_64_{variant}"]["step_time_s"]
+                                                          / rows[f"vit_b_128_{variant}"]["step_time_s"])
+    summary["ratios"] = ratios
     step = {}
-    for method in order:
-        times = [v["step_time_s"] for k, v in check.record["items"].items()
-                 if k.startswith(f"method_{method}_compiled_r") and "step_time_s" in v]
+    for method in ("mae", "mixedae", "maeplus", "adpe"):
+        times = [v["step_time_s"] for k, v in items.items() if k.startswith(f"method_{method}_compiled_r")
+                 and "step_time_s" in v]
         if times:
             step[method] = statistics.fmean(times)
     summary["methods_compiled_micro128"] = {

@@ -137,6 +137,9 @@ def activation_checkpointing(ds: dict) -> bool:
     return True
 
 
+FLOAT8_CAPABILITY = (8, 9)  # float8 matmuls on tensor cores: Ada and Hopper onwards
+
+
 def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
             bf16_ok: bool | None = None) -> tuple[dict, BatchPlan]:
     """Return the final ds_config (batch triple filled in) and the batch plan, or raise ConfigError.
@@ -170,6 +173,10 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
             gpu = f" (this GPU: {here.name}, compute capability {'.'.join(map(str, here.capability))})" if here else ""
             raise ConfigError(f"ds_config enables bf16, which this GPU lacks (V100 has none); use an fp16 config, "
                               f"e.g. ds_configs/*_8xv100_fp16_*.json{gpu}")
+    if cfg.run.float8 and here is not None and here.capability < FLOAT8_CAPABILITY:
+        raise ConfigError(f"run.float8 needs float8 tensor cores (compute capability >= 8.9: H100, H200, L40S), but "
+                          f"this GPU is {here.name}, compute capability {here.capability[0]}.{here.capability[1]}; "
+                          f"set run.float8 false")
     if cfg.optim.name == "lars" and (stage != 0 or prec == "bf16"):
         raise ConfigError("optim.name lars needs whole per-layer tensors for its trust ratio, which ZeRO stages "
                           ">= 1 partition; use a ds_config with ZeRO stage 0 in fp32 or fp16 "

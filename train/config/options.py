@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib.util
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +98,7 @@ class RunConfig:
     vis_every: int = field(default=0, metadata={"range": "[0, inf)"})  # optimizer steps between PNG figures in <output_dir>/vis (0 = none)
     eval_every: int = field(default=0, metadata={"range": "[0, inf)"})  # optimizer steps between evaluations on data.eval_index (0 = only at the end)
     compile: bool = False  # torch.compile every ViT block (encoder and decoder; any ZeRO stage): one static graph per block shape
+    float8: bool = False  # the ViT blocks' linear layers train in float8 (torchao, dynamic per-tensor scales; GPUs of compute capability >= 8.9, e.g. H100; CPU for tests); with run.compile
     stop_check_every: int = field(default=5, metadata={"range": "[1, inf)"})  # optimizer steps between the ranks' agreement on a stop signal (SIGUSR1 / SIGTERM)
     max_nonfinite_steps: int = field(default=20, metadata={"range": "[0, inf)"})  # consecutive skipped steps (non-finite loss / gradients) that stop the run; 0 = never
     overwrite: bool = False  # start afresh in an output_dir that holds another run (its checkpoints and logs are deleted)
@@ -173,6 +175,15 @@ class PretrainConfig:
         if self.run.compile and objective_cls.double_backward:
             raise ConfigError(f"run.compile: objective {self.objective} differentiates through input gradients, "
                               f"which compiled graphs do not support; set run.compile false")
+        if self.run.float8:
+            refusal = ("it differentiates through input gradients" if objective_cls.double_backward
+                       else objective_cls.float8_refusal)
+            if refusal:
+                raise ConfigError(f"run.float8: objective {self.objective} cannot train its blocks in float8: {refusal}; "
+                                  f"set run.float8 false")
+            if importlib.util.find_spec("torchao") is None:
+                raise ConfigError("run.float8 needs the torchao package, which is not installed: "
+                                  "pip install -e '.[float8]' (or set run.float8 false)")
         if self.run.overwrite and self.resume:
             raise ConfigError("run.overwrite starts afresh and --resume continues: give one of them")
         if self.optim.warmup_epochs > self.optim.epochs:

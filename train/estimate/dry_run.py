@@ -25,6 +25,7 @@ import torch
 
 from kernels import attention_choice
 from train.config.ds_config import (
+    FLOAT8_CAPABILITY,
     activation_checkpointing,
     load,
     precision,
@@ -122,9 +123,15 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
                      f"{plan.accum} x {world} ranks; {prec}; ZeRO {stage}; offload none; activation checkpointing "
                      f"{'on' if activation_checkpointing(ds) else 'off'}")
     run.lines.append(f"engine: {EngineConfig.from_ds_config(ds).describe(world)}")
+    if cfg.run.float8:
+        run.lines.append("float8: the transformer blocks' linear layers multiply in float8 (torchao, dynamic "
+                         "per-tensor scales); weights, gradients and optimizer keep their dtypes")
     if gpu is not None and cfg.model.attn_backend == "flash_attn" and not gpu.sm80:
         run.problems.append(f"model.attn_backend flash_attn needs an sm80+ GPU (FlashAttention-2); {gpu.name} has "
                             f"none: use sdpa")
+    if gpu is not None and cfg.run.float8 and tuple(map(int, gpu.capability.split("."))) < FLOAT8_CAPABILITY:
+        run.problems.append(f"run.float8 needs float8 tensor cores (compute capability >= 8.9); {gpu.name} has "
+                            f"{gpu.capability}: set run.float8 false")
     limit, where = (gpu.memory_gib * GIB, gpu.name) if gpu is not None else ram()  # CPU ranks: this machine's
     for checked in (lambda: check_floor(cfg, ds, plan, limit, where),  # tensors that cannot be allocated at all
                     lambda: check_objective_fits(cfg, plan.micro, plan.accum, stage),

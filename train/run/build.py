@@ -66,7 +66,11 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
                  attention_choice.TABLE.relative_to(attention_choice.TABLE.parents[1]))
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     cuda_graphs = uses_cuda_graphs(cfg, ds_config, device, world)
-    apply_execution_options(objective, activation_checkpointing(ds_config), cfg.run.compile, cuda_graphs)
+    in_float8 = apply_execution_options(objective, activation_checkpointing(ds_config), cfg.run.compile, cuda_graphs,
+                                        cfg.run.float8)
+    if cfg.run.float8:
+        log.info("float8: %d linear layers of the transformer blocks train in float8 (torchao, dynamic per-tensor "
+                 "scales); the weights, gradients and optimizer keep their dtypes", in_float8)
     groups, param_split = build_param_groups(objective, cfg.optim.weight_decay, cfg.optim.layer_decay)
     engine_cfg = EngineConfig.from_ds_config(ds_config)
 
