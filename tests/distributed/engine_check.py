@@ -12,6 +12,8 @@ own random draws (seeded alike for every stage): the same per-step mean losses.
 CASE `sweep`: every objective's debug preset (AdPE: MAE+ with the RPE-coordinate adversary; the
 linear probe on ZeRO-0 only, LARS needing whole tensors) through the real loop and data source,
 2 optimizer steps on every stage: rank 0 writes {"<objective> <stage>": [losses], ...}.
+CASE `float8-mae`: every stage with run.float8, and stage 0 without, on the same batches: rank 0
+writes {"<stage>": [losses], "0 plain": [losses]}.
 CASE `compile-mae`: every stage, accumulation 1, the blocks compiled (run.compile) and eager, on
 the same batches: rank 0 writes {"<stage> <compiled|eager>": [losses], "<stage> graphs": [graphs
 dynamo compiled after the first step, after the last]}.
@@ -124,6 +126,18 @@ def compiled_and_eager(out: Path, steps: int) -> dict:
     return result
 
 
+def float8_stages(out: Path, steps: int) -> dict:
+    """MAE with run.float8 on every stage, and once without (stage 0): each rank casts its own
+    half-batch with its own scales, so the stages agree with each other, not with one rank."""
+    rank, world, _ = distributed.init()
+    result = {}
+    for stage, options in [*((s, ("--run.float8", "true")) for s in STAGES), ("0 plain", ())]:
+        torch.manual_seed(0)
+        engine, plan = engine_for(out, "mae", int(str(stage)[0]), 1, world, options=options)
+        result[str(stage)] = train(engine, plan, steps, rank, world, ("image", "mask_noise"))
+    return result
+
+
 def objective_stages(out: Path, objective: str, steps: int) -> dict:
     rank, world, _ = distributed.init()
     keys = ("image", "label", "val_image", "val_label") if objective == "mlomae" else ("image",)
@@ -213,6 +227,8 @@ def main(out: Path, cases: list[str], steps: int) -> None:
             result = sweep(out)
         elif kind == "compile":
             result = compiled_and_eager(out, steps)
+        elif kind == "float8":
+            result = float8_stages(out, steps)
         else:
             result = poison(out, steps)
         if dist.get_rank() == 0:

@@ -16,7 +16,7 @@ from conftest import REPO, run_ranks
 pytestmark = pytest.mark.distributed
 SCRIPT = REPO / "tests" / "distributed" / "engine_check.py"
 EQUALITY = ("equality-mae-fp32", "equality-finetune-fp32", "equality-mae-bf16")
-AT_TWO_RANKS = ("objective-energy", "objective-mlomae", "poison", "sweep", "compile-mae")
+AT_TWO_RANKS = ("objective-energy", "objective-mlomae", "poison", "sweep", "compile-mae", "float8-mae")
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,17 @@ def test_every_objective_trains_on_every_stage_through_the_loop(results):
             losses = runs[f"{name} {stage}"]
             assert len(losses) == 2 and all(v == v and abs(v) < 100 for v in losses), (name, stage, losses)
             assert losses[0] == pytest.approx(first, rel=1e-5), (name, stage)
+
+
+def test_float8_blocks_train_alike_on_ddp_and_every_fsdp2_stage(results):
+    """run.float8 at 2 ranks, fp32 masters: DDP (stage 0) and FSDP2 (stages 1-3) gather the same
+    whole weights and cast the same local batches, so their losses agree to 1e-5 relative; and
+    they are not the plain run's (the float8 matmuls ran)."""
+    pytest.importorskip("torchao")
+    runs = results["float8-mae", 2]
+    for stage in "0123":
+        assert len(runs[stage]) == 3 and runs[stage] == pytest.approx(runs["0"], rel=1e-5), stage
+    assert runs["0"] != runs["0 plain"] and runs["0"] == pytest.approx(runs["0 plain"], rel=0.05)
 
 
 def test_compiled_blocks_take_the_eager_steps_on_two_ranks_and_compile_nothing_after_the_first(results):

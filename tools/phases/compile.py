@@ -5,7 +5,8 @@ runs out keeps what came first):
 1. equality, bf16: eager and compiled blocks trained from the same weights, images and masks
    (tools/compile_probe.py `loss_curve`), MAE ViT-B/16 at micro-batch 64, 12 steps;
 2. the attention table: tools/choose_attention.py times SDPA's kernels on the shapes of MAE and
-   MAE+ on ViT-B/L and writes kernels/attention_choices.json, which every later item then uses;
+   MAE+ on ViT-B/L and writes kernels/attention_choices.json, which every later item then uses
+   (a copy goes beside the records, to be committed);
 3. throughput through train/bench.py (the real loop, synthetic images, bf16), eager and compiled
    alternating: MAE ViT-B/16 at micro-batch 128 (two rounds), then at 64 (the host's share: 64
    should take at most 0.6x the time of 128);
@@ -23,6 +24,7 @@ step on CPU).
 """
 from __future__ import annotations
 
+import shutil
 import statistics
 
 from tools.gpu_check import Check
@@ -36,6 +38,7 @@ GPU_ONLY = "compiled blocks and CUDA graphs run on the GPU only (CPU smoke)"
 
 
 def run(check: Check, a) -> None:
+    from kernels import attention_choice
     from tools import choose_attention, compile_probe
 
     summary = check.record["summary"]
@@ -56,6 +59,8 @@ def run(check: Check, a) -> None:
     check.item("attention_choice", 60, lambda: {"entries": [
         {k: v for k, v in vars(c).items() if k != "measured"} | {"ms": c.measured["ms"]}
         for c in choose_attention.main(attention_argv)]})
+    if check.cuda and attention_choice.TABLE.exists():  # the table written, beside the records
+        shutil.copyfile(attention_choice.TABLE, check.path.with_name(f"attention_choices_{check.path.stem}.json"))
 
     if check.cuda:
         steps = ["--steps", "15", "--warmup", "5"]

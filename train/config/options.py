@@ -43,7 +43,7 @@ class ModelConfig:
     name: str = "vit_base_patch16"  # a key of model.registry.list_models(), or timm/<timm model name> (energy)
     img_size: int = field(default=0, metadata={"range": "[0, inf)"})  # 0 = the registry entry's default (224 for standard sizes)
     in_chans: int = field(default=3, metadata={"range": "[1, inf)"})  # input channels (3 = RGB; the shards decode to RGB)
-    attn_backend: str = "auto"  # auto (= sdpa: the SDPA kernel measured fastest per shape, kernels/attention_choices.json) | sdpa | math | flash_attn
+    attn_backend: str = "auto"  # auto (= sdpa) | sdpa | math | flash_attn; sdpa runs each shape on the SDPA kernel measured fastest for it (kernels/attention_choices.json)
     global_pool: str = "token"  # token (cls) | avg (patch mean + fc_norm, MAE fine-tuning)
     drop_path_rate: float = field(default=0.0, metadata={"range": "[0, 1)"})  # stochastic depth, grows linearly to this value over the blocks
     rpe: bool = False  # iRPE in every block (to fine-tune an MAE+/AdPE RPE encoder; maeplus.rpe sets it for pretraining)
