@@ -64,6 +64,7 @@ def test_compile_phase_summary_takes_the_means_and_ratios_the_targets_name(tmp_p
         "vit_b_128_eager_r0": bench(3000, 128), "vit_b_128_compiled_r0": bench(4000, 128),
         "vit_b_128_compiled_r1": bench(4400, 128), "vit_b_128_eager_r1": bench(3200, 128),
         "vit_b_64_eager_r0": bench(1600, 64), "vit_b_64_compiled_r0": bench(3600, 64),
+        "vit_b_512_compiled_r0": bench(5100, 512),
         "vit_l_128_eager_r0": {"skipped": "budget"}, "vit_l_128_compiled_r0": bench(2000, 128),
         "vit_l_128_float8_r0": bench(2500, 128),
         "method_mae_compiled_r0": {"step_time_s": 0.030}, "method_mixedae_compiled_r0": {"step_time_s": 0.031},
@@ -74,7 +75,10 @@ def test_compile_phase_summary_takes_the_means_and_ratios_the_targets_name(tmp_p
     b128 = summary["throughput"]["vit_b_128_compiled"]
     assert b128["images_per_s"] == 4200 and b128["rounds"] == 2 and b128["mfu"] == pytest.approx(0.42)
     assert set(summary["throughput"]) == {"vit_b_128_eager", "vit_b_128_compiled", "vit_b_64_eager",
-                                          "vit_b_64_compiled", "vit_l_128_compiled", "vit_l_128_float8"}
+                                          "vit_b_64_compiled", "vit_b_512_compiled", "vit_l_128_compiled",
+                                          "vit_l_128_float8"}
+    best = summary["vit_b_best"]
+    assert best["run"] == "vit_b_512_compiled" and best["images_per_s"] == 5100 and best["mfu"] == pytest.approx(0.51)
     ratios = summary["ratios"]
     assert ratios["compile_over_eager_vit_b_128"] == pytest.approx(4200 / 3100)
     assert ratios["compile_over_eager_vit_b_64"] == pytest.approx(3600 / 1600)
