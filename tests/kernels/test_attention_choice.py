@@ -169,3 +169,14 @@ def test_the_dry_run_states_each_shapes_kernel(tmp_path, monkeypatch):
     line, = [x for x in check(cfg, 8, gpu_named("h100")).lines if x.startswith("attention kernels")]
     assert line == ("attention kernels (bf16 on sm90; heads x tokens x head dim): 12x50x64 cudnn (measured fastest); "
                     "16x197x32 PyTorch's pick (not measured)")
+
+
+@pytest.mark.parametrize("capability, active", [((9, 0), 1), ((8, 0), 0)])
+def test_a_gpu_activates_the_entries_of_its_compute_capability(tmp_path, monkeypatch, capability, active):
+    """Faked capabilities: an H100 (9.0) takes the 9.0 entry, an A100 (8.0) none of them."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    path = table(tmp_path, entry(capability="9.0", dtype="bf16", kernel="cudnn"), entry(kernel="math"))
+    assert attention_choice.capability_of(torch.device("cuda", 0)) == f"{capability[0]}.{capability[1]}"
+    assert attention_choice.activate(torch.device("cuda", 0), path) == active
+    q = torch.empty(3, 2, 17, 16, dtype=torch.bfloat16, device="meta")
+    assert attention_choice.kernel_for(q) == (torch.nn.attention.SDPBackend.CUDNN_ATTENTION if active else None)
