@@ -10,7 +10,8 @@ ENTRY_POINTS = ["train.evaluate", "train.export", "train.bench_objectives", "ker
                 "data.verify", "data.index_shards", "launchers.submit", "experiments.fashion_mnist.demo",
                 "experiments.fashion_mnist.study", "experiments.fashion_mnist.report",
                 "experiments.fashion_mnist.learned_masks", "experiments.fashion_mnist.homologous_attention",
-                "experiments.fashion_mnist.segment_features", "tools.scaling"]
+                "experiments.fashion_mnist.segment_features", "tools.scaling", "tools.method_costs",
+                "tools.method_time"]
 
 
 def parsers_of(module_name: str, monkeypatch) -> list[argparse.ArgumentParser]:

@@ -60,7 +60,7 @@ def markdown(rows: dict[str, dict[str, float]]) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--micro", type=int, default=8, help="images per micro-batch counted (per-image counts barely move)")
+    p.add_argument("--micro", type=int, default=8, help="images per micro-batch counted; per-image counts barely move (default: %(default)s)")
     p.add_argument("--markdown", action="store_true", help="a markdown table instead of lines")
     a = p.parse_args(argv)
     if a.micro < 1:

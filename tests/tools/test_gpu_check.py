@@ -149,6 +149,11 @@ def test_methods_phase_reports_every_step_ratio_from_its_own_timings(records):
             "mixedae_torch_topk_over_mixedae"} <= set(ratios)
     kernels = r["summary"]["kernels_fp32"]["2,2,17,16"]
     assert kernels["topk_torch_over_dense"] > 0 and "topk_fused_over_dense" not in kernels  # no Triton on CPU
+    # where each method's step goes, by phase, beside its counted arithmetic (tools/method_time.py)
+    times = r["summary"]["phase_times"]
+    assert set(times) == set(steps) - {"mixedae_torch_topk"} and times["mae"]["over_mae_measured"] == 1.0
+    assert times["mlomae"]["ms"]["after_step"] > 0 and times["mae"]["over_mae_counted"] == 1.0
+    assert r["items"]["phase_times"]["markdown"].count("\n") == len(times) + 1
 
 
 def test_loader_phase_makes_jpeg_shards_and_times_every_decode_path(records):

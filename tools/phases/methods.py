@@ -1,4 +1,7 @@
-"""Phase `methods`: step-time ratios of every method to MAE at ViT-B/224, and kernels/bench.py."""
+"""Phase `methods`: step-time ratios of every method to MAE at ViT-B/224 through train/bench.py at
+micro-batch 128, where the host no longer sets the pace (at 64 a MAE step took as long as at 128 on
+an H100); kernels/bench.py; then where each method's step goes, phase by phase, beside its counted
+arithmetic (tools/method_time.py, at 64: energy's double backward at 128 is near an H100's memory)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +18,7 @@ def run(check: Check, a) -> None:
                                                   "topk_fused_speedup_vs_topk_torch", "topk_fused_over_dense")}
     if check.cuda:
         base = ["--ds_config", "", "--data.source", "synthetic", "--steps", "10", "--warmup", "3"]
-        base[1] = str(ds_config(check, "methods_64", 64))
+        base[1] = str(ds_config(check, "methods_128", 128))
         preset = {"mae": ["--model.name", "vit_base_patch16"], "mixedae": ["mixedae/vit_b.json"],
                   "maeplus": ["maeplus/vit_b.json", "maeplus/variants/maeplus_rpe.json"],
                   "adpe": ["maeplus/vit_b.json", "maeplus/variants/rpe_coord.json"], "mlomae": ["mlomae/vit_b.json"],
@@ -37,10 +40,51 @@ def run(check: Check, a) -> None:
         return [*base, *[x for p in opts for x in ("--config", str(CONFIGS / p))]]
 
     order = ["mae", "mixedae", "mixedae_torch_topk", "maeplus", "adpe", "mlomae", "energy"]
-    for r in range(rounds):
+
+    def methods_round(r: int) -> None:
         for method in (order if r % 2 == 0 else order[::-1]):  # alternate, so drift cancels between rounds
             name = method.replace("_torch_topk", "")
             check.item(f"{method}_r{r}", est, lambda m=method, n=name: our_bench(check, argv(n), m.endswith("torch_topk")))
+
+    def kernel_bench(dtype: str) -> None:
+        from kernels.bench import main as kbench
+
+        def measure() -> dict:
+            opts = (["--dtype", dtype, "--shapes", "vit_b", "vit_l", "--iters", "20", "--warmup", "5"] if check.cuda
+                    else ["--device", "cpu", "--dtype", "fp32", "--shapes", "2,2,17,16", "--iters", "2", "--warmup", "1"])
+            record = json.loads(Path(kbench([*opts, "--out_dir", str(check.work / "kernels")])).read_text())
+            free_memory()
+            return {"dtype": record["dtype"], "triton": record.get("triton"),
+                    "shapes": {k: {"ms": {n: r["ms"] for n, r in v["results"].items()}, "ratios": v["ratios"]}
+                               for k, v in record["shapes"].items()}}
+
+        result = check.item(f"kernels_{dtype}", 60, measure)
+        if result and "shapes" in result:
+            summary[f"kernels_{dtype}"] = {k: v["ratios"] for k, v in result["shapes"].items()}
+
+    def phase_times() -> None:
+        from tools import method_time
+
+        def measure() -> dict:
+            opts = (["--micro", "64", "--steps", "4", "--warmup", "2"] if check.cuda else
+                    ["--device", "cpu", "--debug", "--micro", "4", "--steps", "1", "--warmup", "1"])
+            rows = method_time.main([*opts, "--methods", *method_time.METHODS])
+            free_memory()
+            return {"rows": rows, "markdown": method_time.markdown(rows)}
+
+        result = check.item("phase_times", 90, measure)
+        if result and "rows" in result:
+            summary["phase_times"] = {m: {k: r.get(k) for k in ("ms", "step_ms", "over_mae_measured", "over_mae_counted")}
+                                      for m, r in result["rows"].items()}
+
+    # what a short call should learn first: one round of every method, the kernels, where the time goes
+    methods_round(0)
+    kernel_bench("bf16" if check.cuda else "fp32")
+    phase_times()
+    for r in range(1, rounds):
+        methods_round(r)
+    if check.cuda:
+        kernel_bench("fp16")
     steps = {}
     for method in order:
         times = [v["step_time_s"] for k, v in check.record["items"].items()
@@ -54,21 +98,4 @@ def run(check: Check, a) -> None:
         if method in steps and ref in steps:
             ratios[f"{method}_over_{ref}"] = steps[method] / steps[ref]
     summary["step_ratios"] = ratios
-    check.save()
-
-    def kernel_bench(dtype: str) -> dict:
-        from kernels.bench import main as kbench
-
-        opts = (["--dtype", dtype, "--shapes", "vit_b", "vit_l", "--iters", "20", "--warmup", "5"] if check.cuda else
-                ["--device", "cpu", "--dtype", "fp32", "--shapes", "2,2,17,16", "--iters", "2", "--warmup", "1"])
-        record = json.loads(Path(kbench([*opts, "--out_dir", str(check.work / "kernels")])).read_text())
-        free_memory()
-        return {"dtype": record["dtype"], "triton": record.get("triton"),
-                "shapes": {k: {"ms": {n: r["ms"] for n, r in v["results"].items()}, "ratios": v["ratios"]}
-                           for k, v in record["shapes"].items()}}
-
-    for dtype in (("bf16", "fp16") if check.cuda else ("fp32",)):
-        result = check.item(f"kernels_{dtype}", 60, lambda d=dtype: kernel_bench(d))
-        if result and "shapes" in result:
-            summary[f"kernels_{dtype}"] = {k: v["ratios"] for k, v in result["shapes"].items()}
     check.save()

@@ -32,14 +32,35 @@ def apply_execution_options(objective: torch.nn.Module, recompute: bool, compile
     return converted
 
 
+def replicated_weights(ds_config: dict, world: int) -> bool:
+    """Whether every rank holds the whole weights at fixed addresses: one rank, or ZeRO-0 on DDP.
+    FSDP2 (ZeRO 1-3 on several ranks) regathers each block's weights into storage it frees between
+    uses, which a CUDA graph cannot keep as a fixed address."""
+    return world == 1 or zero_stage(ds_config) == 0
+
+
 def uses_cuda_graphs(cfg: PretrainConfig, ds_config: dict, device: torch.device, world: int) -> bool:
-    """run.compile on a CUDA device with replicated weights (one rank, or ZeRO-0 on DDP): the compiled
-    blocks replay as CUDA graphs. Measured on one H200 (docs/PERFORMANCE.md): compiled blocks without
-    graphs cut the device time of a MAE ViT-B step by a fifth but made the host, calling 40 compiled
-    graphs a step, slower than the device. FSDP2 (ZeRO 1-3 on several ranks) regathers each block's
-    weights into storage it frees between uses, which a graph cannot keep as a fixed address, so
-    sharded runs compile without graphs."""
-    return cfg.run.compile and device.type == "cuda" and (world == 1 or zero_stage(ds_config) == 0)
+    """run.compile on a CUDA device with replicated weights: the compiled blocks replay as CUDA
+    graphs. Measured on one H200 (docs/PERFORMANCE.md): compiled blocks without graphs cut the device
+    time of a MAE ViT-B step by a fifth but made the host, calling 40 compiled graphs a step, slower
+    than the device, so sharded runs, which compile without graphs, pay the host's pace."""
+    return cfg.run.compile and device.type == "cuda" and replicated_weights(ds_config, world)
+
+
+def describe_blocks(cfg: PretrainConfig, ds_config: dict, world: int, on_gpu: bool) -> str:
+    """How the run's blocks will execute, for the dry run and the start of a run."""
+    if not cfg.run.compile:
+        return ("blocks: eager (run.compile false; with one rank or ZeRO-0 on GPUs, run.compile true replays "
+                "compiled blocks as CUDA graphs: docs/TRAINING.md)")
+    if not on_gpu:
+        return "blocks: compiled by torch.compile, one static graph per block shape (no CUDA graphs off the GPU)"
+    if replicated_weights(ds_config, world):
+        return ("blocks: compiled by torch.compile, one static graph per block shape, replayed as CUDA graphs "
+                "(replicated weights)")
+    return (f"blocks: compiled without CUDA graphs: ZeRO-{zero_stage(ds_config)} on FSDP2 regathers the weights into "
+            f"fresh storage every step. Compiled blocks without graphs ran slower than eager for MAE ViT-B on one "
+            f"H200, the host setting the pace (docs/PERFORMANCE.md); ZeRO-0 (DDP) keeps the graphs where the "
+            f"replicated weights, gradients and optimizer fit")
 
 
 def float8_blocks(objective: torch.nn.Module) -> int:

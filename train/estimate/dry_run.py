@@ -38,6 +38,7 @@ from train.config.options import PretrainConfig, check_objective_fits, parse_arg
 from train.config.plan import peak_lr, schedule_steps
 from train.config.values import from_text
 from train.engine.config import EngineConfig
+from train.engine.execution import describe_blocks
 from train.estimate.costs import attention_shapes
 from train.estimate.gpus import GPU, current_gpu, gpu_in_filename, gpu_named
 from train.estimate.memory import (
@@ -123,6 +124,7 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
                      f"{plan.accum} x {world} ranks; {prec}; ZeRO {stage}; offload none; activation checkpointing "
                      f"{'on' if activation_checkpointing(ds) else 'off'}")
     run.lines.append(f"engine: {EngineConfig.from_ds_config(ds).describe(world)}")
+    run.lines.append(describe_blocks(cfg, ds, world, on_gpu=gpu is not None))
     if cfg.run.float8:
         run.lines.append("float8: the transformer blocks' linear layers multiply in float8 (torchao, dynamic "
                          "per-tensor scales); weights, gradients and optimizer keep their dtypes")

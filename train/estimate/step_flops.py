@@ -12,6 +12,8 @@ are spread over their period.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
@@ -44,34 +46,62 @@ class FlopCount(TorchDispatchMode):
 
 def step_batch(cfg: PretrainConfig, micro: int, device="meta") -> dict[str, torch.Tensor]:
     """A batch shaped like the training stream's, with a D_val batch where the objective reads one
-    (MLO-MAE: data/split.py attaches it); labels 0, a class every classifier has."""
+    (MLO-MAE: data/split.py attaches it); labels 0, a class every classifier has; off the meta
+    device, Gaussian images (all-zero ones would tie every TopK logit)."""
     batch = example_batch(cfg.data, micro, encoder_img_size(cfg), cfg.model.in_chans, device)
+    if batch["image"].device.type != "meta":
+        batch["image"] = torch.randn_like(batch["image"])
     batch["label"] = batch["label"].clamp(max=0)
     batch["val_image"], batch["val_label"] = batch["image"], batch["label"]
     return batch
 
 
+def build_step(cfg: PretrainConfig, micro: int, dtype: torch.dtype = torch.bfloat16,
+               device: torch.device | str = "meta") -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The configured objective in `dtype` as the engine casts it (what stays fp32, such as MLO-MAE's
+    masking network and head and its level-III copies, stays fp32) and one micro-batch, on `device`."""
+    with torch.device(device):
+        objective = build_objective(cfg.objective, build_encoder(cfg), section(cfg)).to(dtype)
+        batch = step_batch(cfg, micro, device)
+        batch["image"] = batch["image"].to(dtype)
+        batch["val_image"] = batch["image"]
+    return objective, batch
+
+
+def run_step(objective: torch.nn.Module, batch: dict[str, torch.Tensor], phase: Callable[[str, Callable], object],
+             optimizer: torch.optim.Optimizer | None = None) -> None:
+    """One optimizer step of one micro-batch as the loop runs it, each part through
+    `phase(name, fn)`: forward, backward, the optimizer's update (when given), after_step."""
+    loss = phase("forward", lambda: objective(batch)["loss"])
+    phase("backward", loss.backward)
+    if optimizer is not None:
+        phase("optimizer", optimizer.step)
+    objective.zero_grad(set_to_none=True)
+    phase("after_step", lambda: objective.after_optimizer_step(1e-4, [batch]))
+
+
+def flops_by_step(cfg: PretrainConfig, micro: int, steps: int = 1,
+                  dtype: torch.dtype = torch.bfloat16) -> list[dict[str, float]]:
+    """FLOPs per image of each of `steps` optimizer steps of one micro-batch, by phase (PHASES)."""
+    objective, batch = build_step(cfg, micro, dtype)
+    out = []
+    for _ in range(steps):
+        totals = dict.fromkeys(PHASES, 0.0)
+
+        def counted(phase: str, fn):
+            with FlopCount() as counter:
+                result = fn()
+            totals[phase] += counter.flops / micro
+            return result
+
+        run_step(objective, batch, counted)
+        out.append(totals)
+    return out
+
+
 def step_flops(cfg: PretrainConfig, micro: int, steps: int = 1,
                dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
     """FLOPs per image of one optimizer step of one micro-batch, by phase (PHASES), averaged over
-    `steps` steps, with the objective in `dtype` as the engine casts it (what stays fp32, such as
-    MLO-MAE's masking network and head and its level-III copies, stays fp32)."""
-    with torch.device("meta"):
-        objective = build_objective(cfg.objective, build_encoder(cfg), section(cfg)).to(dtype)
-        batch = step_batch(cfg, micro)
-        batch["image"] = batch["image"].to(dtype)
-        batch["val_image"] = batch["image"]
-    totals = dict.fromkeys(PHASES, 0.0)
-
-    def counted(phase: str, fn):
-        with FlopCount() as counter:
-            out = fn()
-        totals[phase] += counter.flops
-        return out
-
-    for _ in range(steps):
-        loss = counted("forward", lambda: objective(batch)["loss"])
-        counted("backward", loss.backward)
-        objective.zero_grad(set_to_none=True)
-        counted("after_step", lambda: objective.after_optimizer_step(1e-4, [batch]))
-    return {phase: flops / steps / micro for phase, flops in totals.items()}
+    `steps` steps (hooks that work every k-th step spread over their period)."""
+    each = flops_by_step(cfg, micro, steps, dtype)
+    return {phase: sum(s[phase] for s in each) / steps for phase in PHASES}

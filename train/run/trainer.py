@@ -31,6 +31,7 @@ from train.config.flags import pop_flags
 from train.config.options import PretrainConfig, check_objective_fits, help_text, parse_args, section, to_dict
 from train.config.plan import build_encoder, labeled_split, peak_lr, schedule_steps
 from train.engine import checkpoint, distributed
+from train.engine.execution import describe_blocks
 from train.engine.state_files import EXTRA_STATE, WEIGHTS_FILE, TagContents
 from train.estimate import dry_run
 from train.estimate.memory import check_floor
@@ -304,6 +305,7 @@ class Trainer:
                  self.engine.stage, plan.global_batch, plan.micro, plan.accum, self.world, self.peak_lr,
                  checked.total_steps, checked.per_epoch)
         log.info("engine: %s", self.engine.describe())
+        log.info("%s", describe_blocks(cfg, checked.ds_config, self.world, on_gpu=self.device.type == "cuda"))
         log.info("attention: %s", "; ".join(f"{kind}: {path}" for kind, path in attention_paths.items()))
         if cfg.optim.weight_decay == 0:
             log.info("no weight decay (optim.weight_decay 0): %d tensors (%d params) trained",

@@ -187,3 +187,28 @@ def test_tensors_that_cannot_be_allocated_are_a_problem_before_any_estimate(monk
     assert "more than the 1.0 GiB of this machine's memory" in cpu.problems[0]
     assert check(parse_args(["--ds_config", str(DS / "cpu_debug.json"), "--config", str(PRESETS / "mae/debug.json")]),
                  1, None).ok
+
+
+def test_the_dry_run_says_how_the_blocks_execute_and_where_compile_loses_its_graphs(capsys):
+    """CUDA graphs need weights at fixed addresses: one rank or ZeRO-0 keep them, FSDP2's stages do
+    not, and the dry run says what that cost on a GPU; eager blocks say how to compile them."""
+    from train.engine.execution import replicated_weights
+    from train.pretrain import main
+
+    def blocks(*args):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--dry-run", "--data.source", "synthetic", "--model.name", "vit_base_patch16", *args])
+        out = capsys.readouterr().out
+        assert exit_.value.code == 0, out
+        return [line.strip() for line in out.splitlines() if line.strip().startswith("blocks:")]
+
+    zero1 = str(DS / "vit_b_8xh100_bf16_zero1.json")
+    assert blocks("--ds_config", zero1)[0].startswith("blocks: eager (run.compile false; with one rank or ZeRO-0")
+    sharded = blocks("--ds_config", zero1, "--run.compile", "true")[0]
+    assert "without CUDA graphs: ZeRO-1 on FSDP2" in sharded and "slower than eager" in sharded
+    assert blocks("--ds_config", zero1, "--run.compile", "true", "--world_size", "1")[0].endswith(
+        "replayed as CUDA graphs (replicated weights)")
+    assert blocks("--ds_config", str(DS / "cpu_debug.json"), "--run.compile", "true", "--gpu", "cpu")[0].endswith(
+        "(no CUDA graphs off the GPU)")
+    assert replicated_weights({"zero_optimization": {"stage": 0}}, 8)
+    assert not replicated_weights({"zero_optimization": {"stage": 2}}, 2) and replicated_weights({}, 1)
