@@ -8,9 +8,10 @@ kernel measured fastest for the shape on this GPU where kernels/attention_choice
 picks for the device and dtype.
 
 A per-call `mask` (kernels.masked: SegmentMask, TopKMask) restricts which keys each query sees.
-TopK attention runs the fused Triton kernels (kernels/restricted_triton.py) on sm80+ GPUs and the
-PyTorch composition elsewhere (CPU, V100, sequences over 1024 tokens, head dims over 128; on a GPU
-with one warning per reason). Segment-masked attention runs SDPA with a boolean mask: on an H100
+TopK attention runs the fused Triton kernels (kernels/restricted_triton.py) on sm80+ GPUs, or their
+threshold kernel and SDPA under the kept set as a mask where the table measured that faster for
+the shape (kernels/attention_choice.py), and the PyTorch composition elsewhere (CPU, V100,
+sequences over 1024 tokens, head dims over 128; on a GPU with one warning per reason). Segment-masked attention runs SDPA with a boolean mask: on an H100
 its memory-efficient kernel took 0.80 ms forward+backward at ViT-B shapes in bf16 against 1.57 ms
 for the fused segment kernel (docs/KERNELS.md), which stays callable for benchmarks. Backend `math`
 always takes the plain references, which are the twice-differentiable path. `describe_paths` says
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 from kernels.accelerators import has_flash_attn
-from kernels.attention_choice import kernel_for
+from kernels.attention_choice import kernel_for, topk_kernel_for, topk_masked_shapes
 from kernels.masked import (
     SegmentMask,
     TopKMask,
@@ -161,11 +162,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = 
         fn = segment_attention_reference if backend == "math" else segment_attention_sdpa
         return fn(q, k, v, mask.segments)
     if backend != "math" and _fused_or_warn(q):
-        from kernels.restricted_triton import topk_attention
+        from kernels.restricted_triton import topk_attention, topk_attention_masked_sdpa
 
         B, _, T, _ = q.shape
         k_rows = torch.full((B, T), mask.k, device=q.device) if isinstance(mask.k, int) else mask.k
-        out, share = topk_attention(q, k, v, k_rows.clamp(1, T), mask.num_global, mask.segments)
+        path = topk_attention_masked_sdpa if topk_kernel_for(q) == "masked_sdpa" else topk_attention
+        out, share = path(q, k, v, k_rows.clamp(1, T), mask.num_global, mask.segments)
         if share is not None:
             mask.same_source_share = share
         return out
@@ -216,4 +218,8 @@ def describe_paths(backend: str, device: torch.device, dtype: torch.dtype, token
     reason = "backend math" if backend == "math" else _fused_reason(probe, capability)
     segment = "math reference" if backend == "math" else "torch SDPA with a boolean mask"
     topk = "triton fused kernel" if reason is None else f"PyTorch reference composition ({reason})"
+    if reason is None and topk_masked_shapes(dtype, tokens, head_dim):
+        topk = ("triton threshold kernel + SDPA under the kept set as a mask (measured faster for "
+                f"{', '.join(f'{h} heads' for h in topk_masked_shapes(dtype, tokens, head_dim))}), "
+                "else the triton fused kernel")
     return {"dense": dense, "segment": segment, "topk": topk}

@@ -1,7 +1,7 @@
 """Which of SDPA's kernels runs dense attention of each shape: the one measured fastest there.
 
 PyTorch's `scaled_dot_product_attention` picks its kernel (flash, cuDNN, memory-efficient, math)
-by rules that do not look at speed for the shape at hand. `python -m kernels.choose_attention`
+by rules that do not look at speed for the shape at hand. `python -m tools.choose_attention`
 times every kernel that takes a shape, forward + backward, on the GPU it runs on and records the
 fastest in kernels/attention_choices.json, keyed by compute capability, dtype and the attention's
 (heads, tokens, head dim); the batch it was measured at is recorded, not matched. `activate(device)`
@@ -9,6 +9,11 @@ fastest in kernels/attention_choices.json, keyed by compute capability, dtype an
 backend (kernels/attention.py) then runs each listed shape under `torch.nn.attention.sdpa_kernel`
 with its kernel; a shape the table does not list keeps PyTorch's own pick. The choice is one dict
 lookup with the shape's ints, so compiled blocks trace it into the graph with no break.
+
+TopK attention (MixedAE's homologous blocks) has two GPU paths over one kept set
+(kernels/restricted_triton.py): the fused kernels ("fused"), or the threshold kernel writing the
+kept set as a mask and SDPA attending under it ("masked_sdpa"). Entries with `"attention": "topk"`
+record which was measured faster for a shape; an unlisted shape runs the fused kernels.
 """
 from __future__ import annotations
 
@@ -24,7 +29,9 @@ TABLE = Path(__file__).with_name("attention_choices.json")
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH,
            "pytorch": None}  # measured, and none beat PyTorch's own pick by MARGIN: it keeps choosing
-MARGIN = 0.03  # a kernel replaces PyTorch's pick only when this much faster (timings of one call differ ~1%)
+TOPK_KERNELS = ("fused", "masked_sdpa")  # the first is the default of an unlisted shape
+ATTENTIONS = {"dense": tuple(KERNELS), "topk": TOPK_KERNELS}  # each kind of attention call: its kernel names
+MARGIN = 0.03  # a kernel replaces the default only when this much faster (timings of one call differ ~1%)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 SHAPE_KEYS = ("heads", "tokens", "head_dim")
@@ -32,10 +39,11 @@ SHAPE_KEYS = ("heads", "tokens", "head_dim")
 
 @dataclass(frozen=True)
 class Choice:
-    """One measured shape: on GPUs of `capability` ("9.0"; "cpu" for CPU runs), attention of
-    `heads` x `tokens` x `head_dim` in `dtype` runs `kernel`."""
+    """One measured shape: on GPUs of `capability` ("9.0"; "cpu" for CPU runs), `attention` ("dense",
+    or "topk" for TopK-restricted calls) of `heads` x `tokens` x `head_dim` in `dtype` runs `kernel`."""
     capability: str
     dtype: str
+    attention: str
     heads: int
     tokens: int
     head_dim: int
@@ -43,13 +51,14 @@ class Choice:
     measured: dict  # device, torch, commit, batch, milliseconds per kernel (what the choice rests on)
 
     @property
-    def key(self) -> tuple[str, str, int, int, int]:
-        return self.capability, self.dtype, self.heads, self.tokens, self.head_dim
+    def key(self) -> tuple[str, str, str, int, int, int]:
+        return self.capability, self.dtype, self.attention, self.heads, self.tokens, self.head_dim
 
 
 # The active choices: (dtype, heads, tokens, head dim) -> kernel (None: PyTorch's, measured), for the
 # device `activate` was given.
 _ACTIVE: dict[tuple[torch.dtype, int, int, int], SDPBackend | None] = {}
+_ACTIVE_TOPK: dict[tuple[torch.dtype, int, int, int], str] = {}  # the same key -> a TOPK_KERNELS name
 
 
 def capability_of(device: torch.device) -> str:
@@ -66,7 +75,7 @@ def load(path: Path | None = None) -> list[Choice]:
     path = TABLE if path is None else path
 
     def bad(what: str) -> ValueError:
-        return ValueError(f"{path}: {what}; the file is written by `python -m kernels.choose_attention --write` "
+        return ValueError(f"{path}: {what}; the file is written by `python -m tools.choose_attention --write` "
                           f"(delete the entry, or the file for PyTorch's own choice everywhere)")
 
     try:
@@ -82,7 +91,7 @@ def load(path: Path | None = None) -> list[Choice]:
         where = f"entry {i}"
         if not isinstance(entry, dict):
             raise bad(f"{where} is {type(entry).__name__}, not an object")
-        fields = {"capability", "dtype", *SHAPE_KEYS, "kernel", "measured"}
+        fields = {"capability", "dtype", "attention", *SHAPE_KEYS, "kernel", "measured"}
         if set(entry) != fields:
             raise bad(f"{where} has fields {sorted(entry)}; it must have exactly {sorted(fields)}")
         cap = entry["capability"]
@@ -94,13 +103,17 @@ def load(path: Path | None = None) -> list[Choice]:
             v = entry[k]
             if type(v) is not int or not 1 <= v <= 1 << 20:
                 raise bad(f"{where}: {k} {v!r} is not an integer in [1, 2^20]")
-        if entry["kernel"] not in KERNELS:
-            raise bad(f"{where}: kernel {entry['kernel']!r} is not one of {sorted(KERNELS)}")
+        if entry["attention"] not in ATTENTIONS:
+            raise bad(f"{where}: attention {entry['attention']!r} is not one of {sorted(ATTENTIONS)}")
+        kernels = ATTENTIONS[entry["attention"]]
+        if entry["kernel"] not in kernels:
+            raise bad(f"{where}: kernel {entry['kernel']!r} is not one of {sorted(kernels)} "
+                      f"(for {entry['attention']} attention)")
         if not isinstance(entry["measured"], dict):
             raise bad(f"{where}: measured must be an object (what the choice rests on)")
         choice = Choice(**entry)
         if choice.key in seen:
-            raise bad(f"{where} repeats capability {cap}, dtype {choice.dtype}, shape "
+            raise bad(f"{where} repeats capability {cap}, dtype {choice.dtype}, {choice.attention} attention, shape "
                       f"{choice.heads}x{choice.tokens}x{choice.head_dim}")
         seen.add(choice.key)
         out.append(choice)
@@ -110,19 +123,24 @@ def load(path: Path | None = None) -> list[Choice]:
 def activate(device: torch.device, path: Path | None = None) -> int:
     """Make the table's choices for `device`'s compute capability the ones `kernel_for` returns
     (replacing any earlier ones); the number of shapes. No file: PyTorch's pick everywhere."""
-    _ACTIVE.clear()
+    deactivate()
     path = TABLE if path is None else path
     if not path.exists():
         return 0
     cap = capability_of(device)
     for c in load(path):
         if c.capability == cap:
-            _ACTIVE[(DTYPES[c.dtype], c.heads, c.tokens, c.head_dim)] = KERNELS[c.kernel]
-    return len(_ACTIVE)
+            shape = (DTYPES[c.dtype], c.heads, c.tokens, c.head_dim)
+            if c.attention == "topk":
+                _ACTIVE_TOPK[shape] = c.kernel
+            else:
+                _ACTIVE[shape] = KERNELS[c.kernel]
+    return len(_ACTIVE) + len(_ACTIVE_TOPK)
 
 
 def deactivate() -> None:
     _ACTIVE.clear()
+    _ACTIVE_TOPK.clear()
 
 
 def kernel_for(q: torch.Tensor) -> SDPBackend | None:
@@ -131,6 +149,19 @@ def kernel_for(q: torch.Tensor) -> SDPBackend | None:
         return None
     _, heads, tokens, head_dim = q.shape
     return _ACTIVE.get((q.dtype, heads, tokens, head_dim))
+
+
+def topk_kernel_for(q: torch.Tensor) -> str:
+    """The TopK path chosen for q's (B, H, N, d) shape and dtype (TOPK_KERNELS; unlisted: "fused")."""
+    _, heads, tokens, head_dim = q.shape
+    return _ACTIVE_TOPK.get((q.dtype, heads, tokens, head_dim), TOPK_KERNELS[0])
+
+
+def topk_masked_shapes(dtype: torch.dtype, tokens: int, head_dim: int) -> list[int]:
+    """The head counts for which the active table runs TopK of this dtype, tokens and head dim
+    through SDPA under a mask."""
+    return sorted(h for (dt, h, t, d), kernel in _ACTIVE_TOPK.items()
+                  if (dt, t, d) == (dtype, tokens, head_dim) and kernel == "masked_sdpa")
 
 
 def describe(chosen: dict[tuple[int, int, int], str], shapes: list[tuple[int, int, int]]) -> str:
@@ -151,7 +182,7 @@ def choices_for(capability: str, dtype: torch.dtype, path: Path | None = None) -
         return {}
     name = DTYPE_NAMES.get(dtype)
     return {(c.heads, c.tokens, c.head_dim): c.kernel for c in load(path) if c.capability == capability
-            and c.dtype == name}
+            and c.dtype == name and c.attention == "dense"}
 
 
 def merged(old: list[Choice], new: list[Choice]) -> dict:
@@ -204,11 +235,49 @@ def time_kernels(batch: int, heads: int, tokens: int, head_dim: int, dtype: torc
     return out
 
 
-def choose(ms: dict[str, float | str]) -> str:
-    """The kernel a table entry records for these timings: the fastest, if it beats PyTorch's pick
-    by MARGIN, else "pytorch"."""
+def choose(ms: dict[str, float | str], default: str = "pytorch") -> str:
+    """The kernel a table entry records for these timings: the fastest, if it beats the default's
+    (PyTorch's pick for dense attention, "fused" for TopK) by MARGIN, else the default."""
     timed = {k: v for k, v in ms.items() if isinstance(v, float)}
-    if "pytorch" not in timed:
-        raise ValueError(f"PyTorch's own pick did not run ({ms.get('pytorch')}): nothing to compare against")
-    best = min((k for k in timed if k != "pytorch"), key=timed.__getitem__, default="pytorch")
-    return best if timed.get(best, float("inf")) < (1 - MARGIN) * timed["pytorch"] else "pytorch"
+    if default not in timed:
+        raise ValueError(f"the default kernel {default!r} did not run ({ms.get(default)}): nothing to compare against")
+    best = min((k for k in timed if k != default), key=timed.__getitem__, default=default)
+    return best if timed.get(best, float("inf")) < (1 - MARGIN) * timed[default] else default
+
+
+def time_topk(batch: int, heads: int, tokens: int, head_dim: int, k: int, dtype: torch.dtype,
+              device: torch.device, iters: int = 20, warmup: int = 3) -> dict[str, float | str]:
+    """Milliseconds of one forward + backward of TopK attention (K keys per query, the cls row
+    global, segments given as MixedAE gives them) on each TOPK_KERNELS path, on a GPU the fused
+    kernels run on; elsewhere each path gets the reason instead of a time."""
+    import time
+
+    from kernels.attention import _fused_reason
+
+    probe = torch.empty(batch, heads, tokens, head_dim, dtype=dtype, device=device)
+    reason = _fused_reason(probe)
+    if reason is not None:
+        return dict.fromkeys(TOPK_KERNELS, f"not available: {reason}")
+    from kernels.restricted_triton import topk_attention, topk_attention_masked_sdpa
+
+    q, k_, v = (torch.randn(batch, heads, tokens, head_dim, device=device, dtype=dtype, requires_grad=True)
+                for _ in range(3))
+    grad = torch.randn(batch, heads, tokens, head_dim, device=device, dtype=dtype)
+    k_rows = torch.full((batch, tokens), k, device=device)
+    segments = torch.randint(0, 4, (batch, tokens), device=device)
+    segments[:, 0] = -1
+    paths = {"fused": topk_attention, "masked_sdpa": topk_attention_masked_sdpa}
+    out: dict[str, float | str] = {}
+    for name in TOPK_KERNELS:
+        def once(fn=paths[name]) -> None:
+            o, _ = fn(q, k_, v, k_rows, 1, segments)
+            torch.autograd.grad(o, (q, k_, v), grad)
+        for _ in range(warmup):
+            once()
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            once()
+        torch.cuda.synchronize(device)
+        out[name] = (time.perf_counter() - start) / iters * 1e3
+    return out

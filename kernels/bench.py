@@ -12,6 +12,7 @@ Variants (each on the same q, k, v):
   dense_sdpa      F.scaled_dot_product_attention, no mask (flash on sm80+): the floor
   topk_torch      the best plain PyTorch composition: QK^T, topk threshold, masked softmax, PV
   topk_fused      the Triton kernel (GPU only)
+  topk_masked_sdpa  the Triton threshold kernel writing the kept set, then SDPA under it as a mask (GPU only)
   segment_sdpa    SDPA with a boolean same-source mask (memory-efficient kernel)
   segment_flex    FlexAttention with a same-source block mask, compiled (GPU only, when available)
   segment_fused   the Triton kernel (GPU only)
@@ -161,11 +162,12 @@ def variants(q, k, v, segments, topk: int, device: torch.device) -> dict[str, Ca
     from kernels.accelerators import has_triton_gpu
 
     if device.type == "cuda" and has_triton_gpu():
-        from kernels.restricted_triton import segment_attention, topk_attention
+        from kernels.restricted_triton import segment_attention, topk_attention, topk_attention_masked_sdpa
 
         B, _, T, _ = q.shape
         k_rows = torch.full((B, T), topk, device=device)
         out["topk_fused"] = lambda: topk_attention(q, k, v, k_rows, 1)[0]
+        out["topk_masked_sdpa"] = lambda: topk_attention_masked_sdpa(q, k, v, k_rows, 1)[0]
         out["segment_fused"] = lambda: segment_attention(q, k, v, segments)
         try:
             from torch.nn.attention.flex_attention import (
@@ -201,6 +203,7 @@ def bench_shape(name: str, shape: tuple[int, int, int, int], dtype: torch.dtype,
     ratios = {f"{label}_over_dense": ms[label] / ms["dense_sdpa"] for label in ms if label != "dense_sdpa"}
     if "topk_fused" in ms:
         ratios["topk_fused_speedup_vs_topk_torch"] = ms["topk_torch"] / ms["topk_fused"]
+        ratios["topk_masked_sdpa_speedup_vs_topk_fused"] = ms["topk_fused"] / ms["topk_masked_sdpa"]
     for label in ("segment_fused", "segment_flex"):
         if label in ms:
             ratios[f"{label}_speedup_vs_segment_sdpa"] = ms["segment_sdpa"] / ms[label]

@@ -38,8 +38,12 @@ import torch
 # arch -> (ptxas --gpu-name, opt-in shared memory per block in bytes)
 ARCHS = {80: ("sm_80", 166_912), 90: ("sm_90a", 232_448)}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-POINTER_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "KROW": "*i32", "THR": "*i32", "SEG": "*i32", "STATS": "*i32"}
-KERNELS = ("threshold", "forward", "dkdv", "dq")
+POINTER_TYPES = {"LSE": "*fp32", "DELTA": "*fp32", "KROW": "*i32", "THR": "*i32", "SEG": "*i32", "STATS": "*i32",
+                 "MASK": "*u8"}
+# threshold_mask: the threshold kernel writing the kept set and the same-source counts too (the
+# TopK path through SDPA with a mask, restricted_triton.topk_attention_masked_sdpa)
+KERNELS = ("threshold", "threshold_mask", "forward", "dkdv", "dq")
+THRESHOLD_KERNELS = ("threshold", "threshold_mask")
 
 
 @dataclass(frozen=True)
@@ -140,9 +144,10 @@ def compile_one(shape: Shape, dtype: str, mode: str, kernel: str, arch: int) -> 
     ints = {"H": H, "T": T, "D": d, "stride_b": H * T * d, "stride_h": T * d, "stride_t": d, "num_global": 1}
     common = {"BLOCK_D": cfg.block_d, "D_CHUNK": cfg.d_chunk}
     mode_id = rt.MODE_TOPK if mode == "topk" else rt.MODE_SEGMENT
-    if kernel == "threshold":
+    if kernel in THRESHOLD_KERNELS:
         fn, (bm, bn, warps) = rt._threshold_kernel, cfg.threshold
-        constexprs = {**common, "BLOCK_M": bm, "BLOCK_ROW": bn}
+        mask = kernel == "threshold_mask"
+        constexprs = {**common, "BLOCK_M": bm, "BLOCK_ROW": bn, "WRITE_MASK": mask, "WITH_STATS": mask}
     else:
         fn, (bm, bn, warps) = {"forward": (rt._fwd_kernel, cfg.forward), "dkdv": (rt._bwd_dkdv_kernel, cfg.dkdv),
                                "dq": (rt._bwd_dq_kernel, cfg.dq)}[kernel]
@@ -175,7 +180,7 @@ def compile_all(jobs: list[tuple[Shape, str, str, str, int]], workers: int = 2) 
 
 
 def kernels_for(mode: str) -> tuple[str, ...]:
-    return KERNELS if mode == "topk" else KERNELS[1:]
+    return KERNELS if mode == "topk" else tuple(k for k in KERNELS if k not in THRESHOLD_KERNELS)
 
 
 def sweep_jobs(shapes=SWEEP_SHAPES, dtypes=tuple(DTYPES), modes=("topk", "segment"), archs=tuple(ARCHS)) -> list:

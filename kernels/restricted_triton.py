@@ -90,9 +90,12 @@ def _kept(s, offs_m, offs_n, T, num_global, thr, seg_q, SEG, MODE: tl.constexpr)
 
 
 @triton.jit
-def _threshold_kernel(Q, K, KROW, THR, H, T, D, stride_b, stride_h, stride_t, scale, BLOCK_M: tl.constexpr,
+def _threshold_kernel(Q, K, KROW, THR, MASK, SEG, STATS, H, T, D, stride_b, stride_h, stride_t, scale, num_global,
+                      WRITE_MASK: tl.constexpr, WITH_STATS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_ROW: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNK: tl.constexpr):
-    """THR (B*H*T,) int32 bits of the uint32 key of each row's K-th largest logit."""
+    """THR (B*H*T,) int32 bits of the uint32 key of each row's K-th largest logit. WRITE_MASK: also
+    the kept set itself, MASK (B, H, T, T) uint8, from the row already in registers; WITH_STATS:
+    STATS (B, H, T, 2) per row (kept keys, kept keys from the query's own source)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -107,6 +110,18 @@ def _threshold_kernel(Q, K, KROW, THR, H, T, D, stride_b, stride_h, stride_t, sc
         count = tl.sum((key >= cand[:, None]).to(tl.int32), axis=1)
         thr = tl.where(count >= kk, cand, thr)
     tl.store(THR + bh * T + offs_m, thr.to(tl.int32, bitcast=True), mask=offs_m < T)
+    if WRITE_MASK:  # the kept set of _kept, from the same logits
+        row_ok = offs_m < T
+        valid = row_ok[:, None] & (offs_n < T)[None, :]
+        keep = ((key >= thr[:, None]) | (offs_m[:, None] < num_global)) & valid
+        tl.store(MASK + (bh * T + offs_m[:, None]) * T + offs_n[None, :], keep.to(tl.uint8), mask=valid)
+        if WITH_STATS:
+            seg_q = tl.load(SEG + b * T + offs_m, mask=row_ok, other=-2)
+            seg_k = tl.load(SEG + b * T + offs_n, mask=offs_n < T, other=-3)
+            row_index = bh * T + offs_m
+            tl.store(STATS + row_index * 2, tl.sum(keep.to(tl.int32), axis=1), mask=row_ok)
+            tl.store(STATS + row_index * 2 + 1, tl.sum((keep & (seg_q[:, None] == seg_k[None, :])).to(tl.int32),
+                                                       axis=1), mask=row_ok)
 
 
 @triton.jit
@@ -344,8 +359,9 @@ class _RestrictedAttention(torch.autograd.Function):
         if mode == MODE_TOPK:
             bm, row, warps = cfg.threshold
             _threshold_kernel[(triton.cdiv(T, bm), B * H)](
-                q, k, k_rows.to(torch.int32).contiguous(), thr, *_launch_args(q), BLOCK_M=bm, BLOCK_ROW=row,
-                BLOCK_D=cfg.block_d, D_CHUNK=cfg.d_chunk, num_warps=warps, num_stages=cfg.num_stages)
+                q, k, k_rows.to(torch.int32).contiguous(), thr, dummy, dummy, dummy, *_launch_args(q), num_global,
+                WRITE_MASK=False, WITH_STATS=False, BLOCK_M=bm, BLOCK_ROW=row, BLOCK_D=cfg.block_d,
+                D_CHUNK=cfg.d_chunk, num_warps=warps, num_stages=cfg.num_stages)
         bm, bn, warps = cfg.forward
         _fwd_kernel[(triton.cdiv(T, bm), B * H)](
             q, k, v, o, lse, thr, seg, stats, *_launch_args(q), num_global, MODE=mode, WITH_STATS=with_stats,
@@ -394,3 +410,38 @@ def topk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rows: to
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
     return _RestrictedAttention.apply(q, k, v, MODE_SEGMENT, None, segments, 0, False)[0]
+
+
+def topk_mask(q: torch.Tensor, k: torch.Tensor, k_rows: torch.Tensor, num_global: int,
+              segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The TopK kept set as a (B, H, T, T) boolean mask, from the threshold kernel (the logits never
+    reach memory), and, with segments, the same-source share of kept keys over non-global queries."""
+    B, H, T, d = q.shape
+    q, k = q.detach().contiguous(), k.detach().contiguous()
+    cfg = plan(T, d, q.dtype)
+    thr = torch.empty(B, H, T, device=q.device, dtype=torch.int32)
+    mask = torch.empty(B, H, T, T, device=q.device, dtype=torch.uint8)
+    stats = torch.empty(B, H, T, 2, device=q.device, dtype=torch.int32)
+    seg = segments.to(torch.int32).contiguous() if segments is not None else torch.zeros(1, device=q.device,
+                                                                                        dtype=torch.int32)
+    bm, row, warps = cfg.threshold
+    _threshold_kernel[(triton.cdiv(T, bm), B * H)](
+        q, k, k_rows.to(torch.int32).contiguous(), thr, mask, seg, stats, *_launch_args(q), num_global,
+        WRITE_MASK=True, WITH_STATS=segments is not None, BLOCK_M=bm, BLOCK_ROW=row, BLOCK_D=cfg.block_d,
+        D_CHUNK=cfg.d_chunk, num_warps=warps, num_stages=cfg.num_stages)
+    share = None
+    if segments is not None:
+        rows = stats[:, :, num_global:].sum(dim=(0, 1, 2)).float()  # (kept, same)
+        share = rows[1] / rows[0].clamp_min(1)
+    return mask.view(torch.bool), share
+
+
+def topk_attention_masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
+                               num_global: int, segments: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """TopK attention in two parts: the kept set as a mask (`topk_mask`, one pass of the logits), then
+    PyTorch's SDPA with that boolean mask (its memory-efficient kernel on a GPU), whose backward is
+    PyTorch's. The same kept set as `topk_attention`, so the same results; which is faster for a
+    shape is measured (tools/choose_attention.py, kernels/bench.py)."""
+    mask, share = topk_mask(q, k, k_rows, num_global, segments)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask), share

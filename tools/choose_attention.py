@@ -9,7 +9,11 @@ encoder's visible tokens, a decoder's full sequence), for every preset x model g
 and MAE+ (multi-crop) on ViT-B/16 and ViT-L/16 at 224). Each kernel (flash, cuDNN,
 memory-efficient, math) and PyTorch's own pick run forward + backward at the micro-batch; a kernel
 is recorded only if it beats PyTorch's pick by 3% (kernels/attention_choice.py MARGIN), else the
-entry says PyTorch's pick was measured fastest. Prints a table; `--write` merges the entries into
+entry says PyTorch's pick was measured fastest. Then TopK attention at the shapes of the
+`--topk_config` presets (default MixedAE's ViT-B preset, on every --model): the fused kernels
+against the threshold kernel + SDPA under the kept set as a mask, at the encoder's batch of mixed
+images (micro-batch / g) and the preset's K, each recorded as an entry with "attention": "topk"
+(the fused kernels unless the other path is 3% faster; a GPU with Triton only). Prints a table; `--write` merges the entries into
 kernels/attention_choices.json (the committed table; `--table FILE`: another file), replacing
 those of the same capability, dtype and shape. On CPU (tests): `--device cpu`.
 """
@@ -40,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = ("defaults", "train/configs/maeplus/vit_b.json")  # "defaults": MAE with the options' defaults
 SHAPES_DS = REPO / "ds_configs" / "vit_b_8xh100_bf16_zero1.json"  # shapes depend on the micro-batch alone, given here
 DEFAULT_MODELS = ("vit_base_patch16", "vit_large_patch16")
+DEFAULT_TOPK_CONFIGS = ("train/configs/mixedae/vit_b.json",)
 
 
 def shapes_of(config: str, model: str | None, micro: int) -> list[tuple[int, int, int]]:
@@ -52,10 +57,30 @@ def shapes_of(config: str, model: str | None, micro: int) -> list[tuple[int, int
     return attention_shapes(prof)
 
 
+def topk_shape_of(config: str, model: str | None, micro: int) -> tuple[int, int, int, int, int]:
+    """(batch, heads, tokens, head dim, K) of the TopK blocks of one MixedAE micro-batch: the encoder
+    sees micro / g mixed images of every patch and the cls token."""
+    from model.registry import model_arch
+
+    argv = ["--ds_config", str(SHAPES_DS), "--data.source", "synthetic", "--config", config,
+            *(["--model.name", model] if model else [])]
+    cfg = parse_args(argv)
+    if cfg.objective != "mixedae":
+        raise ConfigError(f"--topk_config {config} is a {cfg.objective} preset; TopK attention is MixedAE's")
+    arch = model_arch(cfg.model.name)
+    mix = cfg.mixedae
+    patches = (arch["img_size"] // arch["patch_size"]) ** 2
+    k = mix.topk or int(mix.mix_ratio * patches + 0.5)  # model/objectives/mixedae.py: round(r*N), halves up
+    return (max(1, micro // mix.group_size), arch["num_heads"], patches + 1, arch["embed_dim"] // arch["num_heads"],
+            min(k, patches + 1))
+
+
 def main(argv: list[str] | None = None) -> list[attention_choice.Choice]:
     p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", nargs="+", default=list(DEFAULT_CONFIGS), help="presets whose shapes are timed ('defaults': the options' own)")
     p.add_argument("--model", nargs="+", default=list(DEFAULT_MODELS), help="--model.name of each run")
+    p.add_argument("--topk_config", nargs="*", default=list(DEFAULT_TOPK_CONFIGS),
+                   help="MixedAE presets whose TopK attention is timed (none: skip TopK)")
     p.add_argument("--micro", type=int, default=128, help="the micro-batch the kernels are timed at")
     p.add_argument("--dtype", choices=sorted(attention_choice.DTYPES), default="bf16")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -80,10 +105,21 @@ def main(argv: list[str] | None = None) -> list[attention_choice.Choice]:
     for heads, tokens, head_dim in shapes:
         ms = attention_choice.time_kernels(a.micro, heads, tokens, head_dim, dtype, device, a.iters)
         kernel = attention_choice.choose(ms)
-        choices.append(attention_choice.Choice(capability, a.dtype, heads, tokens, head_dim, kernel,
+        choices.append(attention_choice.Choice(capability, a.dtype, "dense", heads, tokens, head_dim, kernel,
                                                {**measured, "ms": ms}))
         cells = "  ".join(f"{v:9.3f}" if isinstance(v, float) else f"{'-':>9}" for v in ms.values())
         print(f"{f'{heads}x{tokens}x{head_dim}':>22}  {cells}  {kernel}")
+    topk_shapes = sorted({topk_shape_of(config, model, a.micro) for config in a.topk_config for model in a.model})
+    for batch, heads, tokens, head_dim, k in topk_shapes:
+        ms = attention_choice.time_topk(batch, heads, tokens, head_dim, k, dtype, device, a.iters)
+        if not any(isinstance(v, float) for v in ms.values()):
+            print(f"TopK {heads}x{tokens}x{head_dim}: {next(iter(ms.values()))}")
+            continue
+        kernel = attention_choice.choose(ms, default=attention_choice.TOPK_KERNELS[0])
+        choices.append(attention_choice.Choice(capability, a.dtype, "topk", heads, tokens, head_dim, kernel,
+                                               {**measured, "batch": batch, "k": k, "ms": ms}))
+        print(f"TopK {heads}x{tokens}x{head_dim} (batch {batch}, K {k}): "
+              + "  ".join(f"{n} {v:.3f} ms" for n, v in ms.items()) + f"  chosen {kernel}")
     table = attention_choice.TABLE if a.write else a.table
     if table is not None:
         old = attention_choice.load(table) if table.exists() else []

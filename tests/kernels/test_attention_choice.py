@@ -19,8 +19,8 @@ CPU = torch.device("cpu")
 
 
 def entry(**over) -> dict:
-    return {"capability": "cpu", "dtype": "fp32", "heads": 2, "tokens": 17, "head_dim": 16, "kernel": "math",
-            "measured": {"ms": {}}, **over}
+    return {"capability": "cpu", "dtype": "fp32", "attention": "dense", "heads": 2, "tokens": 17, "head_dim": 16,
+            "kernel": "math", "measured": {"ms": {}}, **over}
 
 
 def table(tmp_path: Path, *entries) -> Path:
@@ -88,6 +88,9 @@ def test_a_compiled_block_traces_the_choice_without_a_break(tmp_path):
     ({"tokens": 50.0}, "tokens 50.0 is not an integer"),
     ({"head_dim": True}, "head_dim True is not an integer"),
     ({"measured": []}, "measured must be an object"),
+    ({"attention": "segment"}, "attention 'segment' is not one of"),
+    ({"attention": "topk", "kernel": "math"}, "kernel 'math' is not one of ['fused', 'masked_sdpa'] (for topk"),
+    ({"kernel": "masked_sdpa"}, "kernel 'masked_sdpa' is not one of"),
     ({"extra": 1}, "it must have exactly"),
 ])
 def test_a_bad_entry_is_refused_with_where_and_what(tmp_path, change, said):
@@ -121,19 +124,22 @@ def test_any_json_either_loads_or_is_refused_as_a_value_error(tmp_path_factory, 
     except ValueError as e:
         assert str(path) in str(e)
     else:
-        assert all(c.kernel in attention_choice.KERNELS for c in choices)
+        assert all(c.kernel in attention_choice.ATTENTIONS[c.attention] for c in choices)
 
 
 def test_the_committed_table_loads():
-    assert all(c.kernel in attention_choice.KERNELS for c in attention_choice.load())
+    assert all(c.kernel in attention_choice.ATTENTIONS[c.attention] for c in attention_choice.load())
 
 
 def test_choose_takes_the_fastest_only_past_the_margin():
     ms = {"flash": 1.0, "cudnn": 0.90, "efficient": "not available: x", "math": 3.0, "pytorch": 1.0}
     assert attention_choice.choose(ms) == "cudnn"
     assert attention_choice.choose({**ms, "cudnn": 0.98}) == "pytorch"  # within the margin: PyTorch keeps choosing
-    with pytest.raises(ValueError, match="PyTorch's own pick did not run"):
+    with pytest.raises(ValueError, match="the default kernel 'pytorch' did not run"):
         attention_choice.choose({**ms, "pytorch": "not available: y"})
+    # TopK: the fused kernels are the default the other path must beat
+    assert attention_choice.choose({"fused": 2.4, "masked_sdpa": 1.9}, default="fused") == "masked_sdpa"
+    assert attention_choice.choose({"fused": 2.4, "masked_sdpa": 2.37}, default="fused") == "fused"
 
 
 def test_the_tool_times_the_runs_shapes_and_merges_its_entries(tmp_path, capsys):
@@ -146,13 +152,14 @@ def test_the_tool_times_the_runs_shapes_and_merges_its_entries(tmp_path, capsys)
     choices = choose_attention.main(argv)
     # MAE ViT-B/16 at 224, mask 0.75: the encoder's 49 visible patches + cls, the decoder's 197 tokens
     assert {(c.heads, c.tokens, c.head_dim) for c in choices} == {(12, 50, 64), (16, 197, 32)}
+    assert {c.attention for c in choices} == {"dense"}  # TopK is timed on a GPU with Triton only
+    assert "TopK 12x197x64: not available: not on a GPU" in capsys.readouterr().out
     for c in choices:
         assert isinstance(c.measured["ms"]["pytorch"], float) and isinstance(c.measured["ms"]["math"], float)
         assert c.measured["ms"]["cudnn"].startswith("not available")  # no cuDNN kernel on CPU
         assert c.kernel == attention_choice.choose(c.measured["ms"])
     kept = {(c.capability, c.heads) for c in attention_choice.load(path)}
     assert kept == {("cpu", 5), ("9.0", 12), ("cpu", 12), ("cpu", 16)}  # merged, the other capability kept
-    assert "12x50x64" in capsys.readouterr().out
     choose_attention.main(argv)  # again: the same keys are replaced, not repeated
     assert len(attention_choice.load(path)) == 4
 
@@ -180,3 +187,56 @@ def test_a_gpu_activates_the_entries_of_its_compute_capability(tmp_path, monkeyp
     assert attention_choice.activate(torch.device("cuda", 0), path) == active
     q = torch.empty(3, 2, 17, 16, dtype=torch.bfloat16, device="meta")
     assert attention_choice.kernel_for(q) == (torch.nn.attention.SDPBackend.CUDNN_ATTENTION if active else None)
+
+
+def test_topk_entries_pick_the_path_of_their_shape_beside_the_dense_entry_of_that_shape(tmp_path):
+    path = table(tmp_path, entry(heads=12, tokens=197, head_dim=64, kernel="math"),
+                 entry(attention="topk", heads=12, tokens=197, head_dim=64, kernel="masked_sdpa"),
+                 entry(attention="topk", heads=16, tokens=197, head_dim=64, kernel="fused"))
+    assert attention_choice.activate(CPU, path) == 3
+    q = torch.empty(4, 12, 197, 64)
+    assert attention_choice.topk_kernel_for(q) == "masked_sdpa"
+    assert attention_choice.kernel_for(q) == torch.nn.attention.SDPBackend.MATH  # the dense entry still applies
+    assert attention_choice.topk_kernel_for(torch.empty(4, 16, 197, 64)) == "fused"
+    assert attention_choice.topk_kernel_for(torch.empty(4, 12, 50, 64)) == "fused"  # unlisted: the fused kernels
+    assert attention_choice.topk_masked_shapes(torch.float32, 197, 64) == [12]
+    assert attention_choice.choices_for("cpu", torch.float32, path) == {(12, 197, 64): "math"}  # dense only
+    attention_choice.deactivate()
+    assert attention_choice.topk_kernel_for(q) == "fused"
+
+
+def test_the_dispatch_routes_topk_through_the_path_the_table_chose(tmp_path, monkeypatch):
+    """On a GPU the fused kernels would run; here both paths are stand-ins that say which ran."""
+    pytest.importorskip("triton")
+    import importlib
+
+    from kernels.masked import TopKMask
+
+    dispatch = importlib.import_module("kernels.attention")
+    restricted = importlib.import_module("kernels.restricted_triton")
+    ran = []
+    monkeypatch.setattr(dispatch, "_fused_or_warn", lambda q: True)
+    for name in ("topk_attention", "topk_attention_masked_sdpa"):
+        monkeypatch.setattr(restricted, name, lambda q, k, v, rows, g, seg, name=name: (ran.append(name) or q, None))
+    q = torch.randn(2, 12, 197, 8)
+    dispatch.attention(q, q, q, mask=TopKMask(49))
+    attention_choice.activate(CPU, table(tmp_path, entry(attention="topk", heads=12, tokens=197, head_dim=8,
+                                                         kernel="masked_sdpa")))
+    dispatch.attention(q, q, q, mask=TopKMask(49))
+    dispatch.attention(torch.randn(2, 6, 197, 8), q, q, mask=TopKMask(49))  # another head count: fused
+    assert ran == ["topk_attention", "topk_attention_masked_sdpa", "topk_attention"]
+    said = dispatch.describe_paths("sdpa", torch.device("cuda"), torch.float32, 197, 8, capability=(9, 0))["topk"]
+    assert said.startswith("triton threshold kernel + SDPA under the kept set as a mask (measured faster for 12 heads)")
+
+
+def test_topk_timing_says_why_not_without_a_gpu():
+    ms = attention_choice.time_topk(2, 2, 17, 8, 4, torch.float32, CPU, iters=1)
+    assert set(ms) == set(attention_choice.TOPK_KERNELS) and all(v == "not available: not on a GPU" for v in ms.values())
+
+
+def test_the_tools_topk_shape_is_mixedaes_encoder_at_its_preset():
+    from tools.choose_attention import DEFAULT_TOPK_CONFIGS, topk_shape_of
+
+    # ViT-B/16 at 224, r = 1/4: 128 images make 32 mixed ones of 196 patches + cls, K = round(196 / 4) = 49
+    assert topk_shape_of(DEFAULT_TOPK_CONFIGS[0], "vit_base_patch16", 128) == (32, 12, 197, 64, 49)
+    assert topk_shape_of(DEFAULT_TOPK_CONFIGS[0], "vit_large_patch16", 128) == (32, 16, 197, 64, 49)

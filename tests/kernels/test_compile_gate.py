@@ -61,7 +61,7 @@ def test_compiled_shared_memory_fits_sm80_and_sm90(builds, record_property):
 
 def test_no_register_spills_at_the_vit_b_l_shape(builds):
     common = [b for b in builds if (b.tokens, b.head_dim) == (197, 64) and b.dtype in ("fp16", "bf16")]
-    assert len(common) == 2 * 2 * (4 + 3)  # fp16/bf16 x sm_80/sm_90 x (4 TopK + 3 segment kernels)
+    assert len(common) == 2 * 2 * (5 + 3)  # fp16/bf16 x sm_80/sm_90 x (5 TopK + 3 segment kernels)
     for b in common:
         assert b.spill_stores == 0 and b.spill_loads == 0, f"{b} spills"
         assert b.registers <= 255

@@ -89,3 +89,28 @@ def test_compiled_gradients_are_deterministic():
     for later in runs[1:]:
         for a, b in zip(runs[0], later):
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T, d", [(197, 64), (257, 80)])
+def test_masked_sdpa_path_keeps_the_references_set_and_matches_it_on_gpu(dtype, T, d):
+    """TopK through the threshold kernel's mask and SDPA: the mask is the reference's kept set
+    exactly (exact logits), and output, gradients and same-source share match the reference's."""
+    from kernels.masked import _logits, topk_allowed
+    from kernels.restricted_triton import topk_attention_masked_sdpa, topk_mask
+
+    (q, k, v), segments = _inputs(2, 4, T, d, dtype, seed=3)
+    _needs_fused_kernels(q)
+    q, k = _exact_dot_qk(q, k)
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ks = torch.full((2, T), round(0.25 * (T - 1)), device="cuda")
+    mask, _ = topk_mask(q, k, ks, 1, segments)
+    assert torch.equal(mask, topk_allowed(_logits(qr, kr), ks, 1))
+    tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
+    out, share = topk_attention_masked_sdpa(q, k, v, ks, 1, segments)
+    ref_mask = TopKMask(ks, segments=segments)
+    ref = topk_attention_reference(qr, kr, vr, ref_mask)
+    assert _close(out, ref, tol) and share.item() == pytest.approx(ref_mask.same_source_share.item(), abs=1e-6)
+    for a, b in zip(_grads(out, (q, k, v)), _grads(ref, (qr, kr, vr))):
+        assert _close(a, b, 5 * tol)

@@ -124,3 +124,26 @@ def test_interpreted_gradients_are_deterministic(interpreted):
             for _ in range(2)]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("T, d, per_row", [(21, 8, False), (70, 8, True)])
+def test_interpreted_topk_mask_is_the_references_kept_set_and_sdpa_over_it_matches(interpreted, T, d, per_row):
+    """The threshold kernel writing the kept set (TopK through SDPA with that mask): the mask is the
+    reference's `topk_allowed` exactly, the same-source share is the reference's, and the output and
+    gradients match the reference's (T = 70: several row blocks; per-row K)."""
+    from kernels.masked import _logits, topk_allowed
+
+    (q, k, v), segments = _inputs(T=T, d=d, seed=8)
+    B = q.shape[0]
+    g = torch.Generator().manual_seed(9)
+    ks = torch.randint(1, T + 1, (B, T), generator=g) if per_row else torch.full((B, T), 6)
+    mask, share = interpreted.topk_mask(q, k, ks, 2, segments)
+    assert mask.dtype == torch.bool and torch.equal(mask, topk_allowed(_logits(q, k), ks, 2))
+    out, share = interpreted.topk_attention_masked_sdpa(q, k, v, ks, 2, segments)
+    ref_mask = TopKMask(ks, num_global=2, segments=segments)
+    ref = topk_attention_reference(q, k, v, ref_mask)
+    assert _close(out, ref, 1e-5) and share.item() == pytest.approx(ref_mask.same_source_share.item())
+    for a, b in zip(_grads(out, (q, k, v)), _grads(ref, (q, k, v))):
+        assert _close(a, b, 1e-5)
+    fused, _ = interpreted.topk_attention(q, k, v, ks, 2, segments)
+    assert _close(out, fused, 1e-5)  # one kept set, two ways of attending over it
