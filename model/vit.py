@@ -64,10 +64,16 @@ class Attention(nn.Module):
         B, N, D = x.shape
         if bias_hook is not None and self.rpe is None:
             raise ValueError("a bias_hook edits the relative-position bias: build the model with rpe=True")
-        # (B, N, 3D) -> (3, B, H, N, d)
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, D // self.num_heads).permute(2, 0, 3, 1, 4)
-        bias = self.rpe(qkv[0], bias_hook) if self.rpe is not None else None  # (B, H, N, N)
-        out = attention(qkv[0], qkv[1], qkv[2], backend=self.backend, mask=mask, bias=bias)  # (B, H, N, d)
+        # (B, N, 3D) -> q, k, v (B, H, N, d), views of the projection. Their gradients meet in the
+        # projection's (B, N, 3, H, d) layout: eagerly, unbind's backward stacks them there in one
+        # kernel, where indexing would fill a zero tensor and copy into it per index and then add
+        # the three; compiled, inductor fuses indexing's backward into one kernel but copies each
+        # input of a stack separately (tools/census.py counts both).
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, D // self.num_heads)
+        parts = [qkv[:, :, i] for i in range(3)] if torch.compiler.is_compiling() else qkv.unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in parts)
+        bias = self.rpe(q, bias_hook) if self.rpe is not None else None  # (B, H, N, N)
+        out = attention(q, k, v, backend=self.backend, mask=mask, bias=bias)  # (B, H, N, d)
         return self.proj(out.transpose(1, 2).reshape(B, N, D))
 
 

@@ -3,7 +3,7 @@ on a GPU machine, one compact JSON per phase (+ one log per call, and the bench 
 --out (default runs/gpu_check/; --record: benchmarks/results/, the committed records). How to
 install and run it: docs/GPU.md.
 
-    python -m tools.gpu_check PHASE [PHASE ...] [--budget_s 480] [--smoke] [--out DIR | --record]
+    python -m tools.gpu_check PHASE[:SECONDS] [PHASE[:SECONDS] ...] [--budget_s 480] [--smoke] [--out DIR | --record]
 
 Phases (tools/phases/, one module each; each reuses the project's own entry points):
   compile  eager against compiled blocks replayed as CUDA graphs: equal losses (bf16, fp32 with
@@ -15,8 +15,9 @@ Phases (tools/phases/, one module each; each reuses the project's own entry poin
   bench    MAE ViT-B/16 and ViT-L/16 at 224, bf16, through train/bench.py, alternating with the
            plain-PyTorch MAE (tools/mae_baseline.py); images/s, TFLOP/s, MFU, peak memory vs the
            dry-run estimate, activation checkpointing and compile on, the largest micro-batch
-  methods  step time of every method against MAE at ViT-B/224 through train/bench.py, MixedAE with
-           and without the fused TopK kernel; kernels/bench.py fp16 + bf16
+  methods  step time of every method against MAE at ViT-B/224, micro-batch 128, through
+           train/bench.py, MixedAE with and without the fused TopK kernel; kernels/bench.py fp16 +
+           bf16; each method's time by phase beside its counted arithmetic (tools/method_time.py)
   loader   decode + RandomResizedCrop 224 images/s with cpu, cpu_draft (train/bench.py
            --loader_only) and nvjpeg, on JPEG shards made by benchmarks/photo_shards.py
   study    experiments/fashion_mnist/study.py on Fashion-MNIST, 1 seed, one entry at a time (--study_pretrain_samples,
@@ -27,8 +28,9 @@ Phases (tools/phases/, one module each; each reuses the project's own entry poin
 
 --smoke: the same phase on the CPU with tiny models and few steps (the test suite runs it); what
 needs CUDA is skipped with the reason in the JSON. Without CUDA and without --smoke: exit 2.
---budget_s: wall-clock seconds for the whole call; an item whose estimate no longer fits is
-recorded as skipped, and the JSON is rewritten after every item, so a killed call still leaves
+--budget_s: wall-clock seconds for the whole call; PHASE:SECONDS caps a phase besides (so one call
+runs several phases, each with its share: `compile:260 methods:150 loader:90`); an item whose
+estimate no longer fits is recorded as skipped, and the JSON is rewritten after every item, so a killed call still leaves
 what it measured. Installs nothing (docs/GPU.md: online, or offline from `make gpu-wheels`). The
 commit is $GPU_CHECK_COMMIT, else git's, else "unknown".
 """
@@ -167,9 +169,26 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def phase_and_cap(text: str) -> tuple[str, float | None]:
+    """'compile' -> ('compile', None); 'compile:260' -> ('compile', 260.0): the phase's cap in seconds."""
+    name, _, cap = text.partition(":")
+    if name not in PHASES:
+        raise argparse.ArgumentTypeError(f"unknown phase {name!r}; choose from {', '.join(PHASES)}")
+    if not cap:
+        return name, None
+    try:
+        seconds = float(cap)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the cap after ':' must be seconds, e.g. {name}:200") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the cap must be > 0 seconds")
+    return name, seconds
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("phases", nargs="+", choices=PHASES)
+    p.add_argument("phases", nargs="+", type=phase_and_cap, metavar="PHASE[:SECONDS]",
+                   help=f"one of {', '.join(PHASES)}; ':SECONDS' caps the phase's share of --budget_s")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny models, few steps (the test suite's mode)")
     p.add_argument("--budget_s", type=float, default=480.0, help="seconds for the whole call (default 8 min)")
     p.add_argument("--out", type=Path, default=None,
@@ -190,13 +209,14 @@ def main(argv: list[str] | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + a.budget_s
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    log = out / f"gpu_check_{'+'.join(a.phases)}_{'cpu_smoke' if a.smoke else 'cuda'}_{stamp}.log"
+    log = out / f"gpu_check_{'+'.join(name for name, _ in a.phases)}_{'cpu_smoke' if a.smoke else 'cuda'}_{stamp}.log"
     paths = []
     with open(log, "a") as logf, tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         tee = Tee(sys.__stdout__, logf)
         with redirect_stdout(tee), redirect_stderr(tee):
-            for phase in a.phases:
-                check = Check(phase, out, a.smoke, deadline, Path(tmp) / phase, log)
+            for phase, cap in a.phases:
+                ends = deadline if cap is None else min(deadline, time.monotonic() + cap)
+                check = Check(phase, out, a.smoke, ends, Path(tmp) / phase, log)
                 check.work.mkdir(parents=True)
                 check.save()
                 try:

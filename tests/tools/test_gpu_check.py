@@ -211,3 +211,23 @@ def test_the_baseline_is_the_same_model_as_ours_and_learns():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.9 * losses[0]
+
+
+def test_a_phase_can_be_given_its_share_of_the_call(tmp_path, monkeypatch):
+    """PHASE:SECONDS caps one phase inside --budget_s, so one call runs several phases each with its share."""
+    import argparse
+
+    from tools import gpu_check
+    from tools.phases import loader, methods
+
+    assert gpu_check.phase_and_cap("methods") == ("methods", None)
+    assert gpu_check.phase_and_cap("methods:150") == ("methods", 150.0)
+    for bad, said in (("method:10", "unknown phase 'method'"), ("loader:ten", "must be seconds"),
+                      ("loader:0", "must be > 0")):
+        with pytest.raises(argparse.ArgumentTypeError, match=said):
+            gpu_check.phase_and_cap(bad)
+    left = {}
+    monkeypatch.setattr(methods, "run", lambda check, a: left.setdefault("methods", check.remaining()))
+    monkeypatch.setattr(loader, "run", lambda check, a: left.setdefault("loader", check.remaining()))
+    gpu_check.main(["methods:30", "loader", "--smoke", "--budget_s", "300", "--out", str(tmp_path)])
+    assert 0 < left["methods"] <= 30 < left["loader"] <= 300  # capped; the rest of the call's budget
