@@ -27,6 +27,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
 import json
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ import torch
 from data.cli import Parser, refuse, refusing
 from data.outputs import written_whole
 from kernels import attention_choice
+from kernels.attention import _fused_reason
 from kernels.bench import commit
 from train.config.ds_config import resolve
 from train.config.errors import ConfigError
@@ -55,6 +57,40 @@ def shapes_of(config: str, model: str | None, micro: int) -> list[tuple[int, int
     ds, _ = resolve(cfg, 1)
     _, prof = profile_config(cfg, ds, micro, fused_kernels=True)
     return attention_shapes(prof)
+
+
+def time_topk(batch: int, heads: int, tokens: int, head_dim: int, k: int, dtype: torch.dtype,
+              device: torch.device, iters: int = 20, warmup: int = 3) -> dict[str, float | str]:
+    """Milliseconds of one forward + backward of TopK attention (K keys per query, the cls row
+    global, segments given as MixedAE gives them) on each path of attention_choice.TOPK_KERNELS,
+    on a GPU the fused kernels run on; elsewhere each path gets the reason instead of a time."""
+    probe = torch.empty(batch, heads, tokens, head_dim, dtype=dtype, device=device)
+    reason = _fused_reason(probe)
+    if reason is not None:
+        return dict.fromkeys(attention_choice.TOPK_KERNELS, f"not available: {reason}")
+    from kernels.restricted_triton import topk_attention, topk_attention_masked_sdpa
+
+    q, k_, v = (torch.randn(batch, heads, tokens, head_dim, device=device, dtype=dtype, requires_grad=True)
+                for _ in range(3))
+    grad = torch.randn(batch, heads, tokens, head_dim, device=device, dtype=dtype)
+    k_rows = torch.full((batch, tokens), k, device=device)
+    segments = torch.randint(0, 4, (batch, tokens), device=device)
+    segments[:, 0] = -1
+    paths = {"fused": topk_attention, "masked_sdpa": topk_attention_masked_sdpa}
+    out: dict[str, float | str] = {}
+    for name in attention_choice.TOPK_KERNELS:
+        def once(fn=paths[name]) -> None:
+            o, _ = fn(q, k_, v, k_rows, 1, segments)
+            torch.autograd.grad(o, (q, k_, v), grad)
+        for _ in range(warmup):
+            once()
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            once()
+        torch.cuda.synchronize(device)
+        out[name] = (time.perf_counter() - start) / iters * 1e3
+    return out
 
 
 def topk_shape_of(config: str, model: str | None, micro: int) -> tuple[int, int, int, int, int]:
@@ -111,7 +147,7 @@ def main(argv: list[str] | None = None) -> list[attention_choice.Choice]:
         print(f"{f'{heads}x{tokens}x{head_dim}':>22}  {cells}  {kernel}")
     topk_shapes = sorted({topk_shape_of(config, model, a.micro) for config in a.topk_config for model in a.model})
     for batch, heads, tokens, head_dim, k in topk_shapes:
-        ms = attention_choice.time_topk(batch, heads, tokens, head_dim, k, dtype, device, a.iters)
+        ms = time_topk(batch, heads, tokens, head_dim, k, dtype, device, a.iters)
         if not any(isinstance(v, float) for v in ms.values()):
             print(f"TopK {heads}x{tokens}x{head_dim}: {next(iter(ms.values()))}")
             continue

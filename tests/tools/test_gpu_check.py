@@ -231,3 +231,117 @@ def test_a_phase_can_be_given_its_share_of_the_call(tmp_path, monkeypatch):
     monkeypatch.setattr(loader, "run", lambda check, a: left.setdefault("loader", check.remaining()))
     gpu_check.main(["methods:30", "loader", "--smoke", "--budget_s", "300", "--out", str(tmp_path)])
     assert 0 < left["methods"] <= 30 < left["loader"] <= 300  # capped; the rest of the call's budget
+
+
+def _gpu_branch_check(tmp_path, phase: str):
+    """A Check that takes the phase's GPU branch (check.cuda) on this CPU, with a budget that never
+    runs out: with the measurements stood in, what runs is the phase's own order, names and sums."""
+    from tools.gpu_check import Check
+
+    check = Check(phase, tmp_path, smoke=False, deadline=float("inf"), work=tmp_path / "work", log=tmp_path / "log")
+    check.work.mkdir()
+    check.cuda = True
+    return check
+
+
+def test_methods_phase_gpu_branch_runs_its_items_in_order_and_sums_them(tmp_path, monkeypatch):
+    """The GPU branch is what a lent GPU's minutes run: its order, its arguments (micro-batch 128,
+    the ViT-B presets) and its summary, with train/bench.py, kernels/bench.py and
+    tools/method_time.py stood in by made-up timings."""
+    import json
+    import types
+
+    import kernels.bench
+    from tools import method_time
+    from tools.phases import methods
+
+    seen = []
+    step = {"mae": 0.040, "mixedae": 0.042, "maeplus": 0.090, "mlomae": 0.400, "energy": 0.300}
+
+    def bench(check, argv, torch_topk=False):
+        ds = json.loads(open(argv[argv.index("--ds_config") + 1]).read())
+        name = next((m for m in ("mixedae", "mlomae", "energy") if any(f"{m}/" in a for a in argv)), None)
+        name = name or ("maeplus" if any("maeplus/" in a for a in argv) else "mae")
+        adpe = any("rpe_coord" in a for a in argv)
+        seen.append((name, ds["train_micro_batch_size_per_gpu"], torch_topk))
+        return {"step_time_s": step[name] * (1.01 if adpe else 1.0) * (2 if torch_topk else 1), "objective": name}
+
+    def kbench(argv):
+        path = tmp_path / f"kernels_{argv[argv.index('--dtype') + 1]}.json"
+        shape = {"results": {"dense_sdpa": {"ms": 0.4}, "topk_fused": {"ms": 2.4}, "topk_masked_sdpa": {"ms": 1.9}},
+                 "ratios": {"topk_fused_over_dense": 6.0, "topk_masked_sdpa_speedup_vs_topk_fused": 2.4 / 1.9}}
+        path.write_text(json.dumps({"dtype": "bf16", "triton": "3.6", "shapes": {"vit_b": shape}}))
+        return str(path)
+
+    def times(argv):
+        assert argv[:2] == ["--micro", "64"] and "--device" not in argv  # the GPU's default device
+        ms = {"forward": 10.0, "backward": 20.0, "optimizer": 2.0, "after_step": 0.0}
+        rows = {m: {"ms": dict(ms, after_step=300.0 if m == "mlomae" else 0.0), "micro_batch": 64,
+                    "step_ms": 32.0 + (300.0 if m == "mlomae" else 0.0),
+                    "gflop_per_image": {"forward": 20.0, "backward": 40.0, "after_step": 390.0 if m == "mlomae" else 0.0},
+                    "step_gflop_per_image": 450.0 if m == "mlomae" else 60.0}
+                for m in argv[argv.index("--methods") + 1:]}
+        return method_time.with_floors(rows, 989.0)
+
+    monkeypatch.setattr(methods, "our_bench", bench)
+    monkeypatch.setattr(kernels.bench, "main", kbench)
+    monkeypatch.setattr(method_time, "main", times)
+    check = _gpu_branch_check(tmp_path, "methods")
+    methods.run(check, types.SimpleNamespace())
+    items, summary = check.record["items"], check.record["summary"]
+    assert not [k for k, v in items.items() if "error" in v or "skipped" in v], items
+    order = ["mae", "mixedae", "mixedae_torch_topk", "maeplus", "adpe", "mlomae", "energy"]
+    assert list(items) == ([f"{m}_r0" for m in order] + ["kernels_bf16", "phase_times"]
+                           + [f"{m}_r1" for m in order[::-1]] + ["kernels_fp16"])
+    assert {micro for _, micro, _ in seen} == {128} and sum(t for _, _, t in seen) == 2  # the composition: one per round
+    ratios = summary["step_ratios"]
+    assert ratios["mixedae_over_mae"] == pytest.approx(1.05) and ratios["adpe_over_maeplus"] == pytest.approx(1.01)
+    assert ratios["mixedae_torch_topk_over_mixedae"] == pytest.approx(2.0)
+    assert summary["kernels_bf16"]["vit_b"]["topk_masked_sdpa_speedup_vs_topk_fused"] == pytest.approx(2.4 / 1.9)
+    assert set(summary["phase_times"]) == set(method_time.METHODS)
+    assert summary["phase_times"]["mlomae"]["over_mae_measured"] == pytest.approx(332 / 32)
+    assert summary["phase_times"]["mlomae"]["over_mae_counted"] == pytest.approx(7.5)
+
+
+def test_compile_phase_gpu_branch_runs_every_item_in_its_order(tmp_path, monkeypatch):
+    """The compile phase's GPU items, in the order a short call should learn them, with the
+    measurements stood in: names, arguments (micro-batches, models, compile and float8 switches)
+    and the summary."""
+    import json
+    import types
+
+    from kernels import attention_choice
+    from tools import choose_attention, compile_probe
+    from tools.phases import compile as phase
+
+    runs = []
+
+    def bench(check, argv):
+        micro = json.loads(open(argv[argv.index("--ds_config") + 1]).read())["train_micro_batch_size_per_gpu"]
+        compiled, float8 = "--run.compile" in argv, "--run.float8" in argv
+        runs.append((micro, compiled, float8))
+        rate = 3000.0 * (1.3 if compiled else 1.0) * (1.2 if float8 else 1.0)
+        return {"images_per_s": rate, "step_time_s": micro / rate, "mfu": rate / 16800}
+
+    def choose(argv):
+        assert "--write" in argv and "--device" not in argv
+        return [attention_choice.Choice("9.0", "bf16", "dense", 12, 50, 64, "cudnn", {"ms": {"cudnn": 0.1}})]
+
+    monkeypatch.setattr(phase, "our_bench", bench)
+    monkeypatch.setattr(choose_attention, "main", choose)
+    monkeypatch.setattr(compile_probe, "equality", lambda *a: {"max_relative_difference": 1e-3, "tolerance": 2e-2,
+                                                               "equal": True})
+    monkeypatch.setattr(compile_probe, "float8_curves", lambda *a: {"float8_gap": 0.01, "seed_gap": 0.02,
+                                                                    "within_bf16_noise": True})
+    check = _gpu_branch_check(tmp_path, "compile")
+    phase.run(check, types.SimpleNamespace())
+    items, summary = check.record["items"], check.record["summary"]
+    assert not [k for k, v in items.items() if "error" in v or "skipped" in v], items
+    names = list(items)
+    assert names[:2] == ["equality_bf16_micro64", "attention_choice"] and names[-1] == "float8_curves_vit_l_micro64"
+    assert names.index("vit_b_128_eager_r0") < names.index("method_mae_compiled_r0") < names.index("vit_l_128_eager_r0")
+    assert {(m, c) for m, c, _ in runs} >= {(128, False), (128, True), (64, True), (512, True)}
+    assert sum(f for _, _, f in runs) == 1 and items["attention_choice"]["entries"][0]["kernel"] == "cudnn"
+    assert summary["ratios"]["compile_over_eager_vit_b_128"] == pytest.approx(1.3)
+    assert summary["ratios"]["float8_over_compiled_vit_l_128"] == pytest.approx(1.2)
+    assert summary["equality_bf16_micro64"]["equal"] and summary["float8_curves_vit_l_micro64"]["within_bf16_noise"]
