@@ -11,11 +11,12 @@ A per-call `mask` (kernels.masked: SegmentMask, TopKMask) restricts which keys e
 TopK attention runs the fused Triton kernels (kernels/restricted_triton.py) on sm80+ GPUs, or their
 threshold kernel and SDPA under the kept set as a mask where the table measured that faster for
 the shape (kernels/attention_choice.py), and the PyTorch composition elsewhere (CPU, V100,
-sequences over 1024 tokens, head dims over 128; on a GPU with one warning per reason). Segment-masked attention runs SDPA with a boolean mask: on an H100
-its memory-efficient kernel took 0.80 ms forward+backward at ViT-B shapes in bf16 against 1.57 ms
-for the fused segment kernel (docs/KERNELS.md), which stays callable for benchmarks. Backend `math`
-always takes the plain references, which are the twice-differentiable path. `describe_paths` says
-which implementation each kind of call gets; the entry points log it once at start.
+sequences over 1024 tokens, head dims over 128; on a GPU with one warning per reason).
+Segment-masked attention runs SDPA with a boolean mask: on an H100 its memory-efficient kernel
+took 0.80 ms forward+backward at ViT-B shapes in bf16 against 1.57 ms for the fused segment kernel
+(docs/KERNELS.md), which stays callable for benchmarks. Backend `math` always takes the plain
+references, which are the twice-differentiable path. `describe_paths` says which implementation
+each kind of call gets; the entry points log it once at start.
 """
 from __future__ import annotations
 
@@ -218,8 +219,8 @@ def describe_paths(backend: str, device: torch.device, dtype: torch.dtype, token
     reason = "backend math" if backend == "math" else _fused_reason(probe, capability)
     segment = "math reference" if backend == "math" else "torch SDPA with a boolean mask"
     topk = "triton fused kernel" if reason is None else f"PyTorch reference composition ({reason})"
-    if reason is None and topk_masked_shapes(dtype, tokens, head_dim):
+    masked = topk_masked_shapes(dtype, tokens, head_dim) if reason is None else []
+    if masked:
         topk = ("triton threshold kernel + SDPA under the kept set as a mask (measured faster for "
-                f"{', '.join(f'{h} heads' for h in topk_masked_shapes(dtype, tokens, head_dim))}), "
-                "else the triton fused kernel")
+                f"{', '.join(f'{h} heads' for h in masked)}), else the triton fused kernel")
     return {"dense": dense, "segment": segment, "topk": topk}

@@ -110,7 +110,8 @@ def _threshold_kernel(Q, K, KROW, THR, MASK, SEG, STATS, H, T, D, stride_b, stri
         count = tl.sum((key >= cand[:, None]).to(tl.int32), axis=1)
         thr = tl.where(count >= kk, cand, thr)
     tl.store(THR + bh * T + offs_m, thr.to(tl.int32, bitcast=True), mask=offs_m < T)
-    if WRITE_MASK:  # the kept set of _kept, from the same logits
+    if WRITE_MASK:  # _kept's TopK rule on the keys already made (calling _kept remakes them from the
+        # logits: 18-22 more registers at 197/64 and a spill at 577/64, by the compile sweep)
         row_ok = offs_m < T
         valid = row_ok[:, None] & (offs_n < T)[None, :]
         keep = ((key >= thr[:, None]) | (offs_m[:, None] < num_global)) & valid

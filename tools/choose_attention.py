@@ -13,9 +13,10 @@ entry says PyTorch's pick was measured fastest. Then TopK attention at the shape
 `--topk_config` presets (default MixedAE's ViT-B preset, on every --model): the fused kernels
 against the threshold kernel + SDPA under the kept set as a mask, at the encoder's batch of mixed
 images (micro-batch / g) and the preset's K, each recorded as an entry with "attention": "topk"
-(the fused kernels unless the other path is 3% faster; a GPU with Triton only). Prints a table; `--write` merges the entries into
-kernels/attention_choices.json (the committed table; `--table FILE`: another file), replacing
-those of the same capability, dtype and shape. On CPU (tests): `--device cpu`.
+(the fused kernels unless the other path is 3% faster; a GPU with Triton only). Prints a table;
+`--write` merges the entries into kernels/attention_choices.json (the committed table; `--table
+FILE`: another file), replacing those of the same capability, dtype and shape. On CPU (tests):
+`--device cpu`.
 """
 from __future__ import annotations
 
@@ -94,21 +95,23 @@ def time_topk(batch: int, heads: int, tokens: int, head_dim: int, k: int, dtype:
 
 
 def topk_shape_of(config: str, model: str | None, micro: int) -> tuple[int, int, int, int, int]:
-    """(batch, heads, tokens, head dim, K) of the TopK blocks of one MixedAE micro-batch: the encoder
-    sees micro / g mixed images of every patch and the cls token."""
-    from model.registry import model_arch
+    """(batch, heads, tokens, head dim, K) of the TopK blocks of one MixedAE micro-batch, read off the
+    objective built on the meta device: its encoder sees micro / g mixed images of every patch and
+    the cls token, and keeps its `topk` keys per query."""
+    from model.objectives import build_objective
+    from train.config.options import section
+    from train.config.plan import build_encoder
 
     argv = ["--ds_config", str(SHAPES_DS), "--data.source", "synthetic", "--config", config,
             *(["--model.name", model] if model else [])]
     cfg = parse_args(argv)
     if cfg.objective != "mixedae":
         raise ConfigError(f"--topk_config {config} is a {cfg.objective} preset; TopK attention is MixedAE's")
-    arch = model_arch(cfg.model.name)
-    mix = cfg.mixedae
-    patches = (arch["img_size"] // arch["patch_size"]) ** 2
-    k = mix.topk or int(mix.mix_ratio * patches + 0.5)  # model/objectives/mixedae.py: round(r*N), halves up
-    return (max(1, micro // mix.group_size), arch["num_heads"], patches + 1, arch["embed_dim"] // arch["num_heads"],
-            min(k, patches + 1))
+    with torch.device("meta"):
+        objective = build_objective(cfg.objective, build_encoder(cfg), section(cfg))
+    encoder = objective.encoder
+    heads = encoder.blocks[0].attn.num_heads
+    return (max(1, micro // objective.g), heads, encoder.num_patches + 1, encoder.embed_dim // heads, objective.topk)
 
 
 def main(argv: list[str] | None = None) -> list[attention_choice.Choice]:

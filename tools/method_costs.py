@@ -33,6 +33,13 @@ METHODS = {
     "mlomae": ["--config", str(CONFIGS / "mlomae/vit_b.json")],
     "energy": ["--config", str(CONFIGS / "energy/vit_b.json")],
 }
+# each method's debug preset on top of MAE's (the debug model and data), as the tests use them: what a CPU runs
+DEBUG_METHODS = {method: [x for preset in presets for x in ("--config", str(CONFIGS / preset))] for method, presets in {
+    "mae": ["mae/debug.json"], "mixedae": ["mae/debug.json", "mixedae/debug.json"],
+    "maeplus": ["mae/debug.json", "maeplus/debug.json", "maeplus/variants/maeplus_rpe.json"],
+    "adpe": ["mae/debug.json", "maeplus/debug.json", "maeplus/variants/rpe_coord.json"],
+    "mlomae": ["mae/debug.json", "mlomae/debug.json"], "energy": ["mae/debug.json", "energy/debug.json"],
+}.items()}
 BASELINE = {"adpe": "maeplus"}  # the rest: mae
 
 

@@ -28,19 +28,13 @@ import time
 import torch
 
 from data.cli import Parser, refuse
-from tools.method_costs import CONFIGS, DS, METHODS
+from tools.method_costs import CONFIGS, DEBUG_METHODS, DS, METHODS
 from train.config.options import parse_args
 from train.estimate.gpus import current_gpu
 from train.estimate.step_flops import PHASES, build_step, flops_by_step, run_step
 
 TIMED = ("forward", "backward", "optimizer", "after_step")
 DEBUG_DS = CONFIGS.parents[1] / "ds_configs" / "cpu_debug.json"
-DEBUG = {  # each method's debug preset on top of MAE's (the debug model and data), as the tests use them
-    "mae": ["mae/debug.json"], "mixedae": ["mae/debug.json", "mixedae/debug.json"],
-    "maeplus": ["mae/debug.json", "maeplus/debug.json", "maeplus/variants/maeplus_rpe.json"],
-    "adpe": ["mae/debug.json", "maeplus/debug.json", "maeplus/variants/rpe_coord.json"],
-    "mlomae": ["mae/debug.json", "mlomae/debug.json"], "energy": ["mae/debug.json", "energy/debug.json"],
-}
 
 
 class PhaseClock:
@@ -76,8 +70,7 @@ class PhaseClock:
 
 def config_of(method: str, debug: bool):
     if debug:
-        presets = [x for p in DEBUG[method] for x in ("--config", str(CONFIGS / p))]
-        return parse_args(["--ds_config", str(DEBUG_DS), "--data.source", "synthetic", *presets])
+        return parse_args(["--ds_config", str(DEBUG_DS), "--data.source", "synthetic", *DEBUG_METHODS[method]])
     return parse_args(["--ds_config", str(DS), "--data.source", "synthetic", *METHODS[method]])
 
 

@@ -245,7 +245,7 @@ def _gpu_branch_check(tmp_path, phase: str):
 
 
 def test_methods_phase_gpu_branch_runs_its_items_in_order_and_sums_them(tmp_path, monkeypatch):
-    """The GPU branch is what a lent GPU's minutes run: its order, its arguments (micro-batch 128,
+    """The GPU branch is what a GPU run executes: its order, its arguments (micro-batch 128,
     the ViT-B presets) and its summary, with train/bench.py, kernels/bench.py and
     tools/method_time.py stood in by made-up timings."""
     import json

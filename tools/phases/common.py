@@ -1,4 +1,4 @@
-"""What the phases share: the debug preset and configs, the targets docs/GPU.md reports against, a
+"""What the phases share: the debug preset and ds_config, the targets docs/GPU.md reports against, a
 ds_config written for one GPU, one run of train/bench.py, and the compact form of its result."""
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from tools.gpu_check import REPO, Check, free_memory
 DEBUG_PRESET = REPO / "train" / "configs" / "mae/debug.json"
 
 CPU_DEBUG_DS = REPO / "ds_configs" / "cpu_debug.json"
-
-CONFIGS = REPO / "train" / "configs"
 
 TARGETS = {
     "mae_vit_b_over_baseline_images_per_s": ">= 1.5",

@@ -29,7 +29,8 @@ import shutil
 import statistics
 
 from tools.gpu_check import Check
-from tools.phases.common import CONFIGS, CPU_DEBUG_DS, DEBUG_PRESET, ds_config, our_bench
+from tools.method_costs import METHODS
+from tools.phases.common import CPU_DEBUG_DS, DEBUG_PRESET, ds_config, our_bench
 
 TARGETS = {"compile_over_eager_vit_b_128": ">= 1.2", "step_64_over_step_128": "<= 0.6",
            "mixedae_over_mae_step": "<= 1.03", "adpe_over_maeplus_step": "<= 1.015", "mfu_vit_b": ">= 0.40",
@@ -79,11 +80,7 @@ def run(check: Check, a) -> None:
             check.item(f"{model}_{micro}_{variant}_r{r}" if check.cuda else f"{model}_{variant}_r{r}",
                        COMPILED_S if variant == "compiled" else EAGER_S, lambda a=argv: our_bench(check, a))
 
-    presets = {"mae": ["--model.name", "vit_base_patch16"], "mixedae": ["--config", str(CONFIGS / "mixedae/vit_b.json")],
-               "maeplus": ["--config", str(CONFIGS / "maeplus/vit_b.json"),
-                           "--config", str(CONFIGS / "maeplus/variants/maeplus_rpe.json")],
-               "adpe": ["--config", str(CONFIGS / "maeplus/vit_b.json"),
-                        "--config", str(CONFIGS / "maeplus/variants/rpe_coord.json")]}
+    presets = {m: METHODS[m] for m in ("mae", "mixedae", "maeplus", "adpe")}  # the shipped ViT-B presets
 
     def methods(r: int) -> None:
         ds = str(ds_config(check, "compile_methods_128", 128))

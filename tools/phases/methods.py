@@ -9,7 +9,8 @@ import statistics
 from pathlib import Path
 
 from tools.gpu_check import Check, free_memory
-from tools.phases.common import CONFIGS, CPU_DEBUG_DS, TARGETS, ds_config, our_bench
+from tools.method_costs import DEBUG_METHODS, METHODS
+from tools.phases.common import CPU_DEBUG_DS, TARGETS, ds_config, our_bench
 
 
 def run(check: Check, a) -> None:
@@ -17,27 +18,13 @@ def run(check: Check, a) -> None:
     summary["targets"] = {k: TARGETS[k] for k in ("mixedae_over_mae_step", "adpe_over_maeplus_step",
                                                   "topk_fused_speedup_vs_topk_torch", "topk_fused_over_dense")}
     if check.cuda:
-        base = ["--ds_config", "", "--data.source", "synthetic", "--steps", "10", "--warmup", "3"]
-        base[1] = str(ds_config(check, "methods_128", 128))
-        preset = {"mae": ["--model.name", "vit_base_patch16"], "mixedae": ["mixedae/vit_b.json"],
-                  "maeplus": ["maeplus/vit_b.json", "maeplus/variants/maeplus_rpe.json"],
-                  "adpe": ["maeplus/vit_b.json", "maeplus/variants/rpe_coord.json"], "mlomae": ["mlomae/vit_b.json"],
-                  "energy": ["energy/vit_b.json"]}
-        rounds, est = 2, 30
+        ds, steps, presets, rounds, est = ds_config(check, "methods_128", 128), ("10", "3"), METHODS, 2, 30
     else:
-        base = ["--ds_config", str(CPU_DEBUG_DS), "--data.source", "synthetic", "--steps", "1", "--warmup", "0"]
-        # every debug preset goes on top of mae/debug.json (the debug model and data), as the tests use them
-        preset = {"mae": ["mae/debug.json"], "mixedae": ["mae/debug.json", "mixedae/debug.json"],
-                  "maeplus": ["mae/debug.json", "maeplus/debug.json", "maeplus/variants/maeplus_rpe.json"],
-                  "adpe": ["mae/debug.json", "maeplus/debug.json", "maeplus/variants/rpe_coord.json"],
-                  "mlomae": ["mae/debug.json", "mlomae/debug.json"], "energy": ["mae/debug.json", "energy/debug.json"]}
-        rounds, est = 1, 0
+        ds, steps, presets, rounds, est = CPU_DEBUG_DS, ("1", "0"), DEBUG_METHODS, 1, 0
 
     def argv(method: str) -> list[str]:
-        opts = preset[method]
-        if opts[0].startswith("--"):
-            return [*base, *opts]
-        return [*base, *[x for p in opts for x in ("--config", str(CONFIGS / p))]]
+        return ["--ds_config", str(ds), "--data.source", "synthetic", "--steps", steps[0], "--warmup", steps[1],
+                *presets[method]]
 
     order = ["mae", "mixedae", "mixedae_torch_topk", "maeplus", "adpe", "mlomae", "energy"]
 

@@ -140,6 +140,14 @@ def activation_checkpointing(ds: dict) -> bool:
 FLOAT8_CAPABILITY = (8, 9)  # float8 matmuls on tensor cores: Ada and Hopper onwards
 
 
+def float8_refusal(gpu_name: str, capability: tuple[int, int]) -> str | None:
+    """Why run.float8 cannot run on this GPU, or None: it can."""
+    if tuple(capability) >= FLOAT8_CAPABILITY:
+        return None
+    return (f"run.float8 needs float8 tensor cores (compute capability >= 8.9: H100, H200, L40S), but this GPU is "
+            f"{gpu_name}, compute capability {capability[0]}.{capability[1]}; set run.float8 false")
+
+
 def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
             bf16_ok: bool | None = None) -> tuple[dict, BatchPlan]:
     """Return the final ds_config (batch triple filled in) and the batch plan, or raise ConfigError.
@@ -173,10 +181,8 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
             gpu = f" (this GPU: {here.name}, compute capability {'.'.join(map(str, here.capability))})" if here else ""
             raise ConfigError(f"ds_config enables bf16, which this GPU lacks (V100 has none); use an fp16 config, "
                               f"e.g. ds_configs/*_8xv100_fp16_*.json{gpu}")
-    if cfg.run.float8 and here is not None and here.capability < FLOAT8_CAPABILITY:
-        raise ConfigError(f"run.float8 needs float8 tensor cores (compute capability >= 8.9: H100, H200, L40S), but "
-                          f"this GPU is {here.name}, compute capability {here.capability[0]}.{here.capability[1]}; "
-                          f"set run.float8 false")
+    if cfg.run.float8 and here is not None and (refusal := float8_refusal(here.name, here.capability)):
+        raise ConfigError(refusal)
     if cfg.optim.name == "lars" and (stage != 0 or prec == "bf16"):
         raise ConfigError("optim.name lars needs whole per-layer tensors for its trust ratio, which ZeRO stages "
                           ">= 1 partition; use a ds_config with ZeRO stage 0 in fp32 or fp16 "

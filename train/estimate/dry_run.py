@@ -25,8 +25,8 @@ import torch
 
 from kernels import attention_choice
 from train.config.ds_config import (
-    FLOAT8_CAPABILITY,
     activation_checkpointing,
+    float8_refusal,
     load,
     precision,
     resolve,
@@ -131,9 +131,9 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
     if gpu is not None and cfg.model.attn_backend == "flash_attn" and not gpu.sm80:
         run.problems.append(f"model.attn_backend flash_attn needs an sm80+ GPU (FlashAttention-2); {gpu.name} has "
                             f"none: use sdpa")
-    if gpu is not None and cfg.run.float8 and tuple(map(int, gpu.capability.split("."))) < FLOAT8_CAPABILITY:
-        run.problems.append(f"run.float8 needs float8 tensor cores (compute capability >= 8.9); {gpu.name} has "
-                            f"{gpu.capability}: set run.float8 false")
+    if gpu is not None and cfg.run.float8 and (
+            refusal := float8_refusal(gpu.name, tuple(map(int, gpu.capability.split("."))))):
+        run.problems.append(refusal)
     limit, where = (gpu.memory_gib * GIB, gpu.name) if gpu is not None else ram()  # CPU ranks: this machine's
     for checked in (lambda: check_floor(cfg, ds, plan, limit, where),  # tensors that cannot be allocated at all
                     lambda: check_objective_fits(cfg, plan.micro, plan.accum, stage),

@@ -1,8 +1,8 @@
 """The arithmetic of an objective's optimizer step, by phase, counted rather than modelled.
 
 `step_flops` builds the configured objective on PyTorch's meta device (shapes only: no memory, no
-arithmetic) and runs its training step there under torch's FlopCounterMode, one counter per
-phase: the forward (for energy with its restoration steps, which differentiate inside the
+arithmetic) and runs its training step there under a counter of torch's FLOP formulas
+(`FlopCount`), one per phase: the forward (for energy with its restoration steps, which differentiate inside the
 forward), autograd's backward (for energy a double backward), and the objective's after-step
 hook (MLO-MAE's levels II and III, AdPE's adversary). The counter takes every matmul,
 convolution and attention, forward and backward, so it sees the passes that costs.py's
