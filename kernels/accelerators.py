@@ -22,13 +22,16 @@ def has_nvidia_apex() -> bool:
     return True
 
 
-def _imports_on_sm80(module: str) -> bool:
-    """True when `module` imports and the current GPU has compute capability >= 8.0."""
+def _imports_on_sm80(module: str, provides: str | None = None) -> bool:
+    """True when `module` imports (with the attribute `provides`, if given) and the current GPU has
+    compute capability >= 8.0."""
     if not torch.cuda.is_available():
         return False
     try:
-        importlib.import_module(module)
+        imported = importlib.import_module(module)
     except Exception:
+        return False
+    if provides is not None and not hasattr(imported, provides):
         return False
     major, _ = torch.cuda.get_device_capability()
     return major >= 8
@@ -36,9 +39,10 @@ def _imports_on_sm80(module: str) -> bool:
 
 @functools.cache
 def has_flash_attn() -> bool:
-    """True when the flash-attn package imports and the current GPU can run it (FlashAttention-2
-    has no kernels for V100, sm70)."""
-    return _imports_on_sm80("flash_attn")
+    """True when flash-attn 2.x imports and the current GPU can run it (FlashAttention-2 has no
+    kernels for V100, sm70). Checked by its `flash_attn_func`, not the import alone: flash-attn-4
+    installs only `flash_attn/cute`, which leaves `flash_attn` an empty namespace package that imports."""
+    return _imports_on_sm80("flash_attn", provides="flash_attn_func")
 
 
 @functools.cache

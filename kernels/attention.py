@@ -122,6 +122,9 @@ def resolve_backend(name: str) -> str:
             here = "there is no CUDA GPU here"
         elif (capability := torch.cuda.get_device_capability()) < (8, 0):
             here = f"this GPU is {torch.cuda.get_device_name()}, compute capability {capability[0]}.{capability[1]}"
+        elif importlib.util.find_spec("flash_attn") is not None:  # flash-attn-4's flash_attn.cute alone
+            here = ("flash_attn imports without flash-attn 2's flash_attn_func (flash-attn-4 installs only "
+                    "flash_attn.cute, which this backend does not call; pip install -e '.[flash]')")
         else:
             here = "flash_attn does not import (pip install -e '.[flash]')"
         raise ValueError(

@@ -3,13 +3,14 @@ and SDPA the rest, wherever the inputs come from: MLO-MAE's level III runs fp32 
 The package and the GPU are faked (tests/fake_gpu.py): its flash_attn_func refuses fp32 like the
 real one and records every call."""
 import importlib
+import sys
 
 import pytest
 import torch
 from fake_gpu import fake_flash_attn, fake_gpu
 
-from kernels import attention, math_attention
-from kernels.attention import flash_attn_refusal
+from kernels import accelerators, attention, math_attention
+from kernels.attention import flash_attn_refusal, resolve_backend
 from model.objectives.mlomae import MLOMAEConfig, MLOMAEObjective
 from model.registry import create_model
 
@@ -76,3 +77,22 @@ def test_mlomae_bf16_run_with_flash_attn_survives_its_fp32_level3(monkeypatch):
     assert all(torch.isfinite(stats[key]) for key in ("level2_loss", "level3_loss", "hypergrad_norm"))
     assert stats["hypergrad_norm"] > 0
     assert torch.float32 not in calls  # level III's fp32 calls went to SDPA
+
+
+def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(monkeypatch, tmp_path):
+    """flash-attn-4 installs only flash_attn/cute, so `import flash_attn` succeeds (an empty namespace
+    package) without flash-attn 2's flash_attn_func: the backend is refused at start, naming that,
+    instead of failing at the first attention call."""
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("def flash_attn_func(*args, **kwargs): ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("flash_attn", "flash_attn.cute"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with fake_gpu("h100"):
+        assert importlib.import_module("flash_attn").__file__ is None  # a namespace package: it imports
+        assert not accelerators.has_flash_attn()
+        with pytest.raises(ValueError, match="flash-attn-4 installs only flash_attn.cute"):
+            resolve_backend("flash_attn")
+    fake_flash_attn(monkeypatch)  # flash-attn 2's module: taken
+    with fake_gpu("a100"):
+        assert accelerators.has_flash_attn() and resolve_backend("flash_attn") == "flash_attn"
