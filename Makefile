@@ -70,7 +70,10 @@ kernel-sweep: $(STAMP)
 # cp312 wheels of what a GPU machine without network access lacks (Python 3.12, torch 2.11 there), at
 # the versions this venv runs, into the git-ignored .whl/ (~5 MB), copied there with the code; there:
 # pip install --no-index --no-deps --target SITE .whl/*.whl; PYTHONPATH=SITE:$PWD
-GPU_WHEELS := deepspeed pydantic pydantic-core annotated-types typing-inspection webdataset braceexpand hjson torchao
+# FLASH_ATTN_4=1 adds flash-attn-4 and the CUTLASS DSL it compiles with (~100 MB; docs/GPU.md).
+GPU_WHEELS := deepspeed pydantic pydantic-core annotated-types typing-inspection webdataset braceexpand hjson torchao \
+	$(if $(FLASH_ATTN_4),flash-attn-4 nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core \
+	nvidia-cutlass-dsl-libs-cu12 apache-tvm-ffi torch-c-dlpack-ext quack-kernels)
 gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl/src
 	$(PY) -m pip freeze | tr _ - | grep -iE '^($(subst $() ,|,$(filter-out deepspeed,$(GPU_WHEELS))))==' > .whl/src/pins.txt

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
+from kernels import flash_attn4
 from kernels.accelerators import has_flash_attn
 from kernels.attention_choice import kernel_for, topk_kernel_for, topk_masked_shapes
 from kernels.masked import (
@@ -54,10 +55,12 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """PyTorch's SDPA, on the kernel measured fastest for this shape where the active table lists
-    it (kernels/attention_choice.py), else on PyTorch's pick."""
+    it (kernels/attention_choice.py; flash-attn-4 where that was the fastest), else on PyTorch's pick."""
     kernel = kernel_for(q)
     if kernel is None:
         return F.scaled_dot_product_attention(q, k, v)
+    if kernel == flash_attn4.NAME:  # activate() kept it only where the package trains on this GPU
+        return flash_attn4.attention(q, k, v)
     with sdpa_kernel(kernel):
         return F.scaled_dot_product_attention(q, k, v)
 

@@ -10,6 +10,11 @@ backend (kernels/attention.py) then runs each listed shape under `torch.nn.atten
 with its kernel; a shape the table does not list keeps PyTorch's own pick. The choice is one dict
 lookup with the shape's ints, so compiled blocks trace it into the graph with no break.
 
+Beside SDPA's kernels, flash-attn-4 (kernels/flash_attn4.py) is timed where it is installed and
+the GPU can train with it, and recorded as "flash_attn4" where it is the fastest. An entry naming
+it on a machine without it (or on a GPU it does not train on) is set aside at `activate`, with the
+reason (`set_aside`): those shapes keep PyTorch's pick.
+
 TopK attention (MixedAE's homologous blocks) has two GPU paths over one kept set
 (kernels/restricted_triton.py): the fused kernels ("fused"), or the threshold kernel writing the
 kept set as a mask and SDPA attending under it ("masked_sdpa"). Entries with `"attention": "topk"`
@@ -25,12 +30,15 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kernels import flash_attn4
+
 TABLE = Path(__file__).with_name("attention_choices.json")
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH,
            "pytorch": None}  # measured, and none beat PyTorch's own pick by MARGIN: it keeps choosing
+PACKAGE_KERNELS = (flash_attn4.NAME,)  # dense kernels of optional packages, outside SDPA
 TOPK_KERNELS = ("fused", "masked_sdpa")  # the first is the default of an unlisted shape
-ATTENTIONS = {"dense": tuple(KERNELS), "topk": TOPK_KERNELS}  # each kind of attention call: its kernel names
+ATTENTIONS = {"dense": (*KERNELS, *PACKAGE_KERNELS), "topk": TOPK_KERNELS}  # each kind of attention call: its kernel names
 MARGIN = 0.03  # a kernel replaces the default only when this much faster (timings of one call differ ~1%)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -55,9 +63,10 @@ class Choice:
         return self.capability, self.dtype, self.attention, self.heads, self.tokens, self.head_dim
 
 
-# The active choices: (dtype, heads, tokens, head dim) -> kernel (None: PyTorch's, measured), for the
-# device `activate` was given.
-_ACTIVE: dict[tuple[torch.dtype, int, int, int], SDPBackend | None] = {}
+# The active choices: (dtype, heads, tokens, head dim) -> kernel (an SDPA kernel; None: PyTorch's,
+# measured; or a PACKAGE_KERNELS name), for the device `activate` was given.
+_ACTIVE: dict[tuple[torch.dtype, int, int, int], SDPBackend | str | None] = {}
+_SET_ASIDE: dict[tuple[int, int, int], str] = {}  # (heads, tokens, head dim) -> why its entry's kernel cannot run here
 _ACTIVE_TOPK: dict[tuple[torch.dtype, int, int, int], str] = {}  # the same key -> a TOPK_KERNELS name
 
 
@@ -133,18 +142,37 @@ def activate(device: torch.device, path: Path | None = None) -> int:
             shape = (DTYPES[c.dtype], c.heads, c.tokens, c.head_dim)
             if c.attention == "topk":
                 _ACTIVE_TOPK[shape] = c.kernel
+            elif c.kernel in PACKAGE_KERNELS:
+                reason = flash_attn4.unavailable(torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+                if reason is None:
+                    _ACTIVE[shape] = c.kernel
+                else:
+                    _SET_ASIDE[(c.heads, c.tokens, c.head_dim)] = f"{c.kernel}: {reason}"
             else:
                 _ACTIVE[shape] = KERNELS[c.kernel]
     return len(_ACTIVE) + len(_ACTIVE_TOPK)
 
 
+def set_aside() -> dict[tuple[int, int, int], str]:
+    """The shapes whose measured kernel cannot run here since the last `activate`, with why."""
+    return dict(_SET_ASIDE)
+
+
+def set_aside_warnings() -> list[str]:
+    """One line per set-aside shape, for the run's log."""
+    return [f"attention {h}x{t}x{d}: its measured kernel cannot run here ({why}); PyTorch's pick runs it"
+            for (h, t, d), why in sorted(_SET_ASIDE.items())]
+
+
 def deactivate() -> None:
     _ACTIVE.clear()
     _ACTIVE_TOPK.clear()
+    _SET_ASIDE.clear()
 
 
-def kernel_for(q: torch.Tensor) -> SDPBackend | None:
-    """The kernel chosen for q's (B, H, N, d) shape and dtype; None: PyTorch picks."""
+def kernel_for(q: torch.Tensor) -> SDPBackend | str | None:
+    """The kernel chosen for q's (B, H, N, d) shape and dtype: an SDPA kernel, a PACKAGE_KERNELS
+    name, or None: PyTorch picks."""
     if not _ACTIVE:
         return None
     _, heads, tokens, head_dim = q.shape
@@ -169,6 +197,8 @@ def describe(chosen: dict[tuple[int, int, int], str], shapes: list[tuple[int, in
     def said(shape: tuple[int, int, int]) -> str:
         if shape not in chosen:
             return "PyTorch's pick (not measured)"
+        if chosen[shape] in PACKAGE_KERNELS:
+            return f"{chosen[shape]} (measured fastest; where it is not installed, PyTorch's pick)"
         return "PyTorch's pick (measured fastest)" if chosen[shape] == "pytorch" else f"{chosen[shape]} (measured fastest)"
 
     return "; ".join(f"{h}x{t}x{d} {said((h, t, d))}" for h, t, d in shapes)
@@ -195,9 +225,9 @@ def merged(old: list[Choice], new: list[Choice]) -> dict:
 
 def time_kernels(batch: int, heads: int, tokens: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  iters: int = 20, warmup: int = 3) -> dict[str, float | str]:
-    """Milliseconds of one forward + backward of SDPA on random (batch, heads, tokens, head_dim)
-    inputs, for PyTorch's pick ("pytorch") and under each kernel; a kernel that does not take the
-    inputs gets the reason instead of a time."""
+    """Milliseconds of one forward + backward of dense attention on random (batch, heads, tokens,
+    head_dim) inputs: SDPA under PyTorch's pick ("pytorch") and under each of its kernels, and
+    flash-attn-4; a kernel that does not take the inputs gets the reason instead of a time."""
     import time
     import warnings
 
@@ -209,19 +239,28 @@ def time_kernels(batch: int, heads: int, tokens: int, head_dim: int, dtype: torc
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    out: dict[str, float | str] = {}
-    for name, kernel in KERNELS.items():
-        def once(kernel: SDPBackend | None = kernel) -> None:
+    def sdpa(kernel: SDPBackend | None):
+        def run() -> torch.Tensor:
             if kernel is None:
-                o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-            else:
-                with sdpa_kernel(kernel):
-                    o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-            torch.autograd.grad(o, (q, k, v), grad)
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            with sdpa_kernel(kernel):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return run
+
+    runs = {name: sdpa(kernel) for name, kernel in KERNELS.items()}
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    out: dict[str, float | str] = {}
+    if (reason := flash_attn4.refusal(q, k, v, capability)) is None:
+        runs[flash_attn4.NAME] = lambda: flash_attn4.attention(q, k, v)
+    else:
+        out[flash_attn4.NAME] = f"not available: {reason}"
+    for name, run in runs.items():
+        def once(run=run) -> None:
+            torch.autograd.grad(run(), (q, k, v), grad)
         try:
             with warnings.catch_warnings():  # PyTorch warns why each kernel it was told to use cannot run
                 warnings.simplefilter("ignore")
-                for _ in range(warmup):
+                for _ in range(warmup):  # flash-attn-4 compiles the shape's kernels in the first
                     once()
         except RuntimeError as e:  # "No available kernel" and the reasons PyTorch warned about
             out[name] = f"not available: {str(e).splitlines()[0][:160]}"
@@ -232,7 +271,7 @@ def time_kernels(batch: int, heads: int, tokens: int, head_dim: int, dtype: torc
             once()
         sync()
         out[name] = (time.perf_counter() - start) / iters * 1e3
-    return out
+    return {name: out[name] for name in ATTENTIONS["dense"]}
 
 
 def choose(ms: dict[str, float | str], default: str = "pytorch") -> str:

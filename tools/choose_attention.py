@@ -1,4 +1,4 @@
-"""Time every SDPA kernel on the attention shapes of the given runs, on this machine's GPU, and
+"""Time every attention kernel on the attention shapes of the given runs, on this machine's GPU, and
 record the fastest for each shape in the table the `sdpa` backend reads (kernels/attention_choice.py).
 
     python -m tools.choose_attention [--config PRESET ...] [--model NAME ...] [--micro 128] [--dtype bf16]
@@ -6,9 +6,10 @@ record the fastest for each shape in the table the `sdpa` backend reads (kernels
 
 The shapes are those the runs' blocks attend over (train/estimate/costs.py, on the meta device: an
 encoder's visible tokens, a decoder's full sequence), for every preset x model given (default: MAE
-and MAE+ (multi-crop) on ViT-B/16 and ViT-L/16 at 224). Each kernel (flash, cuDNN,
-memory-efficient, math) and PyTorch's own pick run forward + backward at the micro-batch; a kernel
-is recorded only if it beats PyTorch's pick by 3% (kernels/attention_choice.py MARGIN), else the
+and MAE+ (multi-crop) on ViT-B/16 and ViT-L/16 at 224). Each kernel (SDPA's flash, cuDNN,
+memory-efficient and math; flash-attn-4 where it is installed and trains on this GPU) and
+PyTorch's own pick run forward + backward at the micro-batch; a kernel is recorded only if it
+beats PyTorch's pick by 3% (kernels/attention_choice.py MARGIN), else the
 entry says PyTorch's pick was measured fastest. Then TopK attention at the shapes of the
 `--topk_config` presets (default MixedAE's ViT-B preset, on every --model): the fused kernels
 against the threshold kernel + SDPA under the kept set as a mask, at the encoder's batch of mixed
@@ -140,13 +141,13 @@ def main(argv: list[str] | None = None) -> list[attention_choice.Choice]:
                 or "cpu", "torch": torch.__version__, "commit": commit(), "batch": a.micro}
     capability = attention_choice.capability_of(device)
     choices = []
-    print(f"{'heads x tokens x dim':>22}  " + "  ".join(f"{k:>9}" for k in attention_choice.KERNELS) + "  chosen")
+    print(f"{'heads x tokens x dim':>22}  " + "  ".join(f"{k:>11}" for k in attention_choice.ATTENTIONS["dense"]) + "  chosen")
     for heads, tokens, head_dim in shapes:
         ms = attention_choice.time_kernels(a.micro, heads, tokens, head_dim, dtype, device, a.iters)
         kernel = attention_choice.choose(ms)
         choices.append(attention_choice.Choice(capability, a.dtype, "dense", heads, tokens, head_dim, kernel,
                                                {**measured, "ms": ms}))
-        cells = "  ".join(f"{v:9.3f}" if isinstance(v, float) else f"{'-':>9}" for v in ms.values())
+        cells = "  ".join(f"{v:11.3f}" if isinstance(v, float) else f"{'-':>11}" for v in ms.values())
         print(f"{f'{heads}x{tokens}x{head_dim}':>22}  {cells}  {kernel}")
     topk_shapes = sorted({topk_shape_of(config, model, a.micro) for config in a.topk_config for model in a.model})
     for batch, heads, tokens, head_dim, k in topk_shapes:

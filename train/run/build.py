@@ -62,8 +62,10 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
     except ValueError as e:
         raise ConfigError(f"attention kernel table: {e}") from None
     if measured:
-        log.info("attention: %d shapes run the SDPA kernel measured fastest on this GPU (%s)", measured,
+        log.info("attention: %d shapes run the kernel measured fastest on this GPU (%s)", measured,
                  attention_choice.TABLE.relative_to(attention_choice.TABLE.parents[1]))
+    for line in attention_choice.set_aside_warnings():
+        log.warning(line)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     cuda_graphs = uses_cuda_graphs(cfg, ds_config, device, world)
     in_float8 = apply_execution_options(objective, activation_checkpointing(ds_config), cfg.run.compile, cuda_graphs,
