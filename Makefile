@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 #   rm -rf .venv && make install TORCH_INDEX=https://download.pytorch.org/whl/cu126
 TORCH_INDEX ?=
 
-.PHONY: install test demo fashion-mnist study study-full clean kernel-sweep slurm gpu-wheels gpu-smoke
+.PHONY: install test demo fashion-mnist study study-full clean kernel-sweep slurm gpu-wheels gpu-wheel-pins gpu-smoke
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -68,7 +68,7 @@ kernel-sweep: $(STAMP)
 	$(PY) -m kernels.compile_check --sweep full --json docs/kernel_sweep.json --markdown docs/kernel_sweep.md
 
 # cp312 wheels of what a GPU machine without network access lacks (Python 3.12, torch 2.11 there), at
-# the versions this venv runs, into the git-ignored .whl/ (~5 MB), copied there with the code; there:
+# the versions this venv runs, into the git-ignored .whl/ (~8 MB), copied there with the code; there:
 # pip install --no-index --no-deps --target SITE .whl/*.whl; PYTHONPATH=SITE:$PWD
 # FLASH_ATTN_4=1 adds flash-attn-4 and the CUTLASS DSL it compiles with (~100 MB; docs/GPU.md).
 GPU_WHEELS := deepspeed pydantic pydantic-core annotated-types typing-inspection webdataset braceexpand hjson torchao \
@@ -76,13 +76,18 @@ GPU_WHEELS := deepspeed pydantic pydantic-core annotated-types typing-inspection
 	nvidia-cutlass-dsl-libs-cu12 apache-tvm-ffi torch-c-dlpack-ext quack-kernels)
 gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl/src
-	$(PY) -m pip freeze | tr _ - | grep -iE '^($(subst $() ,|,$(filter-out deepspeed,$(GPU_WHEELS))))==' > .whl/src/pins.txt
+	$(MAKE) -s gpu-wheel-pins > .whl/src/pins.txt
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl -r .whl/src/pins.txt
 	$(PY) -m pip download -q --no-deps --no-binary=:all: -d .whl/src "deepspeed==$$($(PY) -c 'from importlib.metadata import version; print(version("deepspeed"))')"
 	DS_BUILD_OPS=0 $(PY) -m pip wheel -q --no-deps --no-build-isolation -w .whl .whl/src/deepspeed-*.tar.gz
 	rm -rf .whl/src && ls .whl
+
+# name==version of each of GPU_WHEELS but deepspeed (built from source above) as this venv has it;
+# `pip list --format=freeze`, as `pip freeze` writes `name @ file://...` for a wheel installed from a file.
+gpu-wheel-pins:
+	@$(PY) -m pip list --format=freeze | tr _ - | grep -iE '^($(subst $() ,|,$(filter-out deepspeed,$(GPU_WHEELS))))=='
 
 # Every phase of the GPU validation kit (tools/gpu_check.py) in its CPU smoke mode: debug model, a step
 # or two, CUDA-only parts skipped with the reason; JSONs + log in runs/gpu_smoke (the suite runs the same).
