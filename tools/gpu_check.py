@@ -185,6 +185,25 @@ def phase_and_cap(text: str) -> tuple[str, float | None]:
     return name, seconds
 
 
+def cutlass_dsl_on_path() -> Path | None:
+    """flash-attn-4's CUTLASS DSL keeps its packages in nvidia_cutlass_dsl/dsl_packages, which a
+    `.pth` file puts on sys.path; Python reads `.pth` files only in site directories, so installed
+    with `pip --target` and found through PYTHONPATH the DSL would not import and flash-attn-4 would
+    not be timed. Puts that folder on sys.path and PYTHONPATH (the phases' subprocesses); returns it,
+    or None where nothing was missing."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("cutlass") is not None:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations))) / "dsl_packages"
+    if not folder.is_dir():
+        return None
+    sys.path.insert(0, str(folder))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(folder), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return folder
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("phases", nargs="+", type=phase_and_cap, metavar="PHASE[:SECONDS]",
@@ -207,6 +226,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
         p.error("give --out or --record, not both")
     out = a.out or REPO / ("benchmarks/results" if a.record else "runs/gpu_check")
     out.mkdir(parents=True, exist_ok=True)
+    if (dsl := cutlass_dsl_on_path()) is not None:
+        print(f"[gpu_check] the CUTLASS DSL's packages put on the path from {dsl}", flush=True)
     deadline = time.monotonic() + a.budget_s
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     log = out / f"gpu_check_{'+'.join(name for name, _ in a.phases)}_{'cpu_smoke' if a.smoke else 'cuda'}_{stamp}.log"
