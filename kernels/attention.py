@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from kernels import flash_attn4
 from kernels.accelerators import has_flash_attn
 from kernels.attention_choice import kernel_for, topk_kernel_for, topk_masked_shapes
+from kernels.flash_attn4 import NAME as FLASH_ATTN_4
+from kernels.flash_attn4 import attention as flash_attn4_attention
 from kernels.masked import (
     SegmentMask,
     TopKMask,
@@ -59,8 +60,8 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     kernel = kernel_for(q)
     if kernel is None:
         return F.scaled_dot_product_attention(q, k, v)
-    if kernel == flash_attn4.NAME:  # activate() kept it only where the package trains on this GPU
-        return flash_attn4.attention(q, k, v)
+    if kernel == FLASH_ATTN_4:  # activate() kept it only where the package trains on this GPU
+        return flash_attn4_attention(q, k, v)
     with sdpa_kernel(kernel):
         return F.scaled_dot_product_attention(q, k, v)
 

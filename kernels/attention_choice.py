@@ -13,7 +13,7 @@ lookup with the shape's ints, so compiled blocks trace it into the graph with no
 Beside SDPA's kernels, flash-attn-4 (kernels/flash_attn4.py) is timed where it is installed and
 the GPU can train with it, and recorded as "flash_attn4" where it is the fastest. An entry naming
 it on a machine without it (or on a GPU it does not train on) is set aside at `activate`, with the
-reason (`set_aside`): those shapes keep PyTorch's pick.
+reason (`set_aside_warnings`): those shapes keep PyTorch's pick.
 
 TopK attention (MixedAE's homologous blocks) has two GPU paths over one kept set
 (kernels/restricted_triton.py): the fused kernels ("fused"), or the threshold kernel writing the
@@ -30,13 +30,16 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels import flash_attn4
+from kernels.flash_attn4 import NAME as FLASH_ATTN_4
+from kernels.flash_attn4 import attention as flash_attn4_attention
+from kernels.flash_attn4 import refusal as flash_attn4_refusal
+from kernels.flash_attn4 import unavailable as flash_attn4_unavailable
 
 TABLE = Path(__file__).with_name("attention_choices.json")
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH,
            "pytorch": None}  # measured, and none beat PyTorch's own pick by MARGIN: it keeps choosing
-PACKAGE_KERNELS = (flash_attn4.NAME,)  # dense kernels of optional packages, outside SDPA
+PACKAGE_KERNELS = (FLASH_ATTN_4,)  # dense kernels of optional packages, outside SDPA
 TOPK_KERNELS = ("fused", "masked_sdpa")  # the first is the default of an unlisted shape
 ATTENTIONS = {"dense": (*KERNELS, *PACKAGE_KERNELS), "topk": TOPK_KERNELS}  # each kind of attention call: its kernel names
 MARGIN = 0.03  # a kernel replaces the default only when this much faster (timings of one call differ ~1%)
@@ -137,13 +140,14 @@ def activate(device: torch.device, path: Path | None = None) -> int:
     if not path.exists():
         return 0
     cap = capability_of(device)
+    gpu = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     for c in load(path):
         if c.capability == cap:
             shape = (DTYPES[c.dtype], c.heads, c.tokens, c.head_dim)
             if c.attention == "topk":
                 _ACTIVE_TOPK[shape] = c.kernel
             elif c.kernel in PACKAGE_KERNELS:
-                reason = flash_attn4.unavailable(torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+                reason = flash_attn4_unavailable(gpu)
                 if reason is None:
                     _ACTIVE[shape] = c.kernel
                 else:
@@ -153,13 +157,9 @@ def activate(device: torch.device, path: Path | None = None) -> int:
     return len(_ACTIVE) + len(_ACTIVE_TOPK)
 
 
-def set_aside() -> dict[tuple[int, int, int], str]:
-    """The shapes whose measured kernel cannot run here since the last `activate`, with why."""
-    return dict(_SET_ASIDE)
-
-
 def set_aside_warnings() -> list[str]:
-    """One line per set-aside shape, for the run's log."""
+    """One line for the run's log per shape whose measured kernel cannot run here since the last
+    `activate`, with why."""
     return [f"attention {h}x{t}x{d}: its measured kernel cannot run here ({why}); PyTorch's pick runs it"
             for (h, t, d), why in sorted(_SET_ASIDE.items())]
 
@@ -250,10 +250,10 @@ def time_kernels(batch: int, heads: int, tokens: int, head_dim: int, dtype: torc
     runs = {name: sdpa(kernel) for name, kernel in KERNELS.items()}
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     out: dict[str, float | str] = {}
-    if (reason := flash_attn4.refusal(q, k, v, capability)) is None:
-        runs[flash_attn4.NAME] = lambda: flash_attn4.attention(q, k, v)
+    if (reason := flash_attn4_refusal(q, k, v, capability)) is None:
+        runs[FLASH_ATTN_4] = lambda: flash_attn4_attention(q, k, v)
     else:
-        out[flash_attn4.NAME] = f"not available: {reason}"
+        out[FLASH_ATTN_4] = f"not available: {reason}"
     for name, run in runs.items():
         def once(run=run) -> None:
             torch.autograd.grad(run(), (q, k, v), grad)

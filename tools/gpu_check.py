@@ -43,6 +43,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
 
 import argparse
 import importlib
+import importlib.util
 import io
 import json
 import os
@@ -191,8 +192,6 @@ def cutlass_dsl_on_path() -> Path | None:
     with `pip --target` and found through PYTHONPATH the DSL would not import and flash-attn-4 would
     not be timed. Puts that folder on sys.path and PYTHONPATH (the phases' subprocesses); returns it,
     or None where nothing was missing."""
-    import importlib.util
-
     spec = importlib.util.find_spec("nvidia_cutlass_dsl")
     if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("cutlass") is not None:
         return None
