@@ -27,7 +27,7 @@ install: $(STAMP)
 
 # The suite, on TEST_WORKERS pytest-xdist workers, each test file whole on one of them (so a module's
 # fixture is built once). Most tests keep one core busy or wait on the processes they start, so two
-# workers on 2 cores take 0.6-0.65x the time of one (README). The real-Slurm tests
+# workers on 2 cores take about two thirds of the time of one process (README); TEST_WORKERS=0: one. The real-Slurm tests
 # (tests/launchers/test_real_slurm.py) need Debian's slurm-wlm and munge, which CI (.ci/run)
 # installs; elsewhere they skip, saying why (optional: `make slurm`).
 TEST_WORKERS ?= 2
