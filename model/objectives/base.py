@@ -18,7 +18,9 @@ default here, so the loop never asks whether a method has it; a method overrides
 
 Checkpoints: extra state the optimizer does not own (AdPE's adversaries, MLO-MAE's masking
 network and its AdamW state) goes through nn.Module's own `get_extra_state` / `set_extra_state`,
-which the objective defines only when it has such state.
+which the objective defines only when it has such state; state that differs between ranks (the
+micro-batches MLO-MAE's levels II-III will still read) through `get_rank_state` / `set_rank_state`,
+saved in each rank's own file of the checkpoint.
 """
 from __future__ import annotations
 
@@ -133,6 +135,14 @@ class Objective(nn.Module, metaclass=ABCMeta):
         ascent, MLO-MAE's levels II-III). `lr` is this step's encoder lr, `batches` the step's
         micro-batches as forward saw them. Returns 0-dim tensors to log for this step."""
         return {}
+
+    def get_rank_state(self) -> dict[str, list[torch.Tensor]]:
+        """This rank's state that a resume on the same ranks needs and no other rank holds (its own
+        data): lists of tensors by name, saved beside the rank's RNG state. Empty: none."""
+        return {}
+
+    def set_rank_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        """Take back what get_rank_state gave (CPU tensors), at a resume on the same world size."""
 
     def visualizations(self, images: torch.Tensor, noise: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         """Figures for the run folder (train/run/visualize.py): name -> rows of (B, C, H, W) images

@@ -234,6 +234,24 @@ class MLOMAEObjective(MAEObjective):
         self.aux.load_state_dict(state["aux"])
         self.level1_done, self.cycles_done = int(state["level1_done"]), int(state["cycles_done"])
 
+    def get_rank_state(self) -> dict[str, list[torch.Tensor]]:
+        """The micro-batches (image, label; this rank's) that levels II-III will still read: with
+        `level2_batch own` the last step's, held back; inside a cycle (level1_steps > 1) those kept
+        so far, which its level II may reach back to (level2_steps > accum). At a cycle's end the
+        next cycle's own micro-batches replace the kept ones (check_engine), so none are saved."""
+        mid_cycle = self.level1_done % self.cfg.level1_steps != 0
+        def flat(pairs) -> list[torch.Tensor]:
+            return [t.detach().cpu() for pair in pairs for t in pair]
+        return {"tr_batches": flat(self._tr_batches) if mid_cycle else [], "held": flat(self._held)}
+
+    def set_rank_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        device = self.encoder.pos_embed.device
+        def pairs(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            return [(img.to(device), label.to(device)) for img, label in zip(tensors[::2], tensors[1::2], strict=True)]
+        self._tr_batches.clear()
+        self._tr_batches.extend(pairs(state.get("tr_batches", [])))
+        self._held = pairs(state.get("held", []))
+
     def after_optimizer_step(self, lr: float, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Levels II and III on the schedule of the config; `lr` is the encoder's lr of this step,
         `batches` its micro-batches (D_tr `image` / `label`, and `val_image` / `val_label` on the

@@ -1,5 +1,6 @@
 """A crash while a checkpoint is written, and checkpoints damaged afterwards: the previous
-complete tag is the one resumed from; a partial or damaged tag is never picked."""
+complete tag is the one resumed from; a partial or damaged tag is never picked. A run resumed from
+an older tag keeps what it saves and is the one `--resume auto` continues."""
 import json
 
 import pytest
@@ -68,3 +69,22 @@ def test_prune_removes_partial_saves_older_than_what_it_keeps(tmp_path):
     (root / f"{tag_for(4)}.partial").mkdir()  # a save in progress / crashed after the newest
     prune(root, keep=1)
     assert sorted(p.name for p in root.iterdir()) == [tag_for(3), f"{tag_for(4)}.partial"]
+
+
+
+def test_a_run_resumed_from_an_older_tag_keeps_its_saves_and_is_the_one_continued(tmp_path):
+    """A run to step 6 keeps tags 4-6; a new run from step 4 keeping 1 tag saves step 5: pruning
+    counts only the tags up to the one just saved (it used to keep the first run's step 6 as the
+    newest and delete step 5, which `latest` named), and `--resume auto` continues the new run."""
+    every = ("--run.ckpt_every", "1")
+    run_pretrain(tmp_path, "--run.max_steps", "6", *every, "--run.keep_checkpoints", "3")
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.glob("step*")) == [tag_for(s) for s in (4, 5, 6)]
+    run_pretrain(tmp_path, "--run.max_steps", "5", *every, "--run.keep_checkpoints", "1",
+                 "--resume", str(root / tag_for(4)))
+    assert (root / LATEST).read_text() == tag_for(5) and check_files(root / tag_for(5)) is None
+    # step 6 is the first run's, left until this run saves its own step 6
+    assert sorted(p.name for p in root.glob("step*")) == [tag_for(5), tag_for(6)]
+    proc = run_pretrain(tmp_path, "--run.max_steps", "6", *every, "--run.keep_checkpoints", "1", "--resume", "auto")
+    assert f"{tag_for(5)} at step 5" in proc.stdout + proc.stderr
+    assert sorted(p.name for p in root.glob("step*")) == [tag_for(6)] and (root / LATEST).read_text() == tag_for(6)

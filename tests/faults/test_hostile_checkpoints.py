@@ -316,10 +316,13 @@ def test_dcp_would_torch_load_a_bytes_entry_with_weights_only_false_and_the_meta
     ("state.pt", lambda good: torch_bytes({**torch.load(io.BytesIO(good)), "client": {"step": 7, "data": [{}]}}),
      "holds a client state of step 7 with 1 data positions; complete.json says step 2 on 1 ranks"),
     ("rng_rank0.pt", lambda good: torch_bytes({"torch": torch.zeros(3)}), "is not a rank's RNG state"),
+    ("rng_rank0.pt", lambda good: torch_bytes({**torch.load(io.BytesIO(good), weights_only=True),
+                                              "objective": {"held": [torch.zeros(2), 3]}}),
+     "holds an objective state that is not lists of tensors by name"),
     ("optim/__0_0.distcp", lambda good: good[:100], "the optimizer state's metadata reads bytes"),
     ("optim/__0_0.distcp", lambda good: b"\x00" * len(good), "holds no tensor at byte 0"),
-], ids=["state.pt of another shape", "state.pt of another step", "an RNG file of another shape", "a short shard",
-        "a shard of zeros"])
+], ids=["state.pt of another shape", "state.pt of another step", "an RNG file of another shape",
+        "an RNG file whose objective state is not tensors", "a short shard", "a shard of zeros"])
 def test_well_formed_files_of_the_wrong_content_are_refused(good_run, tmp_path, name, data, says):
     run = hostile_run(good_run, tmp_path, name, data((good_run / TAG / name).read_bytes()))
     with pytest.raises(FileNotFoundError) as e:

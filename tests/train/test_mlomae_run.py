@@ -45,6 +45,25 @@ def test_continued_pretraining_from_mae_then_resume_is_exact(tmp_path):
     assert list((straight / "vis").glob("mlo_masks_step*.png"))  # the learned masks (Fig. 4)
 
 
+@pytest.mark.parametrize("level2_batch", ["shared", "own"])
+def test_a_resume_inside_a_cycle_is_exact(tmp_path, level2_batch):
+    """Two level-I steps per cycle and a level II over two micro-batches (one per step): a checkpoint
+    at step 3 falls inside a cycle, whose level II at step 4 reads step 3's micro-batch too; with
+    `own` every level II reads the step before's. Those micro-batches are each rank's own, saved in
+    its file of the checkpoint, so the resumed steps repeat the straight run's values."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--config", str(PRESET), "--run.progress",
+           "false", "--run.max_steps", "6", "--run.ckpt_every", "3", "--run.export", "false",
+           "--mlomae.level1_steps", "2", "--mlomae.level2_steps", "2", "--mlomae.level2_batch", level2_batch]
+    run_pretrain_calls([[*run, "--output_dir", str(straight)],
+                        [*run, "--output_dir", str(resumed), "--resume", str(straight / "checkpoints" / "step00000003")]])
+    rows, again = read_metrics(straight), read_metrics(resumed)
+    assert [r["step"] for r in again] == [4, 5, 6] and "level2_loss" in again[0] and "level3_loss" in again[2]
+    for key in ("loss", "level2_loss", "level3_loss", "hypergrad_norm"):
+        for a, b in zip(again, rows[3:]):
+            assert (key in a) == (key in b) and a.get(key) == b.get(key), (key, a, b)
+
+
 def test_two_cpu_ranks_on_labeled_shards(image_folder, tmp_path):
     shards = tmp_path / "shards"
     write_shards(["imagefolder", str(image_folder), str(shards), "--name", "train", "--samples_per_shard", "3"])

@@ -8,7 +8,8 @@ Layout of `<output_dir>/checkpoints/`:
         optim/                    optimizer state by parameter name, one shard per rank
                                   (torch.distributed.checkpoint)
         state.pt                  schedule, counters, objective state, client state (rank 0)
-        rng_rank{r}.pt            RNG states of rank r (torch, CUDA, numpy, python)
+        rng_rank{r}.pt            RNG states of rank r (torch, CUDA, numpy, python), and the
+                                  objective's state of rank r where it has one (its own data)
         complete.json             written last, after every rank finished: step, world size,
                                   the size and crc32 of every file of the tag
     latest                        name of the newest complete tag (atomic rename)
@@ -96,6 +97,16 @@ def rng_state() -> dict:
     return state
 
 
+def rank_file(objective) -> dict:
+    """What a rank's own file of a checkpoint holds: its RNG states, and under "objective" the
+    objective's state of this rank where it has one (Objective.get_rank_state)."""
+    state = rng_state()
+    own = getattr(objective, "get_rank_state", dict)()
+    if any(own.values()):
+        state["objective"] = own
+    return state
+
+
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"],
@@ -146,7 +157,7 @@ def save(engine, root: Path, step: int, client_state: dict, rank: int, world: in
     _agree(failure, step, root, partial, rank)
     try:
         engine.save(partial, client_state)
-        save_synced(rng_state(), partial / f"rng_rank{rank}.pt")
+        save_synced(rank_file(engine.module), partial / f"rng_rank{rank}.pt")
         sync_folder(partial)
         failure = None
     except (OSError, CheckpointException) as e:  # DCP's wraps the failure of any rank, on every rank
@@ -158,7 +169,7 @@ def save(engine, root: Path, step: int, client_state: dict, rank: int, world: in
         try:
             _declare_complete(partial, root, tag, {"step": step, "world_size": world, **meta, "pinned": pinned})
             if keep > 0:
-                prune(root, keep)
+                prune(root, keep, newest=tag)
         except OSError as e:
             failure = e
     _agree(failure, step, root, partial, rank)
@@ -224,11 +235,14 @@ def is_pinned(tag_dir: Path) -> bool:
         return True
 
 
-def prune(root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete unpinned tags (and any older incomplete or partial
-    ones); pinned tags stay and do not count toward `keep`."""
+def prune(root: Path, keep: int, newest: str | None = None) -> None:
+    """Delete all but the newest `keep` complete unpinned tags up to `newest` (the tag just saved;
+    None: the newest there is), and any older incomplete or partial ones; pinned tags stay and do
+    not count toward `keep`. Tags after `newest` are the rest of a history this run left when it
+    resumed from an older tag: neither counted nor deleted (the run's own saves replace them as it
+    reaches their steps), so the tag just saved, which `latest` names, is never among those deleted."""
     tags = sorted(p for p in root.glob("step*") if TAG_RE.match(p.name.removesuffix(PARTIAL)))
-    complete = [p for p in tags if TAG_RE.match(p.name) and is_complete(p)]
+    complete = [p for p in tags if TAG_RE.match(p.name) and is_complete(p) and (newest is None or p.name <= newest)]
     pinned = {p for p in complete if is_pinned(p)}
     unpinned = [p for p in complete if p not in pinned]
     if len(unpinned) <= keep:
@@ -317,9 +331,11 @@ def tag_problem(tag_dir: Path) -> str | None:
 
 
 def latest_complete(root: Path, check: Callable[[Path], str | None] = tag_problem) -> Path | None:
-    """The newest tag that passes `check`: the one `latest` names, else (newest first) the others,
-    each one passed over with a warning saying why. None if no tag is complete; FileNotFoundError
-    naming every complete tag and why it fails when none passes."""
+    """The newest tag that passes `check`: the one `latest` names (the last save), else the older
+    ones newest first, then those after it (left from a history the run turned away from when it
+    resumed from an older tag, or saved by a run stopped before it moved `latest`), each one passed
+    over with a warning saying why. None if no tag is complete; FileNotFoundError naming every
+    complete tag and why it fails when none passes."""
     tags = sorted((p for p in root.glob("step*") if TAG_RE.match(p.name) and is_complete(p)), reverse=True)
     pointer = root / LATEST
     if pointer.is_file():
@@ -328,8 +344,10 @@ def latest_complete(root: Path, check: Callable[[Path], str | None] = tag_proble
         except UnicodeDecodeError:  # not a name this code wrote: the tags' own order decides
             named = None
         if named in tags:
-            tags.remove(named)
-            tags.insert(0, named)
+            tags = [named, *(t for t in tags if t.name < named.name), *(t for t in tags if t.name > named.name)]
+        elif named is not None:
+            log.warning("%s names %s, which is not a complete checkpoint there: taking the newest that is", pointer,
+                        named.name)
     problems = {}
     for tag_dir in tags:
         problem = check(tag_dir)
@@ -422,6 +440,10 @@ def read_rng(path: Path) -> dict:
             or not isinstance(state["torch"], torch.Tensor) or not isinstance(state["numpy_keys"], torch.Tensor) \
             or state["numpy_keys"].numel() != 624 or not isinstance(state["python"], tuple):
         raise ValueError(f"{path} is not a rank's RNG state (torch, numpy, python); refused")
+    own = state.get("objective", {})
+    if not isinstance(own, dict) or not all(isinstance(k, str) and isinstance(v, list)
+                                            and all(isinstance(t, torch.Tensor) for t in v) for k, v in own.items()):
+        raise ValueError(f"{path} holds an objective state that is not lists of tensors by name; refused")
     return state
 
 
@@ -442,7 +464,10 @@ def load(engine, tag_dir: Path, rank: int, world: int, seed: int) -> dict:
     meta = read_meta(tag_dir)
     client = engine.load(tag_dir)  # every file read as verify_readable read it before the start
     if meta["world_size"] == world:
-        set_rng_state(read_rng(tag_dir / f"rng_rank{rank}.pt"))
+        state = read_rng(tag_dir / f"rng_rank{rank}.pt")
+        set_rng_state(state)
+        if "objective" in state:  # this rank's own micro-batches: they exist on the same ranks only
+            engine.module.set_rank_state(state["objective"])
     else:
         reseed(seed, rank, client["step"])
     return client

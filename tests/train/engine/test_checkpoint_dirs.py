@@ -84,3 +84,29 @@ def test_prune_spares_pinned_tags(tmp_path):
         (root / tag_for(s) / COMPLETE).write_text(json.dumps({**meta, "pinned": True}))
     prune(root, keep=1)
     assert sorted(p.name for p in root.iterdir()) == [tag_for(2), tag_for(4), tag_for(5)]
+
+
+def test_prune_counts_and_deletes_nothing_after_the_tag_just_saved(tmp_path):
+    """A run resumed from step 2 has just saved step 3; steps 4 and 5 are an earlier run's: they are
+    neither counted toward `keep` (which would delete step 3) nor deleted."""
+    root = tmp_path / "checkpoints"
+    for s in (1, 2, 3, 4, 5):
+        _tag(root, s)
+    prune(root, keep=1, newest=tag_for(3))
+    assert sorted(p.name for p in root.iterdir()) == [tag_for(3), tag_for(4), tag_for(5)]
+
+
+def test_resume_falls_back_from_latest_to_the_tags_before_it_then_after(tmp_path, caplog):
+    """`latest` names the last save; where it fails the check, the tags before it come first (newest
+    first), the ones after it (another history, or a save that never moved `latest`) last."""
+    root = tmp_path / "checkpoints"
+    for s in (2, 4, 6, 8):
+        _tag(root, s)
+    (root / LATEST).write_text(tag_for(6))
+    assert latest_complete(root) == root / tag_for(6)
+    failing = {tag_for(6)}
+    assert latest_complete(root, lambda t: "damaged" if t.name in failing else None) == root / tag_for(4)
+    failing = {tag_for(2), tag_for(4), tag_for(6)}
+    assert latest_complete(root, lambda t: "damaged" if t.name in failing else None) == root / tag_for(8)
+    (root / LATEST).write_text(tag_for(7))  # names no tag there: said, and the newest taken
+    assert latest_complete(root) == root / tag_for(8) and "names step00000007, which is not a complete" in caplog.text
