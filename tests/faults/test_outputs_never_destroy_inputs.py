@@ -200,6 +200,48 @@ def test_write_shards_never_replaces_the_index_it_takes_classes_from(tmp_path, c
     assert snapshot(out) == before
 
 
+# --- train.pretrain's own folder -----------------------------------------------------------------
+
+def pretrain_argv(out: Path, *more: str) -> list[str]:
+    return ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(out),
+            "--run.progress", "false", "--run.max_steps", "1", "--model.in_chans", "3", *more]
+
+
+@pytest.mark.parametrize("weights", ["encoder.safetensors", "checkpoints/step00000001"])
+def test_overwrite_never_deletes_the_weights_the_run_starts_from(run_dir, tmp_path, capsys, weights):
+    """--run.overwrite deletes the old run's outputs; one of them being the run's --model.init_from
+    (its export, or one of its checkpoints) is refused, and the folder keeps every byte."""
+    import shutil
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out)
+    before = snapshot(out)
+    name = weights.split("/")[0]
+    refused("train.pretrain", pretrain_argv(out, "--model.init_from", str(out / weights), "--run.overwrite", "true"),
+            rf"--model.init_from .*{re.escape(weights)} (is|lies inside) .*{name} of output_dir, and --run.overwrite "
+            rf"true deletes the old run's outputs: copy it out of .* first, or choose another --output_dir", capsys)
+    assert snapshot(out) == before
+
+
+def test_a_failed_start_s_outputs_are_cleared_but_never_the_run_s_weights(run_dir, tmp_path, capsys):
+    """A folder whose start never trained (a config.json, no checkpoint, no metrics) is cleared for
+    the new run, unless what would be cleared is its --model.init_from; a start from weights kept
+    outside clears it and trains."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "encoder.safetensors").write_bytes((run_dir / "encoder.safetensors").read_bytes())
+    (out / "encoder.json").write_bytes((run_dir / "encoder.json").read_bytes())
+    before = snapshot(out)
+    refused("train.pretrain", pretrain_argv(out, "--model.init_from", str(out / "encoder.safetensors")),
+            r"--model.init_from .*encoder.safetensors is .*encoder.safetensors of output_dir, and its outputs, "
+            r"left by a start that never trained, are deleted", capsys)
+    assert snapshot(out) == before
+    status, err = run("train.pretrain", pretrain_argv(out, "--model.init_from", str(run_dir / "encoder.safetensors")),
+                      capsys)
+    assert status == 0, err[-3000:]
+    assert (out / "checkpoints" / "step00000001").is_dir() and json.loads((out / "config.json").read_text())
+
+
 # --- train.export (timm) -------------------------------------------------------------------------
 
 def test_export_never_writes_into_the_checkpoint(run_dir, tmp_path, capsys):
@@ -230,6 +272,21 @@ def test_export_replaces_a_file_only_with_overwrite_but_always_its_own(run_dir, 
     own = run_dir / "encoder.safetensors"  # written by the run; the default output, replaced unasked
     assert run("train.export", ["--checkpoint", str(run_dir)], capsys)[0] == 0
     assert own.read_bytes() == out.read_bytes() and not temporaries(run_dir) and not temporaries(tmp_path)
+
+
+def test_the_default_export_of_a_tag_kept_outside_a_run_folder_replaces_nothing_unasked(run_dir, tmp_path, capsys):
+    """Above a tag copied out of its run (keep/tags/<tag>), the default names (keep/encoder.*) may
+    hold anyone's files: replaced only with --overwrite, as an --out's are."""
+    import shutil
+    tag = tmp_path / "keep" / "tags" / "step00000001"
+    shutil.copytree(run_dir / "checkpoints" / "step00000001", tag)
+    theirs = tmp_path / "keep" / "encoder.safetensors"
+    theirs.write_bytes(b"someone's weights")
+    refused("train.export", ["--checkpoint", str(tag)],
+            r"--out .*keep/encoder.safetensors exists already: pass --overwrite to replace it", capsys)
+    assert theirs.read_bytes() == b"someone's weights" and not (tmp_path / "keep" / "encoder.json").exists()
+    assert run("train.export", ["--checkpoint", str(tag), "--overwrite"], capsys)[0] == 0
+    assert theirs.read_bytes() == (run_dir / "encoder.safetensors").read_bytes()
 
 
 def test_an_interrupted_export_leaves_the_earlier_files(run_dir, tmp_path, capsys, monkeypatch):

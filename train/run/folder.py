@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from data.folders import unwritable
+from data.outputs import clashing_input
 from data.progress import Progress
 from train.engine.checkpoint import is_complete
 
@@ -59,16 +60,20 @@ def check_writable_folder(path: Path, what: str) -> None:
         raise ValueError(f"{what} {path} {problem}")
 
 
-def check_run_folder(run_dir: Path, config: dict, resuming: bool, overwrite: bool) -> None:
+def check_run_folder(run_dir: Path, config: dict, resuming: bool, overwrite: bool,
+                     inputs: dict[str, str] | None = None) -> None:
     """A run that does not resume must not mix into another run's folder: refuse one that holds
     checkpoints, or a config.json of another experiment, unless `overwrite` (then delete the old
     run's outputs). A folder whose run never trained (`never_trained`) is no other run: its
-    outputs are deleted and the folder reused. Raises ValueError naming the way out; runs before
-    any process group starts (after check_writable_folder)."""
+    outputs are deleted and the folder reused. Neither deletes an input the run reads later
+    (`inputs`: option -> path, e.g. the weights of --model.init_from): refused instead. Raises
+    ValueError naming the way out; runs before any process group starts (after check_writable_folder)."""
     if resuming or not run_dir.is_dir():
         return
     if never_trained(run_dir, complete_checkpoints(run_dir)):
         if (run_dir / "config.json").is_file():  # a failed start's config.json, meta.json, empty logs, partial checkpoint
+            refuse_deleting_inputs(run_dir, inputs or {}, "its outputs, left by a start that never trained, are "
+                                   "deleted before this run writes its own")
             clear_run_outputs(run_dir)
         return
     problem = other_run(run_dir, config)
@@ -77,7 +82,21 @@ def check_run_folder(run_dir: Path, config: dict, resuming: bool, overwrite: boo
     if not overwrite:
         raise ValueError(f"output_dir {run_dir} {problem}; continue it with --resume auto, choose another "
                          f"--output_dir, or start afresh with --run.overwrite true (deletes its checkpoints and logs)")
+    refuse_deleting_inputs(run_dir, inputs or {}, "--run.overwrite true deletes the old run's outputs")
     clear_run_outputs(run_dir)
+
+
+def refuse_deleting_inputs(run_dir: Path, inputs: dict[str, str], why: str) -> None:
+    """ValueError when an input (option -> path) is or lies inside one of the outputs that
+    clear_run_outputs would delete (symbolic links resolved)."""
+    outputs = [run_dir / name for name in RUN_OUTPUTS]
+    for option, given in inputs.items():
+        if not given:
+            continue
+        clash = clashing_input(Path(given), outputs)
+        if clash is not None:
+            raise ValueError(f"{option} {given} {'is' if clash[1] == 'is' else 'lies inside'} {clash[0]} of "
+                             f"output_dir, and {why}: copy it out of {run_dir} first, or choose another --output_dir")
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:

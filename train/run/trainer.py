@@ -144,7 +144,9 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
                           f"{now}; give --optim.name {was} to continue it, or start another --output_dir with "
                           f"--model.init_from <the checkpoint>")
     try:
-        check_run_folder(run_dir, to_dict(cfg), resuming=resume_from is not None, overwrite=cfg.run.overwrite)
+        check_run_folder(run_dir, to_dict(cfg), resuming=resume_from is not None, overwrite=cfg.run.overwrite,
+                         inputs={"--model.init_from": cfg.model.init_from, "--data.train_index": cfg.data.train_index,
+                                 "--data.eval_index": cfg.data.eval_index})
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return CheckedRun(ds_config, plan, per_epoch, total_steps, warmup_steps, run_dir, resume_from, changes)

@@ -188,7 +188,9 @@ def find_checkpoint(path: str, option: str) -> Path:
 def check_outputs(out: Path, default: Path, tag_dir: Path, overwrite: bool, folder: bool) -> None:
     """Before the checkpoint is read: the export's files (`out`, and for timm its .json beside it)
     can be written, are not inside the checkpoint, and replace no existing file unless --overwrite.
-    The run folder's own export (`default`, rewritten at the end of every run) is always replaced."""
+    The run folder's own export (`default`, rewritten at the end of every run) is always replaced,
+    when the tag is one of a run folder's (<run>/checkpoints/<tag>, beside the run's config.json):
+    the same path above a tag kept elsewhere may hold anyone's file."""
     if folder:
         outputs = [out]
         if problem := unwritable(out):
@@ -201,7 +203,8 @@ def check_outputs(out: Path, default: Path, tag_dir: Path, overwrite: bool, fold
         if problem := unwritable_file(out):
             raise ConfigError(f"--out {out} {problem}")
         outputs = [out, out.with_suffix(".json")]
-    owned = out.resolve() == default.resolve()
+    in_run_folder = tag_dir.parent.name == "checkpoints" and (tag_dir.parent.parent / "config.json").is_file()
+    owned = in_run_folder and out.resolve() == default.resolve()
     for path in outputs:
         check_output(path, [tag_dir], overwrite or owned, "--out" if path == out else "the description beside --out")
         if folder and tag_dir.resolve().is_relative_to(path.resolve()):
