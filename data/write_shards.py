@@ -267,6 +267,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                        help="writer processes; the output does not depend on it (default: the cores of this "
                             "process's CPU affinity)")
     args = parser.parse_args(argv)
+    if args.kind == "imagefolder" and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.name):
+        parser.error(f"--name {args.name!r}: the shards' and index's file name in the output folder, so letters, "
+                     f"digits, '.', '_' and '-', not starting with '.', '_' or '-' (e.g. train)")
     workers = args.workers if args.workers is not None else default_workers()
     opts = {"samples_per_shard": args.samples_per_shard, "seed": args.seed, "workers": workers}
     indexes = []

@@ -12,7 +12,9 @@ world size, always at the method's global batch. The micro-batch is the largest 
 most MARGIN x the largest micro-batch the memory estimate (train/estimate/memory.py) lets the hungriest
 method of the file's group fit on the GPU (HUNGRIEST; AdPE with RPE offsets: every token of
 four crops, and iRPE in every block), and at most the global batch over 16 GPUs, so that every
-file serves one node or two; tests/train/estimate/test_dry_run.py recomputes it. `python -m train.pretrain --dry-run
+file serves one node or two. MLO-MAE's is the global batch over 8 GPUs (RANKS): its levels II
+and III step on one micro-batch per rank, so on one node they see the paper's 256 images (Table
+11), as with no accumulation; tests/train/estimate/test_dry_run.py recomputes it. `python -m train.pretrain --dry-run
 --ds_config <file> [--config <preset>]` prints the estimate for a method and the largest
 micro-batch that fits. V100 has no bf16: fp16 with dynamic loss scaling. Every file states
 gradient_clipping 0.0 (the MAE recipes clip nothing).
@@ -33,12 +35,15 @@ MICRO = {
     ("pretrain", "l"): {"v100": 64, "a100": 256, "h100": 256},
     ("pretrain", "h"): {"v100": 32, "a100": 128, "h100": 128},
     ("pretrain_actckpt", "h"): {"v100": 256, "a100": 256, "h100": 256},
-    ("mlomae", "b"): {"v100": 16, "a100": 16, "h100": 16},
+    ("mlomae", "b"): {"v100": 32, "a100": 32, "h100": 32},
     ("energy", "b"): {"v100": 16, "a100": 16, "h100": 16},
     ("finetune", "b"): {"v100": 64, "a100": 64, "h100": 64},
     ("finetune", "l"): {"v100": 64, "a100": 64, "h100": 64},
 }
 GLOBAL = {"pretrain": 4096, "pretrain_actckpt": 4096, "mlomae": 256, "energy": 256, "finetune": 1024}
+# the most ranks a group's file serves at its global batch (its micro-batch is at most GLOBAL / RANKS)
+RANKS = {"mlomae": 8}
+SERVED = 16  # every other group: one node of 8 GPUs or two
 # the method of each group whose memory decides the micro-batch: run options (train/configs presets)
 HUNGRIEST = {
     "pretrain": ["--config", "train/configs/maeplus/vit_b.json", "--config", "train/configs/maeplus/variants/rpe_coord.json"],

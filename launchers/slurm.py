@@ -99,13 +99,18 @@ def main(argv: list[str] | None = None) -> int:
     hostfile.add_argument("path")
     hostfile.add_argument("--slots", type=int, default=0, help="GPUs per node (default: the node's)")
     a = p.parse_args(argv)
+    job_nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not job_nodes:  # every command reads the job's nodes
+        print(f"error: launchers.slurm {a.cmd} reads the variables of a Slurm job (SLURM_JOB_NODELIST is not set): "
+              f"run it inside one (sbatch, salloc or srun; launchers/pretrain.sbatch does)", file=sys.stderr)
+        return 2
     if a.cmd == "env":
         for k, v in task_env(os.environ).items():
             print(f"export {k}={v}")
         return 0
     if a.cmd == "hostfile":
         slots = a.slots or gpus_on_node(os.environ)
-        nodes = hostnames(os.environ.get("SLURM_JOB_NODELIST") or os.environ["SLURM_NODELIST"])
+        nodes = hostnames(job_nodes)
         with open(a.path, "w") as f:
             f.writelines(f"{h} slots={slots}\n" for h in nodes)
         return 0

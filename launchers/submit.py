@@ -127,7 +127,8 @@ def parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m launchers.submit", usage=USAGE, description=__doc__,
                                 formatter_class=_HelpFormatter)
     p.add_argument("--nodes", type=int, required=True, help="nodes (int >= 1; required)")
-    p.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node (int); 0: CPU ranks, no GPU requested")
+    p.add_argument("--gpus_per_node", type=int,
+                   help="GPUs per node (int; default: the count --gres names, else 8); 0: CPU ranks, no GPU requested")
     p.add_argument("--gpu", metavar="NAME",
                    help=f"the GPU the run is checked against (train/estimate/gpus.py: {', '.join(sorted(GPUS))}); "
                         "needed with GPUs")
@@ -137,7 +138,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["task", "node"], default="task",
                    help="task: srun starts one task per rank; node: one launcher per node starts its ranks "
                         "(launchers/slurm.py)")
-    p.add_argument("--gres", help="request GPUs as this GRES (e.g. gpu:a100:8) instead of --gpus-per-node")
+    p.add_argument("--gres", help="request GPUs as this GRES (e.g. gpu:a100:8) instead of --gpus-per-node; its GPU "
+                                  "count is the GPUs per node")
     p.add_argument("--no_gpus_per_node", action="store_true",
                    help="request no GPUs (a partition that allocates them with the node), still check for --gpu")
     p.add_argument("--constraint", help="node features (sbatch --constraint)")
@@ -158,8 +160,35 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def gres_gpus(spec: str) -> int | None:
+    """The GPUs per node a GRES asks for (Slurm: name[:type][:count], comma-separated; a gpu item
+    without a count asks for one), None when it names no gpu or its count is not a number."""
+    for item in spec.split(","):
+        parts = item.strip().split(":")
+        if parts[0] == "gpu":
+            if len(parts) == 1:
+                return 1
+            return int(parts[-1]) if parts[-1].isdigit() else (1 if len(parts) == 2 else None)
+    return None
+
+
+def settle_gpus_per_node(a) -> list[str]:
+    """--gpus_per_node from --gres where it is not given (8 without either): the ranks per node
+    follow it, so a GRES of 4 GPUs starts 4 ranks, not 8. Problems where the two disagree."""
+    counted = gres_gpus(a.gres) if a.gres else None
+    if a.gpus_per_node is None:
+        if a.gres and counted is None:
+            a.gpus_per_node = 8
+            return [f"--gres {a.gres!r} names no GPU count this can read (gpu:TYPE:COUNT): give --gpus_per_node too"]
+        a.gpus_per_node = 8 if counted is None else counted
+    elif counted is not None and counted != a.gpus_per_node:
+        return [f"--gres {a.gres} asks for {counted} GPUs per node, --gpus_per_node {a.gpus_per_node} for "
+                f"{a.gpus_per_node}: give the same count (or leave --gpus_per_node out)"]
+    return []
+
+
 def request_problems(a) -> list[str]:
-    problems = []
+    problems = settle_gpus_per_node(a)
     if a.nodes < 1:
         problems.append(f"--nodes {a.nodes}: give at least 1")
     if a.gpus_per_node < 0:

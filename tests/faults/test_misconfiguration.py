@@ -105,7 +105,7 @@ def test_the_start_line_meta_json_and_dry_run_state_stage_precision_reduce_dtype
                                      "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e7}})
     out = dry_run("--world_size", "8", "--ds_config", str(fp32_reduce), "--model.name", "vit_base_patch16",
                   "--data.source", "synthetic").stdout
-    assert "engine: ZeRO-0 on DDP (8 ranks): gradients all-reduced in fp32, 190.735 MiB buckets issued inside" in out
+    assert "engine: ZeRO-0 on DDP (8 ranks): gradients all-reduced in fp32, 95.3674 MiB buckets issued inside" in out
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -264,6 +264,12 @@ def test_the_shard_writer_checks_its_output_folder_names_bad_files_and_skips_non
     with pytest.raises(SystemExit) as status:
         write_shards(["imagefolder", str(image_folder), str(tmp_path / "a_file")])
     assert status.value.code == 2 and "output folder" in capsys.readouterr().err
+    for name in ("a/b", "", ".hidden", "../up"):  # a file name in the output folder, nothing else
+        with pytest.raises(SystemExit) as status:
+            write_shards(["imagefolder", str(image_folder), str(tmp_path / "named"), "--name", name])
+        err = capsys.readouterr().err
+        assert status.value.code == 2 and f"--name {name!r}: the shards' and index's file name" in err, err
+        assert "Traceback" not in err and not (tmp_path / "named").exists()
     (image_folder / "cat" / "README.txt").write_text("where these images come from")
     (image_folder / "dog" / ".DS_Store").write_bytes(b"\0\1")
     [index] = write_shards(["imagefolder", str(image_folder), str(tmp_path / "shards")])

@@ -168,6 +168,8 @@ DS_CASES = [
                                          r"\"enabled\": true"),
     ({**DS, "fp16": {"enabled": 1}}, r"ds_config fp16.enabled must be true or false, got 1"),
     ({**DS, "bf16": {"enabled": "true"}}, r"ds_config bf16.enabled must be true or false, got \"true\": write it"),
+    ({**DS, "bf16": {"enabled": False}, "bfloat16": {"enabled": True}},
+     r"ds_config gives bf16.enabled false and bfloat16.enabled true; DeepSpeed reads only bf16 when both are there"),
     ({**DS, "zero_optimization": {"stage": "1"}}, r"zero_optimization.stage \(the ZeRO stage\) must be an integer, "
                                                   r"got \"1\""),
     ({**DS, "zero_optimization": {"stage": 1.5}}, r"zero_optimization.stage .* must be an integer, got 1\.5"),

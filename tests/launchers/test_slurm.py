@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import CPU_DS, DEBUG_PRESET, REPO, _free_port
 
 from launchers.slurm import node_envs
@@ -122,3 +123,16 @@ def test_submit_checks_snapshots_and_calls_sbatch(tmp_path, monkeypatch, capsys)
     assert "--partition" in sbatch and str(launch / "pretrain.sbatch") in sbatch
     ds_copy = sbatch[sbatch.index("--ds_config") + 1]
     assert ds_copy.startswith(str(launch)) and json.loads(open(ds_copy).read())["train_batch_size"] == 4096
+
+
+@pytest.mark.parametrize("command", [["env"], ["hostfile", "{d}/hosts"], ["node", "--ranks", "1", "--", "-c", "pass"]])
+def test_outside_a_slurm_job_each_command_says_so_in_one_line(tmp_path, monkeypatch, capsys, command):
+    from launchers.slurm import main
+
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    assert main([c.format(d=tmp_path) for c in command]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"launchers.slurm {command[0]} reads the variables of a Slurm job (SLURM_JOB_NODELIST is not set)" in err
+    assert not list(tmp_path.iterdir())

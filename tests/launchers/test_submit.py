@@ -89,8 +89,23 @@ def test_every_cluster_option_reaches_sbatch_and_dry_prints_the_command(tmp_path
     gres = calls(log)[-1]
     assert gres[gres.index("--gres") + 1] == "gpu:a100:4" and "--gpus-per-node" not in gres
     assert gres[gres.index("--ntasks-per-node") + 1] == "4"
+    assert main(["--nodes", "1", "--gpu", "a100", "--gres", "gpu:a100:2", *cpu_job(tmp_path / "run6")]) == 0
+    gres = calls(log)[-1]  # the GRES's count is the GPUs per node, and the ranks per node follow it
+    assert gres[gres.index("--gres") + 1] == "gpu:a100:2" and gres[gres.index("--ntasks-per-node") + 1] == "2"
+    capsys.readouterr()
+    assert main(["--nodes", "1", "--gpus_per_node", "8", "--gpu", "a100", "--gres", "gpu:a100:4",
+                 *cpu_job(tmp_path / "run7")]) == 2
+    assert "--gres gpu:a100:4 asks for 4 GPUs per node, --gpus_per_node 8 for 8" in capsys.readouterr().err
+    assert not (tmp_path / "run7").exists()
     assert main(["--nodes", "1", "--gpus_per_node", "4", *cpu_job(tmp_path / "run5")]) == 2  # which GPU?
     assert "--gpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec, gpus", [("gpu:a100:4", 4), ("gpu:2", 2), ("gpu", 1), ("gpu:h100", 1),
+                                        ("tmpdisk:100,gpu:a100:8", 8), ("tmpdisk:100", None), ("gpu:a100:x", None)])
+def test_the_gpus_a_gres_asks_for(spec, gpus):
+    from launchers.submit import gres_gpus
+    assert gres_gpus(spec) == gpus
 
 
 
@@ -130,7 +145,8 @@ def test_help_lists_every_option_with_its_default_and_exits_0(capsys):
     out = " ".join(capsys.readouterr().out.split())  # as wrapped at any terminal width
     for action in parser()._actions:
         assert action.option_strings[-1] in out, action.option_strings
-    assert "(default: 8)" in out and "(default: 72:00:00)" in out and "-- PRETRAINING_OPTIONS" in out
+    assert "(int; default: the count --gres names, else 8)" in out and "(default: 72:00:00)" in out
+    assert "-- PRETRAINING_OPTIONS" in out
     assert "a100" in out  # the GPU names --gpu takes
 
 
@@ -256,7 +272,7 @@ def test_names_that_would_break_the_job_are_refused(tmp_path, capsys, flag, valu
 
 def test_names_slurm_reads_pass_and_an_sbatch_argument_holds_no_newline(tmp_path, capsys):
     ok = ["--job_name", "mae vit-b", "--constraint", "a100|h100", "--partition", "gpu,gpu2", "--gres", "gpu:a100:8"]
-    assert main(["--nodes", "1", "--gpus_per_node", "0", *ok, "--dry", *cpu_job(tmp_path / "run")]) == 0
+    assert main(["--nodes", "1", "--gpu", "a100", *ok, "--dry", *cpu_job(tmp_path / "run")]) == 0
     capsys.readouterr()
     assert main(["--nodes", "1", "--gpus_per_node", "0", "--sbatch=--comment=a\nb", "--dry",
                  *cpu_job(tmp_path / "run")]) == 2

@@ -86,7 +86,13 @@ def resolve_batch(ds: dict, world: int) -> BatchPlan:
 
 def precision(ds: dict) -> str:
     fp16 = ds.get("fp16", {}).get("enabled", False)
-    bf16 = any(ds.get(name, {}).get("enabled", False) for name in ("bf16", "bfloat16"))  # DeepSpeed's two spellings
+    # DeepSpeed's two spellings: it reads `bfloat16` (the old name) only where `bf16` is absent
+    given = {name: bool(ds[name].get("enabled", False)) for name in ("bf16", "bfloat16") if name in ds}
+    if len(set(given.values())) > 1:
+        raise ConfigError(f"ds_config gives bf16.enabled {str(given['bf16']).lower()} and bfloat16.enabled "
+                          f"{str(given['bfloat16']).lower()}; "
+                          f"DeepSpeed reads only bf16 when both are there (bfloat16 is its old name): remove bfloat16")
+    bf16 = any(given.values())
     if fp16 and bf16:
         raise ConfigError("ds_config enables both fp16 and bf16; enable at most one")
     return "fp16" if fp16 else "bf16" if bf16 else "fp32"

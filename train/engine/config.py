@@ -59,7 +59,9 @@ class EngineConfig:
                 f"in {self.precision} {gathered}")
 
     def bucket_mb(self) -> float:
-        """DDP's bucket size in MiB: reduce_bucket_size elements of the reduce dtype, else DDP's default."""
+        """DDP's bucket size in MiB: reduce_bucket_size elements (DeepSpeed's unit) of the compute dtype,
+        in which DDP's buckets hold the gradients (a reduce dtype other than it is cast to in the comm
+        hook, from the full bucket), else DDP's default."""
         if not self.bucket_elements:
             return DDP_BUCKET_MB
-        return self.bucket_elements * self.reduce_dtype.itemsize / 2**20
+        return self.bucket_elements * self.dtype.itemsize / 2**20
