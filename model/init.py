@@ -2,6 +2,8 @@
 
 xavier_uniform for every Linear and for the patch-embedding conv viewed as a 2-D matrix, zero
 biases, LayerNorm (1, 0). Tokens (cls, mask) are drawn N(0, 0.02) by the modules that own them.
+One bias differs from the official code: it leaves the patch-embedding conv's bias at PyTorch's
+default (uniform within 1/sqrt(fan_in)); here it is zero like every other (docs/methods/MAE.md).
 """
 from __future__ import annotations
 
