@@ -258,10 +258,15 @@ def encoder_from_state(encoder: dict[str, torch.Tensor], num_heads: int | None =
 
     A fine-tuned MAE / timm model with average pooling (fc_norm, no final norm) becomes a
     global_pool='avg' encoder, so its features are exactly those it was fine-tuned with.
+    `overrides` replace what the state implies (e.g. img_size: the position table is then resized
+    to the new grid, resize_pos_embed).
     """
     pool = "avg" if "fc_norm.weight" in encoder and "norm.weight" not in encoder else "token"
-    model = VisionTransformer(**infer_encoder_arch(encoder, num_heads), global_pool=pool, **overrides)
-    model.load_state_dict({k: v for k, v in encoder.items() if not k.startswith("head.")}, strict=True)
+    model = VisionTransformer(**{**infer_encoder_arch(encoder, num_heads), "global_pool": pool, **overrides})
+    state = {k: v for k, v in encoder.items() if not k.startswith("head.")}
+    if "pos_embed" in state and state["pos_embed"].shape != model.pos_embed.shape:
+        state["pos_embed"] = resize_pos_embed(state["pos_embed"], model.patch_embed.grid_size)
+    model.load_state_dict(state, strict=True)
     return model
 
 

@@ -39,9 +39,10 @@ class LinearProbeObjective(Objective):
         return self
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, D) in the head's dtype (the engine's compute dtype: fp32 or fp16)."""
         with torch.no_grad():
             tokens = self.encoder.forward_features(images)  # (B, 1+N, D)
-        return (tokens[:, 0] if self.cfg.pool == "cls" else tokens[:, 1:].mean(1)).float()
+        return (tokens[:, 0] if self.cfg.pool == "cls" else tokens[:, 1:].mean(1)).to(self.head[1].weight.dtype)
 
     def predict(self, images: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> logits (B, num_classes)."""

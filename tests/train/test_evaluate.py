@@ -63,6 +63,27 @@ def test_random_init_control_is_reproducible_and_sources_exclusive():
         load_encoder(encoder="x.safetensors", random_init="vit_debug_patch4")
 
 
+@pytest.mark.parametrize("layout", ["official MAE .pth", "timm .safetensors"])
+def test_an_official_or_timm_encoder_is_evaluated_at_the_size_asked(tmp_path, layout):
+    """--img_size holds for every source: an official MAE / timm state (no .json beside it) is
+    rebuilt at that size with its position table resized, as exported encoders are."""
+    from safetensors.torch import save_file
+
+    from model.interop import resize_pos_embed
+
+    torch.manual_seed(0)
+    trained = create_model("vit_small_patch16", img_size=32)  # a 2 x 2 grid (a width whose heads the state implies)
+    state = {k: v.detach().clone().contiguous() for k, v in trained.state_dict().items()}
+    path = tmp_path / ("mae.pth" if layout.startswith("official") else "timm.safetensors")
+    torch.save({"model": state}, path) if path.suffix == ".pth" else save_file(state, str(path))
+    same = load_encoder(encoder=str(path))
+    assert same.img_size == 32 and torch.equal(same.pos_embed, trained.pos_embed)
+    larger = load_encoder(encoder=str(path), img_size=64)  # a 4 x 4 grid
+    assert larger.img_size == 64 and larger.pos_embed.shape == (1, 17, trained.embed_dim)
+    assert torch.equal(larger.pos_embed, resize_pos_embed(trained.pos_embed, (4, 4)))
+    assert torch.equal(larger.blocks[0].attn.qkv.weight, trained.blocks[0].attn.qkv.weight)
+
+
 def test_features_skip_a_truncated_shard(shards):
     first = shards.files[0]
     first.write_bytes(first.read_bytes()[:700])  # cut inside the first sample

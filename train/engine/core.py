@@ -108,6 +108,18 @@ class EngineCore(abc.ABC):
         """Every parameter whole on every rank (collective where they are sharded)."""
         return contextlib.nullcontext()
 
+    def share_running_stats(self) -> None:
+        """Collective: every rank takes rank 0's BatchNorm running statistics (the linear probe's),
+        which each rank otherwise updates from its own batches. DDP's default broadcasts rank 0's
+        buffers before every forward, so an evaluation, as in MAE's code, reads rank 0's; checkpoints
+        hold rank 0's too, so an evaluation after a resume reads the same."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        stats = [t for m in self.module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                 for t in (m.running_mean, m.running_var, m.num_batches_tracked) if t is not None]
+        for t in stats:
+            torch.distributed.broadcast(t, 0)
+
     @property
     def accum(self) -> int:
         return self.cfg.accum

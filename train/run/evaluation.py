@@ -58,7 +58,8 @@ def load_encoder(encoder: str | None = None, checkpoint: str | None = None, rand
     if encoder is not None:
         path = Path(encoder)
         if not path.with_suffix(".json").is_file():  # an official MAE / timm checkpoint
-            return encoder_from_state(split_official_mae(safe_load(path))[0])
+            size = {"img_size": img_size} if img_size else {}
+            return encoder_from_state(split_official_mae(safe_load(path))[0], **size)
         kwargs = json.loads(path.with_suffix(".json").read_text())["timm_kwargs"]
         model = encoder_from_timm_kwargs(kwargs, img_size)
         load_state_any_size(model, safe_load(path))

@@ -366,6 +366,7 @@ class Trainer:
 
     def on_evaluate(self, step: int) -> None:
         module = self.engine.module
+        self.engine.share_running_stats()  # every rank scores with the same classifier
         module.eval()
         with self.engine.gathered(), eager_blocks():  # ZeRO-3: predict() runs outside the objective's forward
             result = classification_accuracy(module.predict, self.eval_shards, self.encoder.img_size,

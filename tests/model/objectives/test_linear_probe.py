@@ -38,3 +38,26 @@ def test_avg_pool_option_uses_patch_tokens():
     x = torch.randn(2, 3, 28, 28)
     assert torch.equal(a.features(x), a.encoder.forward_features(x)[:, 0])
     assert torch.allclose(b.features(x), b.encoder.forward_features(x)[:, 1:].mean(1))
+
+
+def test_the_probe_trains_in_fp16_through_the_engine_as_in_fp32():
+    """fp16 on ZeRO-0 with LARS is a configuration the checks accept (docs/EVALUATION.md): the engine
+    casts the head and the BatchNorm's statistics to fp16, and the features must follow them."""
+    from types import SimpleNamespace
+
+    from train.engine import EngineConfig, build
+    from train.engine.optim import WarmupCosineSchedule, build_optimizer, build_param_groups
+
+    images, labels = torch.randn(8, 3, 28, 28), torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
+    losses = {}
+    for precision in ("fp32", "fp16"):
+        probe = _probe()
+        groups, _ = build_param_groups(probe, 0.0, 1.0)
+        engine = build(probe, groups, lambda g: build_optimizer(g, SimpleNamespace(name="lars")),
+                       lambda o: WarmupCosineSchedule(o, 0.1, 0.0, 0, 10), EngineConfig(0, precision, 1, 0.0),
+                       torch.device("cpu"))
+        probe.train()
+        dtype = torch.float16 if precision == "fp16" else torch.float32
+        losses[precision] = engine({"image": images.to(dtype), "label": labels})["loss"].float()
+        assert probe.head[1].weight.dtype == probe.head[0].running_mean.dtype == dtype
+    assert torch.isfinite(losses["fp16"]) and torch.allclose(losses["fp16"], losses["fp32"], rtol=2e-2)
