@@ -34,8 +34,13 @@ class ReaderLayout:
     previous: "ReaderLayout | None" = None  # the layout whose samples these readers skipped
 
     @property
+    def workers(self) -> int:
+        """Readers per rank: num_workers 0 reads in the rank's own process, as one reader."""
+        return max(1, self.num_workers)
+
+    @property
     def readers(self) -> int:
-        return self.world * self.num_workers
+        return self.world * self.workers
 
     def to_dict(self) -> dict:
         return {"seed": self.seed, "world": self.world, "num_workers": self.num_workers,
@@ -78,7 +83,7 @@ def consumed(layout: ReaderLayout, shards: ShardSet,
             keep = {names[i] for i in wanted(epoch)}
             out[epoch] = Consumed(set(c.shards), {s for s in c.samples if s.split("/", 1)[0] in keep})
     for reader, (epoch_now, pos) in enumerate(layout.last):
-        rank, worker = divmod(reader, layout.num_workers)
+        rank, worker = divmod(reader, layout.workers)
         for epoch in range(start, epoch_now):  # epochs this reader finished: all of its shards
             out.setdefault(epoch, Consumed()).shards.update(
                 shards_for(len(names), epoch, layout.seed, reader, layout.readers))

@@ -80,8 +80,14 @@ SHARD_NAME = re.compile(r".+-\d{6}\.tar")  # <name>-000000.tar
 TAR_MTIME = 0  # webdataset's TarWriter stamps members with time.time() unless told: fixed for identical shards
 
 
+# the modes a PNG stores; an image of another mode (CMYK, YCbCr, LAB, HSV: colour; F and the like:
+# one band) is converted as the reader converts it (to RGB, or to one band), then stored
+PNG_MODES = {"1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"}
+
+
 def encode_image_file(path: Path) -> tuple[bytes, str]:
-    """Read a file and check that it decodes; JPEG/PNG bytes are kept as they are."""
+    """Read a file and check that it decodes; JPEG/PNG bytes are kept as they are, other formats
+    (TIFF, BMP, WebP, ...) stored as PNG."""
     data = path.read_bytes()
     try:
         opened = Image.open(io.BytesIO(data))
@@ -94,6 +100,8 @@ def encode_image_file(path: Path) -> tuple[bytes, str]:
             return data, "jpg"
         if fmt == "PNG":
             return data, "png"
+        if img.mode not in PNG_MODES:
+            img = img.convert("RGB" if len(img.getbands()) >= 3 else "L")
         buf = io.BytesIO()
         img.save(buf, format="PNG")
         return buf.getvalue(), "png"
@@ -267,9 +275,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                        help="writer processes; the output does not depend on it (default: the cores of this "
                             "process's CPU affinity)")
     args = parser.parse_args(argv)
-    if args.kind == "imagefolder" and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.name):
+    if args.kind == "imagefolder" and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", args.name):
         parser.error(f"--name {args.name!r}: the shards' and index's file name in the output folder, so letters, "
-                     f"digits, '.', '_' and '-', not starting with '.', '_' or '-' (e.g. train)")
+                     f"digits, '_' and '-', starting with a letter or digit, and no '.' (a sample's key ends at its "
+                     f"first dot: webdataset would merge a shard into one sample) (e.g. train)")
     workers = args.workers if args.workers is not None else default_workers()
     opts = {"samples_per_shard": args.samples_per_shard, "seed": args.seed, "workers": workers}
     indexes = []

@@ -95,6 +95,26 @@ def test_two_ranks_to_one_to_three_continue_the_epoch_without_repeats(tmp_path):
     assert sorted(seen) == list(range(48))  # epoch 0: every sample once, none skipped
 
 
+@pytest.mark.parametrize("old, new", [((2, 0), (1, 0)), ((1, 0), (1, 2)), ((2, 0), (3, 1)), ((2, 2), (2, 0))])
+def test_readers_without_workers_continue_on_another_layout(tmp_path, old, new):
+    """data.num_workers 0 (auto on one core per rank) reads in the rank's own process, as one
+    reader: a checkpoint of such ranks continues on another layout, and one continues on them."""
+    shards = make_shards(tmp_path, 48, 6)
+    (old_world, old_workers), (new_world, new_workers) = old, new
+    first = [loader(shards, r, old_world, old_workers) for r in range(old_world)]
+    seen = [v for ld in first for _ in range(4) for v in next_ids(ld)]
+    states = [ld.state_dict() for ld in first]
+    for rank in range(new_world):
+        ld = loader(shards, rank, new_world, new_workers)
+        ld.resume_from(states)
+        for _ in range(48):  # batches of one: past this rank's share of epoch 0 whatever its workers' pace
+            before = list(ld.last)
+            ids = next_ids(ld)
+            [(epoch, _)] = [now for now, then in zip(ld.last, before) if now != then]  # the worker that delivered
+            seen += ids if epoch == 0 else []
+    assert sorted(seen) == list(range(48))  # epoch 0: every sample once, none skipped
+
+
 def test_same_readers_continue_their_own_position_bit_identically(tmp_path):
     shards = make_shards(tmp_path, 48, 6)
     straight = loader(shards, 0, 1, 2)

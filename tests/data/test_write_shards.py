@@ -1,4 +1,5 @@
 import hashlib
+import io
 import json
 import tarfile
 from collections import Counter
@@ -39,6 +40,27 @@ def test_imagefolder_round_trip(image_folder, tmp_path):
     # shards mix classes (shuffled before sharding)
     first = [label for img, label in samples[:5]]
     assert len(set(first)) > 1
+
+
+@pytest.mark.parametrize("mode", ["CMYK", "LAB", "F"])
+def test_images_of_modes_a_png_cannot_hold_are_written_as_the_reader_converts_them(tmp_path, mode):
+    """A TIFF in CMYK (or LAB, or float grey) decodes, so it is a sample: stored as the PNG of
+    the RGB (or grey) image the reader would make of it, not rejected as unreadable."""
+    from PIL import Image
+
+    from data.write_shards import encode_image_file
+
+    rgb = Image.fromarray(np.arange(48, dtype=np.uint8).reshape(4, 4, 3) * 5)
+    img = rgb.convert(mode) if mode != "F" else rgb.convert("L").convert("F")
+    (tmp_path / "src" / "c0").mkdir(parents=True)
+    img.save(tmp_path / "src" / "c0" / "x.tif")
+    data, ext = encode_image_file(tmp_path / "src" / "c0" / "x.tif")
+    with Image.open(tmp_path / "src" / "c0" / "x.tif") as original:
+        want = original.convert("RGB")  # what training would decode from the file itself
+    got = Image.open(io.BytesIO(data))
+    assert ext == "png" and np.array_equal(np.asarray(got.convert("RGB")), np.asarray(want))
+    [index] = write_shards(["imagefolder", str(tmp_path / "src"), str(tmp_path / "out"), "--workers", "1"])
+    assert index["num_samples"] == 1 and index["rejected"]["count"] == 0
 
 
 def test_bad_inputs_are_reported_not_dropped(image_folder, tmp_path, capsys):

@@ -264,7 +264,7 @@ def test_the_shard_writer_checks_its_output_folder_names_bad_files_and_skips_non
     with pytest.raises(SystemExit) as status:
         write_shards(["imagefolder", str(image_folder), str(tmp_path / "a_file")])
     assert status.value.code == 2 and "output folder" in capsys.readouterr().err
-    for name in ("a/b", "", ".hidden", "../up"):  # a file name in the output folder, nothing else
+    for name in ("a/b", "", ".hidden", "../up", "pets.v2"):  # a file name in the output folder, without a dot
         with pytest.raises(SystemExit) as status:
             write_shards(["imagefolder", str(image_folder), str(tmp_path / "named"), "--name", name])
         err = capsys.readouterr().err
