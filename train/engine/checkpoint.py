@@ -195,21 +195,22 @@ def _declare_complete(partial: Path, root: Path, tag: str, meta: dict) -> None:
 def _agree(failure: BaseException | None, step: int, root: Path, partial: Path, rank: int) -> None:
     """Where a barrier would stand: every rank learns whether any rank's part of the save failed (one
     all-gather). On a failure rank 0 removes the partial folder, and every rank raises the same
-    CheckpointWriteError naming the first failing rank's cause."""
-    report = None if failure is None else _cause(failure)
+    CheckpointWriteError naming the first failing rank's cause and the free space it saw (one
+    reading for every rank: a file system others write to would give each rank another)."""
+    report = None if failure is None else (_cause(failure), shutil.disk_usage(root).free)
     reports = all_gather_object(report) if dist.is_initialized() else [report]
-    failed = [(r, cause) for r, cause in enumerate(reports) if cause is not None]
+    failed = [(r, seen) for r, seen in enumerate(reports) if seen is not None]
     if not failed:
         return
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
     barrier()  # the folder is gone before any rank exits
-    who, cause = failed[0]
+    who, (cause, free_bytes) = failed[0]
     where = f"rank {who}: " if len(reports) > 1 else ""
     latest = root / LATEST
     kept = (f"the checkpoint {latest.read_text().strip()} is kept as the latest" if latest.is_file()
             else "this run has no earlier checkpoint")
-    free = shutil.disk_usage(root).free / 2**20
+    free = free_bytes / 2**20
     raise CheckpointWriteError(f"the checkpoint of step {step} could not be written ({where}{cause}; {free:.1f} MiB "
                                f"free under {root}); {kept}; once that file system takes the writes again, continue "
                                f"with the same command and --resume auto")
