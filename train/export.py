@@ -20,10 +20,11 @@ ViTMAEForPreTraining, a fine-tuned one as ViTForImageClassification, other encod
 
 The default outputs are the run folder's own export, which every run also writes at its end: they
 are replaced (for a tag of a run folder, <run>/checkpoints/<tag>; above a tag kept elsewhere the
-same names are anyone's files, replaced only with --overwrite). Files an --out names that exist already (the weights, their .json, a transformers
-folder that is not empty) are replaced only with --overwrite; an --out inside the checkpoint (or,
-for a folder, holding it) is refused even then. Everything is checked before the checkpoint is
-read, and written under temporary names renamed into place once complete.
+same names are anyone's files, replaced only with --overwrite). Files an --out names that exist
+already (the weights, their .json, a transformers folder that is not empty) are replaced only with
+--overwrite; an --out inside the checkpoint (or, for a folder, holding it) is refused even then.
+Everything is checked before the checkpoint is read, and written under temporary names renamed
+into place once complete.
 """
 from __future__ import annotations
 

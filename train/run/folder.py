@@ -95,7 +95,7 @@ def refuse_deleting_inputs(run_dir: Path, inputs: dict[str, str], why: str) -> N
             continue
         clash = clashing_input(Path(given), outputs)
         if clash is not None:
-            raise ValueError(f"{option} {given} {'is' if clash[1] == 'is' else 'lies inside'} {clash[0]} of "
+            raise ValueError(f"{option} {given} {clash[1]} {clash[0]} of "
                              f"output_dir, and {why}: copy it out of {run_dir} first, or choose another --output_dir")
 
 

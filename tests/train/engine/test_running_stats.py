@@ -3,9 +3,13 @@ batches; before an evaluation every rank takes rank 0's (DDP's default, MAE's co
 score with one classifier, the one a checkpoint holds."""
 import textwrap
 
+import torch
 from conftest import run_ranks
 
+# Each rank trains the probe 3 steps on its own batches, then calls share_running_stats(); rank 0
+# writes every rank's statistics, head weights and logits, before and after, to the file argv[1].
 SCRIPT = textwrap.dedent("""
+    import sys
     from types import SimpleNamespace
     import torch, torch.distributed as dist
     from model import create_model
@@ -24,30 +28,41 @@ SCRIPT = textwrap.dedent("""
     probe.train()
     data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
     for _ in range(3):
-        out = engine({"image": torch.randn(8, 3, 28, 28, generator=data), "label": torch.randint(0, 5, (8,), generator=data)})
+        batch = {"image": torch.randn(8, 3, 28, 28, generator=data),
+                 "label": torch.randint(0, 5, (8,), generator=data)}
+        out = engine(batch)
         engine.backward(out["loss"])
         engine.step()
     bn = probe.head[0]
+
     def gathered(t):
-        ts = [torch.zeros_like(t) for _ in range(2)]
-        dist.all_gather(ts, t)
-        return ts
-    means, variances = gathered(bn.running_mean), gathered(bn.running_var)
-    assert not torch.equal(means[0], means[1]) and not torch.equal(variances[0], variances[1])
-    weights = gathered(probe.head[1].weight.detach().clone())
-    assert torch.equal(weights[0], weights[1])  # the head itself is the same on every rank
+        ts = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(ts, t.contiguous())
+        return torch.stack(ts)
+
+    seen = {"mean_before": gathered(bn.running_mean), "var_before": gathered(bn.running_var),
+            "head": gathered(probe.head[1].weight.detach())}
     engine.share_running_stats()
-    assert torch.equal(bn.running_mean, means[0]) and torch.equal(bn.running_var, variances[0])
-    assert int(bn.num_batches_tracked) == 3
     probe.eval()
     x = torch.randn(4, 3, 28, 28, generator=torch.Generator().manual_seed(7))
-    logits = gathered(probe.predict(x))
-    assert torch.equal(logits[0], logits[1])
+    seen |= {"mean_after": gathered(bn.running_mean), "var_after": gathered(bn.running_var),
+             "batches_tracked": gathered(bn.num_batches_tracked), "logits": gathered(probe.predict(x).detach())}
+    if rank == 0:
+        torch.save(seen, sys.argv[1])
     dist.destroy_process_group()
 """)
 
 
 def test_before_an_evaluation_every_rank_takes_rank_0s_statistics(tmp_path):
-    script = tmp_path / "running_stats.py"
+    script, out = tmp_path / "running_stats.py", tmp_path / "seen.pt"
     script.write_text(SCRIPT)
-    run_ranks(2, script)
+    run_ranks(2, script, str(out))
+    seen = torch.load(out, weights_only=True)  # (ranks, ...) each
+    assert torch.equal(seen["head"][0], seen["head"][1])  # the head itself is the same on every rank
+    assert not torch.equal(seen["mean_before"][0], seen["mean_before"][1])  # the statistics drift apart
+    assert not torch.equal(seen["var_before"][0], seen["var_before"][1])
+    for rank in (0, 1):  # afterwards every rank holds rank 0's and scores as rank 0 does
+        assert torch.equal(seen["mean_after"][rank], seen["mean_before"][0])
+        assert torch.equal(seen["var_after"][rank], seen["var_before"][0])
+        assert torch.equal(seen["logits"][rank], seen["logits"][0])
+    assert seen["batches_tracked"].tolist() == [3, 3]
