@@ -94,7 +94,24 @@ def read_json(path: str | Path, what: str) -> Any:
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"{what} {path} cannot be read ({e})") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_object_without_repeats)
     except json.JSONDecodeError as e:
         raise InputError(f"{what} {path}:{e.lineno}:{e.colno} is not valid JSON ({e.msg}): fix the file at line "
                          f"{e.lineno}, column {e.colno}") from None
+    except _RepeatedKey as e:
+        raise InputError(f"{what} {path} gives the key {e.args[0]!r} twice in one object, and JSON readers keep "
+                         f"only the last (DeepSpeed refuses the file): keep one of them") from None
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _object_without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object hook: the object as a dict, _RepeatedKey naming a key given twice in it."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKey(key)
+        out[key] = value
+    return out

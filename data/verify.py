@@ -214,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.workers < 0:
         p.error("--workers must be >= 0")
+    if a.max_image_pixels < 1:
+        p.error(f"--max_image_pixels must be >= 1 (got {a.max_image_pixels}, which counts every image as a "
+                f"decompression bomb); the default is {DEFAULT_MAX_IMAGE_PIXELS}")
     try:
         shards = ShardSet.from_index(a.index, a.allow_pipe_urls)
         if a.train_index is not None:

@@ -35,6 +35,7 @@ from kernels.flash_attn4 import attention as flash_attn4_attention
 from kernels.masked import (
     SegmentMask,
     TopKMask,
+    per_row_k,
     segment_attention_reference,
     segment_attention_sdpa,
     topk_attention_reference,
@@ -173,9 +174,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = 
         from kernels.restricted_triton import topk_attention, topk_attention_masked_sdpa
 
         B, _, T, _ = q.shape
-        k_rows = torch.full((B, T), mask.k, device=q.device) if isinstance(mask.k, int) else mask.k
+        k_rows = per_row_k(mask.k, B, T, q.device)[:, 0, :, 0]  # (B, T) in [1, T]; another shape is refused
         path = topk_attention_masked_sdpa if topk_kernel_for(q) == "masked_sdpa" else topk_attention
-        out, share = path(q, k, v, k_rows.clamp(1, T), mask.num_global, mask.segments)
+        out, share = path(q, k, v, k_rows, mask.num_global, mask.segments)
         if share is not None:
             mask.same_source_share = share
         return out

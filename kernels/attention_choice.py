@@ -151,7 +151,7 @@ def activate(device: torch.device, path: Path | None = None) -> int:
                 if reason is None:
                     _ACTIVE[shape] = c.kernel
                 else:
-                    _SET_ASIDE[(c.heads, c.tokens, c.head_dim)] = f"{c.kernel}: {reason}"
+                    _SET_ASIDE[(c.dtype, c.heads, c.tokens, c.head_dim)] = f"{c.kernel}: {reason}"
             else:
                 _ACTIVE[shape] = KERNELS[c.kernel]
     return len(_ACTIVE) + len(_ACTIVE_TOPK)
@@ -160,8 +160,8 @@ def activate(device: torch.device, path: Path | None = None) -> int:
 def set_aside_warnings() -> list[str]:
     """One line for the run's log per shape whose measured kernel cannot run here since the last
     `activate`, with why."""
-    return [f"attention {h}x{t}x{d}: its measured kernel cannot run here ({why}); PyTorch's pick runs it"
-            for (h, t, d), why in sorted(_SET_ASIDE.items())]
+    return [f"attention {dtype} {h}x{t}x{d}: its measured kernel cannot run here ({why}); PyTorch's pick runs it"
+            for (dtype, h, t, d), why in sorted(_SET_ASIDE.items())]
 
 
 def deactivate() -> None:

@@ -56,6 +56,10 @@ SHOW_DEFAULT = " (default: %(default)s)"  # argparse fills in each option's defa
 
 
 def commit() -> str:
+    """GPU_CHECK_COMMIT when set (the GPU kit runs on a copy without git, tools/gpu_check.py), else
+    git's HEAD, else "unknown"."""
+    if os.environ.get("GPU_CHECK_COMMIT"):
+        return os.environ["GPU_CHECK_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()

@@ -29,7 +29,7 @@ Phases (tools/phases/, one module each; each reuses the project's own entry poin
 --smoke: the same phase on the CPU with tiny models and few steps (the test suite runs it); what
 needs CUDA is skipped with the reason in the JSON. Without CUDA and without --smoke: exit 2.
 --budget_s: wall-clock seconds for the whole call; PHASE:SECONDS caps a phase besides (so one call
-runs several phases, each with its share: `compile:260 methods:150 loader:90`); an item whose
+runs several phases, each with its share: `compile:230 methods:130 loader:170`); an item whose
 estimate no longer fits is recorded as skipped, and the JSON is rewritten after every item, so a killed call still leaves
 what it measured. Installs nothing (docs/GPU.md: online, or offline from `make gpu-wheels`). The
 commit is $GPU_CHECK_COMMIT, else git's, else "unknown".
@@ -123,7 +123,7 @@ class Check:
         t0 = time.monotonic()
         try:
             result = fn()
-        except Exception as e:  # noqa: BLE001 - one failing measurement must not lose the others
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - one failing measurement (an entry point's refusal exits) must not lose the others
             result = {"error": f"{type(e).__name__}: {str(e)[:600]}",
                       "traceback": traceback.format_exc()[-1500:]}
             print(result["traceback"], flush=True)
@@ -223,6 +223,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
         raise SystemExit(2)
     if a.out and a.record:
         p.error("give --out or --record, not both")
+    named = [name for name, _ in a.phases]
+    if len(set(named)) < len(named):
+        p.error(f"a phase is named twice ({' '.join(named)}): name each once, with its whole share (e.g. methods:300)")
+    if a.study_pretrain_samples < 1:
+        p.error(f"--study_pretrain_samples must be >= 1, got {a.study_pretrain_samples}")
     out = a.out or REPO / ("benchmarks/results" if a.record else "runs/gpu_check")
     out.mkdir(parents=True, exist_ok=True)
     if (dsl := cutlass_dsl_on_path()) is not None:
@@ -241,7 +246,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
                 check.save()
                 try:
                     importlib.import_module(f"tools.phases.{PHASE_MODULES[phase]}").run(check, a)
-                except Exception:  # noqa: BLE001 - keep what the phase measured, go on to the next phase
+                except (Exception, SystemExit):  # noqa: BLE001 - keep what the phase measured, go on to the next phase
                     check.record["phase_error"] = traceback.format_exc()[-2000:]
                     print(check.record["phase_error"], flush=True)
                 check.save()

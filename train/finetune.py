@@ -37,7 +37,7 @@ RECIPE = ["--config", str(Path(__file__).resolve().parent / "configs" / "finetun
 
 
 def main(argv: list[str] | None = None) -> Path:
-    return trainer.main(RECIPE + (sys.argv[1:] if argv is None else argv), command="finetune")
+    return trainer.main(RECIPE + (sys.argv[1:] if argv is None else argv), command="finetune", usage=__doc__)
 
 
 if __name__ == "__main__":

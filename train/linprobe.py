@@ -33,7 +33,7 @@ RECIPE = ["--config", str(Path(__file__).resolve().parent / "configs" / "linprob
 
 
 def main(argv: list[str] | None = None) -> Path:
-    return trainer.main(RECIPE + (sys.argv[1:] if argv is None else argv), command="linprobe")
+    return trainer.main(RECIPE + (sys.argv[1:] if argv is None else argv), command="linprobe", usage=__doc__)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ from experiments.fashion_mnist.common import (
 )
 from train.bench import cpu_name
 from train.run.evaluation import decode_all, evaluate, load_encoder, subsample
-from train.run.folder import read_metrics
+from train.run.folder import git_commit, read_metrics
 
 DEFAULT_METHOD = "mae"  # its run folder is runs/demo
 # kNN / linear probe fitted on a third of the train split: feature extraction of the mini ViT is
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
         "eval_train_samples": eval_train.num_samples,
         "eval_test_samples": test.num_samples,
         "device": cpu_name(),
+        "git": git_commit(),  # the code measured: a record of it names its commit
         "torch": torch.__version__,
         "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),

@@ -15,6 +15,7 @@ from model.objectives.base import Objective, ObjectiveConfig, register_objective
 from model.objectives.masking import (
     Masking,
     check_mask_ratio,
+    check_supplied,
     gather_tokens,
     masking_from_mask,
     masking_from_noise,
@@ -75,12 +76,15 @@ class MAEObjective(Objective):
 
     def make_masking(self, batch: dict[str, torch.Tensor], batch_size: int, device: torch.device) -> Masking:
         """Caller-supplied `mask` (1 = removed) or `mask_noise` (B, N) take precedence over fresh noise."""
-        if "mask" in batch:
-            return masking_from_mask(batch["mask"])
         N = self.encoder.num_patches
+        if "mask" in batch:
+            check_supplied("mask", batch["mask"], batch_size, N)
+            return masking_from_mask(batch["mask"])
         noise = batch.get("mask_noise")
         if noise is None:
             noise = torch.rand(batch_size, N, device=device)
+        else:
+            check_supplied("mask_noise", noise, batch_size, N)
         return masking_from_noise(noise, num_kept(N, self.cfg.mask_ratio))
 
     def encode(self, images: torch.Tensor, masking: Masking, tokens: torch.Tensor | None = None) -> torch.Tensor:

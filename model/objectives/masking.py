@@ -42,14 +42,28 @@ def masking_from_noise(noise: torch.Tensor, keep: int) -> Masking:
     return Masking(ids_shuffle[:, :keep], ids_restore, mask)
 
 
+def check_supplied(key: str, given: torch.Tensor, batch_size: int, num_patches: int) -> None:
+    """ValueError unless a caller-supplied `mask` / `mask_noise` is (images, patches): a smaller
+    batch was broadcast against the targets (a wrong loss, no error), a longer row indexed past the
+    patches."""
+    if tuple(given.shape) != (batch_size, num_patches):
+        raise ValueError(f"batch[{key!r}] must have shape (images, patches) = ({batch_size}, {num_patches}), "
+                         f"got {tuple(given.shape)}")
+
+
 def masking_from_mask(mask: torch.Tensor) -> Masking:
-    """A caller-supplied binary mask (B, N), 1 = removed; every row must remove the same count."""
+    """A caller-supplied binary mask (B, N), 1 = removed; every row must remove the same count,
+    at least one patch and not all of them."""
     mask = mask.float()
     if not torch.all((mask == 0) | (mask == 1)):
         raise ValueError("a supplied mask must be binary (1 = removed, 0 = kept)")
     removed = mask.sum(dim=1)
     if not torch.all(removed == removed[0]):
         raise ValueError(f"every sample must remove the same number of patches, got counts {removed.tolist()}")
+    if not 0 < int(removed[0]) < mask.shape[1]:
+        raise ValueError(f"a supplied mask must remove at least one patch and keep at least one, got one removing "
+                         f"{int(removed[0])} of {mask.shape[1]} (the loss is a mean over removed patches; the "
+                         f"encoder sees the kept ones)")
     # Used as noise, the mask sorts kept patches (0) first, each group in ascending patch order.
     return masking_from_noise(mask, mask.shape[1] - int(removed[0]))
 

@@ -242,6 +242,52 @@ def test_a_failed_start_s_outputs_are_cleared_but_never_the_run_s_weights(run_di
     assert (out / "checkpoints" / "step00000001").is_dir() and json.loads((out / "config.json").read_text())
 
 
+def test_a_folder_that_is_no_run_folder_keeps_its_files(tmp_path, capsys):
+    """A folder with a config.json that is not a run's (a transformers model's, say) and nothing
+    trained in it was taken for a failed start, and its config.json, eval.json and vis/ deleted
+    unasked; it is refused, every byte kept, and deleted only with --run.overwrite true."""
+    out = tmp_path / "results"
+    (out / "vis").mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps({"model_type": "vit_mae"}))
+    (out / "eval.json").write_text(json.dumps({"knn_top1": 80.0}))
+    (out / "vis" / "figure.png").write_bytes(b"png")
+    (out / "README.txt").write_text("mine")
+    before = snapshot(out)
+    refused("train.pretrain", pretrain_argv(out), r"output_dir .*results holds a config.json that is not a run's "
+            r"config \(keys 'model_type' are no options\), so it is no run folder, .* choose another --output_dir "
+            r"\(--run.overwrite true deletes its config.json, eval.json, vis\)", capsys)
+    assert snapshot(out) == before
+    status, err = run("train.pretrain", pretrain_argv(out, "--run.overwrite", "true"), capsys)
+    assert status == 0, err[-3000:]
+    assert not (out / "eval.json").exists() and (out / "README.txt").read_text() == "mine"
+
+
+def test_a_transformers_folder_is_never_the_output_dir_of_a_run_starting_from_it(tmp_path, capsys):
+    """--model.init_from a transformers folder with --output_dir the same folder: the run's
+    config.json would replace the model's (with --run.overwrite too, which deleted it first)."""
+    from hf_folders import vit_mae_folder
+
+    folder, _ = vit_mae_folder(tmp_path / "hf")
+    before = snapshot(folder)
+    for more in ((), ("--run.overwrite", "true")):
+        refused("train.pretrain", pretrain_argv(folder, "--model.init_from", str(folder), "--model.in_chans", "1",
+                                                *more),
+                r"--model.init_from .*hf is output_dir itself, where the run writes its config.json, checkpoints and "
+                r"logs: choose another --output_dir", capsys)
+        assert snapshot(folder) == before
+
+
+def test_an_empty_output_dir_is_refused_not_taken_for_the_current_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    before = snapshot(tmp_path)
+    argv = pretrain_argv(tmp_path)
+    argv[argv.index("--output_dir") + 1] = ""
+    refused("train.pretrain", argv,
+            r"--output_dir is empty: give the run folder, e.g. --output_dir runs/pretrain", capsys)
+    assert snapshot(tmp_path) == before
+
+
 # --- train.export (timm) -------------------------------------------------------------------------
 
 def test_export_never_writes_into_the_checkpoint(run_dir, tmp_path, capsys):

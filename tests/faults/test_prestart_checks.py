@@ -64,6 +64,14 @@ def test_a_mask_ratio_that_masks_or_keeps_no_patch_of_the_model_is_refused(tmp_p
     assert says in err
 
 
+def test_a_floor_above_the_peak_lr_is_refused_naming_the_peak(tmp_path, capsys, monkeypatch):
+    """The debug preset's peak is 1.5e-3 x 8 / 256 = 4.69e-5: min_lr 1e-3 made the "cosine down to
+    min_lr" climb 21-fold above the peak."""
+    err = _reject(tmp_path, capsys, monkeypatch, "--optim.min_lr", "1e-3")
+    assert "optim.min_lr 0.001 is above the peak lr 4.69e-05 (blr 0.0015 x global batch 8 / 256)" in err
+    assert "give an optim.min_lr below 4.69e-05 (MAE: 0), or a larger optim.blr" in err
+
+
 def test_a_run_folder_whose_start_never_trained_is_not_another_run(tmp_path):
     """A failed start leaves config.json, meta.json, an empty metrics.jsonl and no checkpoint: the
     corrected command (another config) reuses the folder, without --run.overwrite."""

@@ -213,6 +213,31 @@ def test_each_bad_ds_config_value_is_refused_in_one_line_before_anything_is_writ
     assert files(tmp_path) == {"ds.json"}
 
 
+@pytest.mark.parametrize("text, message", [
+    (b"\xff\xfe{}", r"ds_config .*ds.json cannot be read \('utf-8' codec can't decode"),
+    (b'{"gradient_clipping": 1.0, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, '
+     b'"gradient_clipping": 0.0}',
+     r"ds_config .*ds.json gives the key 'gradient_clipping' twice in one object, and JSON readers keep only the "
+     r"last \(DeepSpeed refuses the file\): keep one of them"),
+])
+def test_a_ds_config_that_is_not_utf8_or_repeats_a_key_is_refused_in_one_line(tmp_path, capsys, text, message):
+    """A binary file ended in a UnicodeDecodeError traceback; a key given twice was read as its
+    last value (clipping at 0.0 here) where DeepSpeed refuses the file."""
+    (tmp_path / "ds.json").write_bytes(text)
+    line = refused(["--ds_config", str(tmp_path / "ds.json"), "--config", str(DEBUG_PRESET), "--output_dir",
+                    str(tmp_path / "run")], capsys)
+    assert re.search(message, line), line
+    assert files(tmp_path) == {"ds.json"}
+
+
+def test_a_preset_that_repeats_a_section_is_refused_not_merged_into_its_last(tmp_path, capsys):
+    """{"optim": {"blr": 0.01}, "optim": {"epochs": 4}} dropped the blr without a word."""
+    (tmp_path / "preset.json").write_text('{"optim": {"blr": 0.01}, "optim": {"epochs": 4}}')
+    line = refused(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--config", str(tmp_path / "preset.json"),
+                    "--output_dir", str(tmp_path / "run")], capsys)
+    assert re.search(r"preset.json gives the key 'optim' twice in one object", line), line
+
+
 def test_whole_numbers_are_integers_wherever_they_are_written(tmp_path):
     """1e3 on the command line, 5e8 and 8.0 in JSON: integers (fractions are refused above)."""
     (tmp_path / "ds.json").write_text(json.dumps({**DS, "train_micro_batch_size_per_gpu": 8.0,

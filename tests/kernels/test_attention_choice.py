@@ -229,6 +229,27 @@ def test_the_dispatch_routes_topk_through_the_path_the_table_chose(tmp_path, mon
     assert said.startswith("triton threshold kernel + SDPA under the kept set as a mask (measured faster for 12 heads)")
 
 
+def test_the_fused_topk_path_checks_a_per_query_k_as_the_reference_does(monkeypatch):
+    """A per-query K of the wrong shape went to the Triton kernel unchecked, which read past its
+    end (non-finite output); the reference path refused it. Both now refuse it, and the fused path
+    gets K as (B, T) longs in [1, T]."""
+    pytest.importorskip("triton")
+    import importlib
+
+    from kernels.masked import TopKMask
+
+    dispatch = importlib.import_module("kernels.attention")
+    restricted = importlib.import_module("kernels.restricted_triton")
+    given = []
+    monkeypatch.setattr(dispatch, "_fused_or_warn", lambda q: True)
+    monkeypatch.setattr(restricted, "topk_attention", lambda q, k, v, rows, g, seg: (given.append(rows) or q, None))
+    q = torch.randn(2, 2, 9, 8)
+    with pytest.raises(ValueError, match=r"per-query K must have shape \(B, T\) = \(2, 9\), got \(2, 6\)"):
+        dispatch.attention(q, q, q, mask=TopKMask(torch.ones(2, 6, dtype=torch.int32)))
+    dispatch.attention(q, q, q, mask=TopKMask(torch.tensor([[0, 3, 20] * 3] * 2, dtype=torch.int32)))
+    assert given[0].dtype == torch.long and given[0].tolist() == [[1, 3, 9] * 3] * 2
+
+
 def test_topk_timing_says_why_not_without_a_gpu():
     from tools.choose_attention import time_topk
 

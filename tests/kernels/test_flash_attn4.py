@@ -149,11 +149,24 @@ def test_an_entry_it_cannot_run_here_is_set_aside_with_why(fake_fa4, monkeypatch
         capability = "9.0" if gpu == "h100" else "8.0"
         assert attention_choice.activate(torch.device("cuda", 0), _fa4_table(tmp_path, capability)) == 1  # cudnn's
     (line,) = attention_choice.set_aside_warnings()  # what the run's log says
-    assert line.startswith(f"attention 2x17x16: its measured kernel cannot run here ({reason}")
+    assert line.startswith(f"attention bf16 2x17x16: its measured kernel cannot run here ({reason}")
     assert line.endswith("; PyTorch's pick runs it")
     assert attention_choice.kernel_for(torch.empty(3, 2, 17, 16, dtype=torch.bfloat16)) is None
     attention_choice.deactivate()
     assert attention_choice.set_aside_warnings() == []
+
+
+def test_entries_set_aside_for_two_dtypes_of_one_shape_each_get_their_line(fake_fa4, tmp_path):
+    """The set-aside lines were keyed by shape alone: the fp16 entry's line hid the bf16 one's."""
+    path = _fa4_table(tmp_path, "8.0")
+    table = json.loads(path.read_text())
+    table["entries"].append({**table["entries"][0], "dtype": "fp16"})
+    path.write_text(json.dumps(table))
+    with fake_gpu("a100"):
+        attention_choice.activate(torch.device("cuda", 0), path)
+    lines = attention_choice.set_aside_warnings()
+    attention_choice.deactivate()
+    assert [line.split(":")[0] for line in lines] == ["attention bf16 2x17x16", "attention fp16 2x17x16"]
 
 
 @pytest.mark.parametrize("dtype, d, capability, said", [

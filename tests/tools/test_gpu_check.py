@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -345,3 +346,100 @@ def test_compile_phase_gpu_branch_runs_every_item_in_its_order(tmp_path, monkeyp
     assert summary["ratios"]["compile_over_eager_vit_b_128"] == pytest.approx(1.3)
     assert summary["ratios"]["float8_over_compiled_vit_l_128"] == pytest.approx(1.2)
     assert summary["equality_bf16_micro64"]["equal"] and summary["float8_curves_vit_l_micro64"]["within_bf16_noise"]
+
+
+def test_the_documented_one_call_plan_measures_the_loader_s_targets_within_its_share(tmp_path, monkeypatch):
+    """docs/GPU.md's one call gives each phase a share; with every item taking its whole estimate,
+    the loader's share reaches its targets' items (the shards, nvjpeg, the first end-to-end round).
+    Its shard making alone was estimated above its share (90 s against 80), so the phase stopped there."""
+    import re
+    import types
+
+    import benchmarks.photo_shards
+    import tools.phases.common
+    import tools.photos
+    from tools.gpu_check import Check
+    from tools.phases import loader
+
+    call = re.search(r"gpu_check ((?:\w+:\d+ )+)--budget_s\s+(\d+)", (REPO / "docs" / "GPU.md").read_text())
+    shares = {name: float(s) for name, s in (p.split(":") for p in call.group(1).split())}
+    assert sum(shares.values()) <= float(call.group(2)) <= 540  # a call of under 10 minutes, with its start
+
+    class Planned(Check):
+        """Each item takes its whole estimate, on a clock of its own."""
+        spent = 0.0
+
+        def remaining(self) -> float:
+            return shares["loader"] - 5 - self.spent  # 5 s: the phase's own start (imports, versions)
+
+        def item(self, name, estimate_s, fn):
+            result = super().item(name, estimate_s, fn)
+            self.spent += estimate_s if result is not None else 0
+            return result
+
+    def shards(argv):
+        images = benchmarks.photo_shards.images_folder(Path(argv[1]))
+        (images / "c0").mkdir(parents=True)
+        (images / "c0" / "0.jpg").write_bytes(b"jpeg")
+        Path(argv[1]).mkdir()
+        Path(argv[1], "train-000000.tar").write_bytes(b"tar")
+
+    monkeypatch.setattr(tools.photos, "write_photos", lambda *a: [])
+    monkeypatch.setattr(benchmarks.photo_shards, "main", shards)
+    monkeypatch.setattr(loader, "device_loader", lambda *a: {"images_per_s": 6000.0})
+    monkeypatch.setattr(tools.phases.common, "our_bench", lambda check, argv: {"images_per_s": 3000.0})
+    check = Planned("loader", tmp_path, smoke=False, deadline=float("inf"), work=tmp_path / "work", log=tmp_path / "log")
+    check.work.mkdir()
+    check.cuda = True
+    loader.run(check, types.SimpleNamespace())
+    ran = [k for k, v in check.record["items"].items() if "skipped" not in v]
+    assert ran[:4] == ["make_shards", "decode_nvjpeg", "end_to_end_synthetic_r0", "end_to_end_shards_r0"], \
+        check.record["items"]
+    assert check.record["summary"]["end_to_end"]["shards_over_synthetic"] == 1.0
+
+
+def test_an_entry_point_s_refusal_inside_a_phase_is_recorded_and_the_next_phase_runs(tmp_path, monkeypatch):
+    """A refusal exits (SystemExit), which passed the handlers of Exception and ended the call:
+    the later phases never ran and the phase's JSON held no word of it."""
+    from tools import gpu_check
+    from tools.phases import loader, methods
+
+    def refusing(check, a):
+        check.item("refused_item", 0, lambda: sys.exit("error: --pretrain_samples 200: give whole epochs"))
+        raise SystemExit(2)
+
+    monkeypatch.setattr(methods, "run", refusing)
+    monkeypatch.setattr(loader, "run", lambda check, a: check.item("after", 0, lambda: {"ran": True}))
+    paths = gpu_check.main(["methods", "loader", "--smoke", "--budget_s", "60", "--out", str(tmp_path)])
+    first, second = (json.loads(p.read_text()) for p in paths)
+    assert first["items"]["refused_item"]["error"] == "SystemExit: error: --pretrain_samples 200: give whole epochs"
+    assert "SystemExit: 2" in first["phase_error"]
+    assert second["items"]["after"]["ran"] is True
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["methods:30", "methods:30"], "a phase is named twice (methods methods)"),
+    (["study", "--study_pretrain_samples", "0"], "--study_pretrain_samples must be >= 1, got 0"),
+])
+def test_a_call_that_cannot_run_as_asked_is_refused_before_any_phase(tmp_path, capsys, argv, says):
+    from tools import gpu_check
+
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main([*argv, "--smoke", "--out", str(tmp_path)])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_attention_table_records_the_kit_s_commit_on_a_copy_without_git(monkeypatch):
+    import subprocess as sp
+
+    import kernels.bench
+
+    def no_git(*a, **k):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(sp, "run", no_git)
+    monkeypatch.delenv("GPU_CHECK_COMMIT", raising=False)
+    assert kernels.bench.commit() == "unknown"
+    monkeypatch.setenv("GPU_CHECK_COMMIT", "abc1234")
+    assert kernels.bench.commit() == "abc1234"

@@ -25,7 +25,8 @@ from tools.phases.common import (
 
 def baseline_run(check: Check, argv: list[str], steps: int, warmup: int, dtype: torch.dtype) -> dict:
     """The plain-PyTorch MAE (tools/mae_baseline.py) with the same model, MAE settings, micro-batch
-    and synthetic data as train/bench.py's run of `argv`."""
+    and synthetic data as train/bench.py's run of `argv`; on the GPU with fused AdamW, the fastest
+    plain loop (as the engine's), recorded under "optimizer"."""
     from tools.census import baseline_model
     from tools.mae_baseline import time_training
     from train.bench import split_argv
@@ -37,7 +38,8 @@ def baseline_run(check: Check, argv: list[str], steps: int, warmup: int, dtype: 
     micro = resolve(cfg, 1)[1].micro
     model, data = baseline_model(cfg, {}, micro, check.device)
     try:
-        return {**time_training(model, data, steps, warmup, dtype, check.device), "micro_batch": micro}
+        return {**time_training(model, data, steps, warmup, dtype, check.device, fused=True if check.cuda else None),
+                "micro_batch": micro}
     finally:
         del model
         free_memory()
@@ -184,20 +186,21 @@ def attribution_items(check: Check) -> None:
 def largest_micro(check: Check, key: str, model: str, micro: int, summary: dict) -> dict:
     """Peak memory at 2x the micro-batch beside the eager run's gives the per-sample slope; the
     micro-batch predicted to fill 90% of the GPU (the dry run's headroom) is then run for 3 steps."""
-    def peak(m: int) -> float:
+    def run(m: int) -> dict:
         argv = ["--ds_config", str(ds_config(check, f"largest_{key}_{m}", m)), "--model.name", model,
                 "--data.source", "synthetic", "--steps", "2", "--warmup", "1"]
-        return our_bench(check, argv)["peak_allocated_gib"]
+        return our_bench(check, argv)
 
-    p1, p2 = summary.get(key, {}).get("peak_gib") or peak(micro), peak(2 * micro)
+    p1, p2 = summary.get(key, {}).get("peak_gib") or run(micro)["peak_allocated_gib"], run(2 * micro)["peak_allocated_gib"]
     slope = (p2 - p1) / micro
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     predicted = int((0.9 * total - (p1 - slope * micro)) // slope)
     out = {"peak_gib_at": {micro: p1, 2 * micro: p2}, "gib_per_sample": slope, "device_gib": total,
            "predicted_largest_micro": predicted}
     try:
-        out["peak_gib_at_predicted"] = peak(predicted)
-        out["fits"] = True
+        largest = run(predicted)
+        out.update(peak_gib_at_predicted=largest["peak_allocated_gib"], fits=True,
+                   **{k: largest.get(k) for k in ("images_per_s", "mfu")})  # 2 steps: a rough rate
     except torch.OutOfMemoryError as e:
         out["fits"], out["oom"] = False, str(e)[:200]
     free_memory()  # after the handler: its traceback (and the engine in its frames) is gone by now

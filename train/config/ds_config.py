@@ -8,12 +8,12 @@ than silently overridden.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from data.cli import InputError, read_json
 from train.config.device_checks import check_kernels, this_device
 from train.config.ds_keys import check_keys, check_values, did_you_mean
 from train.config.errors import ConfigError
@@ -41,12 +41,12 @@ def load(path: str) -> dict:
     """The ds_config at `path`: a JSON object whose values the engine reads are of their types and
     inside their ranges (train/config/ds_keys.py); its keys are checked by `resolve`."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError(f"ds_config {path!r} does not exist; pass a file from ds_configs/")
     try:
-        ds = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"ds_config {path!r} is not valid JSON: {e}") from None
+        ds = read_json(p, "ds_config")  # a folder, an unreadable or non-UTF-8 file, a key given twice: one line
+    except InputError as e:
+        raise ConfigError(str(e)) from None
     if not isinstance(ds, dict):
         raise ConfigError(f"ds_config {path!r} holds a JSON {type(ds).__name__}, not an object of DeepSpeed "
                           f'settings (e.g. {{"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, '

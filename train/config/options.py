@@ -147,6 +147,8 @@ class PretrainConfig:
         check_values(self)  # every option's type and range, as its field declares them
         if not self.ds_config:
             raise ConfigError("--ds_config is required (e.g. ds_configs/cpu_debug.json)")
+        if not self.output_dir.strip():
+            raise ConfigError("--output_dir is empty: give the run folder, e.g. --output_dir runs/pretrain")
         if self.objective not in OBJECTIVES or self.objective not in self.sections:
             raise ConfigError(f"objective {self.objective!r} is unknown; choose one of {list_objectives()}")
         if self.optim.name not in ("adamw", "lars"):
@@ -425,9 +427,22 @@ def _read_preset(path: str, known: dict[str, Option]) -> PresetOptions:
                          {name: read({name: section}) for name, section in parts[IF_OBJECTIVE].items()})
 
 
-def help_text() -> str:
-    """Every option, one line each, grouped by section: type, default, range, description (train/config/help.py)."""
+def defaults_under(argv: list[str]) -> PretrainConfig:
+    """The options as the `--config` presets of `argv` set them (e.g. fine-tuning's recipe), over
+    the dataclass defaults, unchecked: the defaults a command's --help shows."""
+    known = options()
+    presets = [_read_preset(value, known) for key, value in _pairs(argv) if key == "config"]
+    objective = compose(presets, set()).get("objective", (PretrainConfig.objective, ""))[0]
     cfg = PretrainConfig()
+    for key, (value, _) in compose(presets, set(), objective).items():
+        _set(cfg, key, value)
+    return cfg
+
+
+def help_text(cfg: PretrainConfig | None = None) -> str:
+    """Every option, one line each, grouped by section: type, default (`cfg`'s value: a command's
+    recipe; else the dataclass default), range, description (train/config/help.py)."""
+    cfg = PretrainConfig() if cfg is None else cfg
     sections = {"": cfg, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                             if dataclasses.is_dataclass(getattr(cfg, f.name))}, **cfg.sections}
     head = ["command options:",

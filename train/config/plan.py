@@ -40,6 +40,11 @@ def schedule_steps(cfg: PretrainConfig, plan: BatchPlan) -> tuple[int, int, floa
         raise ConfigError(f"the epoch ({epoch_size} samples) is smaller than the global batch {plan.global_batch} "
                           f"({plan.micro} x {plan.accum} x {plan.world} ranks), so there is no whole step in it: give "
                           f"{smaller_batch(cfg, plan, epoch_size)}, or more samples (data.epoch_size, or more shards)")
+    peak = peak_lr(cfg, plan)
+    if cfg.optim.min_lr > peak:  # the half-cycle cosine "down to min_lr" would climb to it instead
+        raise ConfigError(f"optim.min_lr {cfg.optim.min_lr:g} is above the peak lr {peak:.3g} (blr {cfg.optim.blr:g} x "
+                          f"global batch {plan.global_batch} / 256), so the schedule would rise after the warmup: "
+                          f"give an optim.min_lr below {peak:.3g} (MAE: 0), or a larger optim.blr")
     return per_epoch, per_epoch * cfg.optim.epochs, per_epoch * cfg.optim.warmup_epochs
 
 

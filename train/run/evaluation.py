@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from data.cli import InputError
 from data.faults import ERROR_KINDS, CorruptDataError, SampleError, ShardIndexError
 from data.loader import resolve_num_workers
 from data.progress import Progress
@@ -352,6 +353,9 @@ def scores(train: Features, test: Features, num_classes: int) -> dict[str, float
                                   f"{num_classes} classes of the training index: python -m data.verify "
                                   f"{f.coverage.index} names the samples; re-index the shards with a --classes file "
                                   f"naming every class (python -m data.index_shards)")
+    if len(train.features) < 2:  # the probe standardises by the training features' std, NaN for one sample
+        raise InputError(f"the linear probe would fit on {len(train.features)} training sample, and standardising "
+                         f"its features needs at least 2: give more (--max_train 0 = all of them)")
     args = (train.features, train.labels, test.features, test.labels, num_classes)
     return {"knn_top1": knn_top1(*args), "linear_probe_top1": linear_probe_top1(*args)}
 

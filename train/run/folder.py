@@ -65,12 +65,20 @@ def check_run_folder(run_dir: Path, config: dict, resuming: bool, overwrite: boo
     """A run that does not resume must not mix into another run's folder: refuse one that holds
     checkpoints, or a config.json of another experiment, unless `overwrite` (then delete the old
     run's outputs). A folder whose run never trained (`never_trained`) is no other run: its
-    outputs are deleted and the folder reused. Neither deletes an input the run reads later
-    (`inputs`: option -> path, e.g. the weights of --model.init_from): refused instead. Raises
+    outputs are deleted and the folder reused, unless its config.json is not a run's (a folder of
+    something else: refused without `overwrite`). Neither deletes an input the run reads later
+    (`inputs`: option -> path, e.g. the weights of --model.init_from), and output_dir is never an
+    input folder itself: refused instead. Raises
     ValueError naming the way out; runs before any process group starts (after check_writable_folder)."""
     if resuming or not run_dir.is_dir():
         return
+    refuse_writing_into_inputs(run_dir, inputs or {})
     if never_trained(run_dir, complete_checkpoints(run_dir)):
+        foreign = foreign_config(run_dir, config)  # e.g. a transformers folder: no failed start of a run
+        if foreign and not overwrite:
+            kept = ", ".join(sorted(n for n in RUN_OUTPUTS if (run_dir / n).exists()))
+            raise ValueError(f"output_dir {run_dir} {foreign}, so it is no run folder, and a run writes its own "
+                             f"config.json there: choose another --output_dir (--run.overwrite true deletes its {kept})")
         if (run_dir / "config.json").is_file():  # a failed start's config.json, meta.json, empty logs, partial checkpoint
             refuse_deleting_inputs(run_dir, inputs or {}, "its outputs, left by a start that never trained, are "
                                    "deleted before this run writes its own")
@@ -84,6 +92,34 @@ def check_run_folder(run_dir: Path, config: dict, resuming: bool, overwrite: boo
                          f"--output_dir, or start afresh with --run.overwrite true (deletes its checkpoints and logs)")
     refuse_deleting_inputs(run_dir, inputs or {}, "--run.overwrite true deletes the old run's outputs")
     clear_run_outputs(run_dir)
+
+
+def foreign_config(run_dir: Path, config: dict) -> str:
+    """What makes `run_dir`'s config.json not a run's config ("holds a config.json ..."), '' when
+    there is none or it is one: a JSON object whose keys are all options sections of `config` (a
+    transformers model's config.json, e.g. {"model_type": "vit_mae"}, is not)."""
+    path = run_dir / "config.json"
+    if not path.is_file():
+        return ""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"holds a config.json that is not readable JSON ({type(e).__name__})"
+    if not isinstance(saved, dict):
+        return "holds a config.json that is not a run's config (not a JSON object of options sections)"
+    unknown = sorted(set(saved) - set(config))
+    if unknown:
+        return f"holds a config.json that is not a run's config (keys {', '.join(map(repr, unknown[:3]))} are no options)"
+    return ""
+
+
+def refuse_writing_into_inputs(run_dir: Path, inputs: dict[str, str]) -> None:
+    """ValueError when output_dir is an input folder itself (e.g. --model.init_from a transformers
+    folder): the run's config.json would replace the input's."""
+    for option, given in inputs.items():
+        if given and Path(given).is_dir() and Path(given).resolve() == run_dir.resolve():
+            raise ValueError(f"{option} {given} is output_dir itself, where the run writes its config.json, "
+                             f"checkpoints and logs: choose another --output_dir")
 
 
 def refuse_deleting_inputs(run_dir: Path, inputs: dict[str, str], why: str) -> None:
@@ -115,7 +151,12 @@ def other_run(run_dir: Path, config: dict) -> str:
         return f"holds the checkpoints of a run ({checkpoints[-1].name} ...)"
     old_config = run_dir / "config.json"
     if old_config.is_file():
-        saved = json.loads(old_config.read_text())
+        try:
+            saved = json.loads(old_config.read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            return "holds a run whose config.json is not readable JSON"
+        if not isinstance(saved, dict):
+            return "holds a run whose config.json is not a JSON object"
         now = json.loads(json.dumps(config))  # as stored: tuples become lists
         differing = sorted(k for k in set(_experiment(saved)) | set(_experiment(now)) if saved.get(k) != now.get(k))
         if differing:

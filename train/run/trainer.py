@@ -28,7 +28,15 @@ from model.timm_backbone import TimmBackbone
 from train.config.ds_config import BatchPlan, resolve, zero_stage
 from train.config.errors import ConfigError
 from train.config.flags import pop_flags
-from train.config.options import PretrainConfig, check_objective_fits, help_text, parse_args, section, to_dict
+from train.config.options import (
+    PretrainConfig,
+    check_objective_fits,
+    defaults_under,
+    help_text,
+    parse_args,
+    section,
+    to_dict,
+)
 from train.config.plan import build_encoder, labeled_split, peak_lr, schedule_steps
 from train.engine import checkpoint, distributed
 from train.engine.execution import describe_blocks
@@ -86,15 +94,15 @@ requeue), final checkpoint, export.
 """
 
 
-def main(argv: list[str] | None = None, command: str = "pretrain") -> Path:
-    """The pretraining command (or `command`, which runs it with its recipe: finetune, linprobe):
-    the run folder of a finished (or stopped) run."""
+def main(argv: list[str] | None = None, command: str = "pretrain", usage: str = USAGE) -> Path:
+    """The pretraining command (or `command`, which runs it with its recipe's `--config` first in
+    `argv`: finetune, linprobe, each with its own `usage`): the run folder of a finished (or stopped) run."""
     catch_stop_signals()  # SIGUSR1 / SIGTERM during start-up: acted on at the loop's first stop check
     name_log_lines(command)
     argv = sys.argv[1:] if argv is None else argv
-    flags, _ = pop_flags(argv, {"--help": None, "-h": None, "--dry-run": None})
-    if flags.get("help") or flags.get("h"):
-        print(USAGE + "\n" + help_text())
+    flags, rest = pop_flags(argv, {"--help": None, "-h": None, "--dry-run": None})
+    if flags.get("help") or flags.get("h"):  # the defaults shown are the recipe's, where the command has one
+        print(usage.rstrip() + "\n\n" + help_text(defaults_under(rest)))
         raise SystemExit(0)
     if flags.get("dry-run"):  # check for a world size and GPU, estimate memory; start nothing
         raise SystemExit(dry_run.main(argv))

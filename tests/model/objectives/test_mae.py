@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from model import create_model
@@ -77,6 +78,29 @@ def test_supplied_mask_and_noise_are_reproducible():
     assert torch.equal(a["loss"], b["loss"])
     c = obj({"image": x, "mask": a["mask"]})
     assert torch.allclose(c["loss"], a["loss"], atol=1e-6)  # same removed set, same loss
+
+
+@pytest.mark.parametrize("key, shape, says", [
+    ("mask", (1, 49), r"batch\['mask'\] must have shape \(images, patches\) = \(2, 49\), got \(1, 49\)"),
+    ("mask_noise", (1, 49), r"batch\['mask_noise'\] must have shape .* = \(2, 49\), got \(1, 49\)"),
+    ("mask", (2, 48), r"got \(2, 48\)"),
+    ("mask_noise", (3, 49), r"got \(3, 49\)"),
+])
+def test_a_supplied_mask_or_noise_of_another_shape_is_refused(key, shape, says):
+    """A 1-row mask for 2 images encoded image 0 only and broadcast its prediction against both
+    targets (a loss of 2.90 where image 0 alone gives 1.42); a shorter row failed deep inside."""
+    obj, x = _objective(), torch.randn(2, 3, 28, 28)
+    given = (torch.rand(shape) < 0.75).float() if key == "mask" else torch.rand(shape)
+    with pytest.raises(ValueError, match=says):
+        obj({"image": x, key: given})
+
+
+@pytest.mark.parametrize("fill, says", [(0.0, "removing 0 of 49"), (1.0, "removing 49 of 49")])
+def test_a_supplied_mask_that_removes_nothing_or_everything_is_refused(fill, says):
+    """An all-kept mask gave a NaN loss (0 / 0); an all-removed one left the encoder its cls token."""
+    obj = _objective()
+    with pytest.raises(ValueError, match=f"must remove at least one patch and keep at least one, got one {says}"):
+        obj({"image": torch.randn(2, 3, 28, 28), "mask": torch.full((2, 49), fill)})
 
 
 def test_gradients_reach_the_encoder():

@@ -83,3 +83,28 @@ def test_pretrain_help_prints_it(argv, capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "model.attn_backend str" in out and "--dry-run" in out
+
+
+@pytest.mark.parametrize("command, first_line, defaults", [
+    ("finetune", "Fine-tuning with the MAE protocol", {"objective": "finetune", "optim.blr": "0.0005",
+                                                       "optim.epochs": "100", "model.global_pool": "avg"}),
+    ("linprobe", "Linear probe with the MAE protocol", {"objective": "linprobe", "optim.name": "lars",
+                                                        "optim.blr": "0.1", "optim.epochs": "90"}),
+])
+def test_a_recipe_command_s_help_is_its_own_with_the_recipe_s_defaults(command, first_line, defaults, capsys):
+    """finetune/linprobe --help printed pretraining's text, defaults and all (objective mae, blr
+    1.5e-4, 800 epochs), though the command runs its recipe's."""
+    import importlib
+    import signal
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(SystemExit) as e:
+            importlib.import_module(f"train.{command}").main(["--help"])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(first_line) and "Pretraining entry point" not in out
+    shown = {m.group(1): m.group(2) for m in re.finditer(r"^  --([\w.]+) \S+ +default (\S+)", out, re.M)}
+    assert {k: shown[k] for k in defaults} == defaults
