@@ -42,7 +42,22 @@ def cores_per_rank() -> int:
     except AttributeError:  # not on Linux
         usable = os.cpu_count() or 1
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1))
+    if (per_task := slurm_task_cpus(local)) is not None:  # the rank is a Slurm task: its CPUs are its own
+        return max(1, min(usable, per_task))
     return max(1, usable // local)
+
+
+def slurm_task_cpus(local: int) -> int | None:
+    """SLURM_CPUS_PER_TASK when each of this node's `local` ranks is a task of the Slurm step (srun
+    with one task per rank, launchers/pretrain.sbatch's task mode), else None. Such a task sees only
+    its own CPUs where Slurm binds tasks (dividing them again among the node's ranks left 5 // 8 = 0
+    loader workers), and the whole allocation where it does not; either way it may use this many."""
+    env = os.environ
+    if "SLURM_PROCID" not in env or not env.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        return None
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1"))
+    nodes = max(1, int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1"))))
+    return int(env["SLURM_CPUS_PER_TASK"]) if tasks > 1 and tasks // nodes == local else None
 
 
 def resolve_num_workers(requested: int, num_shards: int | None = None, world: int = 1) -> int:

@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
               f"run it inside one (sbatch, salloc or srun; launchers/pretrain.sbatch does)", file=sys.stderr)
         return 2
     if a.cmd == "env":
+        if "SLURM_PROCID" not in os.environ or "SLURM_STEP_NUM_TASKS" not in os.environ:
+            print("error: launchers.slurm env prints one task's variables: run it inside a job step (srun ... "
+                  "python -m launchers.slurm env), not in the batch script or an salloc shell", file=sys.stderr)
+            return 2
         for k, v in task_env(os.environ).items():
             print(f"export {k}={v}")
         return 0

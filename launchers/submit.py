@@ -84,12 +84,6 @@ def split(argv: list[str]) -> tuple[list[str], list[str] | None]:
     return argv[:k], argv[k + 1:]
 
 
-def option(args: list[str], key: str) -> str | None:
-    """The last value of --key in a --key value list."""
-    values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == key]
-    return values[-1] if values else None
-
-
 def snapshot(dest: Path) -> dict:
     """Copy the checkout's files (tracked, with uncommitted edits, and new ones git does not ignore)
     to dest; record commit and diff."""
@@ -274,6 +268,31 @@ def new_run_problem(out: Path, cfg, continue_run: bool) -> str:
     return ""
 
 
+# Options whose value is a path, read by the job from the launch's code snapshot: made absolute
+PATH_OPTIONS = ("ds_config", "config", "output_dir", "data.train_index", "data.eval_index", "model.init_from")
+
+
+def absolute_paths(pretrain_args: list[str], cfg, out: Path) -> list[str]:
+    """The pretraining options with every path absolute, as resolved where submit runs: the job
+    starts in the code snapshot, where a relative path (on the command line or in a preset) would
+    name another file. A preset's relative path is overridden on the command line, which wins over
+    presets; `--output_dir out` closes the list."""
+    args = list(pretrain_args)
+    for i, arg in enumerate(args[:-1]):
+        if arg.startswith("--") and arg[2:] in PATH_OPTIONS and args[i + 1]:
+            args[i + 1] = str(Path(args[i + 1]).resolve())
+    given = {arg[2:] for arg in args if arg.startswith("--")}
+    for key in PATH_OPTIONS[3:]:  # the data indexes and weights, wherever a preset gave them
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value and key not in given and not Path(value).is_absolute():
+            args += [f"--{key}", str(Path(value).resolve())]
+    if "output_dir" in given:
+        i = args.index("--output_dir")
+        del args[i:i + 2]
+    return [*args, "--output_dir", str(out)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ours, pretrain_args = split(sys.argv[1:] if argv is None else argv)
     p = parser()
@@ -312,35 +331,35 @@ def main(argv: list[str] | None = None) -> int:
     cpus_per_task = a.cpus_per_task or (cfg.data.num_workers if cfg.data.num_workers >= 0 else MAX_AUTO_WORKERS) + 1
 
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    given = option(pretrain_args, "--output_dir")
+    from train.config.options import PretrainConfig
+
+    # the run folder: the command line's, a preset's, else a new one under runs/
+    given = cfg.output_dir if cfg.output_dir != PretrainConfig.output_dir else None
     out = Path(given).resolve() if given else Path("runs", f"{cfg.objective}_{cfg.model.name}_{stamp}").resolve()
     problem = new_run_problem(out, cfg, a.continue_run)
     if problem:
         return refused([problem])
     launch = out / "launch" / stamp
     code = launch / "code"
-    args = list(pretrain_args)
+    here = absolute_paths(pretrain_args, cfg, out)  # what the job reads, wherever it starts
+    args = list(here)
     copies = {}
-    for i, arg in enumerate(args[:-1]):  # the job reads the copies, and writes to the absolute run folder
+    for i, arg in enumerate(args[:-1]):  # the job reads the copies of the configs
         if arg in ("--ds_config", "--config"):
             copies[launch / f"{i:02d}_{Path(args[i + 1]).name}"] = args[i + 1]  # presets of the same name may differ
             args[i + 1] = str(launch / f"{i:02d}_{Path(args[i + 1]).name}")
-        elif arg in ("--output_dir", "--data.train_index", "--data.eval_index", "--model.init_from"):
-            args[i + 1] = str(Path(args[i + 1]).resolve())
-    if given is None:
-        args += ["--output_dir", str(out)]
     resources = sbatch_options(a, ranks_per_node, cpus_per_task)
     export = ["--export", f"ALL,VITPRETRAIN_CODE={code},PYTHON={sys.executable},LAUNCH_MODE={a.mode}"]
     script = job_script()
     cmd = ["sbatch", *resources, "--output", str(launch / "slurm-%j.out"), *export, str(launch / "pretrain.sbatch"),
            *args]
-    if a.dry:  # nothing written: a command on the checkout and the given files, which works as printed
-        here = [*pretrain_args] + ([] if given else ["--output_dir", str(out)])
+    if a.dry:  # nothing written: a command on the checkout and the given files, which works as printed, from anywhere
         dry = ["sbatch", *resources, "--output", str(out / "slurm-%j.out"), "--export",
                f"ALL,VITPRETRAIN_CODE={REPO},PYTHON={sys.executable},LAUNCH_MODE={a.mode}",
                str(REPO / "launchers" / "pretrain.sbatch"), *here]
         print(f"--dry: nothing written or submitted. A submit snapshots the code and configs into {launch} and runs "
-              f"the job from there; this command runs the checkout as it is now:\n{shlex.join(dry)}")
+              f"the job from there; these commands run the checkout as it is now (Slurm writes its log only into "
+              f"a folder that exists):\n{shlex.join(['mkdir', '-p', str(out)])}\n{shlex.join(dry)}")
         return 0
 
     # Slurm's own verdict on the request before anything is written (the script on stdin)

@@ -41,6 +41,21 @@ def test_auto_never_exceeds_the_cores_of_the_process(monkeypatch, cores, local):
     assert resolve_num_workers(-1, num_shards=3, world=2) == min(auto, 1)  # every worker gets a shard
 
 
+@pytest.mark.parametrize("affinity, tasks, per_task, cores", [
+    (5, 16, "5", 5),  # task mode, Slurm binds each task to its 5 CPUs: they are the rank's (was 5 // 8 = 1)
+    (40, 16, "5", 5),  # task mode without binding: every task sees the node's 40, and may use its 5
+    (40, 2, "40", 5),  # node mode: one task per node starts the node's 8 ranks, which share its 40
+])
+def test_a_slurm_task_s_own_cpus_are_not_divided_again(monkeypatch, affinity, tasks, per_task, cores):
+    """submit.py asks for 5 CPUs per task for 4 loader workers and the rank; under task binding
+    the rank divided its own 5 among the node's 8 ranks and decoded in the training process."""
+    _cores(monkeypatch, affinity, local=8)
+    for key, value in (("SLURM_PROCID", "0"), ("SLURM_STEP_NUM_TASKS", str(tasks)), ("SLURM_STEP_NUM_NODES", "2"),
+                       ("SLURM_CPUS_PER_TASK", per_task)):
+        monkeypatch.setenv(key, value)
+    assert cores_per_rank() == cores and resolve_num_workers(-1) == 4
+
+
 def test_a_loader_with_the_default_fits_a_2_core_machine_without_the_warning(monkeypatch, tmp_path):
     _cores(monkeypatch, 2)  # torch's DataLoader asks os.sched_getaffinity too
     index = write_index(tmp_path, image_shards(tmp_path, 4, 3))

@@ -32,6 +32,33 @@ def test_one_task_per_gpu_maps_slurm_to_torch_distributed():
     assert not in_task_step({**env, "SLURM_STEP_NUM_TASKS": "1"})
 
 
+def test_the_world_size_before_the_process_group_is_mpirun_s_too(monkeypatch):
+    """mpirun's ranks (DeepSpeed's openmpi launcher) planned the batch, lr and schedule for a world
+    of 1 while `init` joined them into a world of 8."""
+    from train.engine.distributed import world_size_from_env
+
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "OMPI_")) or k in ("WORLD_SIZE", "RANK")]:
+        monkeypatch.delenv(key)
+    assert world_size_from_env() == 1
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
+    assert world_size_from_env() == 8
+    monkeypatch.setenv("WORLD_SIZE", "4")  # a launcher's own variable wins, as in init()
+    assert world_size_from_env() == 4
+
+
+def test_env_in_the_batch_script_says_it_needs_a_step_in_one_line(monkeypatch, capsys):
+    from launchers.slurm import main
+
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[01-02]")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert main(["env"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run it inside a job step (srun ... python -m launchers.slurm env)" in err
+
+
 def test_one_task_per_node_starts_its_ranks():
     env = {"SLURM_NODEID": "2", "SLURM_STEP_NUM_NODES": "4", "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_ID": "7"}
     envs = node_envs(env, 8)

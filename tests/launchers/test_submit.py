@@ -277,3 +277,37 @@ def test_names_slurm_reads_pass_and_an_sbatch_argument_holds_no_newline(tmp_path
     assert main(["--nodes", "1", "--gpus_per_node", "0", "--sbatch=--comment=a\nb", "--dry",
                  *cpu_job(tmp_path / "run")]) == 2
     assert "--sbatch '--comment=a\\nb' holds a control character (a newline)" in capsys.readouterr().err
+
+
+def test_every_path_the_job_reads_is_absolute_wherever_it_was_given(tmp_path, monkeypatch, capsys):
+    """The job starts in the code snapshot (--dry: the checkout), so a relative path names another
+    file there: a preset's relative shard index passed submit's check and failed after the queue
+    wait ("shard index shards/train.json not found"), --dry's printed command failed from another
+    folder, and a preset's output_dir was replaced by a new folder under runs/."""
+    import numpy as np
+    from PIL import Image
+
+    from data.write_shards import main as write_shards
+
+    images = tmp_path / "images" / "0"
+    images.mkdir(parents=True)
+    for i in range(8):
+        Image.fromarray(np.full((28, 28), 30 * i, dtype=np.uint8), mode="L").save(images / f"{i}.png")
+    write_shards(["imagefolder", str(tmp_path / "images"), str(tmp_path / "shards"), "--samples_per_shard", "4"])
+    (tmp_path / "preset.json").write_text(json.dumps({"data": {"train_index": "shards/train.json"},
+                                                      "output_dir": "preset_run"}))
+    log = fake_sbatch(tmp_path, monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    job = ["--nodes", "1", "--gpus_per_node", "0", "--", "--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET),
+           "--config", "preset.json", "--data.source", "shards", "--data.num_workers", "1", "--model.in_chans", "3"]
+    assert main(["--dry", *job]) == 0
+    mkdir, printed = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert mkdir == f"mkdir -p {tmp_path / 'preset_run'}"
+    assert main(job) == 0
+    submitted = [c for c in calls(log) if "--test-only" not in c][-1]
+    for cmd in (shlex.split(printed), submitted):
+        paths = {key: cmd[len(cmd) - 1 - cmd[::-1].index(f"--{key}") + 1]
+                 for key in ("ds_config", "config", "output_dir", "data.train_index")}  # the last of each
+        assert all(Path(v).is_absolute() for v in paths.values()), paths
+        assert paths["output_dir"] == str(tmp_path / "preset_run")
+        assert paths["data.train_index"] == str(tmp_path / "shards" / "train.json")

@@ -14,11 +14,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+# mpirun (DeepSpeed's openmpi / mvapich launchers) says who is who in its own variables
+MPI_ENV = {"RANK": "OMPI_COMM_WORLD_RANK", "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
+           "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK"}
+
+
 def world_size_from_env() -> int:
     """Known before the process group exists: WORLD_SIZE (deepspeed / torchrun / our node
-    launcher), else the task count of a one-task-per-GPU Slurm step (train/engine/slurm_env.py)."""
+    launcher), else the task count of a one-task-per-GPU Slurm step (train/engine/slurm_env.py),
+    else mpirun's (MPI_ENV), as `init` reads them."""
     if "WORLD_SIZE" not in os.environ and slurm_env.in_task_step(os.environ):
         return int(slurm_env.task_env(os.environ)["WORLD_SIZE"])
+    if "WORLD_SIZE" not in os.environ and MPI_ENV["WORLD_SIZE"] in os.environ:
+        return int(os.environ[MPI_ENV["WORLD_SIZE"]])
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -26,11 +34,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# mpirun (DeepSpeed's openmpi / mvapich launchers) says who is who in its own variables
-MPI_ENV = {"RANK": "OMPI_COMM_WORLD_RANK", "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
-           "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK"}
 
 
 def init() -> tuple[int, int, torch.device]:
