@@ -191,6 +191,9 @@ def request_problems(a) -> list[str]:
         problems.append(f"--ranks_per_node {a.ranks_per_node}: give at least 1")
     if a.cpus_per_task is not None and a.cpus_per_task < 1:
         problems.append(f"--cpus_per_task {a.cpus_per_task}: give at least 1")
+    if a.gpus_per_node > 0 and a.ranks_per_node is not None and a.ranks_per_node > a.gpus_per_node:
+        problems.append(f"--ranks_per_node {a.ranks_per_node} with {a.gpus_per_node} GPUs per node: each rank "
+                        f"trains on a GPU of its own; give at most {a.gpus_per_node}")
     if a.gpus_per_node and not a.gpu:
         problems.append("name the GPU to check against with --gpu (v100, a100, h100, ...), or use --gpus_per_node 0 "
                         "for CPU ranks")
@@ -341,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         return refused([problem])
     launch = out / "launch" / stamp
     code = launch / "code"
+    if "," in str(code) or "," in sys.executable:  # sbatch --export splits its value at commas
+        return refused([f"the run folder {out} or the Python {sys.executable} holds a comma, which sbatch --export "
+                        f"cannot pass (it splits the job's variables there): give an --output_dir without one"])
     here = absolute_paths(pretrain_args, cfg, out)  # what the job reads, wherever it starts
     args = list(here)
     copies = {}

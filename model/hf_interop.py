@@ -104,10 +104,39 @@ def is_transformers_folder(path: str | Path) -> bool:
     return isinstance(data, dict) and ("model_type" in data or "architectures" in data)
 
 
+# The config.json values read here, by type: a value of another type is refused naming its key
+POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "num_channels",
+                 "decoder_num_attention_heads", "decoder_hidden_size", "decoder_num_hidden_layers",
+                 "decoder_intermediate_size")
+SQUARE_SIZES = ("image_size", "patch_size")  # an int, or [h, w]
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def read_config(folder: str | Path) -> dict:
-    """config.json with transformers' defaults filled in; refuses an architecture we do not map."""
+    """config.json with transformers' defaults filled in; refuses an architecture we do not map and
+    a value of a type transformers would not write (ValueError naming the key)."""
     folder = Path(folder)
-    config = {**DEFAULTS, **json.loads((folder / "config.json").read_text())}
+    try:
+        saved = json.loads((folder / "config.json").read_text())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{folder}/config.json is not readable JSON ({e})") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{folder}/config.json holds a JSON {type(saved).__name__}, not a transformers config")
+    config = {**DEFAULTS, **saved}
+    whole = _positive_int
+    bad = [f"{key} {json.dumps(config[key])} (a positive integer)" for key in POSITIVE_INTS if not whole(config[key])]
+    bad += [f"{key} {json.dumps(config[key])} (a positive integer or [h, w])" for key in SQUARE_SIZES
+            if not (whole(config[key]) or (isinstance(config[key], list) and len(config[key]) == 2
+                                           and all(map(whole, config[key]))))]
+    if not isinstance(config["hidden_act"], str) or not isinstance(config["qkv_bias"], bool):
+        bad.append(f"hidden_act {json.dumps(config['hidden_act'])} / qkv_bias {json.dumps(config['qkv_bias'])} "
+                   f"(a name / true or false)")
+    if bad:
+        raise ValueError(f"{folder}/config.json gives {'; '.join(bad)}: not a config transformers wrote; save the "
+                         f"model again with save_pretrained")
     names = config.get("architectures") or []
     if len(names) != 1 or names[0] not in ARCHITECTURES:
         raise ValueError(f"{folder}/config.json names architectures {names or 'none'}; a transformers folder is read "
@@ -128,7 +157,14 @@ def weight_files(folder: str | Path) -> list[Path]:
             return [folder / name]
         index = folder / f"{name}.index.json"
         if index.is_file():
-            shards = [folder / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+            try:
+                weight_map = json.loads(index.read_text()).get("weight_map")
+            except (UnicodeDecodeError, ValueError, AttributeError) as e:
+                raise ValueError(f"{index} is not a JSON object of transformers' shard index ({e})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError(f"{index} has no weight_map of tensor name -> shard file: save the model again with "
+                                 f"save_pretrained, or fetch the index again")
+            shards = [folder / shard for shard in sorted(set(weight_map.values()))]
             missing = [shard.name for shard in shards if not shard.is_file()]
             if missing:
                 raise ValueError(f"{index} lists shards the folder lacks: {missing[:3]}; fetch them into {folder}")
@@ -216,6 +252,8 @@ def check_folder_fits(folder: str | Path, model_name: str, arch: dict, decoder_o
     if wrong:
         same = _same_sizes(theirs)
         fix = f"give --model.name {' or '.join(same)}" if same else "give a model.name of the folder's sizes"
+        if len(wrong) == 1 and wrong[0].startswith("config.json num_channels"):  # the sizes fit: the input channels differ
+            fix = f"give --model.in_chans {theirs['in_chans']}"
         raise ValueError(f"{folder} ({architecture(config)}) does not fit the configured encoder: {'; '.join(wrong)}; "
                          f"{fix} (or another folder)")
     if architecture(config) == "ViTMAEForPreTraining" and decoder_options:

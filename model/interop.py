@@ -176,7 +176,8 @@ def _torch_load(path: Path, mmap: bool) -> object:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except TORCH_ERRORS as e:
-        if "allowed global" in str(e):  # weights_only refused a class or function the pickle names
+        if re.search(r"allowed global|unsupported global", str(e), re.IGNORECASE):  # weights_only refused a
+            # class or function the pickle names (torch 2.14: "Unsupported global: GLOBAL posix.system ...")
             raise WeightsFileError(
                 f"{path} holds objects other than tensors and plain containers, which are not unpickled for "
                 f"safety ({type(e).__name__}); re-save it as a state_dict or .safetensors") from None
@@ -197,18 +198,32 @@ def _torch_state(path: Path, mmap: bool) -> dict:
 
 def safe_load(path: str | Path) -> dict[str, torch.Tensor]:
     """A .safetensors file or a torch file holding tensors in plain containers; never arbitrary
-    objects. WeightsFileError when the file is not such a file (see the module's docstring)."""
+    objects. WeightsFileError when the file is not such a file (see the module's docstring), or
+    when a weight is NaN or infinite."""
     path = Path(path)
     if path.suffix != ".safetensors":
-        return _torch_state(path, mmap=False)
+        return check_finite(path, _torch_state(path, mmap=False))
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     safetensors_header(path)
     try:
-        return load_file(str(path))
+        return check_finite(path, load_file(str(path)))
     except (SafetensorError, OSError) as e:  # read after the header was judged: the file changed, or a bad read
         raise WeightsFileError(f"{path} cannot be read as a safetensors file ({e})") from None
+
+
+def check_finite(path: Path, state: dict) -> dict:
+    """`state` when every floating-point weight in it (an official checkpoint's: its "model") is
+    finite; else WeightsFileError naming the first that is not: a diverged run's weights would
+    train to NaN losses, every step skipped, or score as a traceback."""
+    weights = state.get("model", state)
+    for name, value in weights.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+            count = int((~torch.isfinite(value)).sum())
+            raise WeightsFileError(f"{path}: weight {name} holds {count} NaN or infinite value(s) of {value.numel()} "
+                                   f"(a diverged run's?): give weights saved before the divergence")
+    return state
 
 
 def weights_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:

@@ -275,9 +275,11 @@ class VisionTransformer(nn.Module):
         return self.forward_tokens(self.add_cls_token(self.embed_patches(x)))
 
     def pooled_features(self, x: torch.Tensor, pool: str = "avg") -> torch.Tensor:
-        """(B, C, H, W) -> (B, D): mean of the patch tokens (avg) or the cls token, after the blocks' norm."""
+        """(B, C, H, W) -> (B, D): the mean of the patch tokens (avg) or the cls token, after the
+        blocks' norm; an avg-pooled encoder (fine-tuned: no final norm) normalises the mean with its
+        `fc_norm`, as its classifier sees it (timm's pre-logits). Its cls token is left unnormalised."""
         tokens = self.forward_features(x)
-        return tokens[:, 1:].mean(dim=1) if pool == "avg" else tokens[:, 0]
+        return self.fc_norm(tokens[:, 1:].mean(dim=1)) if pool == "avg" else tokens[:, 0]
 
     def forward_head(self, feats: torch.Tensor) -> torch.Tensor:
         pooled = feats[:, 1:].mean(dim=1) if self.global_pool == "avg" else feats[:, 0]

@@ -40,6 +40,25 @@ from train.engine.state_files import (
 from train.run.cli import cli
 
 
+def _read_legacy(path: Path) -> dict:
+    """A file of the earlier layout, its records checked against their CRCs first (a file of the
+    right size with damaged bytes passed check_files and converted into garbage, then was
+    deleted); ConfigError in one line when damaged, and nothing is converted."""
+    import pickle
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+        if damaged is not None:
+            raise ConfigError(f"{path} is damaged: its record {damaged} fails its CRC check; nothing was converted "
+                              f"(convert another tag, or restore this one from a copy)")
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (zipfile.BadZipFile, pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
+        raise ConfigError(f"{path} cannot be read ({type(e).__name__}: {str(e).split('. ')[0]}); nothing was "
+                          f"converted (convert another tag, or restore this one from a copy)") from None
+
+
 def _legacy_optimizer(tag_dir: Path, shapes: dict[str, torch.Size]) -> tuple[str, dict[str, torch.Tensor]]:
     """(the optimizer's class name, {"<name>/<key>": state tensor in the parameter's shape}) from
     every optim_rank*.pt: each piece covers a flat range of its file's layout {name: (offset, numel)}."""
@@ -47,7 +66,7 @@ def _legacy_optimizer(tag_dir: Path, shapes: dict[str, torch.Size]) -> tuple[str
     scalars: dict[tuple[str, str], torch.Tensor] = {}
     kinds = set()
     for f in sorted(tag_dir.glob("optim_rank*.pt")):
-        saved = torch.load(f, map_location="cpu", weights_only=True)
+        saved = _read_legacy(f)
         kinds.add(saved["optimizer"])
         layout = {name: (offset, numel) for name, offset, numel in saved["layout"]}
         for piece in saved["pieces"]:
@@ -82,7 +101,7 @@ def convert(tag_dir: Path) -> Path:
     if (tag_dir / WEIGHTS_FILE).exists():
         raise ConfigError(f"{tag_dir} holds {WEIGHTS_FILE} beside {LEGACY_FILE}: it is of the engine's layout already "
                           f"(a conversion stopped before it removed the earlier files) and resumes as it is")
-    old = torch.load(tag_dir / LEGACY_FILE, map_location="cpu", weights_only=True)
+    old = _read_legacy(tag_dir / LEGACY_FILE)
     tensors = {k: v for k, v in old["module"].items() if isinstance(v, torch.Tensor)}
     extra = {k: v for k, v in old["module"].items() if not isinstance(v, torch.Tensor)}
     kind, optim = _legacy_optimizer(tag_dir, {k: v.shape for k, v in tensors.items()})

@@ -302,3 +302,35 @@ def test_readers_share_one_judgement(tmp_path):
         state = state.get("model", state)
         assert weights_shapes(path) == {k: tuple(v.shape) for k, v in state.items()}
         assert all(torch.equal(state[k], v) for k, v in GOOD.items())
+
+
+def test_weights_that_are_not_finite_are_refused_in_one_line(shards, tmp_path, capsys, monkeypatch):
+    """A diverged run's weights loaded without a word: pretraining from them skipped every step
+    (NaN losses) and exported NaN weights with exit 0; evaluate ended in L-BFGS's traceback."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    state = {k: v.clone().contiguous() for k, v in create_model("vit_debug_patch4", in_chans=1).state_dict().items()}
+    state["blocks.1.mlp.fc2.weight"][3, :2] = torch.tensor([float("nan"), float("inf")])
+    save_file(state, str(tmp_path / "diverged.safetensors"))
+    said = r"diverged.safetensors: weight blocks.1.mlp.fc2.weight holds 2 NaN or infinite value\(s\) of 4096"
+    for entry in ("pretrain", "evaluate"):
+        module, argv = ENTRIES[entry]
+        out = tmp_path / f"{entry}_out"
+        status, err = run_promptly(module, argv(tmp_path / "diverged.safetensors", out, shards), capsys)
+        assert_refused(status, err, said, "give weights saved before the divergence")
+        assert not out.exists()
+
+
+def test_a_pickle_that_names_a_function_is_called_unsafe_not_damaged(tmp_path):
+    """torch 2.14 words weights_only's refusal "Unsupported global"; the file was called damaged
+    or truncated, which a user cannot tell from a bad download."""
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (os.getcwd, ())
+
+    path = tmp_path / "hostile.pth"
+    torch.save({"model": {"w": torch.ones(2)}, "x": Payload()}, path, pickle_module=pickle)
+    with pytest.raises(WeightsFileError, match=r"holds objects other than tensors and plain containers, which are "
+                                               r"not unpickled for safety"):
+        safe_load(path)

@@ -103,3 +103,18 @@ def test_the_job_runs_the_snapshot_and_records_it(tmp_path):
     ran = json.loads((run_dir / "meta.json").read_text())["code"]
     assert ran["path"] == str(code) and ran["source_sha256"] == source_hash(code) != source_hash(REPO)
     assert ran["git_commit"] is None  # a snapshot, not a checkout
+
+
+def test_a_machine_without_git_describes_the_code_by_its_hash(monkeypatch, tmp_path):
+    """Every start failed on a machine without git (a minimal container): `config error: [Errno 2]
+    No such file or directory: 'git'`."""
+    import subprocess
+
+    from train.run import code_version
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", "git")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    described = code_version.describe()
+    assert described["git_commit"] is None and described["source_sha256"] == code_version.source_hash(code_version.ROOT)

@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import torch
 from conftest import CPU_DS, DEBUG_PRESET, REPO, _free_port
 
 from launchers.slurm import node_envs
@@ -45,6 +46,21 @@ def test_the_world_size_before_the_process_group_is_mpirun_s_too(monkeypatch):
     assert world_size_from_env() == 8
     monkeypatch.setenv("WORLD_SIZE", "4")  # a launcher's own variable wins, as in init()
     assert world_size_from_env() == 4
+
+
+def test_mpirun_without_a_master_address_is_refused_in_one_line(monkeypatch):
+    """DeepSpeed's openmpi launcher exports no MASTER_ADDR: the rendezvous failed in a traceback."""
+    from train.config.errors import ConfigError
+    from train.engine import distributed
+
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "OMPI_", "MASTER_")) or k in ("WORLD_SIZE", "RANK")]:
+        monkeypatch.delenv(key)
+    for key, value in (("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_LOCAL_RANK", "1")):
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"mpirun started this rank without MASTER_ADDR / MASTER_PORT.*"
+                                          r"\.deepspeed_env"):
+        distributed.init()
+    assert "RANK" not in os.environ and not torch.distributed.is_initialized()
 
 
 def test_env_in_the_batch_script_says_it_needs_a_step_in_one_line(monkeypatch, capsys):
@@ -126,6 +142,31 @@ def test_requeue_on_sigusr1_writes_a_resumable_checkpoint_node_then_task_mode(tm
     assert f"resumed from {run_dir / 'checkpoints' / latest} at step {stopped}" in outs[0]
     assert [r["step"] for r in read_metrics(run_dir)][-3:] == [stopped, stopped + 1, stopped + 2]
     assert json.loads((run_dir / "meta.json").read_text())["world_size"] == 2
+
+
+def test_a_requeue_that_fails_ends_the_job_non_zero_naming_its_checkpoint(tmp_path):
+    """`scontrol requeue` refused (requeue disabled): the run logged it and every rank exited 0, so
+    the job ended COMPLETED in mid-schedule and never continued."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 'Requeue of job is disabled' >&2\nexit 1\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    run_dir = tmp_path / "run"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    proc = subprocess.Popen([sys.executable, "train/pretrain.py", "--ds_config", str(CPU_DS), "--config",
+                             str(DEBUG_PRESET), "--output_dir", str(run_dir), "--run.progress", "false",
+                             "--data.epoch_size", "100000", "--run.stop_check_every", "1"], cwd=REPO,
+                            env={**base, "SLURM_JOB_ID": "4243", "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                                 "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(run_dir, 2, [proc])
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=240)
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert proc.returncode == 75, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"stopped by Slurm's warning signal after step {int(latest[4:])}: "
+                                                   f"checkpoint {run_dir / 'checkpoints' / latest}; the requeue failed "
+                                                   f"(scontrol requeue 4243 failed (1): Requeue of job is disabled)")
 
 
 def test_submit_checks_snapshots_and_calls_sbatch(tmp_path, monkeypatch, capsys):

@@ -311,3 +311,15 @@ def test_every_path_the_job_reads_is_absolute_wherever_it_was_given(tmp_path, mo
         assert all(Path(v).is_absolute() for v in paths.values()), paths
         assert paths["output_dir"] == str(tmp_path / "preset_run")
         assert paths["data.train_index"] == str(tmp_path / "shards" / "train.json")
+
+
+def test_requests_a_job_cannot_start_are_refused_before_anything_is_written(tmp_path, capsys):
+    """16 ranks per node on 8 GPUs passed every check (ranks 8-15 would find no device); a run
+    folder with a comma was split by sbatch --export and the job failed at its first line."""
+    assert main(["--nodes", "2", "--gpus_per_node", "8", "--gpu", "a100", "--ranks_per_node", "16", "--dry",
+                 *cpu_job(tmp_path / "run")]) == 2
+    assert "--ranks_per_node 16 with 8 GPUs per node: each rank trains on a GPU of its own; give at most 8" in \
+        capsys.readouterr().err
+    assert main(["--nodes", "1", "--gpus_per_node", "0", "--dry", *cpu_job(tmp_path / "a,b")]) == 2
+    assert "holds a comma, which sbatch --export cannot pass" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

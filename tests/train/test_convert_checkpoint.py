@@ -91,3 +91,26 @@ def test_a_tag_of_the_earlier_layout_is_refused_then_converted_and_resumed_exact
     with pytest.raises(SystemExit) as status:  # converted once: a second time is refused, nothing changes
         cli(lambda: convert([str(tag)]))
     assert status.value.code == 2 and "not a tag of the earlier layout" in capsys.readouterr().err
+
+
+def test_a_tag_whose_files_are_damaged_is_refused_and_kept(tmp_path, capsys):
+    """Bytes of model.pt's tensor data flipped at the same size passed the size check, converted
+    into weights up to 1e24 and the original was deleted; a damaged pickle gave a traceback."""
+    import zipfile
+
+    eng, cfg = trained_engine()
+    tag = tmp_path / "checkpoints" / "step00000002"
+    write_legacy_tag(eng, cfg, tag)
+    raw = bytearray((tag / "model.pt").read_bytes())
+    with zipfile.ZipFile(tag / "model.pt") as archive:  # the largest tensor's record: its data starts after its header
+        record = max(archive.infolist(), key=lambda r: r.file_size)
+    start = record.header_offset + 30 + len(record.filename.encode()) + len(record.extra) + 64
+    raw[start:start + 120] = bytes(b ^ 0xFF for b in raw[start:start + 120])
+    (tag / "model.pt").write_bytes(bytes(raw))
+    before = {f.name: f.read_bytes() for f in tag.iterdir()}
+    with pytest.raises(SystemExit) as status:
+        cli(lambda: convert([str(tag)]))
+    err = capsys.readouterr().err
+    assert status.value.code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert f"{tag / 'model.pt'} is damaged: its record" in err and "fails its CRC check; nothing was converted" in err
+    assert {f.name: f.read_bytes() for f in tag.iterdir()} == before

@@ -107,3 +107,20 @@ def test_pos_embed_is_fine_tuned_and_the_timm_snippet_loads_the_classifier(setup
     scope: dict = {}
     exec(info["timm_snippet"], scope)  # noqa: S102 (the lines the export gives users)
     assert scope["model"].head.out_features == 3 and torch.equal(scope["model"].pos_embed.detach(), tuned)
+
+
+def test_evaluate_reads_a_fine_tuned_encoder_with_the_features_its_classifier_saw(setup):
+    """train.evaluate built every encoder with cls pooling and a final norm, so a fine-tuned one
+    (avg pooling, fc_norm, a head) failed to load from its export and from its run; its avg
+    features skipped fc_norm (off timm's pre-logits by up to 6.6 on these weights)."""
+    from train.run.evaluation import load_encoder
+
+    _, run = setup
+    timm_model = load_timm_encoder(run / "encoder.safetensors").eval()
+    x = torch.randn(2, 3, 28, 28)
+    with torch.no_grad():
+        want = timm_model.forward_head(timm_model.forward_features(x), pre_logits=True)
+        for source in ({"encoder": str(run / "encoder.safetensors")}, {"checkpoint": str(run)}):
+            model = load_encoder(**source).eval()
+            assert model.global_pool == "avg" and isinstance(model.head, torch.nn.Identity)
+            torch.testing.assert_close(model.pooled_features(x, "avg"), want, rtol=1e-5, atol=1e-5)

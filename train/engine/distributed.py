@@ -42,6 +42,12 @@ def init() -> tuple[int, int, torch.device]:
     if "RANK" not in os.environ and slurm_env.in_task_step(os.environ):  # srun: one task per GPU
         os.environ.update(slurm_env.task_env(os.environ))
     if "RANK" not in os.environ and MPI_ENV["RANK"] in os.environ:
+        if "MASTER_ADDR" not in os.environ:  # DeepSpeed's openmpi launcher exports none
+            from train.config.errors import ConfigError
+
+            raise ConfigError("mpirun started this rank without MASTER_ADDR / MASTER_PORT, where rank 0 listens: "
+                              "put MASTER_ADDR=<first host> and MASTER_PORT=<free port> in .deepspeed_env (DeepSpeed "
+                              "passes it on), or launch with deepspeed's default pdsh launcher, torchrun or Slurm")
         os.environ.update({k: os.environ[v] for k, v in MPI_ENV.items() if v in os.environ})
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")

@@ -21,7 +21,10 @@ def source_hash(root: Path = ROOT) -> str:
 
 def describe(root: Path = ROOT) -> dict:
     """{"path", "source_sha256", "git_commit" (None unless `root` is itself a git checkout's top, e.g. a snapshot)}."""
-    proc = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True, text=True)
-    top, commit = (proc.stdout.split() + [None, None])[:2] if proc.returncode == 0 else (None, None)
+    try:
+        proc = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True, text=True)
+    except OSError:  # no git on this machine (a minimal container): the source hash identifies the code alone
+        proc = None
+    top, commit = (proc.stdout.split() + [None, None])[:2] if proc is not None and proc.returncode == 0 else (None, None)
     inside = top is not None and Path(top) == root
     return {"path": str(root), "source_sha256": source_hash(root), "git_commit": commit if inside else None}

@@ -30,16 +30,22 @@ OUR_ARCH_KEYS = ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "nu
 
 
 def encoder_from_timm_kwargs(kwargs: dict, img_size: int = 0) -> VisionTransformer | TimmBackbone:
+    """The encoder an export's description (or a checkpoint's meta) records, without a classifier:
+    a fine-tuned one keeps its pooling (avg: `fc_norm` after the patch mean, no final `norm`)."""
     if "timm_model" in kwargs:  # a timm backbone (model/timm_backbone.py)
         return TimmBackbone(kwargs["timm_model"], img_size or kwargs["img_size"], kwargs["in_chans"])
     arch = {k: kwargs[k] for k in OUR_ARCH_KEYS} | ({"img_size": img_size} if img_size else {})
-    return VisionTransformer(**arch, rpe=kwargs.get("rpe", False), global_pool="token", num_classes=0)
+    return VisionTransformer(**arch, rpe=kwargs.get("rpe", False), global_pool=kwargs.get("global_pool", "token"),
+                             num_classes=0)
 
 
 def load_state_any_size(model: VisionTransformer, state: dict) -> None:
-    """Strict load; an encoder trained at another resolution (MAE+ crops) gets this model's own
-    sin-cos `pos_embed` for its grid, or, when its table was learned (fine-tuned), that table
-    interpolated (model/interop.py resize_pos_embed)."""
+    """Strict load of the encoder (a fine-tuned model's classifier `head.*` left out); an encoder
+    trained at another resolution (MAE+ crops) gets this model's own sin-cos `pos_embed` for its
+    grid, or, when its table was learned (fine-tuned), that table interpolated (model/interop.py
+    resize_pos_embed)."""
+    if isinstance(model, VisionTransformer):
+        state = {k: v for k, v in state.items() if not k.startswith("head.")}
     if "pos_embed" in state and state["pos_embed"].shape != model.pos_embed.shape:
         state = {**state, "pos_embed": resize_pos_embed(state["pos_embed"], model.patch_embed.grid_size)}
     model.load_state_dict(state, strict=True)

@@ -153,12 +153,20 @@ def this_command() -> list[str] | None:
     return argv if before[1].endswith(".py") and Path(before[1]).resolve() == Path(sys.argv[0]).resolve() else None
 
 
-def requeue_job() -> str:
-    """`scontrol requeue $SLURM_JOB_ID`; returns what happened (for the log)."""
+REQUEUE_FAILED = 75  # EX_TEMPFAIL: the job stopped early, its checkpoint written, and is not queued again
+
+
+def requeue_job() -> tuple[bool, str]:
+    """`scontrol requeue $SLURM_JOB_ID`: (whether the job is queued again, what happened for the
+    log). A failed requeue (requeue disabled, no scontrol inside a container) is no success: the
+    job would end COMPLETED in the middle of its schedule."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
-        return "not a Slurm job: nothing to requeue"
-    proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        return True, "not a Slurm job: nothing to requeue"
+    try:
+        proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    except OSError as e:
+        return False, f"scontrol requeue {job} could not run ({e.strerror or e})"
     if proc.returncode:
-        return f"scontrol requeue {job} failed ({proc.returncode}): {proc.stderr.strip()}"
-    return f"requeued Slurm job {job}"
+        return False, f"scontrol requeue {job} failed ({proc.returncode}): {proc.stderr.strip()}"
+    return True, f"requeued Slurm job {job}"

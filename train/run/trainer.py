@@ -52,7 +52,7 @@ from train.run.evaluation import classification_accuracy, eval_summary
 from train.run.folder import Reporter, check_run_folder, check_writable_folder, record_resume, write_run_files
 from train.run.loop import LoopSettings, LoopState
 from train.run.loop import run as run_loop
-from train.run.preemption import Interrupted, StopOnSignal, requeue_job, resume_hint
+from train.run.preemption import REQUEUE_FAILED, Interrupted, StopOnSignal, requeue_job, resume_hint
 from train.run.visualize import write_figures
 from train.weights.export import export_checkpoint
 from train.weights.fit import check_init_from
@@ -417,14 +417,22 @@ class Trainer:
             self.reporter.close()
         if self.rank == 0 and self.chance is not None and self.chance.last is not None and not stopped:
             log.warning("at the end: %s", self.chance.message())
+        requeue_failed = ""
         if stopped and not stop.exit_status:
             log.info("stopped on a signal at step %d after writing %s", self.state.step, self.last_saved)
             if self.rank == 0 and stop.requeue:
-                log.info(requeue_job())
+                queued, said = requeue_job()
+                log.info(said)
+                requeue_failed = "" if queued else said
         elif not stopped and self.rank == 0 and self.cfg.run.export and self.last_saved is not None:
             out = export_checkpoint(self.last_saved, self.run_dir / "encoder.safetensors")
             log.info("exported encoder to %s", out)
         distributed.barrier()
+        if requeue_failed:  # rank 0 ends non-zero, so the job is not reported COMPLETED mid-schedule
+            raise Interrupted(REQUEUE_FAILED, f"stopped by Slurm's warning signal after step {self.state.step}: "
+                              f"checkpoint {self.last_saved}; the requeue failed ({requeue_failed}): submit the job "
+                              f"again to continue (python -m launchers.submit --continue ..., or sbatch; it resumes "
+                              f"with --resume auto)")
         if stopped and stop.exit_status:  # a person's Ctrl-C / kill: one line (train/run/cli.py) on where and how to resume
             raise Interrupted(stop.exit_status, f"stopped by {stop.agreed_signal.name} after step {self.state.step}: "
                               f"checkpoint {self.last_saved}; to continue: {resume_hint(self.world)}"

@@ -28,7 +28,8 @@ def test_demo_pretrains_then_evaluates_both_encoders_on_splits_decoded_once(tmp_
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     envs, decoded, evaluated = [], [], []
     real_run, real_decode, real_evaluate = subprocess.run, evaluate.decode_all, evaluate.evaluate
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: envs.append(kw.get("env")) or real_run(cmd, **kw))
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: (cmd[0] != "git" and envs.append(kw.get("env")))
+                        or real_run(cmd, **kw))  # git: the record's commit
     monkeypatch.setattr(demo, "decode_all", lambda split, *a: decoded.append(split.num_samples) or real_decode(split, *a))
     monkeypatch.setattr(demo, "evaluate", lambda model, train, test, pool: evaluated.append(
         (type(train), len(train.labels), len(test.labels))) or real_evaluate(model, train, test, pool))
@@ -38,6 +39,7 @@ def test_demo_pretrains_then_evaluates_both_encoders_on_splits_decoded_once(tmp_
     assert json.loads((tmp_path / "shards" / "train.json").read_text())["num_samples"] == 256  # written from the idx
     assert [env["OMP_WAIT_POLICY"] for env in envs] == ["PASSIVE"]  # the one pretraining subprocess
     assert decoded == [100, 64]  # the train subset and the test split, once each
+    assert set(result["git"]) == {"commit", "dirty"}  # the code measured
     assert evaluated == [(evaluate.DecodedSet, 100, 64)] * 2  # pretrained and random init share them
     run = tmp_path / "run"
     assert (run / "encoder.safetensors").is_file()

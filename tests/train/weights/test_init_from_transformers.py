@@ -58,3 +58,34 @@ def test_a_folder_of_other_sizes_is_refused_before_start_naming_both(tmp_path):
         f"hidden_size 32 vs vit_mini_patch4's embed_dim 128; ")
     assert str(refused.value).endswith("give --model.name vit_debug_patch4 (or another folder)")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"hidden_size": "32"}, r"config.json gives hidden_size \"32\" \(a positive integer\)"),
+    ({"image_size": None}, r"config.json gives image_size null \(a positive integer or \[h, w\]\)"),
+    ({"num_channels": 3}, r"config.json num_channels 3 vs vit_debug_patch4's in_chans 1; give --model.in_chans 3"),
+    ("index without weight_map", r"model.safetensors.index.json has no weight_map of tensor name -> shard file"),
+    ("index a list", r"model.safetensors.index.json is not a JSON object of transformers' shard index"),
+])
+def test_a_malformed_transformers_folder_is_refused_in_one_line_naming_the_key(tmp_path, edit, says):
+    """A string where transformers writes an integer, a null image size or a shard index without
+    its weight_map ended in TypeError / KeyError / AttributeError tracebacks; a folder of other
+    input channels was told to give the model name it already had."""
+    import json
+
+    from train.config.errors import ConfigError
+    from train.config.options import parse_args
+    from train.run.trainer import check_before_start
+
+    folder, _ = vit_mae_folder(tmp_path / "vit-mae")
+    config = json.loads((folder / "config.json").read_text())
+    if isinstance(edit, dict):
+        (folder / "config.json").write_text(json.dumps({**config, **edit}))
+    else:  # the weights as a one-shard set with a damaged index
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+        index = {"metadata": {}} if edit == "index without weight_map" else []
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=says):
+        check_before_start(parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir",
+                                       str(tmp_path / "run"), "--model.init_from", str(folder)]))
+    assert not (tmp_path / "run").exists()
