@@ -271,8 +271,10 @@ def new_run_problem(out: Path, cfg, continue_run: bool) -> str:
     return ""
 
 
-# Options whose value is a path, read by the job from the launch's code snapshot: made absolute
-PATH_OPTIONS = ("ds_config", "config", "output_dir", "data.train_index", "data.eval_index", "model.init_from")
+# Options whose value is a path, read by the job from the launch's code snapshot: made absolute.
+# Those a preset may give too (the configs are named on the command line, the run folder is settled apart):
+PRESET_PATH_OPTIONS = ("data.train_index", "data.eval_index", "model.init_from")
+PATH_OPTIONS = ("ds_config", "config", "output_dir", *PRESET_PATH_OPTIONS)
 
 
 def absolute_paths(pretrain_args: list[str], cfg, out: Path) -> list[str]:
@@ -285,7 +287,7 @@ def absolute_paths(pretrain_args: list[str], cfg, out: Path) -> list[str]:
         if arg.startswith("--") and arg[2:] in PATH_OPTIONS and args[i + 1]:
             args[i + 1] = str(Path(args[i + 1]).resolve())
     given = {arg[2:] for arg in args if arg.startswith("--")}
-    for key in PATH_OPTIONS[3:]:  # the data indexes and weights, wherever a preset gave them
+    for key in PRESET_PATH_OPTIONS:  # wherever a preset gave them
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value and key not in given and not Path(value).is_absolute():
@@ -316,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from data.loader import MAX_AUTO_WORKERS
     from train.config.errors import ConfigError
-    from train.config.options import parse_args
+    from train.config.options import PretrainConfig, parse_args
     from train.estimate.dry_run import check
     from train.estimate.gpus import gpu_named
     from train.run.code_version import source_hash
@@ -334,8 +336,6 @@ def main(argv: list[str] | None = None) -> int:
     cpus_per_task = a.cpus_per_task or (cfg.data.num_workers if cfg.data.num_workers >= 0 else MAX_AUTO_WORKERS) + 1
 
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    from train.config.options import PretrainConfig
-
     # the run folder: the command line's, a preset's, else a new one under runs/
     given = cfg.output_dir if cfg.output_dir != PretrainConfig.output_dir else None
     out = Path(given).resolve() if given else Path("runs", f"{cfg.objective}_{cfg.model.name}_{stamp}").resolve()

@@ -126,11 +126,10 @@ def read_config(folder: str | Path) -> dict:
     if not isinstance(saved, dict):
         raise ValueError(f"{folder}/config.json holds a JSON {type(saved).__name__}, not a transformers config")
     config = {**DEFAULTS, **saved}
-    whole = _positive_int
-    bad = [f"{key} {json.dumps(config[key])} (a positive integer)" for key in POSITIVE_INTS if not whole(config[key])]
+    bad = [f"{key} {json.dumps(config[key])} (a positive integer)" for key in POSITIVE_INTS if not _positive_int(config[key])]
     bad += [f"{key} {json.dumps(config[key])} (a positive integer or [h, w])" for key in SQUARE_SIZES
-            if not (whole(config[key]) or (isinstance(config[key], list) and len(config[key]) == 2
-                                           and all(map(whole, config[key]))))]
+            if not (_positive_int(config[key]) or (isinstance(config[key], list) and len(config[key]) == 2
+                                           and all(map(_positive_int, config[key]))))]
     if not isinstance(config["hidden_act"], str) or not isinstance(config["qkv_bias"], bool):
         bad.append(f"hidden_act {json.dumps(config['hidden_act'])} / qkv_bias {json.dumps(config['qkv_bias'])} "
                    f"(a name / true or false)")
