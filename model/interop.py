@@ -30,6 +30,7 @@ import torch
 
 from model.objectives.mae import MAEConfig, MAEObjective
 from model.pos_embed import sincos_2d
+from model.timm_backbone import TimmBackbone
 from model.vit import VisionTransformer
 
 DECODER_PREFIXES = ("mask_token", "decoder_")
@@ -193,6 +194,9 @@ def _torch_state(path: Path, mmap: bool) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get("model", state), dict):
         held = state.get("model") if isinstance(state, dict) else state
         raise WeightsFileError(f"{path} holds a {type(held).__name__}, not a state_dict (tensors by name)")
+    if odd := [k for k in state.get("model", state) if not isinstance(k, str)]:  # e.g. {0: tensor}: a list saved as a dict
+        raise WeightsFileError(f"{path} names a tensor by the {type(odd[0]).__name__} {odd[0]!r}, not by a parameter "
+                               f"name: give a state_dict (tensors by name)")
     return state
 
 
@@ -251,18 +255,28 @@ def _depth(state: dict, prefix: str) -> int:
     return max(ids) + 1 if ids else 0
 
 
+def _shape(encoder: dict[str, torch.Tensor], name: str, layout: str) -> tuple[int, ...]:
+    """The shape of encoder[name], which must exist with as many dimensions as `layout` names."""
+    if name not in encoder:
+        raise ValueError(f"holds no {name} among its ViT encoder tensors: give a whole ViT encoder's weights")
+    shape = tuple(encoder[name].shape)
+    if len(shape) != layout.count(",") + 1:
+        raise ValueError(f"holds a {name} of shape {shape}, not a ViT's {layout}: give the weights as a ViT's "
+                         f"state_dict holds them")
+    return shape
+
+
 def infer_encoder_arch(encoder: dict[str, torch.Tensor], num_heads: int | None = None) -> dict:
     """Architecture kwargs of VisionTransformer read off an encoder state_dict."""
     if "patch_embed.proj.weight" not in encoder:
         raise ValueError(f"holds no ViT encoder tensors: no patch_embed.proj.weight among its {len(encoder)} tensors "
                          f"(e.g. {sorted(encoder)[:3]})")
-    w = encoder["patch_embed.proj.weight"]  # (D, C, p, p)
-    dim, chans, patch = w.shape[0], w.shape[1], w.shape[2]
-    grid = round((encoder["pos_embed"].shape[1] - 1) ** 0.5)
+    dim, chans, patch, _ = _shape(encoder, "patch_embed.proj.weight", "(width, channels, patch, patch)")
+    grid = round((_shape(encoder, "pos_embed", "(1, 1 + grid, width)")[1] - 1) ** 0.5)
     heads = num_heads or HEADS_BY_WIDTH.get(dim)
     if heads is None:
         raise ValueError(f"cannot infer the number of heads of a {dim}-wide ViT; pass num_heads")
-    mlp_ratio = encoder["blocks.0.mlp.fc1.weight"].shape[0] / dim
+    mlp_ratio = _shape(encoder, "blocks.0.mlp.fc1.weight", "(hidden, width)")[0] / dim
     return dict(img_size=grid * patch, patch_size=patch, in_chans=chans, embed_dim=dim,
                 depth=_depth(encoder, "blocks"), num_heads=heads, mlp_ratio=mlp_ratio)
 
@@ -305,6 +319,8 @@ def resize_pos_embed(table: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor
     table of pretraining becomes the target grid's own sin-cos table (exact); a learned one (after
     fine-tuning, which trains it) is interpolated bicubically with the cls entry kept, as MAE's
     util/pos_embed.py interpolate_pos_embed does."""
+    if table.dim() != 3 or table.shape[0] != 1:
+        raise ValueError(f"pos_embed of shape {tuple(table.shape)} is not a (1, 1 + grid, width) position table")
     n, dim = round((table.shape[1] - 1) ** 0.5), table.shape[2]
     if n * n != table.shape[1] - 1:
         raise ValueError(f"pos_embed of {table.shape[1]} entries is not 1 + a square grid")
@@ -326,6 +342,8 @@ def load_into_objective(objective: torch.nn.Module, path: str | Path,
     into it. Returns a one-line summary for the log."""
     encoder_state, decoder_state = split_official_mae(safe_load(path) if state is None else state)
     encoder = objective.encoder
+    if isinstance(encoder, TimmBackbone):
+        return _load_timm_backbone(encoder, path, encoder_state)
     encoder_state = {k: v for k, v in encoder_state.items() if not k.startswith("head.")}
     fresh = {"head.weight", "head.bias"}  # a classifier is always trained anew
     if encoder.global_pool == "avg":  # MAE fine-tuning: fc_norm is new, the pretraining norm unused
@@ -335,7 +353,10 @@ def load_into_objective(objective: torch.nn.Module, path: str | Path,
     if pos is not None and pos.shape != encoder.pos_embed.shape:
         # Another resolution (MAE+ pretrains on 112 px crops, fine-tunes at 224): a sin-cos table
         # becomes the target grid's own, a fine-tuned (learned) one is interpolated.
-        encoder_state = {**encoder_state, "pos_embed": resize_pos_embed(pos, encoder.patch_embed.grid_size)}
+        try:
+            encoder_state = {**encoder_state, "pos_embed": resize_pos_embed(pos, encoder.patch_embed.grid_size)}
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}: give the weights as a ViT's state_dict holds them") from None
     try:
         missing, unexpected = encoder.load_state_dict(encoder_state, strict=False)
     except RuntimeError as e:  # shape mismatches
@@ -359,3 +380,18 @@ def load_into_objective(objective: torch.nn.Module, path: str | Path,
             raise ValueError(f"{path} has a decoder that does not fit the configured one: {e}") from None
         loaded += " + decoder"
     return f"initialised {loaded} from {path}"
+
+
+def _load_timm_backbone(encoder: TimmBackbone, path: str | Path, state: dict[str, torch.Tensor]) -> str:
+    """A timm backbone (ConvNeXt, Swin, ...) takes its own export or run under timm's names, every
+    tensor but a classifier (a timm checkpoint's `head.fc.*`; ConvNeXt's `head.norm` is the
+    backbone's own): it has no pooling choice and no sin-cos table to adapt."""
+    classifier = encoder.inner.pretrained_cfg.get("classifier") or "head"
+    state = {k: v for k, v in state.items() if not k.startswith(classifier + ".")}
+    try:
+        encoder.load_state_dict(state, strict=True)
+    except RuntimeError as e:  # missing / unexpected names, or shapes
+        first = str(e).strip().splitlines()
+        raise ValueError(f"{path} does not fit timm model {encoder.name!r}: {' '.join(line.strip() for line in first[:3])}"
+                         f" (init_from takes weights of the same timm model, at the same img_size and in_chans)") from None
+    return f"initialised timm {encoder.name} from {path}"

@@ -297,7 +297,9 @@ def test_export_never_writes_into_the_checkpoint(run_dir, tmp_path, capsys):
                                                      r".*step00000001"),
                          (tag / "more" / "enc.safetensors", r"--out .*enc.safetensors lies inside the input "
                                                             r".*step00000001"),
-                         (tmp_path / "enc.json", r"--out .*enc.json ends in .json, the name of the description")):
+                         (tmp_path / "enc.json", r"--out .*enc.json does not end in .safetensors"),
+                         # safetensors bytes under a torch name: every reader would take them for a pickle
+                         (tmp_path / "enc.pt", r"--out .*enc.pt does not end in .safetensors, the format written")):
         refused("train.export", ["--checkpoint", str(run_dir), "--out", str(out), "--overwrite"], message, capsys)
         assert snapshot(run_dir) == before
     assert not list(tmp_path.iterdir())

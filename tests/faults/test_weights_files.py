@@ -334,3 +334,30 @@ def test_a_pickle_that_names_a_function_is_called_unsafe_not_damaged(tmp_path):
     with pytest.raises(WeightsFileError, match=r"holds objects other than tensors and plain containers, which are "
                                                r"not unpickled for safety"):
         safe_load(path)
+
+
+def test_tensors_named_by_numbers_or_a_flat_position_table_are_refused_in_one_line(shards, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """A list of tensors saved as a dict ({0: tensor, ...}) ended in "'int' object has no attribute
+    'startswith'", and a pos_embed saved flat in an IndexError, from every entry point."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    state = create_model("vit_debug_patch4", in_chans=1).state_dict()
+    torch.save({**state, 0: torch.zeros(3)}, tmp_path / "numbered.pth")
+    torch.save({**state, "pos_embed": state["pos_embed"].flatten()}, tmp_path / "flat.pth")
+    for name, said, fix in (
+            ("numbered.pth", r"numbered.pth names a tensor by the int 0, not by a parameter name", "give a state_dict"),
+            ("flat.pth", r"flat.pth.*pos_embed of shape \(\d+,\),? (is )?not a (ViT's )?\(1, 1 \+ grid, width\)", "give")):
+        for entry in ("pretrain", "evaluate"):
+            module, argv = ENTRIES[entry]
+            out = tmp_path / f"{entry}_out"
+            status, err = run_promptly(module, argv(tmp_path / name, out, shards), capsys)
+            assert_refused(status, err, said, fix)
+            assert not out.exists()
+
+
+def test_a_position_table_of_another_layout_is_refused_not_indexed():
+    from model.interop import resize_pos_embed
+
+    for table in (torch.zeros(17 * 8), torch.zeros(17, 8), torch.zeros(2, 17, 8)):
+        with pytest.raises(ValueError, match=r"pos_embed of shape .* is not a \(1, 1 \+ grid, width\) position table"):
+            resize_pos_embed(table, (4, 4))

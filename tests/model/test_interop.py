@@ -99,3 +99,37 @@ def test_official_mae_checkpoint_starts_mlo_mae(mae, tmp_path):
     ours = dict(mlo.named_parameters())
     for name, p in mae.named_parameters():
         assert torch.equal(ours[name], p), name
+
+
+def _energy_on(name: str, seed: int):
+    from model.objectives.energy import EnergyConfig, EnergyObjective
+
+    torch.manual_seed(seed)
+    backbone = create_model(f"timm/{name}", img_size=32, in_chans=3, **EnergyConfig().encoder_overrides())
+    return EnergyObjective(backbone, EnergyConfig(grid_cell=8, sr_scale=4))
+
+
+def test_timm_backbone_starts_from_its_own_weights_or_timms(tmp_path):
+    """A timm backbone (energy on ConvNeXt) starts from its own export, whose `head.norm` is part of
+    the backbone, and from a timm classifier checkpoint, whose `head.fc` is left out."""
+    from model.interop import load_into_objective
+
+    trained = _energy_on("convnext_atto", seed=0)
+    with torch.no_grad():
+        for p in trained.encoder.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    export = tmp_path / "encoder.safetensors"
+    save_file({k: v.contiguous() for k, v in trained.encoder.state_dict().items()}, str(export))
+    fresh = _energy_on("convnext_atto", seed=1)
+    assert load_into_objective(fresh, export) == f"initialised timm convnext_atto from {export}"
+    for name, p in trained.encoder.state_dict().items():
+        assert torch.equal(fresh.encoder.state_dict()[name], p), name
+
+    classifier = timm.create_model("convnext_atto", pretrained=False, num_classes=7)
+    checkpoint = tmp_path / "timm_classifier.pth"
+    torch.save(classifier.state_dict(), checkpoint)
+    load_into_objective(fresh, checkpoint)
+    assert torch.equal(fresh.encoder.state_dict()["head.norm.weight"], classifier.state_dict()["head.norm.weight"])
+
+    with pytest.raises(ValueError, match="does not fit timm model 'vit_tiny_patch16_224'.*same timm model"):
+        load_into_objective(_energy_on("vit_tiny_patch16_224", seed=0), export)

@@ -197,9 +197,9 @@ def check_outputs(out: Path, default: Path, tag_dir: Path, overwrite: bool, fold
             raise ConfigError(f"--out {out} {problem}")
         overwrite = overwrite or (out.is_dir() and not any(out.iterdir()))  # an empty folder: nothing to replace
     else:
-        if out.suffix == ".json":
-            raise ConfigError(f"--out {out} ends in .json, the name of the description written beside the weights: "
-                              f"give NAME.safetensors")
+        if out.suffix != ".safetensors":  # readers tell the formats apart by the name: x.pt would be read as a pickle
+            raise ConfigError(f"--out {out} does not end in .safetensors, the format written (and the name readers go "
+                              f"by): give NAME.safetensors")
         if problem := unwritable_file(out):
             raise ConfigError(f"--out {out} {problem}")
         outputs = [out, out.with_suffix(".json")]

@@ -130,9 +130,13 @@ def model_card(name: str, meta: dict, arch: dict, tag_dir: Path, labels: int) ->
         if shown else "none (no metrics.jsonl beside the checkpoint)"
     data_text = f"`{data['train_index']}`" if data["source"] == "shards" else "synthetic images (data.source synthetic)"
     mean, std = mean_std(arch["in_chans"])
+    # transformers' pipelines read every image as RGB, and image-feature-extraction runs ViTMAEModel with the
+    # config's mask_ratio (features of a random quarter of the patches): a tag only where the pipeline is right
     pipeline = "image-classification" if name == "ViTForImageClassification" else "image-feature-extraction"
+    tagged = arch["in_chans"] == 3 and name != "ViTMAEForPreTraining"
     lines = [
-        "---", "library_name: transformers", f"pipeline_tag: {pipeline}", f"tags: [vision, {objective}]", "---", "",
+        "---", "library_name: transformers", *([f"pipeline_tag: {pipeline}"] if tagged else []),
+        f"tags: [vision, {objective}]", "---", "",
         f"# {model['name']} trained with `{objective}` ({name})", "",
         f"Exported by `train/export.py --format transformers` from checkpoint `{tag_dir.name}` of the run "
         f"`{tag_dir.parent.parent.name}` (optimizer step {meta['step']}).", "",
@@ -161,6 +165,20 @@ def model_card(name: str, meta: dict, arch: dict, tag_dir: Path, labels: int) ->
         lines.append(f"- `norm_pix_loss` is {str(cfg[objective]['norm_pix_loss']).lower()}, as the run trained "
                      f"(transformers' default: false). Pass the same `noise` to compare masks: the patches of "
                      f"smallest noise are kept.")
+        patches = (arch["img_size"] // arch["patch_size"]) ** 2
+        lines += [
+            "", "## Features", "",
+            f"`mask_ratio` is the run's {cfg[objective]['mask_ratio']}, so the encoder as saved sees a random "
+            f"{1 - cfg[objective]['mask_ratio']:g} of the patches. For features of the whole image, load the encoder "
+            f"with nothing masked, and pass a `noise` that keeps the patches in image order:", "",
+            "```python", "import torch", "from transformers import ViTMAEModel",
+            "encoder = ViTMAEModel.from_pretrained('<this folder>', mask_ratio=0.0)",
+            f"noise = torch.arange({patches}).expand(pixel_values.shape[0], -1)",
+            "features = encoder(pixel_values=pixel_values, noise=noise).last_hidden_state  # (B, 1 + patches, width)",
+            "```", "",
+            "transformers' `image-feature-extraction` pipeline would run the saved `mask_ratio`, so this card names "
+            "no pipeline.",
+        ]
     if name == "ViTModel":
         lines.append("- No pooler: load with `add_pooling_layer=False` (the default adds a randomly initialised "
                      "dense + tanh on the cls token). The features are `last_hidden_state`.")

@@ -79,6 +79,22 @@ def test_the_folder_carries_the_image_processor_and_a_model_card(mae_run, tmp_pa
     assert "synthetic images (data.source synthetic)" in card and "global batch 8, blr 0.0015" in card
     assert f"step 2, loss {round(last['loss'], 6)}" in card
     assert all(oct(p.stat().st_mode)[-3:] != "600" for p in out.iterdir())  # readable beyond the owner
+    # transformers' pipeline would read 1-channel images as RGB and run mask_ratio 0.75: no pipeline is named
+    assert "pipeline_tag" not in card
+
+
+def test_the_cards_feature_lines_give_the_encoders_features_of_the_whole_image(mae_run, tmp_path):
+    """The lines under "## Features", run as written: every patch, in image order, as our encoder
+    computes them (the saved mask_ratio 0.75 would give a random quarter of the patches)."""
+    out, _ = export_transformers(_tag(mae_run), tmp_path / "hf")
+    card = (out / "README.md").read_text()
+    code = card.split("## Features")[1].split("```python")[1].split("```")[0].replace("<this folder>", str(out))
+    pixel_values = torch.randn(3, 1, 28, 28)
+    scope = {"pixel_values": pixel_values}
+    with torch.no_grad():
+        exec(code, scope)
+        ours = _our_mae(_tag(mae_run)).encoder.forward_features(pixel_values)
+    assert scope["features"].shape == (3, 50, 32) and (scope["features"] - ours).abs().max() <= 1e-6
 
 
 def _other_run_meta(tag_dir, **changes) -> dict:
