@@ -275,7 +275,10 @@ def infer_encoder_arch(encoder: dict[str, torch.Tensor], num_heads: int | None =
     grid = round((_shape(encoder, "pos_embed", "(1, 1 + grid, width)")[1] - 1) ** 0.5)
     heads = num_heads or HEADS_BY_WIDTH.get(dim)
     if heads is None:
-        raise ValueError(f"cannot infer the number of heads of a {dim}-wide ViT; pass num_heads")
+        raise ValueError(f"cannot infer the number of heads of a {dim}-wide ViT (weights do not hold it; known widths: "
+                         f"{', '.join(map(str, HEADS_BY_WIDTH))}): pass num_heads (train.evaluate: --num_heads)")
+    if dim % heads:
+        raise ValueError(f"{heads} heads do not divide the width {dim}: pass a num_heads that does")
     mlp_ratio = _shape(encoder, "blocks.0.mlp.fc1.weight", "(hidden, width)")[0] / dim
     return dict(img_size=grid * patch, patch_size=patch, in_chans=chans, embed_dim=dim,
                 depth=_depth(encoder, "blocks"), num_heads=heads, mlp_ratio=mlp_ratio)

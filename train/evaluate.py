@@ -1,7 +1,7 @@
 """Evaluation on frozen features: weighted kNN and a linear probe, on any labeled shard set.
 
     python -m train.evaluate --train_index shards/train.json --test_index shards/test.json \
-        (--encoder runs/x/encoder.safetensors | --encoder mae_pretrain_vit_base.pth | --checkpoint runs/x
+        (--encoder runs/x/encoder.safetensors | --encoder mae_pretrain_vit_base.pth [--num_heads H] | --checkpoint runs/x
          | --random_init vit_mini_patch4 [--img_size 32]) \
         [--pool cls|avg] [--max_train N] [--max_test N] [--subset_seed S] [--out eval.json [--overwrite]]
 
@@ -83,9 +83,14 @@ def checked_encoder(a: argparse.Namespace):
         from train.weights.export import find_checkpoint
 
         a.checkpoint = str(find_checkpoint(a.checkpoint, "--checkpoint"))
+    if a.num_heads < 0:
+        raise ConfigError(f"--num_heads must be >= 0 (0 = by the width), got {a.num_heads}")
+    if a.num_heads and (a.encoder is None or Path(a.encoder).with_suffix(".json").exists()):
+        raise ConfigError("--num_heads is for an official MAE or timm checkpoint, whose weights do not hold it; an "
+                          "export's .json, a run and a registry name give their own: leave it out")
     source = a.encoder or a.checkpoint or a.random_init
     try:
-        model = load_encoder(a.encoder, a.checkpoint, a.random_init, a.img_size, a.seed)
+        model = load_encoder(a.encoder, a.checkpoint, a.random_init, a.img_size, a.seed, a.num_heads)
     except WeightsFileError as e:  # it names the file and what is wrong with it
         fix = ENCODER_FILES if a.encoder is not None else "give another of the run's checkpoints (checkpoints/step*)"
         raise ConfigError(f"{given[0]}: {e}; {fix}") from None
@@ -120,6 +125,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--checkpoint", help="run folder or checkpoint tag folder")
     p.add_argument("--random_init", help="registry name: the same architecture at random init (control)")
     p.add_argument("--img_size", type=int, default=0, help="evaluation resolution; 0 = the encoder's own (default %(default)s)")
+    p.add_argument("--num_heads", type=int, default=0,
+                   help="attention heads of an official / timm --encoder of a width other than ViT-Ti/S/B/L/H's "
+                        "(the weights do not hold it); 0 = by the width (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of --random_init (default %(default)s)")
     p.add_argument("--pool", choices=["cls", "avg"], default="cls", help="feature: cls token or patch mean (default %(default)s)")
     p.add_argument("--num_workers", type=int, default=1, help="decode workers (default %(default)s)")

@@ -126,3 +126,31 @@ def test_evaluate_command_caps_train_and_test_samples(shards, tmp_path):
         round(result["knn_top1"] * 5 / 100))  # a share of 5 test samples
     with pytest.raises(SystemExit):
         main(["--train_index", index, "--test_index", index, "--random_init", "vit_debug_patch4", "--max_test", "-1"])
+
+
+def test_a_checkpoint_of_a_width_without_known_heads_is_evaluated_with_num_heads(shards, tmp_path):
+    """A 256-wide ViT's weights do not say its heads: the refusal names --num_heads (it named an
+    option evaluate did not have), and with it the encoder computes what was trained."""
+    from model.vit import VisionTransformer
+    from train.config.errors import ConfigError
+    from train.evaluate import main
+
+    torch.manual_seed(0)
+    trained = VisionTransformer(img_size=32, patch_size=8, embed_dim=256, depth=2, num_heads=4).eval()
+    path = tmp_path / "w256.pth"
+    torch.save(trained.state_dict(), path)
+    index = str(tmp_path / "s" / "train.json")
+    argv = ["--train_index", index, "--test_index", index, "--encoder", str(path), "--num_workers", "0"]
+    for extra, says in (([], r"cannot infer the number of heads of a 256-wide ViT .*pass num_heads \(train.evaluate: "
+                                 r"--num_heads\)"),
+                        (["--num_heads", "3"], "3 heads do not divide the width 256"),
+                        (["--num_heads", "-1"], "--num_heads must be >= 0")):
+        with pytest.raises(ConfigError, match=says):
+            main(argv + extra)
+    with pytest.raises(ConfigError, match="--num_heads is for an official MAE or timm checkpoint"):
+        main(["--train_index", index, "--test_index", index, "--random_init", "vit_debug_patch4", "--num_heads", "2"])
+    loaded = load_encoder(encoder=str(path), num_heads=4).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded.forward_features(x), trained.forward_features(x))
+    assert main(argv + ["--num_heads", "4"])["test_samples"] == 24

@@ -52,9 +52,10 @@ def load_state_any_size(model: VisionTransformer, state: dict) -> None:
 
 
 def load_encoder(encoder: str | None = None, checkpoint: str | None = None, random_init: str | None = None,
-                 img_size: int = 0, seed: int = 0) -> VisionTransformer:
+                 img_size: int = 0, seed: int = 0, num_heads: int = 0) -> VisionTransformer:
     """Exactly one source: an exported .safetensors (+ .json), a run/checkpoint folder, or a registry name.
-    img_size (0 = the encoder's own) evaluates at another resolution (e.g. an MAE+ encoder at full size)."""
+    img_size (0 = the encoder's own) evaluates at another resolution (e.g. an MAE+ encoder at full size).
+    num_heads (0 = by the width) is an official / timm checkpoint's, which its weights do not hold."""
     if sum(x is not None for x in (encoder, checkpoint, random_init)) != 1:
         raise ValueError("give exactly one of --encoder, --checkpoint, --random_init")
     if random_init is not None:
@@ -66,7 +67,7 @@ def load_encoder(encoder: str | None = None, checkpoint: str | None = None, rand
         path = Path(encoder)
         if not path.with_suffix(".json").is_file():  # an official MAE / timm checkpoint
             size = {"img_size": img_size} if img_size else {}
-            return encoder_from_state(split_official_mae(safe_load(path))[0], **size)
+            return encoder_from_state(split_official_mae(safe_load(path))[0], num_heads or None, **size)
         kwargs = json.loads(path.with_suffix(".json").read_text())["timm_kwargs"]
         model = encoder_from_timm_kwargs(kwargs, img_size)
         load_state_any_size(model, safe_load(path))
