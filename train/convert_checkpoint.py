@@ -7,7 +7,7 @@ in place, so that it resumes and exports as any other tag.
 One process, on the CPU; the converted tag holds the same weights, optimizer moments, step
 counts, schedule, counters and client state bit for bit. The new files are written under
 temporary names and renamed once all are complete (the weights last), complete.json is rewritten
-to list them, and only then are the old ones removed: a conversion stopped at any point leaves a
+to list them with their sizes and crc32s, and only then are the old ones removed: a conversion stopped at any point leaves a
 tag that resumes, or one the same command converts again.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from data.cli import Parser
 from data.outputs import written_whole
 from train.config.errors import ConfigError
-from train.engine.checkpoint import COMPLETE, TAG_RE, check_files
+from train.engine.checkpoint import COMPLETE, TAG_RE, check_files, crc32
 from train.engine.state_files import (
     LEGACY_FILE,
     OPTIM_DIR,
@@ -116,8 +116,10 @@ def convert(tag_dir: Path) -> Path:
                     "client": old["client"]}, state)
     meta = json.loads((tag_dir / COMPLETE).read_text())
     old_files = [LEGACY_FILE, *(f.name for f in tag_dir.glob("optim_rank*.pt"))]
-    meta["files"] = {str(f.relative_to(tag_dir)): f.stat().st_size for f in sorted(tag_dir.rglob("*"))
-                     if f.is_file() and f.name != COMPLETE and f.name not in old_files}
+    written = [f for f in sorted(tag_dir.rglob("*")) if f.is_file() and f.name != COMPLETE and f.name not in old_files]
+    meta["files"] = {str(f.relative_to(tag_dir)): f.stat().st_size for f in written}
+    # as a save records them: a resume then finds damaged bytes of the converted files, not only a wrong size
+    meta["crc32"] = {str(f.relative_to(tag_dir)): crc32(f) for f in written}
     tmp = tag_dir / f".{COMPLETE}.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, tag_dir / COMPLETE)

@@ -80,6 +80,8 @@ def test_a_tag_of_the_earlier_layout_is_refused_then_converted_and_resumed_exact
     assert not (tag / "model.pt").exists() and not list(tag.glob("optim_rank*.pt"))
     assert checkpoint.check_files(tag) is None  # complete.json lists the new files with their sizes
     checkpoint.verify_safe(tag)
+    meta = json.loads((tag / "complete.json").read_text())  # ... and their crc32s, as a save does
+    assert meta["crc32"] == {name: checkpoint.crc32(tag / name) for name in meta["files"]}
     torch.manual_seed(1)  # other starting weights: everything must come from the tag
     fresh, _ = engine()
     assert fresh.load(tag) == {"step": 2, "data": [{"position": 16}]}
@@ -91,6 +93,13 @@ def test_a_tag_of_the_earlier_layout_is_refused_then_converted_and_resumed_exact
     with pytest.raises(SystemExit) as status:  # converted once: a second time is refused, nothing changes
         cli(lambda: convert([str(tag)]))
     assert status.value.code == 2 and "not a tag of the earlier layout" in capsys.readouterr().err
+    weights_file = tag / "model.safetensors"  # damaged bytes at the right size: the resume's check finds them
+    raw = bytearray(weights_file.read_bytes())
+    raw[-64:] = bytes(b ^ 0xFF for b in raw[-64:])
+    weights_file.write_bytes(bytes(raw))
+    assert checkpoint.check_files(tag) is None
+    assert checkpoint.tag_problem(tag) == f"{weights_file} does not hold the bytes written (its crc32 differs from the " \
+                                          f"one recorded)"
 
 
 def test_a_tag_whose_files_are_damaged_is_refused_and_kept(tmp_path, capsys):
