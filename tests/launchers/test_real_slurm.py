@@ -136,7 +136,10 @@ def jobs(tmp_path_factory):
                     "--config", str(DEBUG_PRESET))
         jobs.submit("task", *CPU_JOB)
         jobs.submit("requeue", *CPU_JOB)
-        jobs.submit("usr1", *CPU_JOB, "--mode", "node")
+        # Steps 21-200 take 0.05 s longer (no weight changes): the signal, sent once 20 steps are logged,
+        # reaches a running job even when a loaded machine lets the watching thread poll late.
+        jobs.submit("usr1", *CPU_JOB, "--mode", "node",
+                    env={"PRETRAIN_FAULTS": "slow_step@21-200", "PRETRAIN_SLOW_STEP_SECONDS": "0.05"})
         # The template's warning 180 s ahead of a 4 min limit comes at slurmctld's first time-limit
         # check (every 30 s) after 60 s: 60-90 s after the job starts, when its step certainly runs.
         # (With a 1 min limit the warning was due at once: once, a CI run's check fell between the
