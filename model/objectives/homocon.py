@@ -32,15 +32,17 @@ class ProjectionHead(nn.Module):
 
 
 def homologous_contrastive_loss(z: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    """z (M, d) l2-normalised; labels (M,) long. Anchors without a positive are skipped."""
+    """z (M, d) l2-normalised; labels (M,) long. Anchors without a positive are skipped.
+    Leading dimensions are independent sets: z (G, M, d), labels (G, M) contrast each set's tokens
+    among themselves only, and the mean is over the anchors of all sets."""
     z = z.to(torch.promote_types(z.dtype, torch.float32))
-    M = z.shape[0]
+    M = z.shape[-2]
     self_pair = torch.eye(M, dtype=torch.bool, device=z.device)
-    logits = (z @ z.t() / temperature).masked_fill(self_pair, float("-inf"))  # (M, M)
-    log_prob = logits - logits.logsumexp(dim=1, keepdim=True)
-    positive = (labels[:, None] == labels[None, :]) & ~self_pair
-    num_pos = positive.sum(dim=1)
-    per_anchor = -log_prob.masked_fill(~positive, 0.0).sum(dim=1) / num_pos.clamp_min(1)
+    logits = (z @ z.transpose(-1, -2) / temperature).masked_fill(self_pair, float("-inf"))  # (..., M, M)
+    log_prob = logits - logits.logsumexp(dim=-1, keepdim=True)
+    positive = (labels[..., :, None] == labels[..., None, :]) & ~self_pair
+    num_pos = positive.sum(dim=-1)
+    per_anchor = -log_prob.masked_fill(~positive, 0.0).sum(dim=-1) / num_pos.clamp_min(1)
     has_pos = (num_pos > 0).to(per_anchor.dtype)
     # a weighted mean, not per_anchor[has_pos]: boolean indexing would wait for the GPU (data-dependent size)
     return (per_anchor * has_pos).sum() / has_pos.sum()

@@ -183,10 +183,12 @@ class MixedAEObjective(Objective):
         keep = mixing.segment[:, None, :] == seg_ids[None, :, None]  # (Bm, g, N)
         return self.decoder.forward_keep(latent, keep), keep, mixing.source_of(seg_ids[None, :])
 
-    def homocon(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """tokens (B', L, D) encoder patch outputs, labels (B', L) -> the contrastive loss."""
+    def homocon(self, tokens: torch.Tensor, labels: torch.Tensor, sets: int = 1) -> torch.Tensor:
+        """tokens (B', L, D) encoder patch outputs, labels (B', L) -> the contrastive loss, each of
+        `sets` consecutive slices of B' / sets rows contrasted among itself."""
         z = self.projector(tokens)  # (B', L, proj_dim), fp32, unit norm
-        return homologous_contrastive_loss(z.flatten(0, 1), labels.flatten(), self.cfg.temperature)
+        return homologous_contrastive_loss(z.reshape(sets, -1, z.shape[-1]), labels.reshape(sets, -1),
+                                           self.cfg.temperature)
 
     # --- forward ----------------------------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -211,7 +213,8 @@ class MixedAEObjective(Objective):
         return {"loss": loss, **out}
 
     def forward_unmixed(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The 'without mixing' ablation: MAE on each image + segment embeddings + HomoCon across images."""
+        """The 'without mixing' ablation: MAE on each image + segment embeddings + HomoCon across the
+        images of each group of g."""
         B = images.shape[0]
         if B % self.g:
             raise ValueError(f"the micro-batch of {B} images does not split into groups of g = {self.g}")
@@ -228,8 +231,8 @@ class MixedAEObjective(Objective):
             pred = self.decoder(latent, masking.ids_restore)
             out["loss_recon"] = masked_patch_loss(pred, self.target(images), masking.mask)
             loss = loss + self.cfg.recon_weight * out["loss_recon"]
-        if self.projector is not None:
-            out["loss_homocon"] = self.homocon(latent[:, 1:], index[:, None].expand(-1, kept.shape[1]))
+        if self.projector is not None:  # Eq. 7 across the images of each group of g (appendix C), as in a mixed image
+            out["loss_homocon"] = self.homocon(latent[:, 1:], index[:, None].expand(-1, kept.shape[1]), B // self.g)
             loss = loss + self.cfg.homocon_weight * out["loss_homocon"]
         return {"loss": loss, **out}
 

@@ -44,6 +44,30 @@ def test_homocon_matches_hand_computation():
     assert a0 == pytest.approx(-(float(z[0] @ z[1]) / tau - math.log(sum(math.exp(float(z[0] @ z[a]) / tau) for a in (1, 2, 3)))))
 
 
+def test_homocon_of_independent_sets_contrasts_each_set_among_itself():
+    z = torch.nn.functional.normalize(torch.randn(3, 10, 4, dtype=torch.float64, generator=_gen(0)), dim=-1)
+    labels = torch.tensor([0, 0, 1, 1, 1, 2, 2, 3, 3, 3]).expand(3, -1)
+    each = [homologous_contrastive_loss(z[i], labels[i], 0.2) for i in range(3)]  # every anchor has a positive
+    assert homologous_contrastive_loss(z, labels, 0.2).item() == pytest.approx(sum(each).item() / 3, rel=1e-12)
+
+
+def test_without_mixing_contrasts_the_images_of_each_group_of_g():
+    """The ablation of Table A4c applies Eq. 7 "to patches across different images in groups of 4"
+    (appendix C): each image's visible tokens are contrasted with its group's other images only."""
+    obj = _objective(mixing="none", attention="global")
+    captured = []
+    obj.projector.register_forward_hook(lambda module, args, out: captured.append(out))
+    torch.manual_seed(3)
+    out = obj(dict(image=torch.randn(8, 1, 32, 32, dtype=torch.float64)))
+    z = captured[0]  # (8 images, L visible tokens, proj_dim)
+    L = z.shape[1]
+    labels = torch.arange(4).repeat_interleave(L)  # image index within its group
+    groups = [homologous_contrastive_loss(z[i:i + 4].flatten(0, 1), labels, obj.cfg.temperature) for i in (0, 4)]
+    assert out["loss_homocon"].item() == pytest.approx((groups[0] + groups[1]).item() / 2, rel=1e-12)
+    whole = homologous_contrastive_loss(z.flatten(0, 1), torch.arange(8).repeat_interleave(L), obj.cfg.temperature)
+    assert abs(whole.item() - out["loss_homocon"].item()) > 1e-3  # the whole micro-batch: other negatives
+
+
 def test_masked_self_attention_never_lets_information_cross_images():
     obj = _objective(attention="masked").eval()
     images = torch.randn(4, 1, 32, 32, dtype=torch.float64, generator=_gen(1))
