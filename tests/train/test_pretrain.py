@@ -88,7 +88,8 @@ def test_resume_auto_continues_exactly(straight, tmp_path):
 
 def test_resume_rejects_a_different_model(straight, tmp_path):
     proc = run_pretrain(tmp_path, "--resume", str(straight), "--model.name", "vit_mini_patch4", check=False)
-    assert proc.returncode == 2 and "the checkpoint was trained with model=" in proc.stderr
+    assert proc.returncode == 2 and "the checkpoint was trained with model.name 'vit_debug_patch4', this run has " \
+                                    "'vit_mini_patch4'" in proc.stderr
     assert not tmp_path.joinpath("config.json").exists()  # rejected before anything started
 
 

@@ -203,9 +203,8 @@ class PretrainConfig:
                 LabelKey.parse(self.data.label_key)
         except ValueError as e:
             raise ConfigError(f"data.label_key: {e}") from None
-        if self.model.init_from and not Path(self.model.init_from).exists():
-            raise ConfigError(f"model.init_from {self.model.init_from!r} does not exist: give an exported "
-                              f"encoder.safetensors, a run folder, an official MAE or a timm checkpoint")
+        if not self.resume:  # a resume does not read it (train.weights.fit.check_init_from checks it otherwise)
+            check_init_from_exists(self.model.init_from)
         if self.model.name not in list_models() and not is_timm_name(self.model.name):
             close = difflib.get_close_matches(self.model.name, list_models(), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -217,6 +216,12 @@ class PretrainConfig:
             section(self).validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def check_init_from_exists(init_from: str) -> None:
+    if init_from and not Path(init_from).exists():
+        raise ConfigError(f"model.init_from {init_from!r} does not exist: give an exported encoder.safetensors, a "
+                          f"run folder, an official MAE or a timm checkpoint")
 
 
 def check_patch_grid(model: ModelConfig) -> None:

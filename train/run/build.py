@@ -38,13 +38,16 @@ def training_source(cfg: PretrainConfig, img_size: int, plan: BatchPlan, rank: i
 
 
 def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, peak_lr: float,
-                 warmup_steps: float, total_steps: int, arch: dict | None = None):
+                 warmup_steps: float, total_steps: int, arch: dict | None = None, init_weights: bool = True):
     """Encoder + objective (identical initial weights on every rank), optimizer, schedule, engine
     (train/engine/: one rank or ZeRO-0 replicated, ZeRO-1-3 on FSDP2). Returns (engine, objective, param_split: how
-    the parameters split between decay / no decay)."""
+    the parameters split between decay / no decay). `init_weights` False (a resume, whose checkpoint
+    replaces every weight): model.init_from is not read."""
     torch.manual_seed(cfg.seed)
     objective = build_objective(cfg.objective, build_encoder(cfg, arch), section(cfg))
-    if cfg.model.init_from:
+    if cfg.model.init_from and not init_weights:
+        log.info("model.init_from %s not read: the resumed checkpoint holds every weight", cfg.model.init_from)
+    elif cfg.model.init_from:
         try:
             state = None
             if is_transformers_folder(cfg.model.init_from):  # config.json + weights of a transformers ViT / ViT-MAE
@@ -87,6 +90,12 @@ def build_engine(cfg: PretrainConfig, ds_config: dict, device: torch.device, pea
     return engine, objective, param_split
 
 
+# Options of the compared sections that a resume may change (logged at start, kept in resumes.jsonl):
+# the weights they would give come from the checkpoint; the attention kernel computes the same function
+# (a job started on flash-attn GPUs continues where flash-attn is not).
+FREE_ON_RESUME = ("model.init_from", "model.attn_backend")
+
+
 def check_resume_compatible(meta: dict, cfg: PretrainConfig, plan: BatchPlan) -> None:
     """The checkpoint (its complete.json) must come from the same model and objective and have
     trained with the same global batch (the schedule counts its steps; the data position is in
@@ -111,7 +120,15 @@ def check_resume_compatible(meta: dict, cfg: PretrainConfig, plan: BatchPlan) ->
         if isinstance(was, dict) and isinstance(is_, dict):
             # an option added to the code after the checkpoint was written counts as its default
             was = {**{k: v for k, v in default[key].items() if k not in was}, **was}
-        if was != is_:
+            differing = sorted(k for k in set(was) | set(is_) if was.get(k) != is_.get(k)
+                               and f"{key}.{k}" not in FREE_ON_RESUME)
+            if differing:
+                raise ConfigError(f"--resume: the checkpoint was trained with "
+                                  f"{', '.join(f'{key}.{k} {was.get(k)!r}' for k in differing)}, this run has "
+                                  f"{', '.join(repr(is_.get(k)) for k in differing)}; to continue that run, give "
+                                  f"the same again; to train this one from the checkpoint's weights, start it in "
+                                  f"another --output_dir with --model.init_from <the checkpoint>")
+        elif was != is_:
             raise ConfigError(f"--resume: the checkpoint was trained with {key}={saved.get(key)}, this run has "
                               f"{now[key]}; to continue that run, give its {key} again; to train this one from the "
                               f"checkpoint's weights, start it in another --output_dir with --model.init_from "

@@ -60,7 +60,7 @@ def check_writable_folder(path: Path, what: str) -> None:
         raise ValueError(f"{what} {path} {problem}")
 
 
-def check_run_folder(run_dir: Path, config: dict, resuming: bool, overwrite: bool,
+def check_run_folder(run_dir: Path, config: dict, resuming: Path | None, overwrite: bool,
                      inputs: dict[str, str] | None = None) -> None:
     """A run that does not resume must not mix into another run's folder: refuse one that holds
     checkpoints, or a config.json of another experiment, unless `overwrite` (then delete the old
@@ -68,9 +68,13 @@ def check_run_folder(run_dir: Path, config: dict, resuming: bool, overwrite: boo
     outputs are deleted and the folder reused, unless its config.json is not a run's (a folder of
     something else: refused without `overwrite`). Neither deletes an input the run reads later
     (`inputs`: option -> path, e.g. the weights of --model.init_from), and output_dir is never an
-    input folder itself: refused instead. Raises
+    input folder itself: refused instead. A resume (`resuming`: the checkpoint tag) of a tag outside
+    output_dir into a folder where a run trained is the same mix: refused. Raises
     ValueError naming the way out; runs before any process group starts (after check_writable_folder)."""
-    if resuming or not run_dir.is_dir():
+    if not run_dir.is_dir():
+        return
+    if resuming is not None:
+        check_resume_target(run_dir, resuming)
         return
     refuse_writing_into_inputs(run_dir, inputs or {})
     if never_trained(run_dir, complete_checkpoints(run_dir)):
@@ -92,6 +96,22 @@ def check_run_folder(run_dir: Path, config: dict, resuming: bool, overwrite: boo
                          f"--output_dir, or start afresh with --run.overwrite true (deletes its checkpoints and logs)")
     refuse_deleting_inputs(run_dir, inputs or {}, "--run.overwrite true deletes the old run's outputs")
     clear_run_outputs(run_dir)
+
+
+def check_resume_target(run_dir: Path, tag: Path) -> None:
+    """A tag of the run folder itself continues its run. A tag from elsewhere continues in
+    output_dir only when no run trained there: that run's metrics.jsonl would be cut back to the
+    tag's step, its config.json and checkpoints replaced, and its later tags left beside the
+    resumed run's (run.overwrite does not combine with --resume: nothing is deleted for it)."""
+    if tag.resolve().is_relative_to(run_dir.resolve()):
+        return
+    checkpoints = complete_checkpoints(run_dir)
+    if never_trained(run_dir, checkpoints):
+        return
+    held = f"the checkpoints of a run ({checkpoints[-1].name} ...)" if checkpoints else "the logs of a run that trained"
+    raise ValueError(f"output_dir {run_dir} holds {held}, and --resume {tag} is a checkpoint of another folder: "
+                     f"continuing there would replace that run's logs, config and checkpoints; resume into another "
+                     f"--output_dir")
 
 
 def foreign_config(run_dir: Path, config: dict) -> str:

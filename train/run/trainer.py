@@ -133,7 +133,6 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     check_floor(cfg, ds_config, plan)  # tensors this machine cannot hold at all, before anything is built
     check_same_objective(cfg)  # before the objective's own checks, which would blame its options
     check_objective_fits(cfg, plan.micro, plan.accum, zero_stage(ds_config))
-    check_init_from(cfg)  # the weights' channels and sizes against the model, from the file's shapes
     try:
         check_source(cfg.data, plan.world, cfg.model.in_chans)
         verify_before_start(cfg.data)  # data.verify_shards: every shard's headers, before the run folder
@@ -144,6 +143,8 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     resume_from = checkpoint.find_resume(cfg.resume, run_dir)  # every file of the tag checked, nothing executed
     if resume_from is not None:
         check_resume(resume_from, cfg, plan)
+    else:  # a resume takes the checkpoint's weights: init_from is not read (its file may be gone by a requeue)
+        check_init_from(cfg)  # the weights' channels and sizes against the model, from the file's shapes
     # options that do not break the resume (e.g. the lr) may change: said at start, kept in resumes.jsonl
     changes = resume_changes(checkpoint.read_meta(resume_from)["config"], cfg) if resume_from is not None else {}
     if "optim.name" in changes:  # the optimizer state of one optimizer does not load into another
@@ -152,7 +153,7 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
                           f"{now}; give --optim.name {was} to continue it, or start another --output_dir with "
                           f"--model.init_from <the checkpoint>")
     try:
-        check_run_folder(run_dir, to_dict(cfg), resuming=resume_from is not None, overwrite=cfg.run.overwrite,
+        check_run_folder(run_dir, to_dict(cfg), resuming=resume_from, overwrite=cfg.run.overwrite,
                          inputs={"--model.init_from": cfg.model.init_from, "--data.train_index": cfg.data.train_index,
                                  "--data.eval_index": cfg.data.eval_index})
     except ValueError as e:
@@ -261,7 +262,8 @@ class Trainer:
         logging.basicConfig(level=logging.INFO if self.rank == 0 else logging.WARNING, format="[%(name)s] %(message)s")
         self.peak_lr = peak_lr(cfg, plan)
         self.engine, objective, param_split = build_engine(cfg, checked.ds_config, self.device, self.peak_lr,
-                                                           checked.warmup_steps, checked.total_steps)
+                                                           checked.warmup_steps, checked.total_steps,
+                                                           init_weights=checked.resume_from is None)
         self.dtype = self.engine.dtype
         seed_global_rngs(cfg.seed + self.rank)
         self.encoder = objective.encoder

@@ -14,7 +14,7 @@ import torch
 
 from model.interop import DECODER_PREFIXES, WeightsFileError, weights_shapes
 from train.config.errors import ConfigError
-from train.config.options import PretrainConfig
+from train.config.options import PretrainConfig, check_init_from_exists
 from train.engine import checkpoint
 
 RESIZED = {"pos_embed"}  # rebuilt for the target grid when loaded (model/interop.py resize_pos_embed)
@@ -63,6 +63,7 @@ def check_init_from(cfg: PretrainConfig) -> None:
     the configured model (model.name, model.in_chans, model.img_size)."""
     from model.hf_interop import is_transformers_folder
 
+    check_init_from_exists(cfg.model.init_from)
     if not cfg.model.init_from or is_transformers_folder(cfg.model.init_from):  # checked by its config.json
         return
     from train.config.plan import build_encoder

@@ -15,7 +15,8 @@ def test_a_resume_with_another_lr_is_said_and_recorded_and_another_model_refused
     run_pretrain(tmp_path, "--run.max_steps", "2", "--run.ckpt_every", "2")
     another_model = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir",
                                 str(tmp_path), "--resume", "auto", "--model.drop_path_rate", "0.1"])
-    with pytest.raises(ConfigError, match="--resume: the checkpoint was trained with model="):
+    with pytest.raises(ConfigError, match=r"--resume: the checkpoint was trained with model.drop_path_rate 0.0, this "
+                                          r"run has 0.1; to continue that run, give the same again"):
         check_before_start(another_model)  # the main entry turns it into exit 2
     assert not (tmp_path / "resumes.jsonl").exists()  # refused before anything was written
     proc = run_pretrain(tmp_path, "--resume", "auto", "--run.max_steps", "3", "--run.ckpt_every", "2", "--optim.blr", "3e-3")
@@ -39,3 +40,42 @@ def test_another_global_batch_on_the_same_ranks_is_refused():
     check_resume_compatible(meta, cfg, BatchPlan(micro=16, accum=1, world=1))  # the same batch: fine
     with pytest.raises(ConfigError, match="global batch 16, this run has 32"):
         check_resume_compatible(meta, cfg, BatchPlan(micro=16, accum=2, world=1))
+
+
+def test_a_resume_may_change_the_attention_kernel_and_needs_no_init_weights(tmp_path):
+    """A run started from --model.init_from resumes after that file is gone (a requeue after a
+    clean-up) and without the option; the attention kernel (same function) may change: said and
+    recorded. Both were refused with the whole model section."""
+    start = tmp_path / "start"
+    run_pretrain(start, "--run.max_steps", "1")
+    init = tmp_path / "init.safetensors"
+    (start / "encoder.safetensors").rename(init)
+    run = tmp_path / "run"
+    run_pretrain(run, "--run.max_steps", "2", "--run.ckpt_every", "2", "--model.init_from", str(init))
+    init.unlink()
+    proc = run_pretrain(run, "--resume", "auto", "--run.max_steps", "3", "--model.init_from", str(init),
+                        "--model.attn_backend", "math")
+    assert f"model.init_from {init} not read: the resumed checkpoint holds every weight" in proc.stderr
+    assert 'resumed with model.attn_backend changed: "auto" -> "math"' in proc.stderr
+    proc = run_pretrain(run, "--resume", "auto", "--run.max_steps", "4")
+    assert f'resumed with model.init_from changed: "{init}" -> ""' in proc.stderr
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
+    records = [json.loads(line)["changes"] for line in (run / "resumes.jsonl").read_text().splitlines()]
+    assert records[0]["model.attn_backend"] == ["auto", "math"] and records[1]["model.init_from"] == [str(init), ""]
+
+
+def test_a_checkpoint_of_another_folder_does_not_continue_over_a_run_that_trained(tmp_path):
+    """--resume <another run's tag> --output_dir <a folder where a run trained> cut that run's
+    metrics.jsonl back, replaced its config and checkpoints and left its later tags beside: exit 0."""
+    source, held = tmp_path / "source", tmp_path / "held"
+    run_pretrain(source, "--run.max_steps", "2", "--run.ckpt_every", "2")
+    run_pretrain(held, "--run.max_steps", "4", "--run.ckpt_every", "2", "--optim.blr", "3e-3")
+    before = {p: p.read_bytes() for p in held.rglob("*") if p.is_file()}
+    proc = run_pretrain(held, "--resume", str(source / "checkpoints" / "step00000002"), "--run.max_steps", "3",
+                        check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert (f"output_dir {held} holds the checkpoints of a run (step00000004 ...), and --resume "
+            f"{source / 'checkpoints' / 'step00000002'} is a checkpoint of another folder") in proc.stderr
+    assert {p: p.read_bytes() for p in held.rglob("*") if p.is_file()} == before
+    run_pretrain(tmp_path / "new", "--resume", str(source / "checkpoints" / "step00000002"), "--run.max_steps", "3")
+    assert [r["step"] for r in read_metrics(tmp_path / "new")] == [3]  # a new folder: continued there
