@@ -88,3 +88,17 @@ def test_a_run_resumed_from_an_older_tag_keeps_its_saves_and_is_the_one_continue
     proc = run_pretrain(tmp_path, "--run.max_steps", "6", *every, "--run.keep_checkpoints", "1", "--resume", "auto")
     assert f"{tag_for(5)} at step 5" in proc.stdout + proc.stderr
     assert sorted(p.name for p in root.glob("step*")) == [tag_for(6)] and (root / LATEST).read_text() == tag_for(6)
+
+
+def test_a_metrics_line_cut_short_by_a_crash_does_not_stop_the_resume(tmp_path):
+    """Half a record (and NUL bytes, as a power loss leaves) at the end of metrics.jsonl made
+    every later `--resume auto` end in a JSONDecodeError traceback after loading the checkpoint."""
+    run_pretrain(tmp_path, "--run.max_steps", "3", "--run.ckpt_every", "2")
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 2.2')
+        f.write("\0" * 16)
+    assert len(read_metrics(tmp_path)) == 3  # readers leave the cut line out
+    proc = run_pretrain(tmp_path, "--resume", "auto", "--run.max_steps", "4", "--run.ckpt_every", "2")
+    assert "line(s) that are no complete JSON record dropped (a write cut short)" in proc.stderr
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    assert "\0" not in (tmp_path / "metrics.jsonl").read_text()

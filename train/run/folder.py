@@ -222,8 +222,10 @@ class Reporter:
     def __init__(self, run_dir: Path, start_step: int, stop_step: int, tensorboard: bool, progress: bool):
         path = run_dir / "metrics.jsonl"
         if path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= start_step]
-            path.write_text("".join(f"{line}\n" for line in kept))
+            rows, cut = metric_rows(path)
+            if cut:  # a write cut short (power loss, a full disk): its step is logged again by this run if after the tag
+                log.warning("%s: %d line(s) that are no complete JSON record dropped (a write cut short)", path, cut)
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= start_step))
         self.file = open(path, "a", buffering=1)
         self.tb = None
         if tensorboard:
@@ -259,6 +261,25 @@ class Reporter:
             self.bar.close()
 
 
+def metric_rows(path: Path) -> tuple[list[dict], int]:
+    """(the records of a metrics.jsonl, how many of its non-empty lines are none): a line cut short
+    by a crash (half a record, NUL bytes) is left out, not a traceback for every later reader."""
+    rows, cut = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip("\0 \t"):
+            cut += bool(line.strip())
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            cut += 1
+            continue
+        if isinstance(row, dict) and type(row.get("step")) is int:
+            rows.append(row)
+        else:
+            cut += 1
+    return rows, cut
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
-    with open(Path(run_dir) / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return metric_rows(Path(run_dir) / "metrics.jsonl")[0]

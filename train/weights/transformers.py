@@ -113,10 +113,17 @@ def _options(values: dict) -> str:
 def last_metrics(run_dir: Path, step: int) -> dict | None:
     """The run's last metrics.jsonl line at or before the checkpoint's step."""
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()  # written by train/run/folder.py
-        rows = [r for r in (json.loads(line) for line in lines if line.strip()) if r.get("step", 0) <= step]
+        lines = (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines()  # train/run/folder.py's
     except OSError:
         return None
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:  # empty, or a line cut short by a crash
+            continue
+        if isinstance(row, dict) and type(row.get("step")) is int and row["step"] <= step:
+            rows.append(row)
     return rows[-1] if rows else None
 
 
