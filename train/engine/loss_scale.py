@@ -69,5 +69,9 @@ class DeviceLossScale:
         return {k: getattr(self, k).detach().cpu() for k in ("scale", "hysteresis_left", "good_steps", "collapsed")}
 
     def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's scale and counters; a static scale configured now keeps its value (a
+        static scale is the usual way out of fp16 trouble, and update() never moves it again)."""
         for k, v in state.items():
+            if k == "scale" and not self.cfg.dynamic:
+                continue
             getattr(self, k).copy_(v)

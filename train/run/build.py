@@ -143,11 +143,19 @@ def _dotted(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def resume_changes(saved: dict, cfg: PretrainConfig) -> dict[str, list]:
+def resume_changes(meta: dict, cfg: PretrainConfig, ds_config: dict) -> dict[str, list]:
     """Options this run sets differently from the checkpoint it resumes ({'optim.blr': [old, new]}),
-    after check_resume_compatible refused those that break a resume. An option added to the code
-    after the checkpoint was written counts as its default; `resume` itself is left out."""
+    after check_resume_compatible refused those that break a resume, and the final ds_config's
+    settings that differ from the one the checkpoint trained with ('ds_config.bf16.enabled': the
+    file's path alone says nothing of its contents; checkpoints that predate recording it: none).
+    An option added to the code after the checkpoint was written counts as its default; `resume`
+    itself is left out."""
     default = _dotted(json.loads(json.dumps(to_dict(PretrainConfig()))))
-    was = {**default, **_dotted(saved)}
+    was = {**default, **_dotted(meta["config"])}
     now = _dotted(json.loads(json.dumps(to_dict(cfg))))  # as stored: tuples become lists
-    return {key: [was.get(key), value] for key, value in now.items() if key != "resume" and was.get(key) != value}
+    changes = {key: [was.get(key), value] for key, value in now.items() if key != "resume" and was.get(key) != value}
+    if isinstance(meta.get("ds_config"), dict):
+        was, now = _dotted(meta["ds_config"], "ds_config."), _dotted(json.loads(json.dumps(ds_config)), "ds_config.")
+        changes |= {key: [was.get(key), now.get(key)] for key in sorted(set(was) | set(now))
+                    if was.get(key) != now.get(key)}
+    return changes

@@ -146,7 +146,7 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     else:  # a resume takes the checkpoint's weights: init_from is not read (its file may be gone by a requeue)
         check_init_from(cfg)  # the weights' channels and sizes against the model, from the file's shapes
     # options that do not break the resume (e.g. the lr) may change: said at start, kept in resumes.jsonl
-    changes = resume_changes(checkpoint.read_meta(resume_from)["config"], cfg) if resume_from is not None else {}
+    changes = resume_changes(checkpoint.read_meta(resume_from), cfg, ds_config) if resume_from is not None else {}
     if "optim.name" in changes:  # the optimizer state of one optimizer does not load into another
         was, now = changes["optim.name"]
         raise ConfigError(f"--resume: the checkpoint holds the optimizer state of optim.name {was}, this run has "
@@ -278,7 +278,7 @@ class Trainer:
             record_resume(self.run_dir, self.state.step, checked.resume_from, checked.resume_changes)
         self.settings = loop_settings(cfg, checked)
         self.ckpt_meta = {"zero_stage": self.engine.stage, "objective": cfg.objective,
-                          "config": to_dict(cfg), "global_batch": plan.global_batch,
+                          "config": to_dict(cfg), "ds_config": checked.ds_config, "global_batch": plan.global_batch,
                           "encoder_timm_kwargs": self.encoder.timm_kwargs(), "model_name": cfg.model.name}
         self.last_saved: Path | None = None  # the newest checkpoint tag this run wrote
         self.vis_images = self.vis_noise = None  # rank 0: the same images and masks at every figure step

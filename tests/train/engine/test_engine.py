@@ -190,6 +190,13 @@ def test_the_fp16_scale_follows_deepspeeds_dynamic_loss_scaler(monkeypatch):
     static = DeviceLossScale(LossScaleConfig(loss_scale=128.0), torch.device("cpu"))
     static.update(torch.tensor(1.0))
     assert static.scale.item() == 128.0
+    # a resume with a static scale configured keeps it: the dynamic run's 65536 stayed forever
+    static.load_state_dict(DeviceLossScale(LossScaleConfig(), torch.device("cpu")).state_dict())
+    static.update(torch.tensor(0.0))
+    assert static.scale.item() == 128.0
+    dynamic = DeviceLossScale(LossScaleConfig(), torch.device("cpu"))  # ... and a dynamic one continues from 128
+    dynamic.load_state_dict(static.state_dict())
+    assert dynamic.scale.item() == 128.0
 
 
 @pytest.mark.parametrize("stages", [(0, 2), (2, 0), (1, 1)])

@@ -79,3 +79,22 @@ def test_a_checkpoint_of_another_folder_does_not_continue_over_a_run_that_traine
     assert {p: p.read_bytes() for p in held.rglob("*") if p.is_file()} == before
     run_pretrain(tmp_path / "new", "--resume", str(source / "checkpoints" / "step00000002"), "--run.max_steps", "3")
     assert [r["step"] for r in read_metrics(tmp_path / "new")] == [3]  # a new folder: continued there
+
+
+def test_a_resume_with_the_ds_configs_contents_changed_says_so(tmp_path):
+    """The same ds_config path with other contents (clipping off, another micro-batch split): the
+    resume said nothing and the run folder's ds_config.json then described every step."""
+    edited = tmp_path / "ds.json"
+    ds = json.loads(CPU_DS.read_text())
+    edited.write_text(json.dumps(ds))
+    run = tmp_path / "run"
+    run_pretrain(run, "--run.max_steps", "2", "--run.ckpt_every", "2", ds_config=edited)
+    micro = ds["train_micro_batch_size_per_gpu"]
+    edited.write_text(json.dumps({**ds, "gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": micro // 2,
+                                  "gradient_accumulation_steps": 2}))
+    proc = run_pretrain(run, "--resume", "auto", "--run.max_steps", "3", ds_config=edited)
+    assert f'resumed with ds_config.gradient_clipping changed: {json.dumps(ds["gradient_clipping"])} -> 0.5' \
+        in proc.stderr
+    [record] = [json.loads(line) for line in (run / "resumes.jsonl").read_text().splitlines()]
+    assert record["changes"]["ds_config.train_micro_batch_size_per_gpu"] == [micro, micro // 2]
+    assert record["changes"]["ds_config.gradient_accumulation_steps"] == [1, 2]
