@@ -43,6 +43,9 @@ class ObjectiveConfig:
     (train/config/options.py); they raise ValueError with a message naming the option and the fix."""
 
     section: ClassVar[str] = ""  # the objective's name, its command-line section (set by register_objective)
+    # Trains any timm model (model.name timm/<name>: ConvNeXt, Swin), which has no patch tokens to
+    # mask or mix and no ViT head to replace; the others need this codebase's ViT.
+    takes_timm_backbones: ClassVar[bool] = False
 
     def validate(self) -> None:
         """Checks of this section's values alone."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,7 @@ CORRUPTIONS = ("grid", "blank_small", "blank_large", "sr", "denoise", "colorize"
 
 @dataclass
 class EnergyConfig(ObjectiveConfig):
+    takes_timm_backbones: ClassVar[bool] = True  # the energy reads pooled features only (paper, Table B)
     steps: int = field(default=2, metadata={"range": "[1, inf)"})  # N restoration steps
     alpha_init: float = field(default=1.0, metadata={"range": "(0, inf)"})  # initial step size (alpha = exp(log_alpha), learnable)
     corruption: str = "mixture"  # mixture | grid | blank_small | blank_large | sr | denoise | colorize

@@ -210,6 +210,12 @@ class PretrainConfig:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"model.name {self.model.name!r} is not registered{hint} Choose one of {list_models()} "
                               f"or a timm model as 'timm/<name>' (e.g. timm/convnext_atto)")
+        if is_timm_name(self.model.name) and not section(self).takes_timm_backbones:
+            takers = sorted(n for n, (c, _) in OBJECTIVES.items() if c.takes_timm_backbones)
+            raise ConfigError(f"model.name {self.model.name} is a timm backbone, which only --objective "
+                              f"{' / '.join(takers)} trains; {self.objective} needs a ViT of this codebase (one of "
+                              f"{list_models()}). A timm backbone's export loads into timm.create_model for timm's "
+                              f"own fine-tuning; train.evaluate probes it")
         check_patch_grid(self.model)
         try:
             resolve_backend(self.model.attn_backend)

@@ -108,3 +108,13 @@ def test_help_shows_each_numbers_range():
     assert "in [0, 1)" in lines["--optim.betas"] and "in (0, 1)" in lines["--mae.mask_ratio"]
     assert ">= -1" in lines["--data.num_workers"] and "in [0, 2147483647]" in lines["--seed"]
     assert "presets that set one option to different values are refused" in text
+
+
+@pytest.mark.parametrize("objective", ["mae", "mixedae", "maeplus", "mlomae", "finetune", "linprobe"])
+def test_a_timm_backbone_is_refused_for_every_objective_but_energy(objective):
+    """A ConvNeXt has no patch tokens to mask or mix and no ViT head: MAE and MixedAE ended in a
+    ZeroDivisionError, fine-tuning and the probe in AttributeErrors (the probe after writing its folder)."""
+    with pytest.raises(ConfigError, match=rf"model.name timm/convnext_atto is a timm backbone, which only --objective "
+                                          rf"energy trains; {objective} needs a ViT of this codebase"):
+        parse_args([*DS, "--objective", objective, "--model.name", "timm/convnext_atto"])
+    assert parse_args([*DS, "--objective", "energy", "--model.name", "timm/convnext_atto"]).model.name
