@@ -27,6 +27,12 @@ class FinetuneConfig(ClassifierConfig):
     cutmix: float = field(default=1.0, metadata={"range": "[0, inf)"})  # cutmix alpha (0 = off)
     smoothing: float = field(default=0.1, metadata={"range": "[0, 1)"})  # label smoothing
 
+    def check_fits(self, img_size: int, patch_size: int, depth: int, micro_batch: int) -> None:
+        if (self.mixup > 0 or self.cutmix > 0) and micro_batch % 2:  # timm's Mixup pairs each image with its mirror
+            raise ValueError(f"finetune.mixup / finetune.cutmix need an even micro-batch, the ds_config gives "
+                             f"{micro_batch}: give an even train_micro_batch_size_per_gpu, or --finetune.mixup 0 "
+                             f"--finetune.cutmix 0")
+
 
 @register_objective("finetune", FinetuneConfig)
 class FinetuneObjective(Objective):

@@ -149,3 +149,21 @@ def test_a_learned_pos_embed_is_interpolated_for_another_resolution_and_sincos_r
     want = F.interpolate(grid, size=(7, 7), mode="bicubic", align_corners=False).permute(0, 2, 3, 1).reshape(1, 49, 32)
     assert torch.allclose(ft.encoder.pos_embed[:, 1:], want, atol=1e-6)
     assert torch.equal(ft.encoder.pos_embed[:, :1], small.pos_embed[:, :1]) and ft.encoder.pos_embed.requires_grad
+
+
+def test_an_odd_micro_batch_with_mixup_is_refused_before_start():
+    """It passed every check, wrote the run folder and ended in a traceback at the first forward."""
+    from conftest import CPU_DS, DEBUG_PRESET
+
+    from train.config.errors import ConfigError
+    from train.config.options import check_objective_fits, parse_args
+
+    cfg = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--objective", "finetune",
+                      "--finetune.num_classes", "10"])
+    with pytest.raises(ConfigError, match=r"finetune.mixup / finetune.cutmix need an even micro-batch, the ds_config "
+                                          r"gives 7: give an even train_micro_batch_size_per_gpu, or --finetune.mixup "
+                                          r"0 --finetune.cutmix 0"):
+        check_objective_fits(cfg, micro_batch=7)
+    check_objective_fits(cfg, micro_batch=8)
+    cfg.finetune.mixup = cfg.finetune.cutmix = 0.0
+    check_objective_fits(cfg, micro_batch=7)
