@@ -97,9 +97,14 @@ def draft_for_crops(img: Image.Image, crops: list[Crop], size: int) -> float:
 def decode_rgb(img: Image.Image, data: bytes | None = None) -> torch.Tensor:
     """(3, H, W) uint8 pixels of a lazily opened image (decoding it). RGB / grayscale JPEGs go
     to libjpeg-turbo through torchvision (no PIL image and copy in between: ~0.3 ms less per
-    ImageNet-sized image); anything else, or a drafted image, through PIL."""
+    ImageNet-sized image); anything else, or a drafted image, through PIL. A JPEG libjpeg-turbo
+    refuses (RuntimeError: truncated, damaged scan data) goes to PIL too, as data.write_shards
+    judged it: PIL decodes it, or raises the OSError the readers count as an undecodable image."""
     if data is not None and img.format == "JPEG" and img.mode in ("RGB", "L") and decode_jpeg is not None:
-        return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        try:
+            return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        except RuntimeError:
+            pass
     return TF.pil_to_tensor(to_rgb(img))
 
 

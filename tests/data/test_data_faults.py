@@ -356,3 +356,21 @@ def test_config_ranges(key, value, message):
     cfg = PretrainConfig(ds_config="ds_configs/cpu_debug.json", data=DataConfig(source="synthetic", **{key: value}))
     with pytest.raises(ConfigError, match=message):
         cfg.validate()
+
+
+def test_a_jpeg_libjpeg_turbo_refuses_is_decoded_by_pil_or_counted_never_a_traceback(tmp_path):
+    """torchvision's decode_jpeg raises RuntimeError, which no reader caught: a JPEG cut short, or
+    one whose scan data is zeroed (PIL decodes it fully, so data.write_shards accepted it), ended
+    the run. Now PIL decodes what it can (the writer's judgement) and the rest is counted."""
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    jpeg = encoded(noise, "JPEG")
+    zeroed = jpeg[:620] + b"\0" * (len(jpeg) - 620)
+    Image.open(io.BytesIO(zeroed)).load()  # PIL's full decode passes it
+    write_tar(tmp_path / "j-0.tar", [("ok0", {"jpg": jpeg, "cls": b"0"}), ("cut", {"jpg": jpeg[:len(jpeg) // 2], "cls": b"9"}),
+                                     ("zeroed", {"jpg": zeroed, "cls": b"1"}), ("ok1", {"jpg": jpeg, "cls": b"2"})])
+    index = write_index(tmp_path, {"j-0.tar": 4})
+    loader = ShardLoader(ShardSet.from_index(index), 16, batch_size=3, seed=0, rank=0, world=1, num_workers=0,
+                         shuffle_buffer=1)
+    batch = next(loader)
+    assert sorted(batch["label"].tolist()) == [0, 1, 2] and batch["image"].shape == (3, 3, 16, 16)
+    assert loader.counters()["data_skipped_undecodable_image"] == 1
