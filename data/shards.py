@@ -483,8 +483,8 @@ class ShardStream(torch.utils.data.IterableDataset):
 
             def counted(samples: Iterator[dict]) -> Iterator[dict]:
                 nonlocal read
-                for s in samples:
-                    read += 1
+                for s in samples:  # a sample the key filter drops (the other part of a split) is none delivered
+                    read += self.keep is None or self.keep(s["__key__"])
                     yield s
 
             samples = counted(self.read_shards(ids, errors, with_data, budget))
@@ -492,7 +492,12 @@ class ShardStream(torch.utils.data.IterableDataset):
                 samples = (s for s in samples if sample_id(s) not in done.samples)
             for pos, s in enumerate(shuffled(samples, self.shuffle_buffer, rng)):
                 yield epoch, pos, s
-            if ids and not read:  # every epoch would be the same: the stream would wait forever
+            if ids and not read and self.keep is not None:  # every epoch the same: the stream would wait forever
+                raise CorruptDataError(f"data reader rank {self.rank} worker {worker}: none of the samples of its "
+                                       f"{len(ids)} shard(s) belongs to its part of the labeled split in epoch "
+                                       f"{epoch}: that part is empty, or too small for {readers} reader(s); give a "
+                                       f"larger share to it (e.g. mlomae.val_fraction), or more samples")
+            if ids and not read:
                 names = [str(self.shards.files[i]) for i in ids]
                 raise CorruptDataError(f"data reader rank {self.rank} worker {worker}: none of its {len(ids)} shard(s) "
                                        f"delivered a sample in epoch {epoch}, e.g. {names[:3]}; fix or rewrite them "

@@ -54,6 +54,21 @@ def test_parts_are_disjoint_cover_the_train_split_and_never_read_test(train_and_
     assert not (set(tr) | set(val)) & test_values
 
 
+def test_a_part_of_the_split_that_is_empty_is_said_not_waited_for(train_and_test):
+    """val_fraction 0.0001 of 120 samples: D_val is empty, and its reader read every shard each
+    epoch forever at full CPU (SIGTERM did not stop the run), its log last saying 0 D_val samples."""
+    from data.faults import CorruptDataError
+
+    shards, _, _ = train_and_test
+    split = LabeledSplit(0.0001, seed=0)
+    assert split.describe(shards, "train.json")["num_val"] == 0
+    with pytest.raises(CorruptDataError, match=r"none of the samples of its 6 shard\(s\) belongs to its part of the "
+                                               r"labeled split in epoch 0: that part is empty, or too small for 1 "
+                                               r"reader\(s\); give a larger share to it \(e.g. mlomae.val_fraction\)"):
+        one_epoch(shards, split.is_val, 1)
+    assert len(one_epoch(shards, split.keep_train, 120)) == 120  # the other part reads as before
+
+
 def test_split_is_a_function_of_the_key_only(train_and_test):
     shards, _, _ = train_and_test
     keys = sorted(shard_keys(shards))
