@@ -54,6 +54,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import webdataset as wds
 from PIL import Image, UnidentifiedImageError
 
@@ -61,6 +62,7 @@ from data.cli import Parser
 from data.fashion_mnist import CACHE, find_or_download
 from data.faults import Tally
 from data.folders import unwritable
+from data.image_modes import conversion_kind
 from data.outputs import clashing_input, written_whole
 from data.progress import mapped
 from data.image_datasets import (
@@ -82,7 +84,7 @@ TAR_MTIME = 0  # webdataset's TarWriter stamps members with time.time() unless t
 
 # the modes a PNG stores; an image of another mode (CMYK, YCbCr, LAB, HSV: colour; F and the like:
 # one band) is converted as the reader converts it (to RGB, or to one band), then stored
-PNG_MODES = {"1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"}
+PNG_MODES = {"1", "L", "LA", "I;16", "P", "RGB", "RGBA"}
 
 
 def encode_image_file(path: Path) -> tuple[bytes, str]:
@@ -100,7 +102,11 @@ def encode_image_file(path: Path) -> tuple[bytes, str]:
             return data, "jpg"
         if fmt == "PNG":
             return data, "png"
-        if img.mode not in PNG_MODES:
+        if conversion_kind(img.mode) == "16bit" and img.mode != "I;16":
+            # I;16B, I;16L, I (32-bit): the values as a 16-bit grey PNG, which the readers shift >> 8 as they
+            # would the original (convert("L") clipped every value above 255 to white)
+            img = Image.fromarray(np.clip(np.asarray(img), 0, 65535).astype("<u2"))
+        elif img.mode not in PNG_MODES:
             img = img.convert("RGB" if len(img.getbands()) >= 3 else "L")
         buf = io.BytesIO()
         img.save(buf, format="PNG")

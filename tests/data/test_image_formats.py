@@ -57,3 +57,24 @@ def test_the_format_count_survives_a_resume(tmp_path):
     assert resumed.counters()["data_converted_other_format"] == first.counters()["data_converted_other_format"] > 0
     next(resumed)
     assert resumed.counters()["data_converted_other_format"] == 5
+
+
+def test_the_writer_stores_16_bit_grey_of_any_byte_order_as_the_reader_reads_the_original(tmp_path):
+    """A big-endian 16-bit TIFF (I;16B) was stored as convert("L"), which clips every value above
+    255 to white: [0, 256, 32768, 65535] read back as [0, 255, 255, 255], not [0, 1, 128, 255]."""
+    import numpy as np
+
+    from data.image_modes import to_rgb
+    from data.write_shards import encode_image_file
+
+    values = np.array([[0, 256, 32768, 65535]] * 2, dtype=np.uint16)
+    for name, image in (("big_endian", Image.fromarray(values.astype(">u2"))),
+                        ("thirty_two_bit", Image.fromarray(values.astype(np.int32), mode="I"))):
+        path = tmp_path / f"{name}.tif"
+        image.save(path)
+        original = np.asarray(to_rgb(Image.open(path)))
+        data, ext = encode_image_file(path)
+        stored = Image.open(io.BytesIO(data))
+        assert ext == "png" and stored.mode == "I;16", name
+        assert np.asarray(to_rgb(stored)).tolist() == original.tolist(), name
+        assert original[0, :, 0].tolist() == [0, 1, 128, 255], name
