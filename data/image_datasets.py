@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import gzip
 import io
-import json
 import re
 import struct
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from data.cli import InputError, read_json, regular_file
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_CLASSES = ["t-shirt/top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag",
@@ -90,11 +91,17 @@ def list_imagefolder(src: Path, classes: list[str] | None = None,
 def read_idx(path: Path) -> np.ndarray:
     """An MNIST-style idx file (optionally gzipped) as a uint8 array."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        raw = f.read()
-    zero, dtype, ndim = struct.unpack(">HBB", raw[:4])
-    if zero != 0 or dtype != 0x08:
-        raise ShardError(f"{path} is not an idx file of unsigned bytes")
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; EOFError: a gzip stream cut short
+        raise ShardError(f"{path} cannot be read ({type(e).__name__}: {e}): give the idx file as published") from None
+    if len(raw) < 4 or raw[:3] != b"\0\0\x08":
+        raise ShardError(f"{path} is not an idx file of unsigned bytes (it holds {len(raw)} bytes)")
+    ndim = raw[3]
+    if len(raw) < 4 + 4 * ndim:
+        raise ShardError(f"{path} is truncated in its header: {ndim} dimensions need {4 + 4 * ndim} bytes, it holds "
+                         f"{len(raw)}")
     shape = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
     body = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
     if body.size != int(np.prod(shape)):
@@ -135,8 +142,12 @@ def imagenet_classes(root: Path, classes_from: Path | None) -> list[str]:
     if src.suffix == ".json":
         if not src.is_file():
             raise ShardError(f"--classes_from {src}: no such shard index")
-        classes = json.loads(src.read_text()).get("classes")
-        if not isinstance(classes, list) or not classes:
+        try:
+            index = read_json(src, "--classes_from")
+        except InputError as e:
+            raise ShardError(str(e)) from None
+        classes = index.get("classes") if isinstance(index, dict) else None
+        if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes):
             raise ShardError(f"--classes_from {src}: the index has no 'classes' list")
     else:
         classes = folder_classes(src)
@@ -162,6 +173,17 @@ def find_val_labels(root: Path) -> Path | None:
 
 def read_loc_val_solution(path: Path) -> dict[str, str]:
     """ImageId -> wnid, the first word of PredictionString ("n01751748 33 90 466 324 ...")."""
+    try:
+        regular_file(path, "the val labels", f"give Kaggle's {LOC_VAL_SOLUTION} (--val_labels)")
+        return _loc_val_rows(path)
+    except InputError as e:
+        raise ShardError(str(e)) from None
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise ShardError(f"the val labels {path} cannot be read as CSV ({type(e).__name__}: {e}): give Kaggle's "
+                         f"{LOC_VAL_SOLUTION} (--val_labels)") from None
+
+
+def _loc_val_rows(path: Path) -> dict[str, str]:
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         if not {"ImageId", "PredictionString"} <= set(reader.fieldnames or []):

@@ -227,7 +227,11 @@ def read_classes(path: Path) -> list[str]:
     if not path.is_file():
         raise IndexingError(f"--classes {path} {'is a folder' if path.is_dir() else 'does not exist'}: give a text "
                             f"file of class names, one per line (line i = label i)")
-    names = path.read_text().splitlines()
+    try:
+        names = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise IndexingError(f"--classes {path} cannot be read as text ({type(e).__name__}: {e}): give a UTF-8 text file "
+                            f"of class names, one per line") from None
     while names and not names[-1].strip():
         names.pop()
     blank = [i for i, n in enumerate(names) if not n.strip()]

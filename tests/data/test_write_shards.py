@@ -1,6 +1,7 @@
 import hashlib
 import io
 import json
+import re
 import tarfile
 from collections import Counter
 
@@ -219,3 +220,54 @@ def test_imagenet_refusals_say_what_to_do(tmp_path, capsys):
     with pytest.raises(SystemExit):
         write_shards(["imagenet", str(root), str(tmp_path / "out2"), "--split", "train"])
     assert "not WordNet ids" in (err := capsys.readouterr().err) and "imagefolder" in err
+
+
+def _bad_input(tmp_path, case: str) -> list[str]:
+    """write_shards / index_shards arguments naming one bad input file of `case`."""
+    root = fake_imagenet(tmp_path / "in", val="flat")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    if case in ("empty idx", "not gzip"):
+        name = "train-images-idx3-ubyte" + (".gz" if case == "not gzip" else "")
+        (bad / name).write_bytes(b"" if case == "empty idx" else b"not gzip data")
+        return ["fashion-mnist", str(tmp_path / "out"), "--src", str(bad)]
+    if case in ("malformed json", "json list"):
+        (bad / "i.json").write_text("{classes: [" if case == "malformed json" else '["n00000001"]')
+        return ["imagenet", str(root), str(tmp_path / "out"), "--classes_from", str(bad / "i.json")]
+    if case in ("missing csv", "folder csv", "binary csv"):
+        path = {"missing csv": bad / "none.csv", "folder csv": bad, "binary csv": bad / "b.csv"}[case]
+        (bad / "b.csv").write_bytes(b"\xff\xfe\x00binary")
+        return ["imagenet", str(root), str(tmp_path / "out"), "--split", "val", "--val_labels", str(path)]
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case, says", [
+    ("empty idx", r"train-images-idx3-ubyte is not an idx file of unsigned bytes \(it holds 0 bytes\)"),
+    ("not gzip", r"train-images-idx3-ubyte.gz cannot be read \(BadGzipFile"),
+    ("malformed json", r"--classes_from .*i.json:1:2 is not valid JSON"),
+    ("json list", r"--classes_from .*i.json: the index has no 'classes' list"),
+    ("missing csv", r"the val labels .*none.csv does not exist: give Kaggle's LOC_val_solution.csv"),
+    ("folder csv", r"the val labels .*bad is a folder"),
+    ("binary csv", r"the val labels .*b.csv cannot be read as CSV \(UnicodeDecodeError"),
+])
+def test_a_bad_input_file_is_refused_in_one_line(tmp_path, capsys, case, says):
+    """Each ended in a traceback (struct.error, BadGzipFile, JSONDecodeError, AttributeError,
+    FileNotFoundError, IsADirectoryError, UnicodeDecodeError)."""
+    with pytest.raises(SystemExit) as e:
+        write_shards(_bad_input(tmp_path, case))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert re.search(says, [line for line in err.splitlines() if line.startswith("error: ")][0])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_class_list_that_is_not_text_is_refused_in_one_line(image_folder, tmp_path, capsys):
+    from data.index_shards import main as index_shards
+
+    write_shards(["imagefolder", str(image_folder), str(tmp_path / "s")])
+    (tmp_path / "names.txt").write_bytes(b"\xff\xfe\x00binary")
+    status = index_shards([str(tmp_path / "s"), "--out", str(tmp_path / "i.json"), "--classes",
+                           str(tmp_path / "names.txt")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and "names.txt cannot be read as text (UnicodeDecodeError" in err
+    assert not (tmp_path / "i.json").exists()
