@@ -50,7 +50,7 @@ class EngineCore(abc.ABC):
         self.health = DeviceHealth(device)
         self.grad_norm = torch.zeros((), device=device)  # of the last optimizer step, unscaled
         self.one = torch.ones((), device=device)  # the gradient scale without fp16's loss scale
-        self.lr_scale = lr_scale  # the first parameter group's: the lr the loop logs
+        self.lr_scale = lr_scale  # the largest group's (under layer decay: the head's, 1): the lr the loop logs
         self.micro = 0  # micro-batches since the last optimizer step
         self.steps = 0  # optimizer steps taken (applied or skipped)
 
@@ -133,7 +133,8 @@ class EngineCore(abc.ABC):
         return self.cfg.stage
 
     def get_lr(self) -> float:
-        """The lr of the next optimizer step (the first parameter group's)."""
+        """The lr of the next optimizer step: the largest any parameter group takes (under layer-wise
+        decay the head's, the schedule's own lr; the layers below take lr_scale times it)."""
         return self.schedule.lr_at(self.schedule.last_step) * self.lr_scale
 
     def device_state(self) -> dict[str, torch.Tensor]:

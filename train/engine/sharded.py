@@ -83,7 +83,7 @@ class ShardedEngine(EngineCore):
         self.params = [params[n] for n in self.names]
         optimizer = make_optimizer([{**{k: v for k, v in spec.items() if k != "params"}, "params": [params[n] for n in g]}
                                     for spec, g in zip(groups, group_names)])
-        self._setup_step(optimizer, make_schedule, cfg, device, groups[0].get("lr_scale", 1.0))
+        self._setup_step(optimizer, make_schedule, cfg, device, max(g.get("lr_scale", 1.0) for g in groups))
 
     def __call__(self, batch):
         return self.module(batch)

@@ -100,6 +100,17 @@ def master_weights(engine: ReplicatedEngine) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in engine.master_weights().items()}
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_logged_lr_is_the_largest_any_group_takes(stage):
+    """Under layer-wise decay the first group is layer 0's: the logged lr was decay^(depth + 1) times
+    the schedule's (0.65^13 = 0.0037 at ViT-B), while the head trains at the schedule's own."""
+    torch.manual_seed(0)
+    engine = engine_steps(Tiny(), batches(3), 1, 0.0, "fp32", stage)
+    assert [g.get("lr_scale", 1.0) for g in engine.optimizer.param_groups] == [0.5, 1.0]
+    want = engine.schedule.lr_at(engine.schedule.last_step)  # the schedule's own (scale 1: the second group's)
+    assert engine.get_lr() == pytest.approx(want, rel=1e-12) and want > 0
+
+
 @pytest.mark.parametrize("precision,accum,clip", [("fp32", 1, 0.0), ("fp32", 3, 0.5), ("bf16", 2, 0.0),
                                                   ("bf16", 1, 0.3), ("fp16", 2, 0.0)])
 def test_steps_equal_a_textbook_adamw_loop(precision, accum, clip):
