@@ -365,8 +365,10 @@ def load_into_objective(objective: torch.nn.Module, path: str | Path,
     except RuntimeError as e:  # shape mismatches
         raise ValueError(f"{path} does not fit the configured encoder: {e}") from None
     if unexpected or set(missing) - fresh:
+        hint = ("; it pools by the mean (fc_norm, no final norm, as fine-tuning leaves it): give --model.global_pool "
+                "avg" if "fc_norm.weight" in unexpected and encoder.global_pool == "token" else "")
         raise ValueError(f"{path} does not fit the configured encoder: missing {sorted(set(missing) - fresh)}, "
-                         f"unexpected {sorted(unexpected)}")
+                         f"unexpected {sorted(unexpected)}{hint}")
     if head:
         encoder.head.load_state_dict({k.removeprefix("head."): v for k, v in head.items()})
         missing = [k for k in missing if not k.startswith("head.")]

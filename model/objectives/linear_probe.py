@@ -39,10 +39,12 @@ class LinearProbeObjective(Objective):
         return self
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) -> (B, D) in the head's dtype (the engine's compute dtype: fp32 or fp16)."""
+        """(B, C, H, W) -> (B, D) in the head's dtype (the engine's compute dtype: fp32 or fp16): the
+        cls token or the patch mean after the final norm; an avg-pooled encoder (model.global_pool
+        avg: no final norm) normalises the mean with its fc_norm, as the official --global_pool probe."""
         with torch.no_grad():
-            tokens = self.encoder.forward_features(images)  # (B, 1+N, D)
-        return (tokens[:, 0] if self.cfg.pool == "cls" else tokens[:, 1:].mean(1)).to(self.head[1].weight.dtype)
+            pooled = self.encoder.pooled_features(images, "avg" if self.cfg.pool == "avg" else "cls")  # (B, D)
+        return pooled.to(self.head[1].weight.dtype)
 
     def predict(self, images: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> logits (B, num_classes)."""

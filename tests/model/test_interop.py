@@ -133,3 +133,20 @@ def test_timm_backbone_starts_from_its_own_weights_or_timms(tmp_path):
 
     with pytest.raises(ValueError, match="does not fit timm model 'vit_tiny_patch16_224'.*same timm model"):
         load_into_objective(_energy_on("vit_tiny_patch16_224", seed=0), export)
+
+
+def test_a_mean_pooled_encoder_given_to_a_cls_model_is_told_the_option(tmp_path):
+    from model.interop import load_into_objective
+    from model.objectives.linear_probe import LinearProbeConfig
+
+    finetuned = create_model("vit_debug_patch4", global_pool="avg", num_classes=0)
+    with torch.no_grad():
+        finetuned.fc_norm.weight.uniform_(0.5, 2.0)  # as fine-tuning leaves it: not the fresh init
+    save_file({k: v.contiguous() for k, v in finetuned.state_dict().items()}, str(tmp_path / "ft.safetensors"))
+    probe = build_objective("linprobe", create_model("vit_debug_patch4"), LinearProbeConfig(num_classes=3))
+    with pytest.raises(ValueError, match=r"unexpected \['fc_norm.bias', 'fc_norm.weight'\]; it pools by the mean "
+                                         r".*give --model.global_pool avg"):
+        load_into_objective(probe, tmp_path / "ft.safetensors")
+    avg = build_objective("linprobe", create_model("vit_debug_patch4", global_pool="avg"), LinearProbeConfig(num_classes=3))
+    load_into_objective(avg, tmp_path / "ft.safetensors")
+    assert torch.equal(avg.encoder.fc_norm.weight, finetuned.fc_norm.weight)

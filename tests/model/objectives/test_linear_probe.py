@@ -61,3 +61,18 @@ def test_the_probe_trains_in_fp16_through_the_engine_as_in_fp32():
         losses[precision] = engine({"image": images.to(dtype), "label": labels})["loss"].float()
         assert probe.head[1].weight.dtype == probe.head[0].running_mean.dtype == dtype
     assert torch.isfinite(losses["fp16"]) and torch.allclose(losses["fp16"], losses["fp32"], rtol=2e-2)
+
+
+def test_an_avg_pooled_encoder_is_probed_through_its_fc_norm():
+    """model.global_pool avg (a fine-tuned encoder, or the official --global_pool probe) has no final
+    norm: the probe read the raw patch mean, not the fc_norm'd one its classifier sees."""
+    torch.manual_seed(0)
+    encoder = create_model("vit_debug_patch4", global_pool="avg")
+    with torch.no_grad():
+        encoder.fc_norm.weight.uniform_(0.5, 2.0)
+        encoder.fc_norm.bias.normal_()
+    probe = build_objective("linprobe", encoder, LinearProbeConfig(num_classes=5, pool="avg"))
+    x = torch.randn(2, 3, 28, 28)
+    tokens = encoder.forward_features(x)
+    assert torch.allclose(probe.features(x), encoder.fc_norm(tokens[:, 1:].mean(1)), atol=1e-6)
+    assert not torch.allclose(probe.features(x), tokens[:, 1:].mean(1), atol=1e-3)
