@@ -62,7 +62,7 @@ def test_alpha_is_log_parameterised_and_gets_a_gradient():
 
 
 def test_one_step_by_hand():
-    """N = 1 with a linear backbone: E(x) = w . x, so x1 = x0 - alpha w, checked against the objective."""
+    """N = 1: x1 = x0 - alpha dE/dx0 (the gradient of the summed energy), checked against the objective."""
     obj = vit_objective(steps=1, corruption="denoise")
     torch.manual_seed(3)
     x = batch(b=2)["image"]
@@ -71,6 +71,27 @@ def test_one_step_by_hand():
     probe = corrupted.clone().requires_grad_()
     (g,) = torch.autograd.grad(obj.energy(probe).sum(), probe)
     torch.testing.assert_close(x1, corrupted - obj.log_alpha.exp() * g)
+
+
+def test_the_loss_is_the_mean_over_steps_of_smooth_l1_to_the_original():
+    """Algorithm 1 by a plain loop: each step starts from the previous one without its gradient,
+    x_n = sg(x_{n-1}) - alpha dE/dx, and the loss is the mean over the N steps of SmoothL1 (beta 1)
+    to the clean image; inputs scaled so that |x_n - x| > 1 occurs (beta matters)."""
+    obj = vit_objective(steps=2, corruption="denoise").double()
+    x = 3 * batch(b=2)["image"].double()
+    torch.manual_seed(1)
+    out = obj({"image": x})
+    torch.manual_seed(1)
+    corrupted, _ = obj.corrupt(x)
+    step, losses, alpha = corrupted, [], obj.log_alpha.exp()
+    for _ in range(2):
+        step = step.detach().requires_grad_()
+        (g,) = torch.autograd.grad(obj.energy(step).sum(), step)
+        step = step - alpha * g
+        d = (step - x).abs()
+        assert (d > 1).any()
+        losses.append(torch.where(d < 1, 0.5 * d ** 2, d - 0.5).mean())
+    torch.testing.assert_close(out["loss"].double(), torch.stack(losses).mean(), rtol=1e-6, atol=0)  # an fp32 loss
 
 
 def test_restoration_beats_the_corruption_after_training():

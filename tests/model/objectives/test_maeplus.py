@@ -181,3 +181,21 @@ def test_ape_replace_mode_puts_the_adversary_where_add_mode_puts_mask_token_plus
     torch.testing.assert_close(add[masked], (objs["add"].mask_token[0] + a + pos.expand(2, -1, -1))[masked])
     assert torch.equal(add[~masked], rep[~masked])
     assert not objs["replace"].mask_token.requires_grad and objs["add"].mask_token.requires_grad
+
+
+def test_ape_coord_places_masked_tokens_at_their_shifted_grid_positions():
+    """The sin-cos embedding at a coordinate shifted by a whole patch is the fixed table's entry of
+    the neighbouring patch: a zero shift gives the table itself, (1, 0) the next row's entries and
+    (0, 1) the next column's. (The test above saw only that masked positions change, which
+    transposed or doubled coordinates pass too.)"""
+    obj = _objective(adversary="ape_coord")
+    masked = torch.ones(1, 49, dtype=torch.bool)
+    table = obj.encoder.pos_embed[0, 1:].double().reshape(7, 7, -1)  # (row, col, D)
+    for shift, rows, cols in (((0.0, 0.0), slice(0, 7), slice(0, 7)), ((1.0, 0.0), slice(1, 7), slice(0, 7)),
+                              ((0.0, 1.0), slice(0, 7), slice(1, 7)), ((-2.0, 3.0), slice(0, 5), slice(3, 7))):
+        obj.adversaries.tensors["ape"] = torch.tensor(shift)
+        pos = obj.positions(masked, torch.float64)[0].reshape(7, 7, -1)
+        shifted = table[rows, cols]  # where each token lands, for the tokens whose target is on the grid
+        source = pos[slice(rows.start - int(shift[0]), rows.stop - int(shift[0])),
+                     slice(cols.start - int(shift[1]), cols.stop - int(shift[1]))]
+        torch.testing.assert_close(source, shifted, atol=1e-6, rtol=0)

@@ -68,6 +68,25 @@ def test_without_mixing_contrasts_the_images_of_each_group_of_g():
     assert abs(whole.item() - out["loss_homocon"].item()) > 1e-3  # the whole micro-batch: other negatives
 
 
+@pytest.mark.parametrize("mixing", ["compose", "full"])
+def test_homocon_of_mixed_images_is_the_reference_loss_over_the_micro_batch(mixing):
+    """Positives: tokens of the same source in the same mixed image; negatives: every other token of
+    the micro-batch (METHODS.md). A label that forgot the mixed image (segment alone) made tokens
+    of different mixed images positives and passed every other test."""
+    obj = _objective(mixing=mixing)
+    captured = []
+    obj.projector.register_forward_hook(lambda module, args, out: captured.append(out))
+    images = torch.randn(8, 1, 32, 32, dtype=torch.float64, generator=_gen(1))
+    mixing_draw = obj.draw_mixing(8, torch.device("cpu"), _gen(2))
+    out = obj.forward_mixed(images, mixing_draw)
+    z = captured[0]  # (mixed images, N, proj_dim)
+    labels = torch.stack([m * obj.g + mixing_draw.segment[m] for m in range(len(z))])  # (mixed images, N)
+    want = homologous_contrastive_loss(z.flatten(0, 1), labels.flatten(), obj.cfg.temperature)
+    assert out["loss_homocon"].item() == pytest.approx(want.item(), rel=1e-12)
+    segment_only = homologous_contrastive_loss(z.flatten(0, 1), mixing_draw.segment.flatten(), obj.cfg.temperature)
+    assert abs(segment_only.item() - want.item()) > 1e-4
+
+
 def test_masked_self_attention_never_lets_information_cross_images():
     obj = _objective(attention="masked").eval()
     images = torch.randn(4, 1, 32, 32, dtype=torch.float64, generator=_gen(1))
