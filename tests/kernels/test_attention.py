@@ -54,8 +54,15 @@ def test_gpu_backends_match_reference(backend, dtype):
     if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         pytest.skip("no bf16 on this GPU")
     q, k, v = _qkv(dtype=dtype, B=2, H=4, N=197, d=64, device="cuda")
-    ref = math_attention(q, k, v).float()
-    assert torch.allclose(attention(q, k, v, backend=backend).float(), ref, atol=2e-2)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = math_attention(q32, k32, v32)
+    out = attention(q, k, v, backend=backend)
+    assert torch.allclose(out.float(), ref, atol=2e-2)
+    grad_out = torch.randn_like(out)  # the backward too: the training step runs it
+    got = torch.autograd.grad(out, (q, k, v), grad_out)
+    want = torch.autograd.grad(ref, (q32, k32, v32), grad_out.float())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b, atol=5e-2, rtol=5e-2)
 
 
 def test_score_bias_sdpa_matches_reference_and_reaches_the_bias_gradient():
