@@ -475,15 +475,19 @@ class ShardStream(torch.utils.data.IterableDataset):
         """(epoch, position in epoch, raw sample) for one worker, forever, from start_epoch."""
         reader, readers = self.rank * self.num_workers + worker, self.world * self.num_workers
         epoch = self.start.start_epoch
+        # shards read whole with no sample the key filter keeps, while none ever had one: when they are
+        # all of the index's, that part of the split is empty and every later epoch would be the same
+        barren: set[int] | None = set() if self.keep is not None else None
         while True:
             done = self.start.consumed.get(epoch, Consumed())
             ids = [i for i in shards_for(len(self.shards.files), epoch, self.seed, reader, readers) if i not in done.shards]
             rng = random.Random(derive_seed(self.seed, epoch, self.rank, worker))
-            read = 0
+            read = raw_read = 0
 
             def counted(samples: Iterator[dict]) -> Iterator[dict]:
-                nonlocal read
-                for s in samples:  # a sample the key filter drops (the other part of a split) is none delivered
+                nonlocal read, raw_read
+                for s in samples:  # read: those the key filter keeps (this reader's part of a split)
+                    raw_read += 1
                     read += self.keep is None or self.keep(s["__key__"])
                     yield s
 
@@ -492,12 +496,16 @@ class ShardStream(torch.utils.data.IterableDataset):
                 samples = (s for s in samples if sample_id(s) not in done.samples)
             for pos, s in enumerate(shuffled(samples, self.shuffle_buffer, rng)):
                 yield epoch, pos, s
-            if ids and not read and self.keep is not None:  # every epoch the same: the stream would wait forever
-                raise CorruptDataError(f"data reader rank {self.rank} worker {worker}: none of the samples of its "
-                                       f"{len(ids)} shard(s) belongs to its part of the labeled split in epoch "
-                                       f"{epoch}: that part is empty, or too small for {readers} reader(s); give a "
-                                       f"larger share to it (e.g. mlomae.val_fraction), or more samples")
-            if ids and not read:
+            if barren is not None and read:
+                barren = None  # its part has samples: an epoch of shards without any is only an idle one
+            elif barren is not None and ids and raw_read:
+                barren.update(ids)
+                if len(barren) == len(self.shards.files):  # the stream would wait forever
+                    raise CorruptDataError(f"data reader rank {self.rank} worker {worker}: none of the samples of "
+                                           f"the {len(barren)} shard(s) belongs to its part of the labeled split: "
+                                           f"that part is empty; give it a larger share (e.g. mlomae.val_fraction), "
+                                           f"or more samples")
+            if ids and not raw_read:
                 names = [str(self.shards.files[i]) for i in ids]
                 raise CorruptDataError(f"data reader rank {self.rank} worker {worker}: none of its {len(ids)} shard(s) "
                                        f"delivered a sample in epoch {epoch}, e.g. {names[:3]}; fix or rewrite them "

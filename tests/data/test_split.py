@@ -62,11 +62,15 @@ def test_a_part_of_the_split_that_is_empty_is_said_not_waited_for(train_and_test
     shards, _, _ = train_and_test
     split = LabeledSplit(0.0001, seed=0)
     assert split.describe(shards, "train.json")["num_val"] == 0
-    with pytest.raises(CorruptDataError, match=r"none of the samples of its 6 shard\(s\) belongs to its part of the "
-                                               r"labeled split in epoch 0: that part is empty, or too small for 1 "
-                                               r"reader\(s\); give a larger share to it \(e.g. mlomae.val_fraction\)"):
+    with pytest.raises(CorruptDataError, match=r"none of the samples of the 6 shard\(s\) belongs to its part of the "
+                                               r"labeled split: that part is empty; give it a larger share \(e.g. "
+                                               r"mlomae.val_fraction\)"):
         one_epoch(shards, split.is_val, 1)
     assert len(one_epoch(shards, split.keep_train, 120)) == 120  # the other part reads as before
+    # a part with samples in one shard only: readers whose shards hold none this epoch wait for a later one
+    lone = next(k for k in shard_keys(shards) if LabeledSplit(0.2, seed=0).is_val(k))
+    for workers in (0, 2):
+        assert one_epoch(shards, lambda key: key == lone, 3, workers) == [one_epoch(shards, lambda key: key == lone, 1)[0]] * 3
 
 
 def test_split_is_a_function_of_the_key_only(train_and_test):

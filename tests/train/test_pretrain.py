@@ -145,7 +145,7 @@ def test_resume_accepts_options_added_since_the_checkpoint_at_their_defaults():
     del saved["model"]["rpe"]
     check_resume_compatible({"world_size": 1, "config": saved}, cfg, plan)
     cfg.model.rpe = True
-    with pytest.raises(ConfigError, match="trained with model="):
+    with pytest.raises(ConfigError, match="trained with model.rpe False, this run has True"):
         check_resume_compatible({"world_size": 1, "config": saved}, cfg, plan)
 
 

@@ -133,6 +133,8 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     check_floor(cfg, ds_config, plan)  # tensors this machine cannot hold at all, before anything is built
     check_same_objective(cfg)  # before the objective's own checks, which would blame its options
     check_objective_fits(cfg, plan.micro, plan.accum, zero_stage(ds_config))
+    if not cfg.resume:  # a resume takes the checkpoint's weights: init_from is not read (its file may be gone)
+        check_init_from(cfg)  # the weights' channels and sizes against the model, from the file's shapes
     try:
         check_source(cfg.data, plan.world, cfg.model.in_chans)
         verify_before_start(cfg.data)  # data.verify_shards: every shard's headers, before the run folder
@@ -143,8 +145,8 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     resume_from = checkpoint.find_resume(cfg.resume, run_dir)  # every file of the tag checked, nothing executed
     if resume_from is not None:
         check_resume(resume_from, cfg, plan)
-    else:  # a resume takes the checkpoint's weights: init_from is not read (its file may be gone by a requeue)
-        check_init_from(cfg)  # the weights' channels and sizes against the model, from the file's shapes
+    elif cfg.resume:  # --resume auto found nothing to continue: a fresh start reads init_from
+        check_init_from(cfg)
     # options that do not break the resume (e.g. the lr) may change: said at start, kept in resumes.jsonl
     changes = resume_changes(checkpoint.read_meta(resume_from), cfg, ds_config) if resume_from is not None else {}
     if "optim.name" in changes:  # the optimizer state of one optimizer does not load into another
