@@ -94,3 +94,23 @@ def test_a_compiled_block_computes_what_the_eager_block_does():
     compiled.sum().backward()
     assert torch.allclose(compiled, eager, atol=1e-5)
     assert torch.allclose(x.grad, grads[0], atol=1e-5) and torch.allclose(block.mlp.fc1.weight.grad, grads[1], atol=1e-5)
+
+
+def test_the_record_times_the_whole_window_of_timed_steps(tmp_path):
+    """The timed call logged at every multiple of --steps: with --warmup 2 --steps 3 at steps 3 and 5,
+    so the record held the last 2 steps' time (and a host sync fell among the timed steps)."""
+    code = (
+        "import json, sys\nimport train.bench as bench\nlogged = []\nreal = bench.run\n"
+        "def run(engine, data, settings, state, device, dtype, on_log, *a, **k):\n"
+        "    start = state.step\n"
+        "    out = real(engine, data, settings, state, device, dtype,\n"
+        "               lambda step, m: (logged.append([start, step]), on_log(step, m)), *a, **k)\n"
+        "    return out\n"
+        "bench.run = run\nbench.main(json.loads(sys.argv[1]))\nprint(json.dumps(logged))\n")
+    argv = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--steps", "3", "--warmup", "2",
+            "--out_dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[0, 2], [2, 5]]  # one window per call, all its steps
