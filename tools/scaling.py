@@ -150,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     a, rest = p.parse_known_args(argv)
     if min(a.world_size) < 1 or a.gpus_per_node < 1 or not 0 < a.mfu <= 1:
         p.error("--world_size and --gpus_per_node must be >= 1, --mfu in (0, 1]")
+    if a.intra_gbytes_s <= 0 or a.inter_gbits_s <= 0 or a.intra_latency_us < 0 or a.inter_latency_us < 0:
+        p.error("--intra_gbytes_s and --inter_gbits_s must be > 0, the latencies >= 0")
+    for name in [a.gpu] if a.gpu else []:
+        try:
+            gpu_named(name)
+        except ValueError as e:
+            p.error(str(e))
     network = Network(a.gpus_per_node, a.intra_gbytes_s, a.inter_gbits_s, a.intra_latency_us, a.inter_latency_us)
     rows, text, peaks = [], [], {}
     for path in a.ds_config:

@@ -174,7 +174,10 @@ def main(argv: list[str] | None = None) -> Path:
         ds_config["activation_checkpointing"] = {}
     elif opts["activation_checkpointing"] == "off":
         ds_config.pop("activation_checkpointing", None)
-    gpu = gpu_named(opts["gpu"]) if opts["gpu"] else current_gpu()
+    try:
+        gpu = gpu_named(opts["gpu"]) if opts["gpu"] else current_gpu()
+    except ValueError as e:  # an unknown --gpu: the known ones named
+        raise ConfigError(f"--gpu: {e}") from None
     _, prof = profile_config(cfg, ds_config, plan.micro, fused_kernels=bool(gpu and gpu.sm80))  # FLOPs of a micro-batch
     if not torch.cuda.is_available():  # before anything is built: how long, or refused when sized for a GPU
         check_cpu_time(prof.train_flops * plan.accum * (opts["warmup"] + opts["steps"]),
