@@ -96,8 +96,11 @@ class MixedAEConfig(ObjectiveConfig):
         if self.mixing == "none":
             return
         if self.cell_size % patch_size or img_size % self.cell_size:
+            # the sizes that fit (multiples of the patch dividing the image into at least g cells), nearest 2 patches
+            fits = [c for c in range(patch_size, img_size + 1, patch_size) if not img_size % c and (img_size // c) ** 2 >= g]
+            hint = f"e.g. {min(fits, key=lambda c: abs(c - 2 * patch_size))}" if fits else f"no size fits an image of {img_size} px: give another model.img_size"
             raise ValueError(f"mixedae.cell_size {self.cell_size} px must be a multiple of the patch size {patch_size} "
-                             f"and divide the image size {img_size} (e.g. {2 * patch_size})")
+                             f"and divide the image size {img_size} ({hint})")
         cells = (img_size // self.cell_size) ** 2
         if cells < g or (self.exact_counts and cells % g):
             raise ValueError(f"{cells} mixing cells of {self.cell_size} px do not split into g = {g} equal shares: "

@@ -237,6 +237,16 @@ def test_bad_configs_are_rejected_with_the_fix(kw, match):
         _objective(**kw)
 
 
+def test_a_cell_size_that_does_not_divide_the_image_is_told_one_that_does():
+    """At 28 px (patch 4) the hint said "e.g. 8", the very size it refused."""
+    cfg = MixedAEConfig(cell_size=8)
+    with pytest.raises(ValueError, match=r"divide the image size 28 \(e.g. 4\)"):
+        cfg.check_fits(28, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"divide the image size 224 \(e.g. 32\)"):
+        MixedAEConfig(cell_size=48).check_fits(224, 16, 12, 8)
+    MixedAEConfig(cell_size=4).check_fits(28, 4, 2, 8)
+
+
 def test_micro_batch_must_be_a_multiple_of_the_group_size():
     with pytest.raises(ValueError, match="multiple of 4"):
         MixedAEConfig().check_fits(224, 16, 12, micro_batch=6)
