@@ -230,8 +230,8 @@ def read_classes(path: Path) -> list[str]:
     try:
         names = path.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise IndexingError(f"--classes {path} cannot be read as text ({type(e).__name__}: {e}): give a UTF-8 text file "
-                            f"of class names, one per line") from None
+        raise IndexingError(f"--classes {path} cannot be read as text ({type(e).__name__}: {e}): give a UTF-8 text "
+                            f"file of class names, one per line") from None
     while names and not names[-1].strip():
         names.pop()
     blank = [i for i, n in enumerate(names) if not n.strip()]

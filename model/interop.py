@@ -194,7 +194,8 @@ def _torch_state(path: Path, mmap: bool) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get("model", state), dict):
         held = state.get("model") if isinstance(state, dict) else state
         raise WeightsFileError(f"{path} holds a {type(held).__name__}, not a state_dict (tensors by name)")
-    if odd := [k for k in state.get("model", state) if not isinstance(k, str)]:  # e.g. {0: tensor}: a list saved as a dict
+    # e.g. {0: tensor}: a list of tensors saved as a dict
+    if odd := [k for k in state.get("model", state) if not isinstance(k, str)]:
         raise WeightsFileError(f"{path} names a tensor by the {type(odd[0]).__name__} {odd[0]!r}, not by a parameter "
                                f"name: give a state_dict (tensors by name)")
     return state
@@ -396,7 +397,7 @@ def _load_timm_backbone(encoder: TimmBackbone, path: str | Path, state: dict[str
     try:
         encoder.load_state_dict(state, strict=True)
     except RuntimeError as e:  # missing / unexpected names, or shapes
-        first = str(e).strip().splitlines()
-        raise ValueError(f"{path} does not fit timm model {encoder.name!r}: {' '.join(line.strip() for line in first[:3])}"
-                         f" (init_from takes weights of the same timm model, at the same img_size and in_chans)") from None
+        said = " ".join(line.strip() for line in str(e).strip().splitlines()[:3])
+        raise ValueError(f"{path} does not fit timm model {encoder.name!r}: {said} (init_from takes weights of the "
+                         f"same timm model, at the same img_size and in_chans)") from None
     return f"initialised timm {encoder.name} from {path}"

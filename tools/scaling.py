@@ -152,10 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--world_size and --gpus_per_node must be >= 1, --mfu in (0, 1]")
     if a.intra_gbytes_s <= 0 or a.inter_gbits_s <= 0 or a.intra_latency_us < 0 or a.inter_latency_us < 0:
         p.error("--intra_gbytes_s and --inter_gbits_s must be > 0, the latencies >= 0")
-    for name in [a.gpu] if a.gpu else []:
+    if a.gpu:
         try:
-            gpu_named(name)
-        except ValueError as e:
+            gpu_named(a.gpu)
+        except ValueError as e:  # an unknown --gpu: the known ones named
             p.error(str(e))
     network = Network(a.gpus_per_node, a.intra_gbytes_s, a.inter_gbits_s, a.intra_latency_us, a.inter_latency_us)
     rows, text, peaks = [], [], {}

@@ -7,8 +7,8 @@ in place, so that it resumes and exports as any other tag.
 One process, on the CPU; the converted tag holds the same weights, optimizer moments, step
 counts, schedule, counters and client state bit for bit. The new files are written under
 temporary names and renamed once all are complete (the weights last), complete.json is rewritten
-to list them with their sizes and crc32s, and only then are the old ones removed: a conversion stopped at any point leaves a
-tag that resumes, or one the same command converts again.
+to list them with their sizes and crc32s, and only then are the old ones removed: a conversion
+stopped at any point leaves a tag that resumes, or one the same command converts again.
 """
 from __future__ import annotations
 

@@ -97,8 +97,10 @@ class MixedAEConfig(ObjectiveConfig):
             return
         if self.cell_size % patch_size or img_size % self.cell_size:
             # the sizes that fit (multiples of the patch dividing the image into at least g cells), nearest 2 patches
-            fits = [c for c in range(patch_size, img_size + 1, patch_size) if not img_size % c and (img_size // c) ** 2 >= g]
-            hint = f"e.g. {min(fits, key=lambda c: abs(c - 2 * patch_size))}" if fits else f"no size fits an image of {img_size} px: give another model.img_size"
+            fits = [c for c in range(patch_size, img_size + 1, patch_size)
+                    if not img_size % c and (img_size // c) ** 2 >= g]
+            hint = (f"e.g. {min(fits, key=lambda c: abs(c - 2 * patch_size))}" if fits
+                    else f"no size fits an image of {img_size} px: give another model.img_size")
             raise ValueError(f"mixedae.cell_size {self.cell_size} px must be a multiple of the patch size {patch_size} "
                              f"and divide the image size {img_size} ({hint})")
         cells = (img_size // self.cell_size) ** 2

@@ -366,7 +366,8 @@ def test_a_jpeg_libjpeg_turbo_refuses_is_decoded_by_pil_or_counted_never_a_trace
     jpeg = encoded(noise, "JPEG")
     zeroed = jpeg[:620] + b"\0" * (len(jpeg) - 620)
     Image.open(io.BytesIO(zeroed)).load()  # PIL's full decode passes it
-    write_tar(tmp_path / "j-0.tar", [("ok0", {"jpg": jpeg, "cls": b"0"}), ("cut", {"jpg": jpeg[:len(jpeg) // 2], "cls": b"9"}),
+    cut = jpeg[:len(jpeg) // 2]
+    write_tar(tmp_path / "j-0.tar", [("ok0", {"jpg": jpeg, "cls": b"0"}), ("cut", {"jpg": cut, "cls": b"9"}),
                                      ("zeroed", {"jpg": zeroed, "cls": b"1"}), ("ok1", {"jpg": jpeg, "cls": b"2"})])
     index = write_index(tmp_path, {"j-0.tar": 4})
     loader = ShardLoader(ShardSet.from_index(index), 16, batch_size=3, seed=0, rank=0, world=1, num_workers=0,

@@ -69,8 +69,9 @@ def test_a_part_of_the_split_that_is_empty_is_said_not_waited_for(train_and_test
     assert len(one_epoch(shards, split.keep_train, 120)) == 120  # the other part reads as before
     # a part with samples in one shard only: readers whose shards hold none this epoch wait for a later one
     lone = next(k for k in shard_keys(shards) if LabeledSplit(0.2, seed=0).is_val(k))
+    only = one_epoch(shards, lambda key: key == lone, 1)[0]
     for workers in (0, 2):
-        assert one_epoch(shards, lambda key: key == lone, 3, workers) == [one_epoch(shards, lambda key: key == lone, 1)[0]] * 3
+        assert one_epoch(shards, lambda key: key == lone, 3, workers) == [only] * 3
 
 
 def test_split_is_a_function_of_the_key_only(train_and_test):

@@ -85,7 +85,8 @@ class ReplicatedEngine(EngineCore):
             opt_groups.append({**{k: v for k, v in spec.items() if k != "params"},
                                "params": self.masters[start:start + n]})
             start += n
-        self._setup_step(make_optimizer(opt_groups), make_schedule, cfg, device, max(g.get("lr_scale", 1.0) for g in groups))
+        top_scale = max(g.get("lr_scale", 1.0) for g in groups)  # the lr the loop logs
+        self._setup_step(make_optimizer(opt_groups), make_schedule, cfg, device, top_scale)
 
     def __call__(self, batch):
         return (self.ddp or self.module)(batch)
