@@ -218,7 +218,7 @@ def _fused_or_warn(q: torch.Tensor) -> bool:
 
 def describe_paths(backend: str, device: torch.device, dtype: torch.dtype, tokens: int, head_dim: int,
                    capability: tuple[int, int] | None = None) -> dict[str, str]:
-    """Which implementation dense, segment-masked and TopK attention calls get on this setup
+    """Which implementation dense, segment-masked, TopK and biased (relative positions) attention calls get on this setup
     (`capability`: a GPU's compute capability to decide for, without one at hand)."""
     dense = {"sdpa": "torch SDPA (the measured kernel where kernels/attention_choices.json lists the shape, "
                      "else PyTorch's pick)", "math": "math reference",
@@ -231,4 +231,5 @@ def describe_paths(backend: str, device: torch.device, dtype: torch.dtype, token
     if masked:
         topk = ("triton threshold kernel + SDPA under the kept set as a mask (measured faster for "
                 f"{', '.join(f'{h} heads' for h in masked)}), else the triton fused kernel")
-    return {"dense": dense, "segment": segment, "topk": topk}
+    biased = "math reference" if backend == "math" else "torch SDPA with the bias as a float mask (PyTorch's pick)"
+    return {"dense": dense, "segment": segment, "topk": topk, "biased": biased}

@@ -133,6 +133,13 @@ class Objective(nn.Module, metaclass=ABCMeta):
         token)."""
         return set()
 
+    def outside_parameters(self) -> list[torch.Tensor]:
+        """Parameters this objective trains with its own optimizers, outside its modules (MLO-MAE's
+        masking network and level-II head): fp32, whole on every rank, each with a gradient and
+        AdamW's two moments. The engine neither casts, shards nor optimises them; the memory
+        estimate counts them (train/estimate/memory.py). Empty: none."""
+        return []
+
     def after_optimizer_step(self, lr: float, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """After every optimizer step: update state the optimizer does not own (AdPE's adversary
         ascent, MLO-MAE's levels II-III). `lr` is this step's encoder lr, `batches` the step's

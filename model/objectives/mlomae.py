@@ -227,6 +227,9 @@ class MLOMAEObjective(MAEObjective):
         self._val: tuple[torch.Tensor, torch.Tensor] | None = None  # the cycle's D_val batch, until level III uses it
 
     # --- the generic hooks the loop and checkpoints use --------------------------------------
+    def outside_parameters(self) -> list[torch.Tensor]:
+        return [*self.aux.mask_net.parameters(), *self.aux.head.parameters()]
+
     def get_extra_state(self) -> dict:
         return {"aux": self.aux.state_dict(), "level1_done": self.level1_done, "cycles_done": self.cycles_done}
 

@@ -178,6 +178,27 @@ def test_the_dry_run_states_each_shapes_kernel(tmp_path, monkeypatch):
                     "16x197x32 PyTorch's pick (not measured)")
 
 
+@pytest.mark.parametrize("preset, gpu, said", [
+    ("energy/vit_b.json", "h100", "12x197x64 math reference"),  # twice differentiable: never a table kernel
+    ("mixedae/vit_b.json", "h100", "12x197x64 topk: triton fused kernel"),
+    ("mixedae/vit_b.json", "v100", "12x197x64 topk: PyTorch reference composition (compute capability sm_70 < sm_80"),
+])
+def test_the_dry_run_states_the_path_of_calls_the_table_does_not_decide(tmp_path, monkeypatch, preset, gpu, said):
+    """The table's entry for a shape applies to dense SDPA calls only: the math backend, restricted
+    (TopK, segment) and biased calls are said with their own path, as the run takes it."""
+    from train.config.options import parse_args
+    from train.estimate.dry_run import check
+    from train.estimate.gpus import gpu_named
+
+    monkeypatch.setattr(attention_choice, "TABLE", table(  # the encoder's shape measured: not what these calls run
+        tmp_path, entry(capability="9.0", dtype="bf16", heads=12, tokens=197, head_dim=64, kernel="cudnn"),
+        entry(capability="7.0", dtype="fp16", heads=12, tokens=197, head_dim=64, kernel="cudnn")))
+    cfg = parse_args(["--ds_config", f"ds_configs/vit_b_8x{gpu}_{'fp16' if gpu == 'v100' else 'bf16'}_zero1.json",
+                      "--config", f"train/configs/{preset}", "--data.source", "synthetic"])
+    line, = [x for x in check(cfg, 8, gpu_named(gpu)).lines if x.startswith("attention kernels")]
+    assert said in line and "cudnn" not in line
+
+
 @pytest.mark.parametrize("capability, active", [((9, 0), 1), ((8, 0), 0)])
 def test_a_gpu_activates_the_entries_of_its_compute_capability(tmp_path, monkeypatch, capability, active):
     """Faked capabilities: an H100 (9.0) takes the 9.0 entry, an A100 (8.0) none of them."""

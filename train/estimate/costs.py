@@ -49,6 +49,8 @@ class BlockCall:
     checkpointed: bool
     module: str = ""  # the block's qualified name in the objective (one block may be called several times)
     forward_flops: float = 0.0  # matmul FLOPs inside the block during this call
+    attention: str = "dense"  # the call's kind: dense | segment | topk | biased (kernels.attention.describe_paths)
+    backend: str = "sdpa"  # the block's attention backend (sdpa | math | flash_attn)
 
 
 @dataclass
@@ -88,6 +90,13 @@ def _kept_matrix_bytes(attn: nn.Module, mask, rpe: bool, fused_kernels: bool, va
     if isinstance(mask, SegmentMask) and not fused_kernels:
         return kept + 1.0 / attn.num_heads  # the (B, 1, T, T) boolean mask SDPA gets
     return kept
+
+
+def _attention_kind(mask, rpe: bool) -> str:
+    """How kernels.attention dispatches a call with this mask and relative-position bias."""
+    if rpe:
+        return "biased"
+    return "topk" if isinstance(mask, TopKMask) else "segment" if isinstance(mask, SegmentMask) else "dense"
 
 
 def profile(objective: Objective, batch: dict[str, torch.Tensor], fused_kernels: bool = True,
@@ -136,7 +145,8 @@ def profile(objective: Objective, batch: dict[str, torch.Tensor], fused_kernels:
         out.blocks.append(BlockCall(B, T, D, module.mlp.fc1.out_features, module.attn.num_heads,
                                     _kept_matrix_bytes(module.attn, mask, rpe, fused_kernels, value_bytes),
                                     id(module) in checkpointed, names[id(module)],
-                                    out.forward_flops - flops_before.pop(id(module))))
+                                    out.forward_flops - flops_before.pop(id(module)), _attention_kind(mask, rpe),
+                                    module.attn.backend))
 
     handles = []
     for m in objective.modules():
@@ -177,3 +187,9 @@ def profile_config(cfg: PretrainConfig, ds_config: dict, micro: int, fused_kerne
 def attention_shapes(prof: Profile) -> list[tuple[int, int, int]]:
     """The distinct (heads, tokens, head dim) of the blocks' attention in a profile, sorted."""
     return sorted({(c.heads, c.tokens, c.dim // c.heads) for c in prof.blocks})
+
+
+def attention_calls(prof: Profile) -> list[tuple[int, int, int, str, str]]:
+    """The distinct (heads, tokens, head dim, kind, backend) of the blocks' attention, sorted: what
+    decides the kernel a call runs (BlockCall.attention, .backend)."""
+    return sorted({(c.heads, c.tokens, c.dim // c.heads, c.attention, c.backend) for c in prof.blocks})

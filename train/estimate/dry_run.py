@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kernels import attention_choice
+from kernels.attention import describe_paths
 from train.config.ds_config import (
     activation_checkpointing,
     float8_refusal,
@@ -39,7 +40,7 @@ from train.config.plan import peak_lr, schedule_steps
 from train.config.values import from_text
 from train.engine.config import EngineConfig
 from train.engine.execution import describe_blocks
-from train.estimate.costs import attention_shapes
+from train.estimate.costs import attention_calls
 from train.estimate.gpus import GPU, current_gpu, gpu_in_filename, gpu_named
 from train.estimate.memory import (
     GIB,
@@ -97,14 +98,24 @@ def default_gpu(ds_config: str) -> GPU | None:
 
 
 def attention_line(prof, gpu: GPU, prec: str) -> str:
-    """Which SDPA kernel each attention shape of the run gets on `gpu` (kernels/attention_choice.py)."""
+    """Which kernel each attention call of the run gets on `gpu`: for dense SDPA calls, the kernel
+    measured for the shape (kernels/attention_choice.py); for the others, their path
+    (kernels.attention.describe_paths: the math backend, restricted masks, a relative-position bias)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(prec, torch.float32)
     try:
         chosen = attention_choice.choices_for(gpu.capability, dtype)
     except ValueError as e:
         raise ConfigError(f"attention kernel table: {e}") from None
+    capability = tuple(map(int, gpu.capability.split(".")))
+    said = []
+    for heads, tokens, head_dim, kind, backend in attention_calls(prof):
+        if kind == "dense" and backend == "sdpa":
+            said.append(attention_choice.describe(chosen, [(heads, tokens, head_dim)]))
+        else:
+            path = describe_paths(backend, torch.device("cuda"), dtype, tokens, head_dim, capability)[kind]
+            said.append(f"{heads}x{tokens}x{head_dim} {kind + ': ' if kind != 'dense' else ''}{path}")
     where = f"{prec} on sm{gpu.capability.replace('.', '')}"
-    return f"attention kernels ({where}; heads x tokens x head dim): {attention_choice.describe(chosen, attention_shapes(prof))}"
+    return f"attention kernels ({where}; heads x tokens x head dim): {'; '.join(said)}"
 
 
 def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
@@ -164,7 +175,8 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
         return run
     run.memory = mem
     prof = mem.profile
-    run.lines.append(f"parameters: {mem.params / 1e6:.1f}M ({mem.trainable / 1e6:.1f}M trained); per sample: "
+    outside = f" + {mem.outside_params / 1e6:.1f}M trained outside the engine" if mem.outside else ""
+    run.lines.append(f"parameters: {mem.params / 1e6:.1f}M ({mem.trainable / 1e6:.1f}M trained){outside}; per sample: "
                      f"{prof.tokens() / plan.micro:.0f} block tokens, {prof.train_flops / plan.micro / 1e9:.1f} "
                      f"training GFLOPs (3 x forward matmuls)")
     parts = ", ".join(f"{k} {v}" for k, v in mem.table().items())

@@ -22,6 +22,9 @@ ZeRO 1-3 on several ranks (FSDP2: train/engine/sharded.py): the fp32 shards are 
   extra_gradients  (w + r) L: a unit's gradients before and during its reduce-scatter
   optimizer        8 Psi / N
 `buffers` are the module's registered buffers (fixed position tables and the like).
+`outside` is what an objective trains with its own optimizers beside the engine (MLO-MAE's
+masking network and level-II head: Objective.outside_parameters): 16 bytes per parameter on every
+rank, fp32 weights, their gradients and AdamW's two moments.
 
 `check_floor` is the check before start on any machine (the command's start and the dry run,
 CPU ranks included): a floor of what a rank must hold for one step, from the model's geometry
@@ -45,6 +48,7 @@ from train.estimate.gpus import GPU
 
 GIB = 2**30
 HEADROOM = 0.9  # share of the GPU's memory the estimate may use
+OUTSIDE_BYTES = 16  # per parameter trained outside the engine: fp32 weight, gradient, AdamW's two moments
 
 
 @dataclass
@@ -57,9 +61,15 @@ class MemoryEstimate:
     optimizer: float
     extra_gradients: float  # autograd's per-parameter gradients (module docstring)
     buffers: float
+    outside_params: int  # parameters the objective trains outside the engine (module docstring)
     activations: float
     activations_per_sample: float
     profile: Profile
+
+    @property
+    def outside(self) -> float:
+        """Bytes of the parameters trained outside the engine, with their gradients and moments."""
+        return OUTSIDE_BYTES * self.outside_params
 
     @property
     def model_states(self) -> float:
@@ -69,7 +79,7 @@ class MemoryEstimate:
     @property
     def fixed(self) -> float:
         """Everything but the activations: what does not grow with the micro-batch."""
-        return self.model_states + self.extra_gradients + self.buffers
+        return self.model_states + self.extra_gradients + self.buffers + self.outside
 
     @property
     def total(self) -> float:
@@ -83,8 +93,10 @@ class MemoryEstimate:
         return max(0, int((HEADROOM * gpu.memory_gib * GIB - self.fixed) // self.activations_per_sample))
 
     def table(self) -> dict[str, float]:
-        names = ("weights", "gradients", "optimizer", "extra_gradients", "buffers", "activations", "total")
-        return {n.replace("_", " "): round(getattr(self, n) / GIB, 2) for n in names}
+        names = ("weights", "gradients", "optimizer", "extra_gradients", "buffers", "outside", "activations",
+                 "total")
+        return {n.replace("_", " ") + (" the engine" if n == "outside" else ""): round(getattr(self, n) / GIB, 2)
+                for n in names if n != "outside" or self.outside}
 
 
 @dataclass
@@ -133,8 +145,9 @@ def estimate(cfg, ds: dict, plan: BatchPlan, gpu: GPU) -> MemoryEstimate:
     states = model_states(params, trainable, largest, prec, stage, plan.world, plan.accum, reduce_dtype(ds))
     acts = prof.activation_bytes(value_bytes)
     buffers = sum(b.numel() for b in objective.buffers()) * value_bytes
+    outside = sum(p.numel() for p in objective.outside_parameters())
     return MemoryEstimate(params, trainable, largest, states.weights, states.gradients, states.optimizer,
-                          states.extra_gradients, buffers, acts, acts / plan.micro, prof)
+                          states.extra_gradients, buffers, outside, acts, acts / plan.micro, prof)
 
 
 def step_floor(cfg: PretrainConfig, micro: int, prec: str) -> dict[str, float]:

@@ -115,6 +115,41 @@ def test_objective_contract(name):
         assert same(objective.get_extra_state(), fresh.get_extra_state()), name
 
 
+def modules_outside(obj, seen=None) -> list[nn.Module]:
+    """Modules an objective holds in plain attributes (at any depth of plain objects, lists and
+    dicts), not as submodules: what the engine neither casts, shards nor optimises."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (torch.Tensor, str, bytes, int, float, type)):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, nn.Module):
+        children = [v for k, v in vars(obj).items() if k not in ("_modules", "_parameters", "_buffers")]
+    elif isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, (list, tuple, set)) or type(obj).__name__ == "deque":
+        children = list(obj)
+    else:
+        children = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+    found = []
+    for child in children:
+        if isinstance(child, nn.Module):
+            found.append(child)
+        found += modules_outside(child, seen)
+    return found
+
+
+@pytest.mark.parametrize("name", list_objectives())
+def test_what_an_objective_trains_outside_its_modules_is_declared(name):
+    """The memory estimate counts Objective.outside_parameters: a module kept as a plain attribute
+    and left out of it would be missing from every estimate."""
+    objective, _ = build(name)
+    held = {id(p) for m in modules_outside(objective) for p in m.parameters()}
+    declared = {id(p) for p in objective.outside_parameters()}
+    assert held == declared, name
+    assert not declared & {id(p) for p in objective.parameters()}, f"{name}: a submodule's parameter is declared"
+    assert (name == "mlomae") == bool(declared)  # C and T (model/objectives/mlomae.py Auxiliary)
+
+
 def test_hooks_have_defaults_for_a_minimal_objective():
     @dataclass
     class Bare(ObjectiveConfig):
@@ -126,6 +161,7 @@ def test_hooks_have_defaults_for_a_minimal_objective():
 
     obj = BareObjective(create_model("vit_debug_patch4", in_chans=1), Bare())
     assert obj.after_optimizer_step(1e-3, []) == {} and obj.no_weight_decay() == set()
+    assert obj.outside_parameters() == []
     assert obj.visualizations(torch.zeros(1, 1, 28, 28), torch.rand(1, 49)) == {}
     assert not BareObjective.has_classifier() and not BareObjective.double_backward
     with pytest.raises(NotImplementedError):

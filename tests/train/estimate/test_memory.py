@@ -80,3 +80,46 @@ def test_a_steps_floor_is_what_the_debug_vit_certainly_holds(monkeypatch):
     monkeypatch.setattr("train.estimate.memory.os.sysconf", lambda name: {"SC_PHYS_PAGES": 16, "SC_PAGE_SIZE": 4096}[name])
     with pytest.raises(ConfigError, match="GiB of this machine's memory"):
         check_floor(cfg, final, plan)
+
+
+def test_mlomaes_masking_network_and_head_are_counted_as_what_they_hold():
+    """MLO-MAE's C and T train beside the engine (fp32, whole on every rank): the estimate counts
+    their weights, AdamW moments and gradients, 16 bytes a parameter, in what does not grow with
+    the micro-batch."""
+    from train.estimate.dry_run import check
+    from train.estimate.gpus import gpu_named
+    from train.estimate.memory import OUTSIDE_BYTES
+
+    ds = REPO / "ds_configs" / "mlomae_vit_b_8xa100_bf16_zero1.json"
+    cfg = parse_args(["--ds_config", str(ds), "--config", str(REPO / "train/configs/mlomae/vit_b.json"),
+                      "--data.source", "synthetic"])
+    gpu = gpu_named("a100")
+    mem = check(cfg, 8, gpu).memory
+    d, n, hidden = 768, 196, cfg.mlomae.mask_hidden  # Appendix B.2: Linear(N d, hidden), ReLU, Linear(hidden, N)
+    want = (n * d * hidden + hidden) + (hidden * n + n) + (d * cfg.mlomae.num_classes + cfg.mlomae.num_classes)
+    assert mem.outside_params == want and mem.outside == OUTSIDE_BYTES * want
+    assert mem.outside > 1.1 * 2**30  # more than the encoder's whole model states on 8 ranks
+    assert mem.fixed == mem.model_states + mem.extra_gradients + mem.buffers + mem.outside
+    assert mem.table()["outside the engine"] == round(mem.outside / 2**30, 2)
+
+
+def test_the_bytes_counted_per_outside_parameter_are_what_mlomae_holds():
+    """After an AdamW step of C and T: fp32 weights and two moments (12 bytes a parameter); their
+    gradients (4 more) live through each step, so the estimate's 16 is the step's peak."""
+    from model.objectives import build_objective
+    from model.objectives.mlomae import Auxiliary
+    from model.registry import create_model
+    from train.config.options import section
+    from train.estimate.memory import OUTSIDE_BYTES
+
+    cfg = parse_args(["--ds_config", str(REPO / "ds_configs/cpu_debug.json"), "--config",
+                      str(REPO / "train/configs/mlomae/debug.json"), "--data.source", "synthetic"])
+    objective = build_objective("mlomae", create_model(cfg.model.name, in_chans=cfg.model.in_chans), section(cfg))
+    aux = objective.aux
+    for module, opt in ((aux.mask_net, aux.mask_opt), (aux.head, aux.head_opt)):
+        Auxiliary.step(module, opt, [torch.ones_like(p) for p in module.parameters()], 1e-3)
+    params = objective.outside_parameters()
+    held = sum(size(p) for p in params) + sum(size(v) for opt in (aux.mask_opt, aux.head_opt)
+                                              for state in opt.state.values() for v in state.values() if v.ndim)
+    n = sum(p.numel() for p in params)
+    assert held == (OUTSIDE_BYTES - 4) * n and all(p.dtype == torch.float32 for p in params)
