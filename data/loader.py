@@ -129,6 +129,7 @@ class ShardLoader:
             self.device_decoder = DeviceDecoder(img_size, self.device)
         W = max(1, num_workers)
         self.batches = 0
+        self.delivered_before = 0  # samples every rank delivered under earlier world sizes (resume_from)
         self.start = StreamStart.fresh(W)
         self.last = list(self.start.last)  # per worker: (epoch, pos) of the last sample delivered
         self.layout: ReaderLayout | None = None  # the earlier readers whose samples are skipped, if any
@@ -216,7 +217,7 @@ class ShardLoader:
         loop's read at a run's last step): each reader applies it only once it has seen a shard's
         worth of samples, which a short run may never reach. Raises CorruptDataError."""
         bad = sum(v for k, v in counters.items() if k.startswith("data_skipped_"))
-        examined = self.batches * self.batch_size * self.world + bad
+        examined = self.delivered() + bad
         if bad and bad > self.max_bad_fraction * examined:
             raise CorruptDataError(
                 f"{bad} of {examined} samples read were unusable ({bad / examined:.1%}), above data.max_bad_fraction "
@@ -226,8 +227,12 @@ class ShardLoader:
                 f"--skip_bad leaves unreadable files out), or raise data.max_bad_fraction (1.0 disables this check). "
                 + verify_hint(self.shards.index))
 
+    def delivered(self) -> int:
+        """Samples every rank has delivered to the step since the run began, across world sizes."""
+        return self.delivered_before + self.batches * self.batch_size * self.world
+
     def state_dict(self) -> dict:
-        return {"batches": self.batches, "last": [list(p) for p in self.last], "errors": self._skipped().tolist(),
+        return {"batches": self.batches, "delivered_before": self.delivered_before, "last": [list(p) for p in self.last], "errors": self._skipped().tolist(),
                 "converted": self._converted().tolist(),
                 "num_workers": self.num_workers, "batch_size": self.batch_size, "world": self.world,
                 "seed": self.seed, "shuffle_buffer": self.shuffle_buffer, "start_epoch": self.start.start_epoch,
@@ -242,6 +247,7 @@ class ShardLoader:
                     f"the stream can only be continued with the same value"
                 )
         self.batches = int(state["batches"])
+        self.delivered_before = int(state.get("delivered_before", 0))  # absent: recorded before it was
         self.errors = torch.zeros_like(self.errors)
         self.converted = torch.zeros_like(self.converted)
         if "last" not in state:  # recorded before positions were: replay decoded samples, as then
@@ -276,6 +282,10 @@ class ShardLoader:
             raise ValueError("a change of world size keeps the data order only with the same seed and "
                              "data.shuffle_buffer as the checkpointed run")
         self.layout = ReaderLayout.from_states(states)
+        # the give-up rule's denominator: what the old ranks delivered (each state: its rank's
+        # batches; delivered_before is the same on every rank of a layout)
+        self.delivered_before = int(states[0].get("delivered_before", 0)) + sum(
+            int(s["batches"]) * int(s["batch_size"]) for s in states)
         self.batches = 0
         self.errors = torch.zeros_like(self.errors)
         self.converted = torch.zeros_like(self.converted)

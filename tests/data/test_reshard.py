@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
+from data.faults import CorruptDataError
 from data.loader import ShardLoader
 from data.reshard import ReaderLayout, consumed
 from data.shards import ShardSet, ShardStream, StreamStart, sample_id
@@ -134,3 +135,34 @@ def test_reshard_refuses_another_seed(tmp_path):
                     transform=pixel_id)
     with pytest.raises(ValueError, match="same seed"):
         b.resume_from([a.state_dict(), a.state_dict()])
+
+
+def test_the_give_up_rule_counts_what_earlier_world_sizes_read(tmp_path):
+    """data.max_bad_fraction's last check (check_unusable) divides the run's skipped samples by
+    every sample read since it began: after a resume on another world size, the old ranks' samples
+    too (the skipped counts carry over, so leaving them out stopped healthy runs at their last step)."""
+    shards = make_shards(tmp_path, 48, 6)
+
+    def reader(rank, world, workers):
+        return ShardLoader(shards, 4, batch_size=1, seed=7, rank=rank, world=world, num_workers=workers,
+                           shuffle_buffer=5, transform=pixel_id, max_bad_fraction=0.1)
+
+    first = [reader(r, 2, 1) for r in range(2)]
+    for ld in first:
+        [next_ids(ld) for _ in range(5)]
+    one = reader(0, 1, 2)
+    one.resume_from([ld.state_dict() for ld in first])
+    assert one.delivered() == 10
+    [next_ids(one) for _ in range(3)]
+    assert one.delivered() == 13
+    three = [reader(r, 3, 1) for r in range(3)]
+    for ld in three:  # a second change of world size keeps the count, on every rank
+        ld.resume_from([one.state_dict()])
+        assert ld.delivered() == 13
+    skipped = {"data_skipped_undecodable_image": 1}
+    three[0].check_unusable(skipped)  # 1 of 14 read: under 10%
+    with pytest.raises(CorruptDataError, match="2 of 15 samples"):
+        three[0].check_unusable({"data_skipped_undecodable_image": 2})
+    same = reader(0, 1, 2)  # and the same world size continues the count
+    same.resume_from([one.state_dict()])
+    assert same.delivered() == 13
