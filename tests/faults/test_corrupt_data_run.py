@@ -24,7 +24,8 @@ def _tar(path, members: dict[str, bytes]):
             tar.addfile(info, io.BytesIO(data))
 
 
-def test_a_garbage_shard_ends_the_run_naming_it(tmp_path):
+def _garbage_shard_index(tmp_path):
+    """4 shards of 8 good PNGs and one of 8 garbage JPEGs, labeled."""
     rng = np.random.default_rng(0)
     shards = {}
     for s in range(4):
@@ -40,14 +41,22 @@ def test_a_garbage_shard_ends_the_run_naming_it(tmp_path):
     shards["bad.tar"] = 8
     index = tmp_path / "train.json"
     index.write_text(json.dumps({"shards": [{"file": f, "samples": n} for f, n in shards.items()], "classes": ["a"]}))
+    return index
 
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_garbage_shard_ends_the_run_naming_it(tmp_path, ranks):
+    """On 2 ranks one reads the garbage shard and stops the run; the other, cut off inside a
+    collective, says so in one line instead of the backend's traceback."""
+    index = _garbage_shard_index(tmp_path)
     proc = run_pretrain(tmp_path / "run", "--data.source", "shards", "--data.train_index", str(index),
                         "--data.epoch_size", "0", "--data.num_workers", "1", "--data.shuffle_buffer", "4",
                         "--model.in_chans", "3", "--run.max_steps", "20", "--data.max_bad_fraction", "0.05",
-                        check=False)
+                        ranks=ranks, check=False)
     assert proc.returncode == 3, proc.stderr[-3000:]
-    assert "training stopped:" in proc.stderr and str(tmp_path / "bad.tar") in proc.stderr
+    assert proc.stderr.count("training stopped:") == 1 and str(tmp_path / "bad.tar") in proc.stderr
     assert "undecodable_image" in proc.stderr and "data.max_bad_fraction" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 def _rgb_shards(root, n_shards: int, per_shard: int) -> dict[str, int]:

@@ -22,7 +22,9 @@ def cli(main_fn) -> None:
     run stopped by what it detected (diverged: train/engine/nonfinite.py; too much corrupt data:
     data/faults.py; a checkpoint that could not be written: train/engine/checkpoint.py) with status 3, its
     last checkpoint kept; a run stopped by Ctrl-C or kill outside Slurm (train/run/preemption.py) with
-    130 / 143 and one line naming its checkpoint and how to resume."""
+    130 / 143 and one line naming its checkpoint and how to resume. On several ranks, a rank whose
+    collective fails because another rank ended first says so in one line and exits 1: the first
+    rank's status and message are the run's (the launchers report the first failure, srun the highest)."""
     try:
         main_fn()
         end_process_group()
@@ -39,6 +41,29 @@ def cli(main_fn) -> None:
     except CorruptDataError as e:  # a data/ message: it knows shards, not checkpoints
         print(f"training stopped: {e}\n{KEPT_AFTER_CORRUPT_DATA}", file=sys.stderr)
         raise SystemExit(3) from None
+    except RuntimeError as e:
+        rank = peer_lost(e)
+        if rank is None:
+            raise
+        # the rank that ended first (its data, a kill) said why; this one only lost it mid-collective
+        print(f"rank {rank} stopped: another rank ended the run and its connection closed (that rank's message "
+              f"says why)", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+# What a collective raises on a rank whose peer process has gone (gloo's TCP pairs; NCCL's abort)
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
+
+
+def peer_lost(e: RuntimeError) -> int | None:
+    """This rank's number when `e` is a collective failing because another rank's process ended
+    (in a process group of several ranks), else None."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    gone = isinstance(e, dist.DistNetworkError) or any(s in str(e) for s in PEER_GONE)
+    return dist.get_rank() if gone else None
 
 
 def end_process_group() -> None:
