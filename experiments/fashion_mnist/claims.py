@@ -148,4 +148,4 @@ def adversary_reach(runs: list[dict], eps: float) -> str:
             finals.append(max(v for k, v in rows[-1].items() if k.startswith("adv_")))
     if not finals:
         return "not measured"
-    return "; ".join(f"{v:.3g} of eps {eps:g} ({v / eps:.3f})" for v in finals)
+    return "; ".join(f"{v:.3g} (eps {eps:g}): {v / eps:.3f} of eps" for v in finals)

@@ -41,6 +41,17 @@ def fashion_mnist_shards() -> tuple[Path, Path]:
     return SHARDS / "train.json", SHARDS / "test.json"
 
 
+def read_result(path: Path) -> dict:
+    """A run's result.json (study.py, progress.py, report.py); one that does not parse was cut short
+    (a kill or a full disk while it was written, or a copy stopped half-way) and is refused naming
+    the fix, since its run's checkpoints make it again."""
+    try:
+        return json.loads(path.read_text())
+    except ValueError:  # JSONDecodeError, or UnicodeDecodeError for bytes cut mid-character
+        refuse(f"{path} is not readable JSON (a write cut short): delete it and the entry reruns from its "
+               "checkpoints")
+
+
 def cpu_training_env() -> dict[str, str]:
     """The environment of a CPU training subprocess: OpenMP threads that wait for work by sleeping
     (OMP_WAIT_POLICY=PASSIVE) unless the caller chose otherwise. The training process runs one

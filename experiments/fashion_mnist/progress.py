@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from experiments.fashion_mnist.common import read_result
 from train.run.folder import read_metrics
 
 RECENT_STEPS = 5  # step time: the median over this many last logged steps (one slow step is noise)
@@ -61,7 +62,7 @@ def entry_status(out: Path, entry: str, seed: int, budget: dict, now: float | No
     now = time.time() if now is None else now
     run = out / entry / f"seed{seed}"
     if (run / "result.json").is_file():
-        result = json.loads((run / "result.json").read_text())
+        result = read_result(run / "result.json")
         stage = "done" if result.get("budget") == budget else "done, other budget"
         return EntryStatus(entry, seed, stage, result=result)
     if (run / "finetune" / "meta.json").is_file():

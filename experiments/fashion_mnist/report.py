@@ -31,7 +31,7 @@ from pathlib import Path
 
 from data.cli import Parser, refuse
 from experiments.fashion_mnist import claims, plots
-from experiments.fashion_mnist.common import FINETUNE_BLR, RAW_PIXEL_BASELINES, REPO, TRAIN_IMAGES
+from experiments.fashion_mnist.common import FINETUNE_BLR, RAW_PIXEL_BASELINES, REPO, TRAIN_IMAGES, read_result
 from experiments.fashion_mnist.entries import AT_ABLATION_BUDGET, ENTRIES, PRESETS
 from experiments.fashion_mnist.homologous_attention import has_topk, topk_reports
 from experiments.fashion_mnist.learned_masks import mask_reports
@@ -80,13 +80,33 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def one_budget(results: dict[str, dict], fix: str) -> None:
+    """Refused (naming two that differ and `fix`) unless every result, named by its key, has one budget:
+    a table averages its runs and states one budget."""
+    (first, reference), *rest = results.items()
+    for name, r in rest:
+        if r.get("budget") != reference.get("budget"):
+            refuse(f"{name} was measured with {r.get('budget')}, {first} with {reference.get('budget')}: "
+                   f"one table holds one budget; {fix}")
+
+
 def collect(runs: Path, summaries: Path, figures: Path) -> None:
     """Every finished run under `runs` (<entry>/seed<k>/result.json) into summaries/<entry>_seed<k>.json,
-    with its objective's options and the commit that trained it; its last figures into `figures`."""
+    with its objective's options and the commit that trained it; its last figures into `figures`.
+    Refused before anything is written when the runs' budgets differ from each other or from the
+    summaries they would join."""
+    incoming = {done: read_result(done) for done in sorted(runs.glob("*/seed*/result.json"))}
+    replaced = {f"{r['entry']}_seed{r['seed']}.json" for r in incoming.values()}
+    kept = {str(p): json.loads(p.read_text()) for p in sorted(summaries.glob("*_seed*.json"))
+            if p.name not in replaced}  # the summaries these runs leave in place
+    if incoming:
+        one_budget(kept | {str(p): r for p, r in incoming.items()},
+                   f"nothing was collected from {runs}: keep one budget's runs there, or report them into "
+                   f"another folder (report.py --runs {runs} --docs DIR)")
     summaries.mkdir(parents=True, exist_ok=True)
     figures.mkdir(parents=True, exist_ok=True)
-    for done in sorted(runs.glob("*/seed*/result.json")):
-        result, meta = json.loads(done.read_text()), {}
+    for done, result in incoming.items():
+        meta = {}
         pretrain = done.parent / "pretrain"
         if (pretrain / "config.json").is_file():
             config = json.loads((pretrain / "config.json").read_text())
@@ -369,6 +389,7 @@ def write_report(results: list[dict], report: Path, figures: Path, discussion: P
     """The report from the run results; `discussion` (hand-written about the committed run) verbatim;
     `expected`: the study's entries, those without results listed as still to run; `preset` names
     the command in the report's first line. Returns the number of figures it links."""
+    one_budget({f"{r['entry']} seed {r['seed']}": r for r in results}, "report each budget's runs on its own")
     summary = summarize(results)
     figures.mkdir(parents=True, exist_ok=True)
     budget = results[0]["budget"]
@@ -431,7 +452,8 @@ def publish(preset: str, runs: Path | None, order: list[str], expected: list[str
     """Collect `runs` (when given) into the preset's summaries and write its report; the full
     study's report also judges the ablation preset's summaries. Returns the report's path; says
     where it went and how many figures it links. Refused (exit 2) before anything is written when
-    there is nothing to report, or when the report under docs/ would lose its figures."""
+    there is nothing to report, when runs of different budgets would share its table, or when the
+    report under docs/ would lose its figures."""
     check_figures(docs)
     where = paths(preset, docs)
     if runs is not None and not runs.is_dir():

@@ -44,6 +44,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -67,6 +68,7 @@ from experiments.fashion_mnist.common import (
     feature_pool,
     has_classifier,
     presets,
+    read_result,
 )
 from experiments.fashion_mnist.entries import ENTRIES, PRESETS, Entry
 from experiments.fashion_mnist.plots import pyplot
@@ -183,7 +185,7 @@ def run_entry(name: str, seed: int, a, train: Path, test: Path, decoded: Decoded
     done = out / "result.json"
     budget = budget_of(a)
     if done.is_file():
-        result = json.loads(done.read_text())
+        result = read_result(done)
         if result["budget"] != budget:  # never mix budgets in one table
             sys.exit(f"{done} was measured with {result['budget']}, this study asks for {budget}; use another --out")
         return result
@@ -218,7 +220,9 @@ def run_entry(name: str, seed: int, a, train: Path, test: Path, decoded: Decoded
         result |= finetune(out / "finetune", seed, a.finetune_epochs, a.finetune_samples, train, test, init, rpe)
     result |= {"device": "cuda" if torch.cuda.is_available() else "cpu", "torch_threads": torch.get_num_threads(),
                "budget": budget}
-    done.write_text(json.dumps(result, indent=1))
+    partial = done.with_name(done.name + ".partial")  # whole or absent: a kill mid-write leaves no cut result.json
+    partial.write_text(json.dumps(result, indent=1))
+    os.replace(partial, done)
     return result
 
 
@@ -250,7 +254,7 @@ def run_parallel(a, work: list[tuple[int, str]]) -> list[dict]:
     failed = [f"{name} seed {seed}" for (seed, name), code in zip(work, codes) if code]
     if failed:
         sys.exit(f"[study] failed: {', '.join(failed)}; see study.log in their run folders")
-    return [json.loads((a.out / name / f"seed{seed}" / "result.json").read_text()) for seed, name in work]
+    return [read_result(a.out / name / f"seed{seed}" / "result.json") for seed, name in work]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -283,9 +287,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if getattr(a, key) is None:
             setattr(a, key, preset[key])
     a.out = a.out or REPO / "runs" / ("study" if a.preset == "quick" else f"study_{a.preset}")
-    a.eval_epochs = [int(k) for k in str(a.eval_epochs).split(",") if k]
+    try:
+        a.eval_epochs = [int(k) for k in str(a.eval_epochs).split(",") if k]
+    except ValueError:
+        p.error(f"--eval_epochs {a.eval_epochs!r}: give comma-separated whole epochs (e.g. 1,3)")
     if a.jobs < 1:
         p.error(f"--jobs {a.jobs}: give 1 or more")
+    # refused now, not after the hours of pretraining that come before fine-tuning
+    if not (a.finetune_epochs > 0 and math.isfinite(a.finetune_epochs)):
+        p.error(f"--finetune_epochs {a.finetune_epochs:g}: give a positive number of epochs (e.g. 1)")
+    if a.finetune_samples <= 0:
+        p.error(f"--finetune_samples {a.finetune_samples}: give a positive number of training images (e.g. 60000)")
     names = [n for n in a.only.split(",") if n] or preset["entries"]
     unknown = sorted(set(names) - set(ENTRIES))
     if unknown:
@@ -294,6 +306,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         seeds = [int(s) for s in a.seeds.split(",")]
     except ValueError:
         p.error(f"--seeds {a.seeds!r}: give comma-separated integers (e.g. 0,1)")
+    # one run folder per (entry, seed): a repeat would count a run twice, and with --jobs train it twice at once
+    for option, given in (("--seeds", seeds), ("--only", names)):
+        repeated = sorted({str(x) for x in given if given.count(x) > 1})
+        if repeated:
+            p.error(f"{option} gives {', '.join(repeated)} more than once: name each once")
     if a.status:
         print(progress.report([progress.entry_status(a.out, name, seed, budget_of(a)) for seed in seeds
                                for name in names]))
@@ -320,7 +337,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for seed in seeds:  # never mix budgets in one table: refused before any entry runs
         for name in names:
             done = a.out / name / f"seed{seed}" / "result.json"
-            if done.is_file() and json.loads(done.read_text()).get("budget") != budget_of(a):
+            if done.is_file() and read_result(done).get("budget") != budget_of(a):
                 p.error(f"{done} was measured with another budget than this study's {budget_of(a)}; use another --out")
     if a.jobs > 1:
         results = run_parallel(a, [(seed, name) for seed in seeds for name in names])
@@ -333,7 +350,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.no_report:
         return results
     if a.report is not None:
-        figures = write_report(results, a.report, a.report.parent / "figures")
+        figures = write_report(results, a.report, a.report.parent / "figures", expected=names, preset=a.preset)
         print(f"[study] {figures} figure(s) in {a.report.parent / 'figures'}" + ("" if pyplot() else f" ({NO_FIGURES})"))
         report = a.report
     else:

@@ -88,5 +88,6 @@ def test_topk_accuracy_rises_and_adversary_reach():
                                        "0.014; chance about r = 0.25)")
     assert topk_rises([_r("m", 0, metrics=rising[:5])]) == "not measured"  # too few logged steps
     adv = [{"step": 1, "adv_rpe_0": 0.1, "adv_rpe_1": 0.2}, {"step": 2, "adv_rpe_0": 0.5, "adv_rpe_1": 2.0}]
-    assert adversary_reach([_r("adpe", 0, metrics=adv)], 20.0) == "2 of eps 20 (0.100)"
+    # the offset in its own units, then its share of eps (not "2 of eps")
+    assert adversary_reach([_r("adpe", 0, metrics=adv)], 20.0) == "2 (eps 20): 0.100 of eps"
     assert adversary_reach([_r("adpe", 0, metrics=rising)], 20.0) == "not measured"

@@ -75,3 +75,14 @@ def test_study_status_reads_the_preset_budget_and_needs_no_shards(tmp_path, caps
     assert "mae" in lines[0] and lines[0].endswith("done: kNN 82.49")
     assert "done, other budget" in lines[1] and "not started" in lines[2]
     assert lines[3] == "1 of 3 runs done"
+
+
+def test_a_result_cut_short_is_refused_in_one_line_naming_it(tmp_path, capsys):
+    _result(tmp_path, "mae", FULL, knn_top1=82.49)
+    cut = tmp_path / "mae" / "seed0" / "result.json"
+    cut.write_text(cut.read_text()[:20])  # a write cut short
+    with pytest.raises(SystemExit) as status:
+        study(["--preset", "full", "--seeds", "0", "--only", "mae", "--out", str(tmp_path), "--status"])
+    err = capsys.readouterr().err
+    assert status.value.code == 2 and len(err.splitlines()) == 1
+    assert f"{cut} is not readable JSON (a write cut short): delete it and the entry reruns" in err

@@ -240,3 +240,61 @@ def test_a_reports_claims_are_those_its_preset_runs_and_the_ablation_report_judg
     assert "MixedAE paper: MixedAE improves on MAE | fine-tune" in claims_table
     assert "pretraining beats random init (kNN) | kNN | not measured" in claims_table  # energy: in the preset, no run
     assert "AdPE" not in claims_table and "MLO-MAE" not in claims_table and "naive" not in claims_table
+
+
+def _tree(folder):
+    """{relative path: bytes} of every file under `folder`."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_runs_of_another_budget_are_refused_before_anything_is_written(tmp_path, capsys):
+    """One table averages its runs and states one budget: a run measured with another budget than the
+    summaries it would join, or than the other runs collected with it, is refused, nothing written."""
+    runs, docs = tmp_path / "runs", tmp_path / "docs"
+    order = ["mae", "mixedae"]
+    (docs / "study" / "full").mkdir(parents=True)
+    for r in RESULTS[:2]:  # mae seeds 0 and 1 at BUDGET
+        (docs / "study" / "full" / f"mae_seed{r['seed']}.json").write_text(json.dumps(r))
+    longer = dict(BUDGET, pretrain_samples=600000)
+    _finished_run(runs, "mixedae", 0, dict(RESULTS[2], budget=longer))
+    before = _tree(docs)
+    with pytest.raises(SystemExit) as status:
+        publish("full", runs, order, order, docs)
+    err = capsys.readouterr().err
+    assert status.value.code == 2 and len(err.splitlines()) == 1
+    assert f"{runs / 'mixedae' / 'seed0' / 'result.json'} was measured with {longer}" in err
+    assert "one table holds one budget" in err and "--docs DIR" in err
+    assert _tree(docs) == before  # no summary, figure or report
+    # the runs' own budgets differ (no summaries there yet)
+    _finished_run(runs, "mixedae", 1, RESULTS[3])
+    with pytest.raises(SystemExit) as status:
+        publish("full", runs, order, order, tmp_path / "other")
+    assert status.value.code == 2 and "one table holds one budget" in capsys.readouterr().err
+    assert not (tmp_path / "other" / "study").exists()
+    # a rerun of every summary's run at the new budget replaces them all: one budget again
+    for seed in (0, 1):
+        _finished_run(runs, "mae", seed, dict(RESULTS[seed], budget=longer))
+    (runs / "mixedae" / "seed1" / "result.json").write_text(json.dumps(dict(RESULTS[3], budget=longer)))
+    publish("full", runs, order, order, docs)
+    assert "pretraining on 600000 training images" in (docs / "RESULTS.md").read_text()
+    # and where the report is written
+    report = tmp_path / "mixed.md"
+    with pytest.raises(SystemExit) as status:
+        write_report([RESULTS[0], dict(RESULTS[1], budget=longer)], report, tmp_path / "figures")
+    err = capsys.readouterr().err
+    assert status.value.code == 2 and f"mae seed 1 was measured with {longer}, mae seed 0 with {BUDGET}" in err
+    assert not report.exists()
+
+
+def test_a_result_cut_short_is_refused_in_one_line_and_nothing_is_collected(tmp_path, capsys):
+    runs, docs = tmp_path / "runs", tmp_path / "docs"
+    for r in RESULTS[:2]:
+        _finished_run(runs, r["entry"], r["seed"], r)
+    cut = runs / "mae" / "seed1" / "result.json"
+    cut.write_text(cut.read_text()[:40])
+    with pytest.raises(SystemExit) as status:
+        publish("full", runs, ["mae"], ["mae"], docs)
+    err = capsys.readouterr().err
+    assert status.value.code == 2 and len(err.splitlines()) == 1
+    assert f"{cut} is not readable JSON (a write cut short): delete it and the entry reruns from its checkpoints" in err
+    assert not (docs / "study").exists() and not (docs / "RESULTS.md").exists()

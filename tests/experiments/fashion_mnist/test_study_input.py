@@ -1,0 +1,105 @@
+"""study.py's input: options that could not give a run refused in one line before any work, a
+result.json written whole or not at all and refused in one line when cut short, and the report of
+`--report FILE` naming its own preset."""
+import json
+import types
+from pathlib import Path
+
+import pytest
+
+from experiments.fashion_mnist import study
+
+BUDGET = {"pretrain_samples": 180000, "finetune_epochs": 1.0, "finetune_samples": 60000, "eval_epochs": [1]}
+
+
+def _refused(capsys, argv, out):
+    with pytest.raises(SystemExit) as status:
+        study.main([*argv, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert status.value.code == 2 and len(err.splitlines()) == 1, err
+    assert not out.exists()  # refused before any run folder
+    return err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--finetune_epochs", "0"], "--finetune_epochs 0: give a positive number of epochs"),
+    (["--finetune_epochs", "-1"], "--finetune_epochs -1: give a positive number of epochs"),
+    (["--finetune_epochs", "nan"], "--finetune_epochs nan: give a positive number of epochs"),
+    (["--finetune_samples", "0"], "--finetune_samples 0: give a positive number of training images"),
+    (["--eval_epochs", "x"], "--eval_epochs 'x': give comma-separated whole epochs"),
+    (["--eval_epochs", "1.5"], "--eval_epochs '1.5': give comma-separated whole epochs"),
+    (["--seeds", "0,1,0"], "--seeds gives 0 more than once: name each once"),
+    (["--only", "mae,random_init,mae"], "--only gives mae more than once: name each once"),
+])
+def test_options_that_cannot_give_a_run_are_refused_up_front(tmp_path, capsys, argv, said):
+    # --status does no work: a refusal there is a refusal before any run
+    assert said in _refused(capsys, ["--preset", "ablation", *argv, "--status"], tmp_path / "runs")
+
+
+def _fake_shards(tmp_path, monkeypatch, images=60000):
+    """A --shards folder whose sets hold `images` training images (nothing is decoded before an entry runs)."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name in ("train.json", "test.json"):
+        (shards / name).write_text("{}")
+    monkeypatch.setattr(study.ShardSet, "from_index", staticmethod(lambda index: types.SimpleNamespace(
+        num_samples=images)))
+    return shards
+
+
+def _result(entry, seed):
+    return {"entry": entry, "label": entry.upper(), "seed": seed, "knn_top1": 70.0, "linear_probe_top1": 78.0,
+            "finetune_top1": 85.0, "device": "cpu", "torch_threads": 1, "budget": BUDGET}
+
+
+def test_a_result_cut_short_is_refused_before_any_entry_runs(tmp_path, monkeypatch, capsys):
+    shards, out = _fake_shards(tmp_path, monkeypatch), tmp_path / "runs"
+    cut = out / "mae" / "seed1" / "result.json"
+    cut.parent.mkdir(parents=True)
+    cut.write_text(json.dumps(_result("mae", 1))[:30])
+    ran = []
+    monkeypatch.setattr(study, "run_entry", lambda name, seed, *args: ran.append((name, seed)))
+    with pytest.raises(SystemExit) as status:
+        study.main(["--preset", "ablation", "--shards", str(shards), "--only", "mae", "--out", str(out), "--no_report"])
+    err = capsys.readouterr().err
+    assert status.value.code == 2 and len(err.splitlines()) == 1
+    assert f"{cut} is not readable JSON (a write cut short): delete it and the entry reruns from its checkpoints" in err
+    assert ran == []
+
+
+class Killed(BaseException):
+    """The process killed part-way through a write."""
+
+
+def test_result_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    monkeypatch.setattr(study, "load_encoder", lambda **kwargs: "encoder")
+    monkeypatch.setattr(study, "evaluate", lambda *args: {"knn_top1": 70.0, "linear_probe_top1": 78.0})
+    monkeypatch.setattr(study, "finetune", lambda *args, **kwargs: {"finetune_top1": 85.0})
+    decoded = types.SimpleNamespace(train_set=types.SimpleNamespace(num_samples=60000), get=lambda: ("train", "test"))
+    a = types.SimpleNamespace(out=tmp_path, pretrain_samples=60000, finetune_epochs=1.0, finetune_samples=60000,
+                              eval_epochs=[])
+    write_text = Path.write_text
+
+    def cut_short(path, text, *args, **kwargs):  # half the file reaches the disk, then the kill
+        write_text(path, text[: len(text) // 2], *args, **kwargs)
+        raise Killed
+
+    monkeypatch.setattr(Path, "write_text", cut_short)
+    with pytest.raises(Killed):
+        study.run_entry("random_init", 0, a, Path("train.json"), Path("test.json"), decoded)
+    assert not (tmp_path / "random_init" / "seed0" / "result.json").exists()  # not a cut one the study then reads
+    monkeypatch.setattr(Path, "write_text", write_text)
+    result = study.run_entry("random_init", 0, a, Path("train.json"), Path("test.json"), decoded)
+    assert json.loads((tmp_path / "random_init" / "seed0" / "result.json").read_text()) == result
+    assert result["finetune_top1"] == 85.0 and result["budget"]["pretrain_samples"] == 60000
+
+
+def test_the_report_of_report_file_names_its_own_preset(tmp_path, monkeypatch):
+    shards = _fake_shards(tmp_path, monkeypatch)
+    monkeypatch.setattr(study, "run_entry", lambda name, seed, *args: _result(name, seed))
+    report = tmp_path / "RESULTS_mine.md"
+    study.main(["--preset", "ablation", "--shards", str(shards), "--seeds", "0", "--only", "mae,random_init",
+                "--out", str(tmp_path / "runs"), "--report", str(report)])
+    head = report.read_text().splitlines()[2]
+    assert head.startswith("Generated by `python -m experiments.fashion_mnist.report --preset ablation`")
+    assert "Still to run" not in report.read_text()  # the entries of this call, all run
