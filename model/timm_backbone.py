@@ -41,11 +41,18 @@ class TimmBackbone(nn.Module):
 
         if rpe:
             raise ValueError(f"rpe (iRPE) is a ViT option; timm model {name!r} has none")
-        kwargs = dict(pretrained=False, num_classes=0, in_chans=in_chans, drop_path_rate=drop_path_rate)
+        kwargs = dict(pretrained=False, num_classes=0, in_chans=in_chans)
+        if drop_path_rate:  # models without stochastic depth (VGG, DenseNet) refuse the argument, even at 0
+            kwargs["drop_path_rate"] = drop_path_rate
         try:  # resolution-dependent models (Swin, timm ViTs) take img_size; convolutional ones do not
             model = timm.create_model(name, img_size=img_size, **kwargs)
         except TypeError:
-            model = timm.create_model(name, **kwargs)
+            try:
+                model = timm.create_model(name, **kwargs)
+            except TypeError as e:
+                if "drop_path_rate" not in str(e):
+                    raise
+                raise ValueError(f"timm model {name!r} has no stochastic depth: set model.drop_path_rate 0") from None
         if attn_backend == TWICE_DIFFERENTIABLE:
             for module in model.modules():
                 if hasattr(module, "fused_attn"):
@@ -58,7 +65,16 @@ class TimmBackbone(nn.Module):
         for param_name, param in model.named_parameters(recurse=False):
             self.register_parameter(param_name, param)
         self.name, self.img_size, self.in_chans = name, img_size, in_chans
-        self.embed_dim = model.num_features
+        # what pooled_features returns: the pre-logits width, which differs from num_features where a
+        # pre-logits layer widens it (VGG, MobileNetV3, EfficientViT)
+        self.embed_dim = getattr(model, "head_hidden_size", None) or model.num_features
+
+    @property
+    def patch_size(self) -> int:
+        """The side of a patch-embedding model's patches (timm ViTs, Swin), else 0: its patch
+        embedding floors the grid, so an image size off the grid loses its border pixels."""
+        size = getattr(getattr(self, "patch_embed", None), "patch_size", 0)
+        return max(size) if isinstance(size, (tuple, list)) else int(size or 0)
 
     def attention_modules(self) -> dict[str, bool]:
         """{module name: uses fused SDPA} for every timm attention module (empty for ConvNets)."""

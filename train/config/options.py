@@ -32,6 +32,7 @@ from model.hf_interop import check_folder_fits, is_transformers_folder
 from model.objectives import OBJECTIVES, ObjectiveConfig, list_objectives
 from model.registry import list_models, model_arch
 from model.timm_backbone import is_timm_name
+from train.config.backbones import check_timm_backbone
 from train.config.errors import ConfigError
 from train.config.help import field_comments, option_lines, show_default
 from train.config.presets import DEFAULTS, IF_OBJECTIVE, PresetOptions, compose, load_preset
@@ -256,6 +257,9 @@ def check_objective_fits(cfg: PretrainConfig, micro_batch: int, accum: int = 1, 
     """Objective-vs-model/batch/engine/data checks (e.g. MixedAE's group size and mixing cells,
     MLO-MAE's ZeRO stage and class count; objectives that read labels refuse unlabeled shards),
     before any process starts."""
+    if is_timm_name(cfg.model.name):
+        check_timm_backbone(cfg.model, encoder_img_size(cfg), cfg.optim.layer_decay,
+                            OBJECTIVES[cfg.objective][1].double_backward)
     checks = section(cfg)
     arch = model_arch(cfg.model.name, **({"img_size": cfg.model.img_size} if cfg.model.img_size else {}))
     # the shard index is read only for objectives that check its labels

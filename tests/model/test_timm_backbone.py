@@ -1,0 +1,30 @@
+"""model/timm_backbone.py: timm models built as backbones, whatever their head; the width the
+adapter reports is the width of what it returns."""
+import pytest
+import torch
+
+from model.registry import create_model
+
+
+@pytest.mark.parametrize("name, width", [("vgg11", 4096), ("mobilenetv3_small_100", 1024),
+                                         ("convnext_atto", 320), ("vit_tiny_patch16_224", 192)])
+def test_embed_dim_is_the_width_of_the_pooled_features(name, width):
+    """VGG's and MobileNetV3's pre-logits layers widen num_features (512, 576): heads built on
+    embed_dim (energy's, the probe's) must take what pooled_features gives."""
+    backbone = create_model(f"timm/{name}", img_size=32, in_chans=3).eval()
+    assert backbone.pooled_features(torch.randn(2, 3, 32, 32)).shape == (2, width) and backbone.embed_dim == width
+
+
+def test_a_model_without_stochastic_depth_builds_unless_asked_for_it():
+    """VGG takes no drop_path_rate: at 0 (the default) it is not passed; above 0 one line says so."""
+    assert create_model("timm/vgg11", img_size=32, in_chans=1).in_chans == 1
+    with pytest.raises(ValueError, match="'vgg11' has no stochastic depth: set model.drop_path_rate 0"):
+        create_model("timm/vgg11", img_size=32, in_chans=1, drop_path_rate=0.1)
+    assert create_model("timm/convnext_atto", img_size=32, drop_path_rate=0.1).inner.stages[0].blocks[0].drop_path
+
+
+@pytest.mark.parametrize("name, patch", [("vit_tiny_patch16_224", 16), ("swin_tiny_patch4_window7_224", 4),
+                                         ("convnext_atto", 0)])
+def test_patch_size_is_the_patch_embeddings(name, patch):
+    with torch.device("meta"):
+        assert create_model(f"timm/{name}", img_size=224).patch_size == patch
