@@ -107,16 +107,18 @@ def layer_id(name: str, depth: int) -> int:
 
 
 def layer_decay_groups(encoder: nn.Module, weight_decay: float, layer_decay: float,
-                       prefix: str = "") -> list[dict]:
+                       prefix: str = "", skip: set[str] | None = None) -> list[dict]:
     """Groups keyed by (layer id, decay or not), each with lr_scale = layer_decay^(depth + 1 - id);
-    the schedule multiplies its lr by lr_scale. `prefix` strips a wrapper's name (e.g. 'encoder.')."""
+    the schedule multiplies its lr by lr_scale. `prefix` strips a wrapper's name (e.g. 'encoder.');
+    `skip`: the full (prefixed) names kept out of weight decay, by default the encoder's own."""
     depth = len(encoder.blocks)
-    skip = no_weight_decay_names(encoder)
+    if skip is None:
+        skip = {prefix + n for n in no_weight_decay_names(encoder)}
     groups: dict[tuple[int, bool], dict] = {}
     for name, p in encoder.named_parameters():
         if not p.requires_grad:
             continue
-        decayed = not (p.ndim <= 1 or name in skip)
+        decayed = not (p.ndim <= 1 or prefix + name in skip)
         lid = layer_id(name, depth)
         group = groups.setdefault((lid, decayed), {
             "params": [], "weight_decay": weight_decay if decayed else 0.0,
@@ -132,7 +134,9 @@ def build_param_groups(objective: nn.Module, weight_decay: float, layer_decay: f
     grouped by layer (lr_scale = decay^(depth + 1 - id)) and the rest of the objective keeps scale 1."""
     if layer_decay >= 1.0:
         return param_groups(objective, weight_decay)
-    encoder_groups = layer_decay_groups(objective.encoder, weight_decay, layer_decay, prefix="encoder.")
+    # the objective's names: it may decay what the encoder exempts (MAE+ decay_tokens), with or without layer decay
+    encoder_groups = layer_decay_groups(objective.encoder, weight_decay, layer_decay, prefix="encoder.",
+                                        skip=no_weight_decay_names(objective))
     in_encoder = {id(p) for p in objective.encoder.parameters()}
     rest, _ = param_groups(objective, weight_decay)
     rest = [{**g, "params": [p for p in g["params"] if id(p) not in in_encoder]} for g in rest]

@@ -144,12 +144,13 @@ def test_irpe_tables_are_shared_by_default_and_per_head_as_an_option():
     assert _objective(rpe=True, adversary="rpe_embed").adversaries.tensors["rpe_enc0"].shape == (50, 1, 16)
 
 
+@pytest.mark.parametrize("layer_decay", [1.0, 0.65])  # the split into decayed or not is the same under layer decay
 @pytest.mark.parametrize("decay_tokens", [False, True])
-def test_weight_decay_of_tokens_and_irpe_tables_follows_decay_tokens(decay_tokens):
+def test_weight_decay_of_tokens_and_irpe_tables_follows_decay_tokens(decay_tokens, layer_decay):
     from train.engine.optim import build_param_groups
 
     obj = _objective(rpe=True, decay_tokens=decay_tokens)
-    groups, summary = build_param_groups(obj, weight_decay=0.05, layer_decay=1.0)
+    groups, summary = build_param_groups(obj, weight_decay=0.05, layer_decay=layer_decay)
     decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
     names = {n for n, p in obj.named_parameters() if id(p) in decayed}
     tokens = {"encoder.cls_token", "mask_token"} | {n for n, _ in obj.named_parameters() if n.endswith("rpe.table")}
