@@ -242,6 +242,21 @@ def test_a_failed_start_s_outputs_are_cleared_but_never_the_run_s_weights(run_di
     assert (out / "checkpoints" / "step00000001").is_dir() and json.loads((out / "config.json").read_text())
 
 
+def test_a_start_never_writes_over_the_weights_it_starts_from(run_dir, tmp_path, capsys):
+    """A folder holding only an encoder (no run of its own, nothing to clear) given as output_dir of
+    a run starting from that encoder: the run's export at its end would replace it. Refused before
+    start, every byte kept."""
+    out = tmp_path / "weights"
+    out.mkdir()
+    for name in ("encoder.safetensors", "encoder.json"):
+        (out / name).write_bytes((run_dir / name).read_bytes())
+    before = snapshot(out)
+    refused("train.pretrain", pretrain_argv(out, "--model.init_from", str(out / "encoder.safetensors")),
+            r"--model.init_from .*encoder.safetensors is .*encoder.safetensors of output_dir, and the run writes its "
+            r"own there \(its export replaces encoder.safetensors\): copy it out of .* first", capsys)
+    assert snapshot(out) == before
+
+
 def test_a_folder_that_is_no_run_folder_keeps_its_files(tmp_path, capsys):
     """A folder with a config.json that is not a run's (a transformers model's, say) and nothing
     trained in it was taken for a failed start, and its config.json, eval.json and vis/ deleted

@@ -87,15 +87,17 @@ def check_run_folder(run_dir: Path, config: dict, resuming: Path | None, overwri
             refuse_deleting_inputs(run_dir, inputs or {}, "its outputs, left by a start that never trained, are "
                                    "deleted before this run writes its own")
             clear_run_outputs(run_dir)
-        return
-    problem = other_run(run_dir, config)
-    if not problem:
-        return
-    if not overwrite:
-        raise ValueError(f"output_dir {run_dir} {problem}; continue it with --resume auto, choose another "
-                         f"--output_dir, or start afresh with --run.overwrite true (deletes its checkpoints and logs)")
-    refuse_deleting_inputs(run_dir, inputs or {}, "--run.overwrite true deletes the old run's outputs")
-    clear_run_outputs(run_dir)
+    elif problem := other_run(run_dir, config):
+        if not overwrite:
+            raise ValueError(f"output_dir {run_dir} {problem}; continue it with --resume auto, choose another "
+                             f"--output_dir, or start afresh with --run.overwrite true (deletes its checkpoints and "
+                             f"logs)")
+        refuse_deleting_inputs(run_dir, inputs or {}, "--run.overwrite true deletes the old run's outputs")
+        clear_run_outputs(run_dir)
+    # nothing cleared (or what was cleared held no input): the run's own files would replace an input
+    # kept under their names, e.g. its export the encoder.safetensors it started from
+    refuse_deleting_inputs(run_dir, inputs or {}, "the run writes its own there (its export replaces "
+                           "encoder.safetensors)")
 
 
 def check_resume_target(run_dir: Path, tag: Path) -> None:
