@@ -62,6 +62,22 @@ def test_a_streak_of_nonfinite_steps_ends_the_run_and_keeps_the_last_checkpoint(
     assert not (tmp_path / "encoder.safetensors").exists()  # no export of a diverged run
 
 
+@pytest.mark.parametrize("ranks, stage", [(1, 0), (2, 3)])
+def test_an_update_that_overflows_the_weights_ends_the_run_before_a_checkpoint_keeps_them(tmp_path, ranks, stage):
+    """Finite gradients, weights overflowed by the update (an absurd lr): nothing skips that step,
+    so the checkpoint is where it is caught, on every rank (ZeRO-3: each rank holds a shard). Exit 3
+    with one message; no tag or export of the broken weights (the export used to end in a traceback)."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({**json.loads(CPU_DS.read_text()), "zero_optimization": {"stage": stage}}))
+    proc = run_pretrain(tmp_path / "run", "--run.max_steps", "4", "--run.ckpt_every", "2", "--optim.blr", "1e300",
+                        ranks=ranks, ds_config=ds, check=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.stderr.count("the weights hold non-finite values after step 2") == ranks  # one line a rank
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    root = tmp_path / "run" / "checkpoints"
+    assert not list(root.glob("step*")) and not (tmp_path / "run" / "encoder.safetensors").exists()
+
+
 class Diverging(torch.nn.Module):
     """An objective whose loss is NaN at the given calls (counted from 1; None: every call)."""
 

@@ -177,5 +177,18 @@ class EngineCore(abc.ABC):
     def master_weights(self) -> dict[str, torch.Tensor]:
         """The fp32 weights the optimizer updates, by parameter name (DTensors where sharded)."""
 
+    def weights_finite(self) -> bool:
+        """Every master weight finite, on every rank (one collective where there are several). The
+        step skips non-finite gradients, but an update from finite ones can still overflow the
+        weights (an lr or weight decay far too large): checked before a checkpoint keeps them."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        local = [w.to_local() if isinstance(w, DTensor) else w for w in self.master_weights().values()]
+        finite = torch.stack([torch.isfinite(w).all() for w in local]).all().float() if local else self.one.clone()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite.item())
+
     def weights_loaded(self) -> None:
         """After the master weights were overwritten: the compute-dtype weights follow."""

@@ -40,6 +40,7 @@ from train.config.options import (
 from train.config.plan import build_encoder, labeled_split, peak_lr, schedule_steps
 from train.engine import checkpoint, distributed
 from train.engine.execution import describe_blocks
+from train.engine.nonfinite import REMEDY, NonFiniteError
 from train.engine.state_files import EXTRA_STATE, WEIGHTS_FILE, TagContents
 from train.estimate import dry_run
 from train.estimate.memory import check_floor
@@ -362,6 +363,12 @@ class Trainer:
         return client["step"]
 
     def on_checkpoint(self, step: int) -> None:
+        if not self.engine.weights_finite():  # a tag of them would be kept, and rotate good ones away
+            kept = (f"the last complete one, {self.last_saved.name}, is kept: {REMEDY}" if self.last_saved else
+                    "no earlier one exists: start again with a lower optim.blr or optim.weight_decay")
+            raise NonFiniteError(f"the weights hold non-finite values after step {step}, from an update of finite "
+                                 f"gradients that overflowed them. Training stopped without writing this checkpoint; "
+                                 f"{kept}")
         client = {"step": step, "data": distributed.all_gather_object(self.data.state_dict())}
         self.last_saved = checkpoint.save(self.engine, self.run_dir / "checkpoints", step, client, self.rank,
                                           self.world, self.ckpt_meta, self.cfg.run.keep_checkpoints,
