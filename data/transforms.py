@@ -192,6 +192,17 @@ class EvalTransform:
         return to_normalized_tensor(TF.center_crop(img, [self.size, self.size]))
 
 
+def check_augment_policy(policy: str) -> None:
+    """ValueError when timm cannot build `policy` (data.randaug), before any run starts ('' is none)."""
+    from timm.data import create_transform
+
+    try:
+        create_transform(16, is_training=True, auto_augment=policy or None)
+    except (AssertionError, KeyError, ValueError, IndexError) as e:
+        raise ValueError(f"data.randaug {policy!r} is no timm augmentation policy ({e}): give one such as "
+                         f"rand-m9-mstd0.5-inc1 (MAE's fine-tuning), augmix-m5, original, or '' for none") from None
+
+
 class RandAugTransform:
     """MAE fine-tuning augmentation through timm: RandomResizedCrop (bicubic) + flip, RandAugment,
     normalisation, random erasing. timm draws from python's, numpy's and torch's global RNGs, so

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from data.labels import LabelKey
-from data.transforms import DECODES
+from data.transforms import DECODES, check_augment_policy
 from kernels import resolve_backend
 from model.hf_interop import check_folder_fits, is_transformers_folder
 from model.objectives import OBJECTIVES, ObjectiveConfig, list_objectives
@@ -65,7 +65,7 @@ class DataConfig:
     train_transform: str = "crop_flip"  # crop_flip (MAE pretraining / linprobe) | randaug (fine-tuning) | multicrop (MAE+)
     decode: str = "cpu"  # cpu | cpu_draft (JPEG decoded at 1/2-1/8 scale when the crop allows) | nvjpeg (on the GPU)
     num_crops: int = field(default=4, metadata={"range": "[1, inf)"})  # crops per image with train_transform multicrop (each img_size, scale (crop_scale_min, 1))
-    randaug: str = "rand-m9-mstd0.5-inc1"  # timm RandAugment policy (train_transform randaug)
+    randaug: str = "rand-m9-mstd0.5-inc1"  # timm augmentation policy (train_transform randaug): rand-..., augmix-..., original; '' = none
     reprob: float = field(default=0.25, metadata={"range": "[0, 1]"})  # random erasing probability (train_transform randaug)
     num_classes: int = field(default=1000, metadata={"range": "[1, inf)"})  # synthetic source only
     max_bad_fraction: float = field(default=0.01, metadata={"range": "[0, 1]"})  # stop when more of a reader's samples are unusable (data/faults.py; 1.0 = never)
@@ -157,6 +157,11 @@ class PretrainConfig:
         if self.data.train_transform not in ("crop_flip", "randaug", "multicrop"):
             raise ConfigError(f"data.train_transform must be crop_flip, randaug or multicrop, got "
                               f"{self.data.train_transform!r}")
+        if self.data.train_transform == "randaug":
+            try:
+                check_augment_policy(self.data.randaug)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.data.decode not in DECODES:
             raise ConfigError(f"data.decode must be one of {DECODES}, got {self.data.decode!r}")
         if self.data.decode != "cpu" and self.data.train_transform == "randaug":

@@ -118,3 +118,14 @@ def test_a_timm_backbone_is_refused_for_every_objective_but_energy(objective):
                                           rf"energy trains; {objective} needs a ViT of this codebase"):
         parse_args([*DS, "--objective", objective, "--model.name", "timm/convnext_atto"])
     assert parse_args([*DS, "--objective", "energy", "--model.name", "timm/convnext_atto"]).model.name
+
+
+def test_an_augmentation_policy_timm_cannot_build_is_refused_before_start():
+    """A typo in data.randaug failed inside timm after the run folder was written (AssertionError)."""
+    randaug = ["--ds_config", "ds_configs/cpu_debug.json", "--data.source", "shards", "--data.train_index", "x.json",
+               "--objective", "finetune", "--data.train_transform", "randaug"]
+    with pytest.raises(ConfigError, match=r"data.randaug 'rand_m9' is no timm augmentation policy .* give one such as "
+                                          r"rand-m9-mstd0.5-inc1"):
+        parse_args([*randaug, "--data.randaug", "rand_m9"])
+    for policy in ("rand-m7-mstd0.5", "augmix-m5", "original", ""):  # '' is none
+        assert parse_args([*randaug, "--data.randaug", policy]).data.randaug == policy
