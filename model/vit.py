@@ -15,7 +15,6 @@ from functools import partial
 from typing import Callable, Sequence
 
 import torch
-from timm.layers import DropPath
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -90,6 +89,31 @@ class Mlp(nn.Module):
 
 NormLayer = Callable[[int], nn.Module]
 default_norm: NormLayer = partial(nn.LayerNorm, eps=1e-6)
+
+
+class DropPath(nn.Module):
+    """Stochastic depth per sample, as timm's DropPath: in training each sample's residual branch is
+    kept with probability 1 - drop_prob and scaled by its inverse. The probability lives in a 0-dim
+    buffer, not a Python float: a compiled block (`Block.compile_static`) would otherwise be
+    specialised on its own rate, so the linear rule's distinct rates gave every block a graph of its
+    own, and past dynamo's recompile limit (8 graphs) `fullgraph` fails. Its fp32 bits are stored
+    as int32, which `module.to(bfloat16)` leaves alone (a bf16 rate would be 0.8984 for 0.9)."""
+
+    def __init__(self, drop_prob: float):
+        super().__init__()
+        self.drop_prob = drop_prob  # for repr only: forward reads the buffer
+        keep = torch.tensor(1.0 - drop_prob, dtype=torch.float32)
+        self.register_buffer("keep_bits", keep.view(torch.int32), persistent=False)  # no state_dict key: timm's names
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        keep = self.keep_bits.view(torch.float32)
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)  # (B, 1, ..., 1)
+        return x * mask.div_(keep)
+
+    def extra_repr(self) -> str:
+        return f"drop_prob={self.drop_prob:g}"
 
 
 class Block(nn.Module):

@@ -80,3 +80,23 @@ def test_bad_image_size_is_clear():
     m = create_model("vit_debug_patch4")
     with pytest.raises(ValueError, match="expected 28x28"):
         m(torch.randn(1, 3, 32, 32))
+
+
+def test_drop_path_keeps_each_sample_at_its_rate_in_any_dtype():
+    """Stochastic depth (model/vit.py DropPath): per sample, kept with probability 1 - p and scaled
+    by its inverse, so the expectation is the input; its rate stays fp32 when the module is cast
+    to bf16 (0.9 would become 0.8984); identity in eval; no state_dict entry (timm's names)."""
+    from model.vit import DropPath
+
+    drop = DropPath(0.1).to(torch.bfloat16)
+    assert drop.keep_bits.view(torch.float32).item() == pytest.approx(0.9, abs=1e-7)
+    torch.manual_seed(0)
+    out = drop(torch.ones(200_000, 3, 2, dtype=torch.bfloat16))
+    kept = out[:, 0, 0] != 0
+    assert ((out != 0) == kept[:, None, None]).all()  # the whole sample, or nothing of it
+    assert kept.float().mean().item() == pytest.approx(0.9, abs=0.003)  # 9 sigma of 0.00067
+    assert torch.equal(out[kept], torch.full_like(out[kept], 1 / 0.9))  # bf16 of 1.111
+    x = torch.randn(4, 5, 6)
+    assert drop.float().eval()(x) is x and not drop.state_dict()
+    assert create_model("vit_debug_patch4", drop_path_rate=0.2).state_dict().keys() == \
+        create_model("vit_debug_patch4").state_dict().keys()

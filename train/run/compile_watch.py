@@ -3,9 +3,10 @@
 
 Every block graph of a run is compiled in its first step: one per block shape (the encoder's, the
 MAE decoder's) and grad mode. A graph compiled later is a recompile (a new token count or width,
-a changed guard), which costs seconds of compile time each and, past dynamo's recompile limit,
-silently falls back to eager; each log line therefore carries `compiled_graphs`, and a rise after
-the first read is a warning naming the step. Evaluation and figures run the blocks eagerly
+a changed guard), which costs seconds of compile time each and, past dynamo's recompile limit (8
+graphs of one code object), stops the run: the blocks compile with `fullgraph`, which makes that
+limit an error rather than a fallback to eager. Each log line therefore carries `compiled_graphs`,
+and a rise after the first read is a warning naming the step. Evaluation and figures run the blocks eagerly
 (`eager_blocks`), so they add no graphs. The compile cache: docs/TRAINING.md.
 """
 from __future__ import annotations

@@ -49,6 +49,31 @@ def test_each_block_shape_gets_one_graph_static_in_every_dimension(monkeypatch):
     assert compile_watch.graph_breaks() == breaks
 
 
+def test_blocks_of_different_stochastic_depth_rates_share_a_graph(monkeypatch):
+    """The linear rule gives each block its own drop_path rate (fine-tuning's 0.1 over 12 blocks): a
+    rate dynamo took as a constant compiled a graph per block, and the ninth failed fullgraph at
+    dynamo's recompile limit (8). Block 0 (rate 0: no drop path) and the rest: two graphs."""
+    traced = []
+
+    def recording(gm, example_inputs):  # one backend for every block, as inductor is
+        traced.append(gm)
+        return gm.forward
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": recording, "mode": None}))
+    torch._dynamo.reset()
+    blocks = [Block(32, 2, drop_path=rate) for rate in torch.linspace(0, 0.1, 12).tolist()]
+    for block in blocks:
+        block.compile_static()
+    x = torch.randn(4, 17, 32, requires_grad=True)
+    for _ in range(2):
+        y = x
+        for block in blocks:
+            y = block(y)
+        y.sum().backward()
+    assert len(traced) == 2
+
+
 def test_cuda_graphs_are_asked_for_on_cuda_with_replicated_weights_only(monkeypatch):
     """run.compile on a GPU replays the compiled blocks as CUDA graphs ("reduce-overhead") on one
     rank and on ZeRO-0; FSDP2's sharded stages compile without graphs; nothing without run.compile
