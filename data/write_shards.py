@@ -144,6 +144,14 @@ def check_output_folder(out: Path) -> None:
         raise ShardError(f"output folder {out} {problem}")
 
 
+def check_input_folder(folder: Path | None, what: str, expected: str) -> None:
+    """An input folder that exists but is a file (or a FIFO, a device) is refused as such: the readers
+    would call it missing, or look for files inside it."""
+    if folder is not None and folder.exists() and not folder.is_dir():
+        kind = "a file, not a folder" if folder.is_file() else "not a folder"
+        raise ShardError(f"{what} {folder} is {kind}: give {expected}")
+
+
 def check_outputs(out: Path, names: list[str], folders: list[Path], files: list[Path], overwrite: bool) -> None:
     """Before any file is read or written: the output folder is not an input folder, does not lie
     inside one (the shards would join the images: a class folder of their own next time) and holds
@@ -290,6 +298,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     indexes = []
     try:
         start = time.perf_counter()
+        if args.kind == "imagefolder":
+            check_input_folder(args.src, "source folder", "the image folder (one sub-folder per class)")
+        elif args.kind == "imagenet":
+            check_input_folder(args.root, "ImageNet root", "the folder holding train/ and val/")
+        else:
+            check_input_folder(args.src, "--src", "the folder of the four idx files")
         check_output_folder(args.out)
         check_outputs(args.out, *planned_inputs(args), args.overwrite)
         ignored: list[Path] = []

@@ -130,6 +130,10 @@ def convert(tag_dir: Path) -> Path:
 
 def tags_in(path: Path) -> list[Path]:
     """A tag folder itself, or every complete tag of the earlier layout under a run / checkpoints folder."""
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist; give a tag folder or a run folder")
+    if not path.is_dir():
+        raise ConfigError(f"{path} is a file, not a folder; give a tag folder or a run folder")
     if (path / COMPLETE).is_file():
         return [path]
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
@@ -141,15 +145,20 @@ def tags_in(path: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    parser = Parser(prog="python -m train.convert_checkpoint", description=__doc__,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("paths", nargs="+", metavar="TAG", help="a tag folder, or a run folder: all its tags")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    parser = Parser(prog="python -m train.convert_checkpoint", usage="%(prog)s [-h] TAG [TAG ...]",
+                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # "*", the count checked below: with "+", argparse names the missing TAG before an unknown option
+    parser.add_argument("paths", nargs="*", metavar="TAG", help="a tag folder, or a run folder: all its tags")
+    args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if not args.paths:
+        parser.error("the following arguments are required: TAG")
+    tags = [tag for arg in args.paths for tag in tags_in(Path(arg))]  # every path checked before any tag changes
     done = []
-    for arg in args.paths:
-        for tag in tags_in(Path(arg)):
-            done.append(convert(tag))
-            print(f"converted {tag}")
+    for tag in tags:
+        done.append(convert(tag))
+        print(f"converted {tag}")
     return done
 
 

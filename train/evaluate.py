@@ -37,11 +37,13 @@ from pathlib import Path
 from data.cli import Parser, read_json, regular_file
 from data.faults import CorruptDataError
 from data.folders import unwritable_file
+from data.loader import AUTO_WORKERS, resolve_num_workers
 from data.outputs import check_output, written_whole
 from data.shards import ShardSet, check_scored_against
 from data.source import DECODED_CHANNELS
 from model.interop import WeightsFileError
 from train.config.errors import ConfigError
+from train.estimate.memory import GIB, ram
 from train.run.evaluation import (  # noqa: F401  (also what scripts import from train.evaluate)
     ENCODER_FILES,
     OUR_ARCH_KEYS,
@@ -96,7 +98,9 @@ def checked_encoder(a: argparse.Namespace):
         raise ConfigError(f"{given[0]}: {e}; {fix}") from None
     except (ValueError, RuntimeError, KeyError) as e:  # not weights, weights of another shape, a size that does not fit
         size = (f" (--img_size {a.img_size}: give a multiple of the encoder's patch size, or 0 for its own size)"
-                if a.img_size and "divisible" in str(e) else "")
+                if a.img_size and "divisible" in str(e) else
+                f" (--img_size {a.img_size}: the encoder at that size does not fit in memory; give a smaller size, or "
+                f"0 for its own)" if a.img_size and "allocate" in str(e) else "")
         raise ConfigError(f"{given[0]} {source}: {e}{size}") from None
     channels = input_channels(model)
     if channels != DECODED_CHANNELS:
@@ -104,6 +108,51 @@ def checked_encoder(a: argparse.Namespace):
                           f"{DECODED_CHANNELS}-channel RGB (grayscale replicated): evaluate an encoder trained with "
                           f"model.in_chans {DECODED_CHANNELS}")
     return model
+
+
+MAX_SEED = 2**31 - 1  # training's seed range (train/config/options.py); numpy takes seeds below 2**32
+BATCH = 256  # images per batch of the feature extraction
+
+
+def seed(text: str) -> int:
+    """An argparse type: an integer in [0, MAX_SEED]."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_SEED}], got {text!r}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SEED}], got {value}")
+    return value
+
+
+def checked_workers(num_workers: int, train: ShardSet, test: ShardSet) -> int:
+    """--num_workers as the DataLoader takes it: -1 is training's auto (data.num_workers, capped by the
+    shards); a count more than the larger set's shards is refused, as training refuses it (each
+    worker reads whole shards: the others would start and read nothing)."""
+    shards = max(len(train.files), len(test.files))
+    try:
+        workers = resolve_num_workers(num_workers, shards)
+    except ValueError:
+        raise ConfigError(f"--num_workers must be >= 0, or -1 for auto, got {num_workers}") from None
+    if workers > max(1, shards):
+        raise ConfigError(f"{shards} shards cannot feed {workers} workers: each reads whole shards. Write at least "
+                          f"{workers} shards (data/write_shards.py with a smaller --samples_per_shard), or use fewer "
+                          f"workers (--num_workers {shards}, or -1 for auto)")
+    return workers
+
+
+def check_batch_fits(img_size: int, train: ShardSet, test: ShardSet) -> None:
+    """ConfigError when one batch of --img_size images exceeds this machine's memory: refused before
+    the encoder is built at that size (its position table alone may not fit)."""
+    if not img_size:
+        return
+    images = min(BATCH, max(train.num_samples, test.num_samples))
+    need = images * DECODED_CHANNELS * img_size**2 * 4  # float32
+    limit, where = ram()
+    if need > limit:
+        raise ConfigError(f"--img_size {img_size}: one batch of {images} images of {DECODED_CHANNELS} x {img_size} x "
+                          f"{img_size} float32 needs {need / GIB:,.1f} GiB, more than the {limit / GIB:,.1f} GiB of "
+                          f"{where}; give a smaller --img_size (0 = the encoder's own)")
 
 
 def evaluation_inputs(a: argparse.Namespace, train: ShardSet, test: ShardSet) -> list[Path]:
@@ -128,19 +177,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num_heads", type=int, default=0,
                    help="attention heads of an official / timm --encoder of a width other than ViT-Ti/S/B/L/H's "
                         "(the weights do not hold it); 0 = by the width (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of --random_init (default %(default)s)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of --random_init (default %(default)s)")
     p.add_argument("--pool", choices=["cls", "avg"], default="cls", help="feature: cls token or patch mean (default %(default)s)")
-    p.add_argument("--num_workers", type=int, default=1, help="decode workers (default %(default)s)")
+    p.add_argument("--num_workers", type=int, default=1,
+                   help=f"decode workers, at most the shards of the larger set; {AUTO_WORKERS} = auto, as training's "
+                        f"data.num_workers (default %(default)s)")
     p.add_argument("--max_train", type=int, default=0, help="evaluate on this many training samples; 0 = all (default %(default)s)")
     p.add_argument("--max_test", type=int, default=0, help="evaluate on this many test samples; 0 = all (default %(default)s)")
-    p.add_argument("--subset_seed", type=int, default=0, help="seed of the --max_train / --max_test subsets (default %(default)s)")
+    p.add_argument("--subset_seed", type=seed, default=0, help="seed of the --max_train / --max_test subsets (default %(default)s)")
     p.add_argument("--out", help="also write the result JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     a = p.parse_args(argv)
     if min(a.max_train, a.max_test) < 0:
         p.error("--max_train and --max_test must be >= 0 (0 = all samples)")
-    if a.img_size < 0 or a.num_workers < 0:
-        p.error("--img_size and --num_workers must be >= 0")
+    if a.img_size < 0:
+        p.error("--img_size must be >= 0 (0 = the encoder's own)")
     if a.out and (problem := unwritable_file(Path(a.out))):
         raise ConfigError(f"--out {a.out} {problem}")
     try:
@@ -150,13 +201,15 @@ def main(argv: list[str] | None = None) -> dict:
         check_scored_against(test_set, train_set, "--test_index", "--train_index")
     except (OSError, ValueError) as e:  # a missing or malformed index, an unlabeled one, labels that differ: exit 2
         raise ConfigError(str(e)) from None
+    workers = checked_workers(a.num_workers, train_set, test_set)
+    train = subsample(train_set, a.max_train, a.subset_seed)
+    test = subsample(test_set, a.max_test, a.subset_seed + 1)  # not the train positions
+    check_batch_fits(a.img_size, train, test)
     model = checked_encoder(a)
     if a.out:
         check_output(Path(a.out), evaluation_inputs(a, train_set, test_set), a.overwrite, "--out")
-    train = subsample(train_set, a.max_train, a.subset_seed)
-    test = subsample(test_set, a.max_test, a.subset_seed + 1)  # not the train positions
     try:
-        features = [extract_features(model, s, pool=a.pool, num_workers=a.num_workers, what=f"{what} features")
+        features = [extract_features(model, s, BATCH, pool=a.pool, num_workers=workers, what=f"{what} features")
                     for s, what in ((train, "train"), (test, "test"))]
     except CorruptDataError as e:  # no usable sample in a set: nothing to score, nothing written
         raise ConfigError(str(e)) from None

@@ -90,6 +90,21 @@ def test_missing_and_empty_folders(image_folder, tmp_path, capsys):
     assert "hold no image files" in err and "fox" in err
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["imagefolder", "{file}", "{out}"], "source folder {file} is a file, not a folder: give the image folder"),
+    (["imagenet", "{file}", "{out}"], "ImageNet root {file} is a file, not a folder: give the folder holding train/"),
+    (["fashion-mnist", "{out}", "--src", "{file}"], "--src {file} is a file, not a folder: give the folder of the"),
+])
+def test_an_input_folder_that_is_a_file_is_called_a_file(tmp_path, capsys, argv, says):
+    file, out = tmp_path / "images.zip", tmp_path / "out"
+    file.write_bytes(b"PK")
+    with pytest.raises(SystemExit) as e:
+        write_shards([a.format(file=file, out=out) for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and says.format(file=file) in err, err
+    assert not out.exists() and file.read_bytes() == b"PK"
+
+
 def test_fashion_mnist_converter(tmp_path):
     src = fake_fashion_mnist(tmp_path / "fm", train=30, test=10)
     train, test = write_shards(["fashion-mnist", str(tmp_path / "out"), "--src", str(src), "--samples_per_shard", "8"])

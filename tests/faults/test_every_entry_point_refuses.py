@@ -230,7 +230,7 @@ CASES = [
     ("tools.scaling", "negative latency", ["--ds_config", A100, "--intra_latency_us", "-100"],
      r"--intra_gbytes_s and --inter_gbits_s must be > 0, the latencies >= 0", None),
     ("train.convert_checkpoint", "missing run folder", ["{d}/no/such/run"],
-     r"no/such/run holds no checkpoint tag of the earlier layout .*give a tag folder or a run folder", None),
+     r"no/such/run does not exist; give a tag folder or a run folder", None),
     ("train.convert_checkpoint", "a tag that is not of the earlier layout", ["{d}/current_tag"],
      r"current_tag has no model.pt: it is not a tag of the earlier layout", None),
     ("train.convert_checkpoint", "missing option", [], r"the following arguments are required: TAG", None),

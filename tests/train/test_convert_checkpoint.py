@@ -123,3 +123,21 @@ def test_a_tag_whose_files_are_damaged_is_refused_and_kept(tmp_path, capsys):
     assert status.value.code == 2 and "Traceback" not in err and err.count("\n") == 1, err
     assert f"{tag / 'model.pt'} is damaged: its record" in err and "fails its CRC check; nothing was converted" in err
     assert {f.name: f.read_bytes() for f in tag.iterdir()} == before
+
+
+def test_an_unknown_option_or_a_missing_path_is_named_and_nothing_is_converted(tmp_path, capsys):
+    eng, cfg = trained_engine()
+    tag = tmp_path / "checkpoints" / "step00000002"
+    write_legacy_tag(eng, cfg, tag)
+    before = {f.name: f.read_bytes() for f in tag.iterdir()}
+    (tmp_path / "file").write_text("")
+    for argv, says in ((["--foo"], "error: unrecognized arguments: --foo"),
+                       ([str(tag), "--foo"], "error: unrecognized arguments: --foo"),
+                       ([], "error: the following arguments are required: TAG"),
+                       ([str(tag), str(tmp_path / "nope")], f"{tmp_path / 'nope'} does not exist; give a tag folder"),
+                       ([str(tag), str(tmp_path / "file")], f"{tmp_path / 'file'} is a file, not a folder")):
+        with pytest.raises(SystemExit) as status:
+            cli(lambda: convert(argv))
+        err = capsys.readouterr().err
+        assert status.value.code == 2 and err.count("\n") == 1 and says in err, err
+    assert {f.name: f.read_bytes() for f in tag.iterdir()} == before

@@ -154,3 +154,60 @@ def test_a_checkpoint_of_a_width_without_known_heads_is_evaluated_with_num_heads
     with torch.no_grad():
         assert torch.equal(loaded.forward_features(x), trained.forward_features(x))
     assert main(argv + ["--num_heads", "4"])["test_samples"] == 24
+
+
+def test_evaluate_num_workers_is_trainings_auto_and_no_more_than_the_shards_feed(shards, tmp_path):
+    """-1 is data.num_workers' auto; a count beyond the shards (each worker reads whole shards) is
+    refused before any worker starts, naming the count that fits."""
+    from train.config.errors import ConfigError
+    from train.evaluate import main
+
+    index = str(tmp_path / "s" / "train.json")  # 24 samples in 5 shards
+    argv = ["--train_index", index, "--test_index", index, "--random_init", "vit_debug_patch4"]
+    assert main(argv + ["--num_workers", "-1"])["test_samples"] == 24
+    with pytest.raises(ConfigError, match=r"5 shards cannot feed 1000 workers: .*--num_workers 5, or -1 for auto"):
+        main(argv + ["--num_workers", "1000"])
+    with pytest.raises(ConfigError, match="--num_workers must be >= 0, or -1 for auto, got -2"):
+        main(argv + ["--num_workers", "-2"])
+
+
+@pytest.mark.parametrize("option", ["--seed", "--subset_seed"])
+def test_evaluate_seeds_lie_in_trainings_range(shards, tmp_path, capsys, option):
+    """Seeds take training's range [0, 2**31 - 1]; outside it one line and exit 2, never a traceback."""
+    from train.evaluate import main
+
+    index = str(tmp_path / "s" / "train.json")
+    argv = ["--train_index", index, "--test_index", index, "--random_init", "vit_debug_patch4", "--num_workers", "0",
+            "--max_train", "5"]
+    for value in ("-1", "2147483648", "18446744073709551617"):
+        with pytest.raises(SystemExit) as stopped:
+            main(argv + [option, value])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.count("\n") == 1
+        assert f"argument {option}: must be in [0, 2147483647], got {value}" in err
+    assert main(argv + [option, "2147483647"])["train_samples"] == 5
+
+
+def test_evaluate_refuses_an_img_size_whose_batch_cannot_fit_before_building_the_encoder(shards, tmp_path, monkeypatch):
+    import train.evaluate
+    from train.config.errors import ConfigError
+    from train.evaluate import main
+
+    index = str(tmp_path / "s" / "train.json")
+    argv = ["--train_index", index, "--test_index", index, "--random_init", "vit_debug_patch4", "--num_workers", "0"]
+    built = []
+    monkeypatch.setattr(train.evaluate, "load_encoder", lambda *a: built.append(a))
+    with pytest.raises(ConfigError, match=r"--img_size 100000: one batch of 24 images of 3 x 100000 x 100000 float32 "
+                                          r"needs 2,682.2 GiB, more than the .* GiB of this machine's memory; give a "
+                                          r"smaller --img_size"):
+        main(argv + ["--img_size", "100000"])
+    assert built == []
+
+    def out_of_memory(*a):  # what torch raises when the position table at that size cannot be allocated
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 40000000000 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(train.evaluate, "load_encoder", out_of_memory)
+    with pytest.raises(ConfigError, match=r"can't allocate memory.*\(--img_size 64: the encoder at that size does not "
+                                          r"fit in memory; give a smaller size, or 0 for its own\)"):
+        main(argv + ["--img_size", "64"])
