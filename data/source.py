@@ -60,6 +60,18 @@ def stored_image(shards: ShardSet, max_samples: int = 8) -> tuple[str, int] | No
     return None
 
 
+def check_channels(shards: ShardSet, index: str, in_chans: int) -> None:
+    """ValueError when the model takes other than the DECODED_CHANNELS every shard decodes to."""
+    if in_chans == DECODED_CHANNELS:
+        return
+    stored = stored_image(shards)
+    held = f"hold PIL mode {stored[0]} images ({stored[1]} channel{'s' * (stored[1] > 1)}), which the " \
+        f"loader decodes" if stored else "decode"
+    raise ValueError(f"model.in_chans is {in_chans}, but the data has {DECODED_CHANNELS} channels: the shards "
+                     f"of {index} {held} to {DECODED_CHANNELS}-channel RGB (grayscale is replicated); set "
+                     f"--model.in_chans {DECODED_CHANNELS}")
+
+
 def check_source(data_cfg, world: int, in_chans: int = 3) -> None:
     """Fail before any process starts when the shards cannot feed every rank and worker, or the
     model cannot take what they decode to; the evaluation index must be readable and labeled too,
@@ -67,19 +79,14 @@ def check_source(data_cfg, world: int, in_chans: int = 3) -> None:
     shards = None
     if data_cfg.source == "shards":
         shards = train_shards(data_cfg)
-        if in_chans != DECODED_CHANNELS:
-            stored = stored_image(shards)
-            held = f"hold PIL mode {stored[0]} images ({stored[1]} channel{'s' * (stored[1] > 1)}), which the " \
-                f"loader decodes" if stored else "decode"
-            raise ValueError(f"model.in_chans is {in_chans}, but the data has {DECODED_CHANNELS} channels: the shards "
-                             f"of {data_cfg.train_index} {held} to {DECODED_CHANNELS}-channel RGB (grayscale is "
-                             f"replicated); set --model.in_chans {DECODED_CHANNELS}")
+        check_channels(shards, data_cfg.train_index, in_chans)
         check_split(shards, world, data_cfg.num_workers)
     if data_cfg.eval_index:
         try:
             scored = eval_shards(data_cfg)
         except (OSError, ValueError) as e:  # a missing file / ShardIndexError
             raise ValueError(f"data.eval_index: {e}") from None
+        check_channels(scored, data_cfg.eval_index, in_chans)  # else the first evaluation fails, mid-run
         if shards is not None and shards.labeled:  # unlabeled: the objective's own check refuses it (train/config/options.py)
             check_scored_against(scored, shards, "data.eval_index", "data.train_index")
 

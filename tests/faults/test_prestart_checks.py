@@ -24,16 +24,22 @@ def _reject(tmp_path, capsys, monkeypatch, *args) -> str:
     return err
 
 
-def test_grayscale_shards_against_a_one_channel_model_name_both_counts_and_the_fix(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("which", ["train", "eval"])
+def test_grayscale_shards_against_a_one_channel_model_name_both_counts_and_the_fix(tmp_path, capsys, monkeypatch,
+                                                                                    which):
+    """The training shards, or the evaluation shards of a run training on synthetic images (whose
+    first evaluation failed mid-run: a (256, 3, 28, 28) batch against 1 channel)."""
     root = tmp_path / "folder"
     for c in range(2):
         (root / str(c)).mkdir(parents=True)
         for i in range(4):
             Image.fromarray(np.full((8, 8), 40 * c + i, dtype=np.uint8), mode="L").save(root / str(c) / f"{i}.png")
     write_shards(["imagefolder", str(root), str(tmp_path / "shards"), "--samples_per_shard", "4"])
-    err = _reject(tmp_path, capsys, monkeypatch, "--data.source", "shards", "--data.train_index",
-                  str(tmp_path / "shards" / "train.json"), "--data.num_workers", "1")  # mae/debug.json: in_chans 1
-    assert "model.in_chans is 1, but the data has 3 channels" in err
+    index = str(tmp_path / "shards" / "train.json")
+    source = (["--data.source", "shards", "--data.train_index", index, "--data.num_workers", "1"] if which == "train"
+              else ["--config", str(CONFIGS / "mlomae" / "debug.json"), "--data.eval_index", index])  # a classifier
+    err = _reject(tmp_path, capsys, monkeypatch, *source)  # the debug presets: in_chans 1
+    assert f"model.in_chans is 1, but the data has 3 channels: the shards of {index}" in err
     assert "hold PIL mode L images (1 channel), which the loader decodes to 3-channel RGB" in err
     assert "set --model.in_chans 3" in err
 
