@@ -45,15 +45,17 @@ import torch
 
 from data.folders import unwritable
 from data.progress import Progress
-from train.config.ds_config import resolve
+from data.source import DECODED_CHANNELS, check_source
+from train.config.ds_config import resolve, zero_stage
 from train.config.errors import ConfigError
 from train.config.flags import pop_flags
-from train.config.options import encoder_img_size, help_text, parse_args, to_dict
+from train.config.options import check_objective_fits, encoder_img_size, help_text, parse_args, to_dict
 from train.config.plan import peak_lr, schedule_steps
 from train.engine import distributed
 from train.estimate.costs import profile_config
 from train.estimate.cpu_time import check_cpu_time
 from train.estimate.gpus import current_gpu, gpu_named
+from train.estimate.memory import check_floor
 from train.run.build import build_engine, training_source
 from train.run.cli import cli
 from train.run.folder import REPO, git_commit
@@ -148,6 +150,14 @@ def loader_throughput(cfg, opts: dict, img_size: int, rank: int, world: int) -> 
             "decode": cfg.data.decode, "cpu_count": os.cpu_count()}
 
 
+def checked_source(cfg, world: int, in_chans: int) -> None:
+    """The shards against the readers (ranks x workers) and the model's channels, as at a run's start."""
+    try:
+        check_source(cfg.data, world, in_chans)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> Path:
     argv = sys.argv[1:] if argv is None else argv
     asked, _ = pop_flags(argv, {"--help": None, "-h": None})
@@ -162,6 +172,7 @@ def main(argv: list[str] | None = None) -> Path:
     record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_commit(),
               "versions": versions(), "argv": rest, "bench": shown, "config": to_dict(cfg)}
     if opts["loader_only"]:
+        checked_source(cfg, world=1, in_chans=DECODED_CHANNELS)  # the reader alone: whatever the model takes
         record["device"] = cpu_name()
         record["loader"] = loader_throughput(cfg, opts, img_size, 0, 1)
         print(f"loader: {record['loader']['images_per_s']:.0f} images/s, "
@@ -170,6 +181,11 @@ def main(argv: list[str] | None = None) -> Path:
         return write(record, opts, f"loader_{cfg.data.train_transform}_{img_size}px_{cfg.data.decode}")
 
     ds_config, plan = resolve(cfg, distributed.world_size_from_env())
+    # what the training commands refuse before start, refused here too (not a traceback, or a record of
+    # a step that cannot train: a mask ratio that keeps no patch)
+    check_floor(cfg, ds_config, plan)
+    check_objective_fits(cfg, plan.micro, plan.accum, zero_stage(ds_config))
+    checked_source(cfg, plan.world, cfg.model.in_chans)
     if opts["activation_checkpointing"] == "on":
         ds_config["activation_checkpointing"] = {}
     elif opts["activation_checkpointing"] == "off":

@@ -114,3 +114,41 @@ def test_the_record_times_the_whole_window_of_timed_steps(tmp_path):
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[0, 2], [2, 5]]  # one window per call, all its steps
+
+
+def test_the_bench_refuses_before_start_what_training_refuses(tmp_path):
+    """The bench skipped the checks a training command makes before start: an objective that does
+    not fit the model ended in a traceback from its constructor, an image size no machine holds in
+    an allocation error, shards too few for the readers in the loader's traceback, and a mask ratio
+    that keeps no patch wrote a record of a step that trains nothing. Each is one line, exit 2,
+    and no record."""
+    import numpy as np
+    from PIL import Image
+
+    from data.write_shards import main as write_shards
+
+    (tmp_path / "src" / "c0").mkdir(parents=True)
+    for i in range(4):
+        Image.fromarray(np.full((8, 8, 3), i, dtype=np.uint8)).save(tmp_path / "src" / "c0" / f"{i}.png")
+    write_shards(["imagefolder", str(tmp_path / "src"), str(tmp_path / "s"), "--samples_per_shard", "2"])
+    out = tmp_path / "results"
+    common = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--steps", "1", "--warmup", "0",
+              "--out_dir", str(out)]
+    cases = {
+        "mixedae.cell_size 5 px must be a multiple of the patch size 4": ["--objective", "mixedae",
+                                                                           "--mixedae.cell_size", "5"],
+        "a step needs at least": ["--model.img_size", "100000"],
+        "2 shards cannot feed 1 ranks x 3 workers": ["--loader_only", "--data.source", "shards", "--data.train_index",
+                                                     str(tmp_path / "s" / "train.json"), "--data.num_workers", "3"],
+        "mae.mask_ratio 0.99 keeps no patch of the 49": ["--mae.mask_ratio", "0.99"],
+    }
+    code = ("import json, sys\nfrom train.bench import main\nfrom train.run.cli import cli\n"
+            "for argv in json.loads(sys.argv[1]):\n    try:\n        cli(lambda: main(argv))\n"
+            "    except SystemExit as e:\n        print('exit', e.code, flush=True)\n")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps([[*common, *c] for c in cases.values()])], cwd=REPO,
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.stdout.split() == ["exit", "2"] * len(cases), proc.stderr[-3000:]
+    refusals = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
+    assert len(refusals) == len(cases) and all(said in line for said, line in zip(cases, refusals)), refusals
+    assert "Traceback" not in proc.stderr and not list(out.glob("*.json"))
