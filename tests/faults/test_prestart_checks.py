@@ -104,12 +104,16 @@ def test_no_data_points_to_a_debug_preset_not_to_a_full_size_synthetic_run():
 
 
 @pytest.mark.parametrize("objective", ["finetune", "linprobe"])
-def test_labels_past_the_classifier_outputs_are_refused(tmp_path, capsys, monkeypatch, objective):
+def test_a_classifier_of_another_class_count_than_the_labels_is_refused(tmp_path, capsys, monkeypatch, objective):
     """Synthetic labels 0..9 against a 5-way classifier failed inside the first step (timm's mixup:
-    index out of bounds); the class count of labeled shards is checked the same way."""
+    index out of bounds); a wider one (the default 1000 on a 10-class index) trained and exported a
+    classifier of classes no sample has, its label smoothing spread over them. The class count of
+    labeled shards is checked the same way."""
     err = _reject(tmp_path, capsys, monkeypatch, "--objective", objective, f"--{objective}.num_classes", "5",
                   "--optim.name", "adamw")  # mae/debug.json: data.num_classes 10
     assert f"the training labels have 10 classes but {objective}.num_classes is 5; set --{objective}.num_classes 10" in err
     wider = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--objective", objective,
                         f"--{objective}.num_classes", "12"])
-    check_objective_fits(wider, micro_batch=8)  # more outputs than classes: accepted
+    with pytest.raises(ConfigError, match=rf"its other 2 outputs would be classes no sample has; set "
+                                          rf"--{objective}.num_classes 10"):
+        check_objective_fits(wider, micro_batch=8)
