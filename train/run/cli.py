@@ -2,6 +2,7 @@
 point's own flags (--dry-run, --world_size, --loader_only, ...) from the run options."""
 from __future__ import annotations
 
+import os
 import sys
 
 from data.cli import InputError, one_line
@@ -38,6 +39,9 @@ def cli(main_fn) -> None:
     except (NonFiniteError, CheckpointWriteError) as e:  # its message says what is kept and how to continue
         print(f"training stopped: {e}", file=sys.stderr)
         raise SystemExit(3) from None
+    except BrokenPipeError:  # the reader of standard output went away (`--help | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush of stdout must not fail again
+        raise SystemExit(1) from None
     except CorruptDataError as e:  # a data/ message: it knows shards, not checkpoints
         print(f"training stopped: {e}\n{KEPT_AFTER_CORRUPT_DATA}", file=sys.stderr)
         raise SystemExit(3) from None

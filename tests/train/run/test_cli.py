@@ -34,3 +34,17 @@ def test_a_failed_run_leaves_its_process_group(one_rank_group):
         cli(fails)
     assert e.value.code == 2
     assert dist.is_initialized()
+
+
+@pytest.mark.parametrize("command", ["train/pretrain.py", "train/finetune.py"])
+def test_help_into_a_closed_pipe_ends_quietly(command):
+    """`--help | true`: the reader is gone before the help is written (as `| head -1` once the help
+    outgrows the pipe's buffer); that was a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run(f"{sys.executable} {command} --help | true", shell=True, cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stderr == "", proc.stderr[-2000:]
