@@ -31,6 +31,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
 import argparse
 import json
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -66,6 +67,27 @@ EVAL_SIZE = 32  # the mini ViT's input (MAE+ pretrains on 16 px crops; its sin-c
 
 
 D = " (default: %(default)s)"  # argparse fills in each option's default
+
+
+def run_pretraining(cmd: list[str]) -> None:
+    """Pretraining in a child process. Ctrl-C reaches the child from the terminal (one process
+    group): the child finishes its step, saves and says where in one line, while this process
+    waits instead of dying with a traceback (or killing it 0.25 s later, as subprocess.run does);
+    a SIGTERM to this process is passed on. A stopped or failed child ends the demo with its
+    status, the demo's own command named to continue (its evaluation comes after the pretraining)."""
+    child = subprocess.Popen(cmd, cwd=REPO, env=cpu_training_env())
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))}
+    try:
+        status = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if status in (130, 143):  # stopped by a person: its checkpoint is kept
+        print(f"[demo] stopped during pretraining; run the same command again (make demo) to continue it and "
+              f"evaluate", file=sys.stderr)
+    if status:
+        raise SystemExit(status)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -107,8 +129,9 @@ def main(argv: list[str] | None = None) -> dict:
     classifier = has_classifier(a.method)
     if classifier:  # its own head is scored on the test split at the end (train/pretrain.py)
         cmd += ["--data.eval_index", str(test_index)]
-    subprocess.run(cmd, check=True, cwd=REPO, env=cpu_training_env())
-    pretrain_s = time.perf_counter() - t0
+    fresh = not (run / "checkpoints" / "latest").is_file()  # a resumed run's wall clock is not its cost
+    run_pretraining(cmd)
+    pretrain_s = time.perf_counter() - t0 if fresh else float("nan")
     head_eval = json.loads((run / "eval.json").read_text()) if classifier else None
 
     t0 = time.perf_counter()
@@ -139,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         "raw_pixel_baselines": RAW_PIXEL_BASELINES,
         "model": model_name,
         "features": pool,
-        "pretrain_seconds": round(pretrain_s, 1),
+        "pretrain_seconds": round(pretrain_s, 1) if fresh else None,  # None: resumed, this call's time is not the run's
         "eval_seconds": round(eval_s, 1),
         "eval_train_samples": eval_train.num_samples,
         "eval_test_samples": test.num_samples,
@@ -158,10 +181,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{a.method.upper() + ' own head':24}{head_eval['eval_top1']:>14.2f}{'':>12}   (test split)")
     if control is not None:
         print(f"{'random init':24}{control['linear_probe_top1']:>14.2f}{control['knn_top1']:>12.2f}")
-    print(f"{'raw pixels':24}{RAW_PIXEL_BASELINES['logistic_regression']:>14.2f}{RAW_PIXEL_BASELINES['knn_5']:>12.2f}"
+    print(f"{'raw pixels':24}{RAW_PIXEL_BASELINES['logistic_regression']:>14.1f}{RAW_PIXEL_BASELINES['knn_5']:>12.1f}"
           "   (logistic regression / 5-NN)")
-    print(f"pretraining {pretrain_s / 60:.1f} min, evaluation {eval_s / 60:.1f} min on {result['device']}, "
-          f"torch {torch.__version__}; wrote {run / 'eval.json'}")
+    took = f"pretraining {pretrain_s / 60:.1f} min" if fresh else "pretraining resumed (not timed)"
+    print(f"{took}, evaluation {eval_s / 60:.1f} min on {result['device']}, torch {torch.__version__}; wrote "
+          f"{run / 'eval.json'}")
     return result
 
 

@@ -27,9 +27,9 @@ def test_demo_pretrains_then_evaluates_both_encoders_on_splits_decoded_once(tmp_
     monkeypatch.setattr(common, "SHARDS", tmp_path / "shards")
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     envs, decoded, evaluated = [], [], []
-    real_run, real_decode, real_evaluate = subprocess.run, evaluate.decode_all, evaluate.evaluate
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: (cmd[0] != "git" and envs.append(kw.get("env")))
-                        or real_run(cmd, **kw))  # git: the record's commit
+    real_popen, real_decode, real_evaluate = subprocess.Popen, evaluate.decode_all, evaluate.evaluate
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: (cmd[0] != "git" and envs.append(kw.get("env")))
+                        or real_popen(cmd, **kw))  # git: the record's commit
     monkeypatch.setattr(demo, "decode_all", lambda split, *a: decoded.append(split.num_samples) or real_decode(split, *a))
     monkeypatch.setattr(demo, "evaluate", lambda model, train, test, pool: evaluated.append(
         (type(train), len(train.labels), len(test.labels))) or real_evaluate(model, train, test, pool))
@@ -50,3 +50,23 @@ def test_demo_pretrains_then_evaluates_both_encoders_on_splits_decoded_once(tmp_
     for scores in (result, result["random_init"]):
         assert 0 <= scores["knn_top1"] <= 100 and 0 <= scores["linear_probe_top1"] <= 100
     assert result["torch"] and result["device"]  # the timing's machine is recorded beside it
+    assert result["pretrain_seconds"] > 0
+    again = demo.main(["--epochs", "1", "--eval_train", "100", "--out", str(tmp_path / "run")])
+    assert again["pretrain_seconds"] is None  # resumed: this call's wall clock is not the run's pretraining
+    assert again["knn_top1"] == result["knn_top1"]
+
+
+def test_a_stopped_pretraining_ends_the_demo_in_one_line_naming_how_to_continue(capsys):
+    """The child's status 130 (Ctrl-C: it saved and said where) ended the demo in a
+    CalledProcessError traceback; any other failure keeps its status too."""
+    import sys
+
+    import pytest
+
+    for status in (130, 143, 1):
+        with pytest.raises(SystemExit) as e:
+            demo.run_pretraining([sys.executable, "-c", f"raise SystemExit({status})"])
+        assert e.value.code == status
+        err = capsys.readouterr().err
+        assert ("run the same command again (make demo) to continue it and evaluate" in err) == (status != 1)
+    demo.run_pretraining([sys.executable, "-c", "pass"])  # a pretraining that ended well: the demo goes on
