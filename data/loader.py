@@ -232,7 +232,8 @@ class ShardLoader:
         return self.delivered_before + self.batches * self.batch_size * self.world
 
     def state_dict(self) -> dict:
-        return {"batches": self.batches, "delivered_before": self.delivered_before, "last": [list(p) for p in self.last], "errors": self._skipped().tolist(),
+        return {"batches": self.batches, "delivered_before": self.delivered_before, "last": [list(p) for p in self.last],
+                "errors": self._skipped().tolist(),
                 "converted": self._converted().tolist(),
                 "num_workers": self.num_workers, "batch_size": self.batch_size, "world": self.world,
                 "seed": self.seed, "shuffle_buffer": self.shuffle_buffer, "start_epoch": self.start.start_epoch,

@@ -218,8 +218,9 @@ def _fused_or_warn(q: torch.Tensor) -> bool:
 
 def describe_paths(backend: str, device: torch.device, dtype: torch.dtype, tokens: int, head_dim: int,
                    capability: tuple[int, int] | None = None) -> dict[str, str]:
-    """Which implementation dense, segment-masked, TopK and biased (relative positions) attention calls get on this setup
-    (`capability`: a GPU's compute capability to decide for, without one at hand)."""
+    """Which implementation dense, segment-masked, TopK and biased (relative positions) attention
+    calls get on this setup (`capability`: a GPU's compute capability to decide for, without one at
+    hand)."""
     dense = {"sdpa": "torch SDPA (the measured kernel where kernels/attention_choices.json lists the shape, "
                      "else PyTorch's pick)", "math": "math reference",
              "flash_attn": "flash-attn package"}[backend]
