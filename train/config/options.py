@@ -263,7 +263,8 @@ def check_objective_fits(cfg: PretrainConfig, micro_batch: int, accum: int = 1, 
     MLO-MAE's ZeRO stage and class count; objectives that read labels refuse unlabeled shards),
     before any process starts."""
     if is_timm_name(cfg.model.name):
-        check_timm_backbone(cfg.model, encoder_img_size(cfg), cfg.optim.layer_decay,
+        options = {k: getattr(cfg.model, k) for k in ("in_chans", "drop_path_rate", "rpe", "attn_backend")}
+        check_timm_backbone(cfg.model.name, encoder_img_size(cfg), options, cfg.optim.layer_decay,
                             OBJECTIVES[cfg.objective][1].double_backward)
     checks = section(cfg)
     arch = model_arch(cfg.model.name, **({"img_size": cfg.model.img_size} if cfg.model.img_size else {}))
