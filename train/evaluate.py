@@ -31,6 +31,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -43,6 +44,8 @@ from data.shards import ShardSet, check_scored_against
 from data.source import DECODED_CHANNELS
 from model.interop import WeightsFileError
 from train.config.errors import ConfigError
+from train.config.options import PretrainConfig
+from train.config.values import Interval, check_range, from_text
 from train.estimate.memory import GIB, ram
 from train.run.evaluation import (  # noqa: F401  (also what scripts import from train.evaluate)
     ENCODER_FILES,
@@ -110,18 +113,18 @@ def checked_encoder(a: argparse.Namespace):
     return model
 
 
-MAX_SEED = 2**31 - 1  # training's seed range (train/config/options.py); numpy takes seeds below 2**32
+# training's seed range, read from its field (numpy takes seeds below 2**32)
+SEEDS = Interval.parse(next(f for f in dataclasses.fields(PretrainConfig) if f.name == "seed").metadata["range"])
 BATCH = 256  # images per batch of the feature extraction
 
 
 def seed(text: str) -> int:
-    """An argparse type: an integer in [0, MAX_SEED]."""
+    """An argparse type: an integer in training's seed range."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_SEED}], got {text!r}") from None
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SEED}], got {value}")
+        value = from_text(int, text)
+        check_range(value, SEEDS)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return value
 
 
@@ -184,7 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
                         f"data.num_workers (default %(default)s)")
     p.add_argument("--max_train", type=int, default=0, help="evaluate on this many training samples; 0 = all (default %(default)s)")
     p.add_argument("--max_test", type=int, default=0, help="evaluate on this many test samples; 0 = all (default %(default)s)")
-    p.add_argument("--subset_seed", type=seed, default=0, help="seed of the --max_train / --max_test subsets (default %(default)s)")
+    p.add_argument("--subset_seed", type=seed, default=0,
+                   help="seed of the --max_train / --max_test subsets (default %(default)s)")
     p.add_argument("--out", help="also write the result JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     a = p.parse_args(argv)

@@ -177,7 +177,8 @@ class ClassifierConfig(ObjectiveConfig):
         if num_classes > self.num_classes:  # labels past the classifier's outputs fail in the first step
             raise ValueError(f"the training labels have {num_classes} classes but {self.section}.num_classes is "
                              f"{self.num_classes}; set --{self.section}.num_classes {num_classes}")
-        if num_classes < self.num_classes:  # trains, wrongly: softmax mass (and label smoothing's) on outputs no sample has
+        # fewer trains, wrongly: softmax mass (and label smoothing's) goes to outputs no sample has
+        if num_classes < self.num_classes:
             raise ValueError(f"the training labels have {num_classes} classes but {self.section}.num_classes is "
                              f"{self.num_classes}: its other {self.num_classes - num_classes} outputs would be classes "
                              f"no sample has; set --{self.section}.num_classes {num_classes}")

@@ -31,6 +31,17 @@ def test_what_a_timm_backbone_cannot_take_is_refused_before_start(options, said)
         checked(*options)
 
 
-@pytest.mark.parametrize("name", ["timm/convnext_atto", "timm/vgg11", "timm/vit_tiny_patch16_224"])
-def test_backbones_that_fit_pass(name):
+@pytest.mark.parametrize("name, patch", [("timm/convnext_atto", 0), ("timm/vgg11", 0),
+                                         ("timm/vit_tiny_patch16_224", 16)])
+def test_backbones_that_fit_pass_and_the_probe_finds_their_double_backward(name, patch):
+    """The refusals above are not the probe failing on everything: these pass every check, and on
+    the meta device their double backward exists and their patch grid (if any) fits 32 px."""
+    import torch
+
+    from model.registry import create_model
+    from train.config.backbones import missing_double_backward
+
     checked("--model.name", name, "--model.img_size", "32", "--energy.grid_cell", "8")
+    with torch.device("meta"):
+        encoder = create_model(name, img_size=32, in_chans=3, attn_backend="math")
+    assert encoder.patch_size == patch and missing_double_backward(encoder, 3, 32) is None
