@@ -62,14 +62,8 @@ from data.labels import LabelKey
 from data.loader import cores_per_rank
 from data.outputs import check_output, written_whole
 from data.progress import mapped
-from data.shards import (
-    IMAGE_KEYS,
-    URL_SCHEME,
-    PipeShard,
-    _is_sample_member,
-    pipe_members,
-    shard_name,
-)
+from data.shard_index import URL_SCHEME, PipeShard, shard_name
+from data.shards import IMAGE_KEYS, _is_sample_member, pipe_members
 
 
 OWN_KEYS = {"members", "unlabeled", "bad_shards"}  # build_index's, which data/write_shards.py's indexes lack

@@ -14,7 +14,8 @@ import torch
 from data.faults import ERROR_KINDS, CorruptDataError, padded, verify_hint
 from data.image_modes import CONVERTED_KINDS
 from data.reshard import ReaderLayout, consumed
-from data.shards import DEFAULT_MAX_IMAGE_PIXELS, ShardSet, ShardStream, StreamStart, check_split, shards_for
+from data.shard_index import ShardSet, check_split
+from data.shards import DEFAULT_MAX_IMAGE_PIXELS, ShardStream, StreamStart, shards_for
 from data.transforms import PretrainTransform, normalize_uint8
 
 

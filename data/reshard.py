@@ -19,7 +19,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
-from data.shards import Consumed, ShardSet, ShardStream, StreamStart, sample_id, shards_for
+from data.shard_index import ShardSet
+
+from data.shards import Consumed, ShardStream, StreamStart, sample_id, shards_for
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from data.loader import ShardLoader
-from data.shards import ShardSet, check_scored_against, check_split, open_sample, shard_samples
+from data.shard_index import ShardSet, check_held_out, check_scored_against, check_split
+from data.shards import open_sample, shard_samples
 from data.split import LabeledSplit, SplitSource
 from data.synthetic import SyntheticImages
 from data.transforms import PretrainTransform
@@ -75,7 +76,8 @@ def check_channels(shards: ShardSet, index: str, in_chans: int) -> None:
 def check_source(data_cfg, world: int, in_chans: int = 3) -> None:
     """Fail before any process starts when the shards cannot feed every rank and worker, or the
     model cannot take what they decode to; the evaluation index must be readable and labeled too,
-    and give the training shards' class names to the same labels (check_scored_against)."""
+    share no shard with the training index (check_held_out), and give the training shards' class
+    names to the same labels (check_scored_against)."""
     shards = None
     if data_cfg.source == "shards":
         shards = train_shards(data_cfg)
@@ -89,6 +91,8 @@ def check_source(data_cfg, world: int, in_chans: int = 3) -> None:
         check_channels(scored, data_cfg.eval_index, in_chans)  # else the first evaluation fails, mid-run
         if shards is not None and shards.labeled:  # unlabeled: the objective's own check refuses it (train/config/options.py)
             check_scored_against(scored, shards, "data.eval_index", "data.train_index")
+        if shards is not None:
+            check_held_out(scored, shards, "data.eval_index", "data.train_index")
 
 
 def build_source(data_cfg, img_size: int, in_chans: int, batch_size: int, seed: int, rank: int, world: int,

@@ -17,7 +17,9 @@ from typing import Iterator
 
 import torch
 
-from data.shards import ShardSet, raw_samples
+from data.shard_index import ShardSet
+
+from data.shards import raw_samples
 
 
 @dataclass(frozen=True)

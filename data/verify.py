@@ -11,9 +11,10 @@ Prints one line per bad shard with the reason and exits 1 when any is bad, 0 whe
 (label >= the number of names in "classes") makes its shard bad (`label_out_of_range`); an
 unlabeled index is checked without labels, and says so. `--train_index` checks the index as an
 evaluation set of that training index first, from the two indexes alone: the same class names
-for the same labels (data/shards.py check_scored_against); when they differ it exits 2 naming
-the first difference, before any shard is read. `--data.verify_shards true` runs the same check
-on the training (and evaluation) index before a run starts, refusing it with exit status 2.
+for the same labels (data/shard_index.py check_scored_against) and no shard of the training index
+(check_held_out); when they differ it exits 2 naming the first difference, before any shard is
+read. `--data.verify_shards true` runs the same check on the training (and evaluation) index
+before a run starts, refusing it with exit status 2.
 """
 from __future__ import annotations
 
@@ -40,17 +41,8 @@ from data.faults import SampleError
 from data.loader import cores_per_rank
 from data.progress import mapped
 from data.labels import LabelKey
-from data.shards import (
-    CLS,
-    DECODE_ERRORS,
-    DEFAULT_MAX_IMAGE_PIXELS,
-    IMAGE_KEYS,
-    PipeShard,
-    ShardSet,
-    _is_sample_member,
-    check_scored_against,
-    open_sample,
-)
+from data.shard_index import PipeShard, ShardSet, check_held_out, check_scored_against
+from data.shards import CLS, DECODE_ERRORS, DEFAULT_MAX_IMAGE_PIXELS, IMAGE_KEYS, _is_sample_member, open_sample
 
 PIL_OBJECT = re.compile(r" <_io\.BytesIO object at 0x[0-9a-f]+>")  # in PIL's messages: no help to a reader
 HEADER_BYTES = 64 * 1024  # read of each image member: holds the header of any PNG and nearly any JPEG
@@ -196,10 +188,12 @@ def verify_before_start(data_cfg) -> None:
 
 
 def check_evaluation_set(shards: ShardSet, train: ShardSet) -> None:
-    """--train_index: `shards` can be scored against what is fitted on `train` (ShardIndexError otherwise)."""
+    """--train_index: `shards` can be scored against what is fitted on `train`, and holds none of its
+    shards (ShardIndexError otherwise)."""
     train.require_labels("--train_index: its labels are what an evaluation set is scored with")
     shards.require_labels("--train_index: an evaluation set is scored against its labels")
     check_scored_against(shards, train, "the index", "--train_index")
+    check_held_out(shards, train, "the index", "--train_index")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="images with more pixels count as bad, as data.max_image_pixels skips them (default %(default)s)")
     p.add_argument("--allow_pipe_urls", action="store_true", help="accept pipe: entries (they are listed, not checked)")
     p.add_argument("--train_index", help="check INDEX as an evaluation set of this training index: the same class "
-                                         "names for the same labels")
+                                         "names for the same labels, and none of its shards")
     a = p.parse_args(argv)
     if a.workers < 0:
         p.error("--workers must be >= 0")

@@ -177,6 +177,17 @@ def rgb_shards(tmp_path, image_folder):
     return tmp_path / "shards" / f"{index['name']}.json"
 
 
+@pytest.fixture
+def rgb_test_shards(tmp_path, image_folder):
+    """image_folder's images again, in shards of their own beside rgb_shards': a held-out index (an
+    evaluation may not score the training shards, data/shard_index.py check_held_out)."""
+    from data.write_shards import main as write_shards
+
+    [index] = write_shards(["imagefolder", str(image_folder), str(tmp_path / "shards"), "--samples_per_shard", "4",
+                            "--name", "test"])
+    return tmp_path / "shards" / f"{index['name']}.json"
+
+
 # A fake ImageNet (tests/data/test_write_shards.py, tests/test_readme_commands.py): wnids created out of
 # order, so that sorting them (timm / torchvision's class order) matters
 WNIDS = ["n02102040", "n01440764", "n01443537"]

@@ -18,10 +18,11 @@ only with --overwrite, and is refused even then when it is one of the inputs (an
 the encoder or its .json) or lies inside the checkpoint evaluated.
 
 The test index must give the training index's class names to the same labels (it may name only
-the first of them): checked from the two indexes before any image is decoded
-(data/shards.py check_scored_against). Samples that cannot be used (data/faults.py's kinds) are
-skipped and counted: the result says how many of each set's samples were used and why the others
-were not, and a set of which none could be used is refused (exit 2) rather than scored 0.
+the first of them) and share none of its shards: checked from the two indexes before any image is
+decoded (data/shard_index.py check_scored_against, check_held_out). Samples that cannot be used
+(data/faults.py's kinds) are skipped and counted: the result says how many of each set's samples
+were used and why the others were not, and a set of which none could be used is refused (exit 2)
+rather than scored 0.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from data.faults import CorruptDataError
 from data.folders import unwritable_file
 from data.loader import AUTO_WORKERS, resolve_num_workers
 from data.outputs import check_output, written_whole
-from data.shards import ShardSet, check_scored_against
+from data.shard_index import ShardSet, check_held_out, check_scored_against
 from data.source import DECODED_CHANNELS
 from model.interop import WeightsFileError
 from train.config.errors import ConfigError
@@ -203,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
         train_set.require_labels("--train_index: the kNN and the linear probe fit on its labels")
         test_set.require_labels("--test_index: the kNN and the linear probe are scored against its labels")
         check_scored_against(test_set, train_set, "--test_index", "--train_index")
+        check_held_out(test_set, train_set, "--test_index", "--train_index")
     except (OSError, ValueError) as e:  # a missing or malformed index, an unlabeled one, labels that differ: exit 2
         raise ConfigError(str(e)) from None
     workers = checked_workers(a.num_workers, train_set, test_set)

@@ -42,7 +42,7 @@ import torch
 from data.cli import Parser
 from data.folders import unwritable
 from data.loader import cores_per_rank
-from data.shards import ShardSet
+from data.shard_index import ShardSet
 from experiments.fashion_mnist.common import (
     RAW_PIXEL_BASELINES,
     REPO,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from data.shards import ShardSet
+from data.shard_index import ShardSet
 from model.objectives import build_objective
 from model.objectives.base import Objective
 from train.config.options import parse_args, section

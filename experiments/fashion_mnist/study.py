@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from data.cli import Parser
-from data.shards import ShardSet
+from data.shard_index import ShardSet
 from experiments.fashion_mnist import progress
 from experiments.fashion_mnist.common import (
     FINETUNE_BLR,

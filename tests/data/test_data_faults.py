@@ -1,5 +1,5 @@
 """Faults in training shards: bad samples skipped and counted by kind, odd image modes converted,
-the corrupt-fraction limit, empty or unsafe shard indexes (data/faults.py, data/shards.py)."""
+the corrupt-fraction limit, empty or unsafe shard indexes (data/faults.py, data/shards.py, data/shard_index.py)."""
 import io
 import json
 import re
@@ -18,7 +18,8 @@ from PIL import Image
 from data.device_decode import DeviceDecoder, EncodedCropTransform
 from data.faults import ERROR_KINDS, BadSampleBudget, CorruptDataError, SampleError, ShardIndexError
 from data.loader import ShardLoader
-from data.shards import PipeShard, ShardSet, ShardStream, open_sample, raw_samples
+from data.shard_index import PipeShard, ShardSet
+from data.shards import ShardStream, open_sample, raw_samples
 from data.source import _shard_loader
 from data.transforms import EvalTransform, MultiCropTransform, PretrainTransform, decode_rgb
 from train.config.errors import ConfigError

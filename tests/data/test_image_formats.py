@@ -10,7 +10,7 @@ from PIL import Image, features
 from wds_shards import image_bytes
 
 from data.loader import ShardLoader
-from data.shards import ShardSet
+from data.shard_index import ShardSet
 
 SAMPLES = [("webp", "WEBP"), ("bmp", "BMP"), ("tif", "TIFF"), ("gif", "GIF"), ("jpg", "JPEG"), ("png", "PNG"),
            ("tga", "TGA"), ("ppm", "PPM")]  # 3 standard formats, 5 others

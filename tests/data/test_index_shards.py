@@ -13,7 +13,8 @@ from PIL import Image
 
 from data.index_shards import main
 from data.labels import LabelKey
-from data.shards import ShardSet, open_sample, raw_samples
+from data.shard_index import ShardSet
+from data.shards import open_sample, raw_samples
 
 REPO = Path(__file__).resolve().parents[2]
 

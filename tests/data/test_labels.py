@@ -11,7 +11,8 @@ from wds_shards import image_bytes, write_img2dataset_shards, write_index
 from data.faults import ERROR_KINDS, CorruptDataError, SampleError, ShardIndexError
 from data.labels import LabelKey
 from data.loader import ShardLoader
-from data.shards import ShardSet, open_sample
+from data.shard_index import ShardSet
+from data.shards import open_sample
 from data.verify import verify_shards
 
 

@@ -6,7 +6,7 @@ import pytest
 from test_data_faults import image_shards, write_index
 
 from data.loader import ShardLoader, cores_per_rank, resolve_num_workers
-from data.shards import ShardSet
+from data.shard_index import ShardSet
 from train.config.options import DataConfig
 
 

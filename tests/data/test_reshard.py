@@ -10,7 +10,8 @@ from PIL import Image
 from data.faults import CorruptDataError
 from data.loader import ShardLoader
 from data.reshard import ReaderLayout, consumed
-from data.shards import ShardSet, ShardStream, StreamStart, sample_id
+from data.shard_index import ShardSet
+from data.shards import ShardStream, StreamStart, sample_id
 from data.write_shards import main as write_shards
 
 

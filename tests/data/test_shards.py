@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from data.loader import ShardLoader
-from data.shards import ShardSet, ShardStream, check_split, shards_for
+from data.shard_index import ShardSet, check_split
+from data.shards import ShardStream, shards_for
 from data.transforms import EvalTransform, PretrainTransform
 from data.write_shards import main as write_shards
 

@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 
 from data.loader import ShardLoader
-from data.shards import ShardSet
+from data.shard_index import ShardSet
 from data.split import LabeledSplit, SplitSource, shard_keys
 from data.synthetic import SyntheticImages
 from data.write_shards import main as write_shards

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from test_data_faults import image_shards, write_index, write_tar
 
-from data.shards import ShardSet
+from data.shard_index import ShardSet
 from data.verify import main, verify_shard, verify_shards
 
 REPO = Path(__file__).resolve().parents[2]

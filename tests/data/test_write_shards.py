@@ -16,7 +16,8 @@ from conftest import (
 )
 
 from data.image_datasets import read_idx
-from data.shards import ShardSet, decode, raw_samples
+from data.shard_index import ShardSet
+from data.shards import decode, raw_samples
 from data.write_shards import main as write_shards
 
 

@@ -65,8 +65,9 @@ ENTRY_POINTS = {
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
-    """Inputs good and bad, made once: labeled RGB shards, encoders of 1 and 3 channels, a run
-    folder of MAE, malformed JSON, a file where a folder is expected."""
+    """Inputs good and bad, made once: labeled RGB shards (and a held-out set of the same images),
+    encoders of 1 and 3 channels, a run folder of MAE, malformed JSON, a file where a folder is
+    expected."""
     from safetensors.torch import save_file
 
     from data.write_shards import main as write_shards
@@ -78,6 +79,7 @@ def inputs(tmp_path_factory) -> Path:
         for i in range(3):
             Image.fromarray(np.full((28, 28, 3), 60 * c + 10 * i, dtype=np.uint8)).save(root / "images" / f"class{c}" / f"{i}.png")
     write_shards(["imagefolder", str(root / "images"), str(root / "shards"), "--workers", "1"])
+    write_shards(["imagefolder", str(root / "images"), str(root / "held_out"), "--name", "test", "--workers", "1"])
     for name, chans, model in (("gray", 1, "vit_debug_patch4"), ("mini", 3, "vit_mini_patch4")):
         encoder = create_model(model, in_chans=chans)
         save_file({k: v.contiguous() for k, v in encoder.state_dict().items()}, str(root / f"{name}.safetensors"))
@@ -164,29 +166,29 @@ CASES = [
                                           "train/configs/linprobe/mae_recip.json"],
      r"nearest: train/configs/linprobe/mae_recipe.json", None),
     ("train.evaluate", "missing encoder", ["--train_index", "{d}/shards/train.json", "--test_index",
-                                           "{d}/shards/train.json", "--encoder", "{d}/nowhere.safetensors"],
+                                           "{d}/held_out/test.json", "--encoder", "{d}/nowhere.safetensors"],
      r"--encoder .*nowhere.safetensors does not exist: give an exported encoder.safetensors", None),
     ("train.evaluate", "encoder of other input channels",
-     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/shards/train.json", "--encoder",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/held_out/test.json", "--encoder",
       "{d}/gray.safetensors"], r"takes 1-channel images, the shards decode to 3-channel RGB", None),
     ("train.evaluate", "size that does not fit the patch",
-     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/shards/train.json", "--random_init",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/held_out/test.json", "--random_init",
       "vit_debug_patch4", "--img_size", "30"], r"img_size 30 is not divisible by patch_size 4 .*--img_size 30: give a "
                                                r"multiple", None),
     ("train.evaluate", "missing checkpoint", ["--train_index", "{d}/shards/train.json", "--test_index",
-                                              "{d}/shards/train.json", "--checkpoint", "{d}/empty"],
+                                              "{d}/held_out/test.json", "--checkpoint", "{d}/empty"],
      r"--checkpoint .*empty: no complete checkpoint there", None),
     ("train.evaluate", "malformed index", ["--train_index", "{d}/malformed.json", "--test_index",
-                                           "{d}/shards/train.json", "--random_init", "vit_debug_patch4"],
+                                           "{d}/held_out/test.json", "--random_init", "vit_debug_patch4"],
      r"shard index .*malformed.json:1:24 is not valid JSON", None),
     ("train.evaluate", "one training sample", ["--train_index", "{d}/shards/train.json", "--test_index",
-                                               "{d}/shards/train.json", "--random_init", "vit_debug_patch4",
+                                               "{d}/held_out/test.json", "--random_init", "vit_debug_patch4",
                                                "--max_train", "1", "--num_workers", "0"],
      r"the linear probe would fit on 1 training sample, and standardising its features needs at least 2", None),
     ("train.evaluate", "no encoder", ["--train_index", "{d}/shards/train.json", "--test_index",
-                                      "{d}/shards/train.json"], r"give exactly one of --encoder", None),
+                                      "{d}/held_out/test.json"], r"give exactly one of --encoder", None),
     ("train.evaluate", "unwritable output", ["--train_index", "{d}/shards/train.json", "--test_index",
-                                             "{d}/shards/train.json", "--random_init", "vit_debug_patch4", "--out",
+                                             "{d}/held_out/test.json", "--random_init", "vit_debug_patch4", "--out",
                                              "{d}/a_file/eval.json"], r"--out .*cannot be written", None),
     ("train.evaluate", "misspelt option", ["--train_index", "x", "--test_index", "x", "--tset_index", "x"],
      r"unrecognized arguments: --tset_index x \(--help lists the options\)", None),
@@ -289,7 +291,7 @@ CASES = [
     ("train.export", "a checkpoint whose state.pt would run code", ["--checkpoint", "{d}/hostile_state"],
      r"--checkpoint .*hostile_state: no checkpoint in .* can be used \(step00000001: state.pt would unpickle", None),
     ("train.evaluate", "a checkpoint whose optimizer metadata would run code",
-     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/shards/train.json", "--checkpoint",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/held_out/test.json", "--checkpoint",
       "{d}/hostile_metadata"], r"--checkpoint .*hostile_metadata: .*optim/.metadata would unpickle", None),
     # --- values: types, ranges, composition ---
     ("train.pretrain", "a number out of its range", ["--ds_config", CPU_DS, "--config", DEBUG, "--seed", "-1",
@@ -341,19 +343,19 @@ CASES = [
       "/dev/zero", "--linprobe.num_classes", "2", "--data.train_index", "{d}/shards/train.json", "--output_dir",
       "{d}/out"], r"model.init_from: /dev/zero is a character device, not a regular file; give", None),
     ("train.evaluate", "random bytes as the encoder",
-     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/shards/train.json", "--encoder",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/held_out/test.json", "--encoder",
       "{d}/bad/random.safetensors"], r"--encoder: .*random.safetensors is not a safetensors file.*; give an exported",
      None),
     ("train.evaluate", "a FIFO as the encoder",
-     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/shards/train.json", "--encoder",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/held_out/test.json", "--encoder",
       "{d}/bad/fifo.safetensors"], r"--encoder .*fifo.safetensors is a FIFO \(named pipe\), not a regular file: give",
      None),
     ("train.evaluate", "--out that is an input",
-     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/shards/train.json", "--random_init",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/held_out/test.json", "--random_init",
       "vit_debug_patch4", "--out", "{d}/shards/train.json", "--overwrite"],
      r"--out .*train.json is the input .*train.json: writing it would destroy the input", None),
     ("train.evaluate", "an existing --out",
-     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/shards/train.json", "--random_init",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/held_out/test.json", "--random_init",
       "vit_debug_patch4", "--out", "{d}/malformed.json"], r"--out .*malformed.json exists already: pass --overwrite",
      None),
     ("train.export", "a checkpoint whose weights are cut short", ["--checkpoint", "{d}/bad_run"],
@@ -470,7 +472,7 @@ def test_every_entry_point_is_in_the_table_and_runs_its_main_as_the_table_does()
 
 @pytest.mark.parametrize("argv, message", [
     (["train/export.py", "--checkpoint", "no/such/run"], "--checkpoint no/such/run does not exist: give a run folder"),
-    (["train/evaluate.py", "--train_index", "{d}/shards/train.json", "--test_index", "{d}/shards/train.json",
+    (["train/evaluate.py", "--train_index", "{d}/shards/train.json", "--test_index", "{d}/held_out/test.json",
       "--encoder", "{d}/gray.safetensors"], "takes 1-channel images, the shards decode to 3-channel RGB"),
 ], ids=["export", "evaluate"])
 def test_as_scripts_too(inputs, argv, message, tmp_path):

@@ -3,7 +3,8 @@
 An evaluation set is scored with what was fitted on a training set's labels, so both indexes must
 give the same class names to the same integers: train.evaluate, finetune / linprobe with
 data.eval_index and data.verify --train_index refuse a pair that does not (exit 2, naming both
-indexes, the first difference and the fix) before any image is decoded. Samples an evaluation
+indexes, the first difference and the fix) before any image is decoded, and so do they for a pair
+that shares a shard (the accuracy would be measured on training samples). Samples an evaluation
 skips are counted by kind and reported with the result; a set of which none could be used is an
 error, not an accuracy of 0. Shard entries that climb out of the index's folder are refused when
 the index is read. The training commands' log lines name the command."""
@@ -25,7 +26,7 @@ from conftest import CPU_DS, DEBUG_PRESET, REPO
 from PIL import Image
 
 from data.faults import CorruptDataError, ShardIndexError
-from data.shards import ShardSet, check_scored_against
+from data.shard_index import PipeShard, ShardSet, check_held_out, check_scored_against
 from data.verify import main as verify
 from data.write_shards import main as write_shards
 from train import evaluate, finetune, linprobe
@@ -120,6 +121,34 @@ def test_a_training_index_whose_recorded_labels_pass_its_classes_is_refused_too(
         check_scored_against(scored, train, "--test_index", "--train_index")
 
 
+def test_an_evaluation_set_that_shares_a_training_shard_is_refused(sets, tmp_path):
+    """The same index, a copy of it, or an index naming one of its shards by another path: each
+    would score samples the model was fitted on."""
+    train = ShardSet.from_index(sets["train"])
+    first = train.files[0]
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "other.tar").write_bytes(first.read_bytes())  # the same bytes, another shard
+    (tmp_path / "link").symlink_to(first.parent)  # the training shards' folder by another path
+    absolute = tmp_path / "absolute.json"
+    absolute.write_text(json.dumps({"shards": [{"file": str(tmp_path / "elsewhere" / "other.tar"), "samples": 4},
+                                               {"file": str(tmp_path / "link" / first.name), "samples": 4}],
+                                   "classes": ["class0", "class1"]}))
+    for scored, says in ((sets["same"], r"--test_index .*train.json is the same index as --train_index: its accuracy "
+                                        r"would be measured on samples the model was fitted on; point --test_index at "
+                                        r"a held-out split"),
+                         (sets["swapped"], r"--test_index .*swapped.json lists 2 of the shards --train_index "
+                                           r".*train.json lists \(e.g. .*train-00000[01].tar\)"),
+                         (absolute, rf"--test_index .*absolute.json lists 1 of the shards .*\(e.g. .*{first.name}\)")):
+        with pytest.raises(ShardIndexError, match=says):
+            check_held_out(ShardSet.from_index(scored), train, "--test_index", "--train_index")
+    check_held_out(ShardSet.from_index(sets["fewer"]), train, "--test_index", "--train_index")  # shards of its own
+    copy = ShardSet.from_index(tmp_path / "absolute.json")
+    check_held_out(ShardSet(copy.files[:1], (4,), copy.classes), train, "--test_index", "--train_index")
+    piped = ShardSet((PipeShard("pipe:cat a.tar"),), (4,), ("class0",))
+    with pytest.raises(ShardIndexError, match=r"lists 1 of the shards .*\(e.g. pipe:cat a.tar\)"):
+        check_held_out(piped, piped, "--test_index", "--train_index")
+
+
 # --- the commands ---
 
 def run(main, argv: list[str], capsys) -> tuple[int, str, str]:
@@ -142,6 +171,13 @@ def test_evaluate_refuses_a_test_index_of_other_classes_before_decoding(sets, tm
     monkeypatch.setattr(evaluate, "checked_encoder", lambda a: pytest.fail("the encoder was loaded"))
     status, _, err = run(evaluate.main, evaluate_argv(sets, "swapped", tmp_path / "e.json"), capsys)
     assert status == 2 and err.count("\n") == 1 and "label 0 is class 'class1' in --test_index" in err, err
+    assert not (tmp_path / "e.json").exists()
+
+
+def test_evaluate_refuses_to_score_the_training_shards(sets, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(evaluate, "checked_encoder", lambda a: pytest.fail("the encoder was loaded"))
+    status, _, err = run(evaluate.main, evaluate_argv(sets, "same", tmp_path / "e.json"), capsys)
+    assert status == 2 and err.count("\n") == 1 and "is the same index as --train_index" in err, err
     assert not (tmp_path / "e.json").exists()
 
 
@@ -184,6 +220,14 @@ def test_training_commands_refuse_an_evaluation_index_of_other_classes_before_st
     status, _, err = run(entry.main, training_argv(entry, sets, "swapped", tmp_path / "run"), capsys)
     assert status == 2 and err.count("\n") == 1, err
     assert "data.eval_index" in err and "does not fit data.train_index" in err and "label 0 is class 'class1'" in err
+    assert not (tmp_path / "run").exists() and not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("entry", [finetune, linprobe], ids=["finetune", "linprobe"])
+def test_training_commands_refuse_to_evaluate_on_their_training_shards_before_start(entry, sets, tmp_path, capsys):
+    status, _, err = run(entry.main, training_argv(entry, sets, "same", tmp_path / "run"), capsys)
+    assert status == 2 and err.count("\n") == 1, err
+    assert "data.eval_index" in err and "is the same index as data.train_index" in err
     assert not (tmp_path / "run").exists() and not torch.distributed.is_initialized()
 
 
@@ -233,6 +277,9 @@ def test_verify_checks_an_evaluation_index_against_the_training_index(sets, caps
     assert verify([str(sets["swapped"]), "--train_index", str(sets["train"]), "--workers", "1"]) == 2
     err = capsys.readouterr().err
     assert "the index " in err and "does not fit --train_index" in err and "label 0 is class 'class1'" in err
+    assert verify([str(sets["same"]), "--train_index", str(sets["train"]), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is the same index as --train_index" in err, err
     assert verify([str(sets["fewer"]), "--train_index", str(sets["train"]), "--workers", "1"]) == 0
 
 

@@ -181,7 +181,7 @@ def test_messages_name_the_fix(tmp_path, rgb_shards):
     proc = run_pretrain(tmp_path / "b", "--data.source", "shards", "--data.train_index", str(rgb_shards.parent),
                         "--model.in_chans", "3", check=False)
     assert proc.returncode == 2 and "is a folder (it holds train.json): give the index file itself" in proc.stderr
-    from data.shards import ShardSet, check_split
+    from data.shard_index import ShardSet, check_split
 
     with pytest.raises(ValueError, match=r"cannot feed 8 ranks \(each reads in its own process with "
                                          r"--data.num_workers 0\) = 8 readers.*smaller --samples_per_shard\)$"):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from data.shards import ShardSet
+from data.shard_index import ShardSet
 from data.write_shards import main as write_shards
 from model import create_model
 from train.run.evaluation import decode_all, evaluate, extract_features, knn_top1, linear_probe_top1, load_encoder
@@ -30,7 +30,10 @@ def test_linear_probe_separates_separable_data_and_not_noise():
 
 @pytest.fixture
 def shards(image_folder, tmp_path):
-    write_shards(["imagefolder", str(image_folder), str(tmp_path / "s"), "--samples_per_shard", "5"])
+    """s/train.json; beside it s/test.json, the same images in shards of their own: a held-out index
+    for train.evaluate (which refuses to score the training shards)."""
+    for name in ("train", "test"):
+        write_shards(["imagefolder", str(image_folder), str(tmp_path / "s"), "--samples_per_shard", "5", "--name", name])
     return ShardSet.from_index(tmp_path / "s" / "train.json")
 
 
@@ -119,13 +122,15 @@ def test_evaluate_command_caps_train_and_test_samples(shards, tmp_path):
     from train.evaluate import main
 
     index = str(tmp_path / "s" / "train.json")
-    result = main(["--train_index", index, "--test_index", index, "--random_init", "vit_debug_patch4",
+
+    held_out = str(tmp_path / "s" / "test.json")
+    result = main(["--train_index", index, "--test_index", held_out, "--random_init", "vit_debug_patch4",
                    "--num_workers", "0", "--max_train", "12", "--max_test", "5", "--out", str(tmp_path / "e.json")])
     assert result["train_samples"] == 12 and result["test_samples"] == 5
     assert 0.0 <= result["knn_top1"] <= 100.0 and result["knn_top1"] * 5 / 100 == pytest.approx(
         round(result["knn_top1"] * 5 / 100))  # a share of 5 test samples
     with pytest.raises(SystemExit):
-        main(["--train_index", index, "--test_index", index, "--random_init", "vit_debug_patch4", "--max_test", "-1"])
+        main(["--train_index", index, "--test_index", held_out, "--random_init", "vit_debug_patch4", "--max_test", "-1"])
 
 
 def test_a_checkpoint_of_a_width_without_known_heads_is_evaluated_with_num_heads(shards, tmp_path):
@@ -140,7 +145,8 @@ def test_a_checkpoint_of_a_width_without_known_heads_is_evaluated_with_num_heads
     path = tmp_path / "w256.pth"
     torch.save(trained.state_dict(), path)
     index = str(tmp_path / "s" / "train.json")
-    argv = ["--train_index", index, "--test_index", index, "--encoder", str(path), "--num_workers", "0"]
+    held_out = str(tmp_path / "s" / "test.json")
+    argv = ["--train_index", index, "--test_index", held_out, "--encoder", str(path), "--num_workers", "0"]
     for extra, says in (([], r"cannot infer the number of heads of a 256-wide ViT .*pass num_heads \(train.evaluate: "
                                  r"--num_heads\)"),
                         (["--num_heads", "3"], "3 heads do not divide the width 256"),
@@ -148,7 +154,7 @@ def test_a_checkpoint_of_a_width_without_known_heads_is_evaluated_with_num_heads
         with pytest.raises(ConfigError, match=says):
             main(argv + extra)
     with pytest.raises(ConfigError, match="--num_heads is for an official MAE or timm checkpoint"):
-        main(["--train_index", index, "--test_index", index, "--random_init", "vit_debug_patch4", "--num_heads", "2"])
+        main(["--train_index", index, "--test_index", held_out, "--random_init", "vit_debug_patch4", "--num_heads", "2"])
     loaded = load_encoder(encoder=str(path), num_heads=4).eval()
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
@@ -163,7 +169,9 @@ def test_evaluate_num_workers_is_trainings_auto_and_no_more_than_the_shards_feed
     from train.evaluate import main
 
     index = str(tmp_path / "s" / "train.json")  # 24 samples in 5 shards
-    argv = ["--train_index", index, "--test_index", index, "--random_init", "vit_debug_patch4"]
+
+    held_out = str(tmp_path / "s" / "test.json")
+    argv = ["--train_index", index, "--test_index", held_out, "--random_init", "vit_debug_patch4"]
     assert main(argv + ["--num_workers", "-1"])["test_samples"] == 24
     with pytest.raises(ConfigError, match=r"5 shards cannot feed 1000 workers: .*--num_workers 5, or -1 for auto"):
         main(argv + ["--num_workers", "1000"])
@@ -177,7 +185,9 @@ def test_evaluate_seeds_lie_in_trainings_range(shards, tmp_path, capsys, option)
     from train.evaluate import main
 
     index = str(tmp_path / "s" / "train.json")
-    argv = ["--train_index", index, "--test_index", index, "--random_init", "vit_debug_patch4", "--num_workers", "0",
+
+    held_out = str(tmp_path / "s" / "test.json")
+    argv = ["--train_index", index, "--test_index", held_out, "--random_init", "vit_debug_patch4", "--num_workers", "0",
             "--max_train", "5"]
     for value in ("-1", "2147483648", "18446744073709551617"):
         with pytest.raises(SystemExit) as stopped:
@@ -194,7 +204,9 @@ def test_evaluate_refuses_an_img_size_whose_batch_cannot_fit_before_building_the
     from train.evaluate import main
 
     index = str(tmp_path / "s" / "train.json")
-    argv = ["--train_index", index, "--test_index", index, "--random_init", "vit_debug_patch4", "--num_workers", "0"]
+
+    held_out = str(tmp_path / "s" / "test.json")
+    argv = ["--train_index", index, "--test_index", held_out, "--random_init", "vit_debug_patch4", "--num_workers", "0"]
     built = []
     monkeypatch.setattr(train.evaluate, "load_encoder", lambda *a: built.append(a))
     with pytest.raises(ConfigError, match=r"--img_size 100000: one batch of 24 images of 3 x 100000 x 100000 float32 "

@@ -36,14 +36,15 @@ def setup(tmp_path_factory):
         for i in range(8):
             Image.fromarray(np.full((20, 20), 40 * c + 3 * i, dtype=np.uint8), mode="L").save(root / f"c{c}" / f"{i}.png")
     shards = tmp_path_factory.mktemp("shards")
-    write_shards(["imagefolder", str(root), str(shards), "--samples_per_shard", "3"])
+    for name in ("train", "test"):  # the same images; the evaluation may not score the training shards
+        write_shards(["imagefolder", str(root), str(shards), "--samples_per_shard", "3", "--name", name])
     index = shards / "train.json"
     common = ["--data.source", "shards", "--data.train_index", str(index), "--data.num_workers", "1",
               "--data.epoch_size", "0", "--model.in_chans", "3"]
     mae = tmp_path_factory.mktemp("mae")
     run_pretrain(mae, *common, "--run.max_steps", "2")
     args = [*common, "--model.name", "vit_debug_patch4", "--model.init_from", str(mae / "encoder.safetensors"),
-            "--finetune.num_classes", "3", "--data.eval_index", str(index), "--data.eval_crop_pct", "1.0",
+            "--finetune.num_classes", "3", "--data.eval_index", str(shards / "test.json"), "--data.eval_crop_pct", "1.0",
             "--optim.epochs", "2", "--optim.warmup_epochs", "1", "--run.log_every", "1", "--run.ckpt_every", "3"]
     straight = tmp_path_factory.mktemp("ft")
     _finetune(straight, *args)

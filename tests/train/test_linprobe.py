@@ -6,7 +6,7 @@ import sys
 import torch
 from conftest import REPO, run_pretrain
 
-from data.shards import ShardSet
+from data.shard_index import ShardSet
 from data.write_shards import main as write_shards
 from model.objectives import build_objective
 from model.objectives.linear_probe import LinearProbeConfig
@@ -23,7 +23,8 @@ def _linprobe(out, ds, *args):
 
 
 def test_linear_probe_on_a_frozen_encoder(image_folder, tmp_path):
-    write_shards(["imagefolder", str(image_folder), str(tmp_path / "s"), "--samples_per_shard", "3"])
+    for name in ("train", "test"):  # the same images; the evaluation may not score the training shards
+        write_shards(["imagefolder", str(image_folder), str(tmp_path / "s"), "--samples_per_shard", "3", "--name", name])
     index = tmp_path / "s" / "train.json"
     shard_args = ["--data.source", "shards", "--data.train_index", str(index), "--data.num_workers", "1",
                   "--data.epoch_size", "0", "--model.in_chans", "3"]
@@ -35,7 +36,7 @@ def test_linear_probe_on_a_frozen_encoder(image_folder, tmp_path):
                               "gradient_clipping": 0.0, "zero_optimization": {"stage": 0}}))
     out = tmp_path / "probe"
     proc = _linprobe(out, ds, "--model.name", "vit_debug_patch4", "--model.init_from", str(encoder_file),
-                     *shard_args, "--data.eval_index", str(index), "--data.eval_crop_pct", "1.0",
+                     *shard_args, "--data.eval_index", str(tmp_path / "s" / "test.json"), "--data.eval_crop_pct", "1.0",
                      "--linprobe.num_classes", "3", "--optim.epochs", "2", "--optim.warmup_epochs", "1",
                      "--run.ckpt_every", "3", "--run.log_every", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -56,7 +56,7 @@ def data(tmp_path_factory):
 
 
 def test_the_documented_cpu_probe_learns_as_the_quick_probe_does_and_the_mae_recipe_says_it_does_not(data):
-    from data.shards import ShardSet
+    from data.shard_index import ShardSet
     from train.run.evaluation import evaluate, load_encoder
 
     doc = command(Doc.read("docs/EVALUATION.md"), "python train/linprobe.py", "Linear probe on a CPU")

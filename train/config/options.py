@@ -279,7 +279,7 @@ def check_objective_fits(cfg: PretrainConfig, micro_batch: int, accum: int = 1, 
         if reads_labels and cfg.data.source == "synthetic":  # labels 0 .. data.num_classes - 1
             checks.check_labels(cfg.data.num_classes)
         if reads_labels and cfg.data.source == "shards" and Path(cfg.data.train_index).is_file():
-            from data.shards import ShardSet
+            from data.shard_index import ShardSet
 
             shards = ShardSet.from_index(cfg.data.train_index, cfg.data.allow_pipe_urls)
             try:

@@ -19,7 +19,8 @@ from data.cli import InputError
 from data.faults import ERROR_KINDS, CorruptDataError, SampleError, ShardIndexError
 from data.loader import resolve_num_workers
 from data.progress import Progress
-from data.shards import DECODE_ERRORS, ShardSet, decode, shard_samples
+from data.shard_index import ShardSet
+from data.shards import DECODE_ERRORS, decode, shard_samples
 from data.transforms import EvalTransform
 from model.interop import encoder_from_state, resize_pos_embed, safe_load, split_official_mae
 from model.timm_backbone import TimmBackbone

@@ -174,14 +174,14 @@ def test_compiled_blocks_recomputed_in_the_backward_take_the_eager_steps(tmp_pat
     assert {m["compiled_graphs"] for m in runs["compiled"]} == {2}  # the encoder's and the decoder's
 
 
-def test_evaluation_with_a_short_last_batch_compiles_nothing(tmp_path, monkeypatch, rgb_shards):
+def test_evaluation_with_a_short_last_batch_compiles_nothing(tmp_path, monkeypatch, rgb_shards, rgb_test_shards):
     """Fine-tuning with an evaluation after step 2 of 4 on shards whose 24 samples leave a short
     last batch: the log lines after the evaluation count the graphs of the first step."""
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("WORLD_SIZE", "1")
     metrics = pretrain(tmp_path / "run", "--objective", "finetune", "--model.name", "vit_debug_patch4",
                        "--finetune.num_classes", "3", "--data.train_index", str(rgb_shards), "--data.eval_index",
-                       str(rgb_shards), "--run.eval_every", "2", "--data.num_workers", "0", "--optim.epochs", "2",
+                       str(rgb_test_shards), "--run.eval_every", "2", "--data.num_workers", "0", "--optim.epochs", "2",
                        "--optim.warmup_epochs", "1", "--run.compile", "true")
     graphs = [m["compiled_graphs"] for m in metrics]
     assert graphs[0] >= 1 and set(graphs) == {graphs[0]}, graphs
