@@ -213,12 +213,14 @@ class ShardLoader:
         converted = zip(CONVERTED_KINDS, self._converted().tolist(), strict=True)
         return {**skipped, **{f"data_converted_{k}": int(v) for k, v in converted}}
 
-    def check_unusable(self, counters: dict[str, int]) -> None:
+    def check_unusable(self, counters: dict[str, int], delivered: int | None = None) -> None:
         """The give-up rule over the whole run so far, for `counters` summed over every rank (the
         loop's read at a run's last step): each reader applies it only once it has seen a shard's
-        worth of samples, which a short run may never reach. Raises CorruptDataError."""
+        worth of samples, which a short run may never reach. `delivered`: the samples those
+        counters stand against, when other loaders than this one counted too (default: this
+        loader's). Raises CorruptDataError."""
         bad = sum(v for k, v in counters.items() if k.startswith("data_skipped_"))
-        examined = self.delivered() + bad
+        examined = (self.delivered() if delivered is None else delivered) + bad
         if bad and bad > self.max_bad_fraction * examined:
             raise CorruptDataError(
                 f"{bad} of {examined} samples read were unusable ({bad / examined:.1%}), above data.max_bad_fraction "

@@ -78,6 +78,13 @@ class SplitSource:
         a, b = self.train.counters(), self.val.counters()
         return {k: a[k] + b[k] for k in a}
 
+    def check_unusable(self, counters: dict[str, int]) -> None:
+        """data.max_bad_fraction over the whole run (ShardLoader.check_unusable): both parts read
+        the same shards, each its own samples (the key filter runs before decoding), so the summed
+        counters stand against what both delivered. Nothing for synthetic images."""
+        if hasattr(self.train, "check_unusable"):
+            self.train.check_unusable(counters, self.train.delivered() + self.val.delivered())
+
     def state_dict(self) -> dict:
         return {"train": self.train.state_dict(), "val": self.val.state_dict(), "val_every": self.val_every,
                 "batches": self.batches}

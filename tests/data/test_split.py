@@ -91,6 +91,31 @@ def test_fraction_is_as_configured():
     assert abs(share - 0.2) < 0.01
 
 
+def test_the_give_up_rule_at_a_runs_end_counts_both_parts(train_and_test):
+    """data.max_bad_fraction's last check: the unusable samples of D_tr and D_val (summed counters)
+    against the samples both delivered; a split run had no such check, so a short run on mostly
+    corrupt shards ended without a word."""
+    from data.faults import CorruptDataError
+
+    shards, _, _ = train_and_test
+    split = LabeledSplit(0.2, seed=0)
+
+    def part(keep):
+        return ShardLoader(shards, 6, batch_size=1, seed=3, rank=0, world=1, num_workers=0, shuffle_buffer=7,
+                           transform=pixel_id, keep=keep, max_bad_fraction=0.1)
+
+    source = SplitSource(part(split.keep_train), part(split.is_val), val_every=2)
+    for _ in range(8):
+        next(source)
+    assert (source.train.delivered(), source.val.delivered()) == (8, 4)
+    source.check_unusable({"data_skipped_undecodable_image": 1})  # 1 of 13: under 10%
+    with pytest.raises(CorruptDataError, match=r"2 of 14 samples read were unusable \(14.3%\), above "
+                                               r"data.max_bad_fraction 0.1 \(by kind: undecodable_image 2\)"):
+        source.check_unusable({"data_skipped_undecodable_image": 2})
+    synthetic = SplitSource(SyntheticImages(2, 8, 1, 3, 0, 0), SyntheticImages(2, 8, 1, 3, 9, 0), val_every=2)
+    synthetic.check_unusable({"data_skipped_undecodable_image": 2})  # nothing is read: nothing to check
+
+
 def test_split_source_attaches_val_batches_and_resumes():
     def make():
         return SplitSource(SyntheticImages(2, 8, 1, 3, seed=0, rank=0), SyntheticImages(2, 8, 1, 3, seed=9, rank=0),
