@@ -253,7 +253,7 @@ def job_script() -> str:
 
 def new_run_problem(out: Path, cfg, continue_run: bool) -> str:
     """Why the submission may not use `out` as its run folder ('' when it may)."""
-    from train.config.options import to_dict
+    from train.config.parsing import to_dict
     from train.run.folder import other_run
 
     if cfg.run.overwrite:
@@ -318,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from data.loader import MAX_AUTO_WORKERS
     from train.config.errors import ConfigError
-    from train.config.options import PretrainConfig, parse_args
+    from train.config.options import PretrainConfig
+    from train.config.parsing import parse_args
     from train.estimate.dry_run import check
     from train.estimate.gpus import gpu_named
     from train.run.code_version import source_hash

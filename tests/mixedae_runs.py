@@ -8,7 +8,8 @@ from conftest import CPU_DS, REPO, fake_fashion_mnist, save_module_state
 
 from data.write_shards import main as write_shards
 from model.objectives import build_objective
-from train.config.options import parse_args, section, to_dict
+from train.config.options import section
+from train.config.parsing import parse_args, to_dict
 from train.config.plan import build_encoder
 
 PRESET = REPO / "train" / "configs" / "mixedae" / "debug.json"

@@ -12,7 +12,7 @@ import pytest
 from readme_commands import REPO, Doc, code_lines
 
 from train.config.ds_config import resolve
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.config.plan import peak_lr
 
 PAGES = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md"))]

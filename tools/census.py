@@ -49,7 +49,8 @@ import torch
 from data.folders import unwritable_file
 from train.config.errors import ConfigError
 from train.config.flags import pop_flags
-from train.config.options import PretrainConfig, encoder_img_size, help_text, parse_args, section
+from train.config.options import PretrainConfig, encoder_img_size, section
+from train.config.parsing import help_text, parse_args
 from train.estimate.counting import PHASES, Tally, counting, kernels_profiled
 from train.run.cli import cli
 

@@ -41,7 +41,7 @@ from kernels.attention import _fused_reason
 from kernels.bench import commit
 from train.config.ds_config import resolve
 from train.config.errors import ConfigError
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.estimate.costs import attention_shapes, profile_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -29,7 +29,8 @@ import torch
 
 from data.cli import Parser, refuse
 from train.config.ds_config import resolve
-from train.config.options import encoder_img_size, parse_args
+from train.config.options import encoder_img_size
+from train.config.parsing import parse_args
 from train.engine.execution import apply_execution_options
 from train.run.build import build_engine
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from data.cli import Parser, refuse
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.estimate.step_flops import PHASES, step_flops
 
 REPO = Path(__file__).resolve().parents[1]

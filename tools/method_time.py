@@ -29,7 +29,7 @@ import torch
 
 from data.cli import Parser, refuse
 from tools.method_costs import CONFIGS, DEBUG_METHODS, DS, METHODS
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.estimate.gpus import current_gpu
 from train.estimate.step_flops import PHASES, build_step, flops_by_step, run_step
 

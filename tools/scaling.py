@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from train.config.ds_config import load
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.estimate.comm_model import DDP_BUCKET_BYTES, Compute, Network
 from train.estimate.gpus import gpu_in_filename, gpu_named
 from train.estimate.scaling import Scaling, scaling

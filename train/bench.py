@@ -49,7 +49,9 @@ from data.source import DECODED_CHANNELS, check_source
 from train.config.ds_config import resolve, zero_stage
 from train.config.errors import ConfigError
 from train.config.flags import pop_flags
-from train.config.options import check_objective_fits, encoder_img_size, help_text, parse_args, to_dict
+from train.config.objective_fits import check_objective_fits
+from train.config.options import encoder_img_size
+from train.config.parsing import help_text, parse_args, to_dict
 from train.config.plan import peak_lr, schedule_steps
 from train.engine import distributed
 from train.estimate.costs import profile_config

@@ -16,7 +16,8 @@ import torch
 from data.shard_index import ShardSet
 from model.objectives import build_objective
 from model.objectives.base import Objective
-from train.config.options import parse_args, section
+from train.config.options import section
+from train.config.parsing import parse_args
 from train.config.plan import build_encoder
 from train.engine.checkpoint import is_complete, read_meta
 from train.engine.state_files import read_module_state

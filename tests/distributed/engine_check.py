@@ -29,7 +29,7 @@ import torch.distributed as dist
 from rank_end import end_rank
 
 from train.config.ds_config import resolve
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.engine import distributed
 from train.run.build import build_engine
 

@@ -103,7 +103,7 @@ def test_gpu_the_torch_build_has_no_kernels_for(tmp_path, capsys, monkeypatch):
 
 def _old_run(folder, config_changes: dict, checkpoint: bool):
     """A run folder as an earlier run leaves it: config.json, a log line, maybe a checkpoint."""
-    from train.config.options import parse_args, to_dict
+    from train.config.parsing import parse_args, to_dict
 
     cfg = to_dict(parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET)]))
     for key, value in config_changes.items():

@@ -16,7 +16,7 @@ from conftest import CPU_DS, DEBUG_PRESET, REPO, run_pretrain
 from train.config.ds_config import resolve
 from train.config.ds_keys import check_keys
 from train.config.errors import ConfigError
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 
 A100 = REPO / "ds_configs" / "vit_b_8xa100_bf16_zero1.json"
 PRESETS = REPO / "train" / "configs"

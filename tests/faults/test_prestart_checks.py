@@ -11,7 +11,8 @@ from test_config_errors import _reject as reject_before_start
 
 from data.write_shards import main as write_shards
 from train.config.errors import ConfigError
-from train.config.options import check_objective_fits, parse_args
+from train.config.objective_fits import check_objective_fits
+from train.config.parsing import parse_args
 from train.run.trainer import check_before_start
 
 CONFIGS = DEBUG_PRESET.parent.parent

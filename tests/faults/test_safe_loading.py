@@ -8,7 +8,7 @@ import torch
 from conftest import CPU_DS, DEBUG_PRESET
 from safetensors.torch import save_file
 
-from train.config.options import parse_args, to_dict
+from train.config.parsing import parse_args, to_dict
 from train.pretrain import main
 from train.run.cli import cli
 

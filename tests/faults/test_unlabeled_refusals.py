@@ -9,7 +9,7 @@ from wds_shards import write_img2dataset_shards, write_index
 
 from train import finetune, linprobe, pretrain
 from train.config.errors import ConfigError
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.run.cli import cli
 
 CONFIGS = DEBUG_PRESET.parent.parent

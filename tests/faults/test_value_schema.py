@@ -28,7 +28,8 @@ from model.objectives import list_objectives
 from train.config.ds_config import resolve
 from train.config.ds_keys import ENGINE_VALUES
 from train.config.errors import ConfigError
-from train.config.options import options, parse_args, valid_keys
+from train.config.options import options, valid_keys
+from train.config.parsing import parse_args
 from train.engine.config import EngineConfig
 from train.run.cli import cli
 from train.run.folder import read_metrics

@@ -165,7 +165,7 @@ def test_the_tool_times_the_runs_shapes_and_merges_its_entries(tmp_path, capsys)
 
 
 def test_the_dry_run_states_each_shapes_kernel(tmp_path, monkeypatch):
-    from train.config.options import parse_args
+    from train.config.parsing import parse_args
     from train.estimate.dry_run import check
     from train.estimate.gpus import gpu_named
 
@@ -186,7 +186,7 @@ def test_the_dry_run_states_each_shapes_kernel(tmp_path, monkeypatch):
 def test_the_dry_run_states_the_path_of_calls_the_table_does_not_decide(tmp_path, monkeypatch, preset, gpu, said):
     """The table's entry for a shape applies to dense SDPA calls only: the math backend, restricted
     (TopK, segment) and biased calls are said with their own path, as the run takes it."""
-    from train.config.options import parse_args
+    from train.config.parsing import parse_args
     from train.estimate.dry_run import check
     from train.estimate.gpus import gpu_named
 

@@ -114,7 +114,7 @@ def test_shards_that_do_not_fit_the_model_are_refused_before_any_process_starts(
     """The debug preset's 1-channel model on RGB shards: refused by the dry run, by submit.py and
     by train/pretrain.py before the process group starts (it used to die after it)."""
     from train.config.errors import ConfigError
-    from train.config.options import parse_args
+    from train.config.parsing import parse_args
     from train.engine import distributed
     from train.estimate.dry_run import check
     from train.estimate.gpus import gpu_named

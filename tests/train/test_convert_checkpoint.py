@@ -9,7 +9,7 @@ import torch
 from conftest import CPU_DS, DEBUG_PRESET
 
 from train.config.ds_config import resolve
-from train.config.options import parse_args, to_dict
+from train.config.parsing import parse_args, to_dict
 from train.convert_checkpoint import main as convert
 from train.engine import checkpoint
 from train.pretrain import main as pretrain

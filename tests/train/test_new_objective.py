@@ -104,7 +104,7 @@ def test_help_lists_the_new_section(capsys):
 
 def test_unknown_option_of_the_new_section_is_refused_with_a_hint():
     from train.config.errors import ConfigError
-    from train.config.options import parse_args
+    from train.config.parsing import parse_args
 
     with pytest.raises(ConfigError, match=f"did you mean '{NAME}.target_scale'"):
         parse_args(["--ds_config", "x.json", "--data.source", "synthetic", f"--{NAME}.target_scal", "2"])

@@ -137,7 +137,8 @@ def test_resume_accepts_options_added_since_the_checkpoint_at_their_defaults():
     at its default, and is refused when the run sets it otherwise."""
     from train.config.ds_config import BatchPlan
     from train.config.errors import ConfigError
-    from train.config.options import PretrainConfig, to_dict
+    from train.config.options import PretrainConfig
+    from train.config.parsing import to_dict
     from train.run.build import check_resume_compatible
 
     cfg, plan = PretrainConfig(ds_config="x.json"), BatchPlan(8, 1, 1)
@@ -152,7 +153,8 @@ def test_resume_accepts_options_added_since_the_checkpoint_at_their_defaults():
 def test_resume_on_another_world_size_needs_the_same_global_batch():
     from train.config.ds_config import BatchPlan
     from train.config.errors import ConfigError
-    from train.config.options import PretrainConfig, to_dict
+    from train.config.options import PretrainConfig
+    from train.config.parsing import to_dict
     from train.run.build import check_resume_compatible
 
     cfg = PretrainConfig(ds_config="x.json")

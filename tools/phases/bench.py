@@ -31,7 +31,7 @@ def baseline_run(check: Check, argv: list[str], steps: int, warmup: int, dtype: 
     from tools.mae_baseline import time_training
     from train.bench import split_argv
     from train.config.ds_config import resolve
-    from train.config.options import parse_args
+    from train.config.parsing import parse_args
 
     _, rest = split_argv(argv)
     cfg = parse_args(rest)
@@ -45,7 +45,7 @@ def baseline_run(check: Check, argv: list[str], steps: int, warmup: int, dtype: 
         free_memory()
 
 def run(check: Check, a) -> None:
-    from train.config.options import parse_args
+    from train.config.parsing import parse_args
     from train.estimate.dry_run import check as dry_run
     from train.estimate.gpus import current_gpu
 

@@ -105,7 +105,7 @@ def device_loader(check: Check, common: list[str], batches: int, warmup: int) ->
     from data.source import build_source
     from train.bench import split_argv
     from train.config.ds_config import resolve
-    from train.config.options import parse_args
+    from train.config.parsing import parse_args
 
     _, rest = split_argv(common)
     cfg = parse_args([*rest, "--data.decode", "nvjpeg"])

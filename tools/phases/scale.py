@@ -94,7 +94,7 @@ def predicted(argv: list[str], configs: list[Path], measured: dict, peak: float 
     """The communication model's efficiency of each stage's configuration on one node and on 4, the
     compute at the MFU measured on 1 GPU of that stage (40% where none was measured)."""
     from train.config.ds_config import load
-    from train.config.options import parse_args
+    from train.config.parsing import parse_args
     from train.estimate.comm_model import Compute, Network
     from train.estimate.scaling import scaling
 
@@ -114,7 +114,8 @@ def predicted(argv: list[str], configs: list[Path], measured: dict, peak: float 
 
 
 def run(check: Check, a) -> None:
-    from train.config.options import encoder_img_size, parse_args
+    from train.config.options import encoder_img_size
+    from train.config.parsing import parse_args
     from train.estimate.gpus import current_gpu
 
     summary = check.record["summary"]

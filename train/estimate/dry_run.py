@@ -35,7 +35,9 @@ from train.config.ds_config import (
 )
 from train.config.errors import ConfigError
 from train.config.flags import pop_flags
-from train.config.options import PretrainConfig, check_objective_fits, parse_args
+from train.config.objective_fits import check_objective_fits
+from train.config.options import PretrainConfig
+from train.config.parsing import parse_args
 from train.config.plan import peak_lr, schedule_steps
 from train.config.values import from_text
 from train.engine.config import EngineConfig

@@ -19,7 +19,8 @@ from model.objectives import build_objective
 from train import engine as engines
 from train.config.ds_config import BatchPlan, activation_checkpointing
 from train.config.errors import ConfigError
-from train.config.options import PretrainConfig, section, to_dict
+from train.config.options import PretrainConfig, section
+from train.config.parsing import to_dict
 from train.config.plan import build_encoder, labeled_split
 from train.engine import EngineConfig, checkpoint
 from train.engine.execution import apply_execution_options, uses_cuda_graphs

@@ -28,15 +28,9 @@ from model.timm_backbone import TimmBackbone
 from train.config.ds_config import BatchPlan, resolve, zero_stage
 from train.config.errors import ConfigError
 from train.config.flags import pop_flags
-from train.config.options import (
-    PretrainConfig,
-    check_objective_fits,
-    defaults_under,
-    help_text,
-    parse_args,
-    section,
-    to_dict,
-)
+from train.config.objective_fits import check_objective_fits
+from train.config.options import PretrainConfig, section
+from train.config.parsing import defaults_under, help_text, parse_args, to_dict
 from train.config.plan import build_encoder, labeled_split, peak_lr, schedule_steps
 from train.engine import checkpoint, distributed
 from train.engine.execution import describe_blocks

@@ -11,7 +11,8 @@ from data.write_shards import main as write_shards
 from experiments.fashion_mnist.learned_masks import main as learned_masks
 from experiments.fashion_mnist.report import collect, mask_lines
 from model.objectives import build_objective
-from train.config.options import parse_args, section, to_dict
+from train.config.options import section
+from train.config.parsing import parse_args, to_dict
 from train.config.plan import build_encoder
 
 PRESET = REPO / "train" / "configs" / "mlomae" / "debug.json"

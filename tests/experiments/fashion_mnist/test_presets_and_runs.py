@@ -16,7 +16,7 @@ from experiments.fashion_mnist.common import (
 )
 from experiments.fashion_mnist.entries import STUDY
 from model.objectives import list_objectives
-from train.config.options import parse_args, to_dict
+from train.config.parsing import parse_args, to_dict
 
 
 def test_demo_methods_are_the_registered_objectives_with_a_demo_preset():

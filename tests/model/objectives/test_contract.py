@@ -17,7 +17,8 @@ from model.objectives import (
     register_objective,
 )
 from model.registry import create_model
-from train.config.options import parse_args, section
+from train.config.options import section
+from train.config.parsing import parse_args
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "train" / "configs"

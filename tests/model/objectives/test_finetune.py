@@ -156,7 +156,8 @@ def test_an_odd_micro_batch_with_mixup_is_refused_before_start():
     from conftest import CPU_DS, DEBUG_PRESET
 
     from train.config.errors import ConfigError
-    from train.config.options import check_objective_fits, parse_args
+    from train.config.objective_fits import check_objective_fits
+    from train.config.parsing import parse_args
 
     cfg = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--objective", "finetune",
                       "--finetune.num_classes", "10"])

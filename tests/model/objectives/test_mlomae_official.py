@@ -137,7 +137,7 @@ def test_official_code_overlay():
 
 def test_official_code_overlay_parses_over_a_preset():
     """The overlay's keys are config fields with valid values (over the debug preset, which needs no data)."""
-    from train.config.options import parse_args
+    from train.config.parsing import parse_args
 
     repo = OVERLAY.parents[4]
     cfg = parse_args(["--config", str(repo / "train/configs/mlomae/debug.json"), "--config", str(OVERLAY),

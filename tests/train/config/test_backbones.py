@@ -4,7 +4,8 @@ import pytest
 from conftest import REPO
 
 from train.config.errors import ConfigError
-from train.config.options import check_objective_fits, parse_args
+from train.config.objective_fits import check_objective_fits
+from train.config.parsing import parse_args
 
 ENERGY = ["--ds_config", str(REPO / "ds_configs/cpu_debug.json"), "--config",
           str(REPO / "train/configs/energy/debug.json"), "--data.source", "synthetic"]

@@ -4,7 +4,8 @@ import typing
 import pytest
 
 from train.config.errors import ConfigError
-from train.config.options import PretrainConfig, parse_args
+from train.config.options import PretrainConfig
+from train.config.parsing import parse_args
 
 DS = ["--ds_config", "ds_configs/cpu_debug.json", "--data.source", "synthetic"]
 
@@ -100,7 +101,7 @@ def test_booleans_on_the_command_line_are_true_or_false_in_any_case():
 
 
 def test_help_shows_each_numbers_range():
-    from train.config.options import help_text
+    from train.config.parsing import help_text
 
     text = help_text()
     lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  --") and "default" in line}

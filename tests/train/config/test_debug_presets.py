@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from conftest import CPU_DS, REPO
 
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.run.trainer import check_before_start
 
 PRESETS = sorted((REPO / "train" / "configs").glob("*/debug.json"))

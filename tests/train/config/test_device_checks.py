@@ -11,7 +11,7 @@ from fake_gpu import CU126_ARCHS, CU130_ARCHS, GPUS, fake_flash_attn, fake_gpu
 
 from model.objectives import build_objective
 from train.config.device_checks import CudaDevice, kernels_cover, runs_on, this_device
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.config.plan import build_encoder
 from train.engine import distributed
 from train.pretrain import main

@@ -5,7 +5,8 @@ import re
 import pytest
 
 from train.config.help import field_comments, option_lines
-from train.config.options import PretrainConfig, help_text, valid_keys
+from train.config.options import PretrainConfig, valid_keys
+from train.config.parsing import help_text
 
 
 def option_rows() -> dict[str, list[str]]:

@@ -13,7 +13,7 @@ from conftest import CPU_DS, DEBUG_PRESET, REPO
 
 from experiments.fashion_mnist.common import demo_methods, presets, variants
 from train.config.errors import ConfigError
-from train.config.options import parse_args, to_dict
+from train.config.parsing import parse_args, to_dict
 from train.finetune import RECIPE as FINETUNE
 from train.linprobe import RECIPE as LINPROBE
 

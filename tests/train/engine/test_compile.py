@@ -78,7 +78,7 @@ def test_cuda_graphs_are_asked_for_on_cuda_with_replicated_weights_only(monkeypa
     """run.compile on a GPU replays the compiled blocks as CUDA graphs ("reduce-overhead") on one
     rank and on ZeRO-0; FSDP2's sharded stages compile without graphs; nothing without run.compile
     or on a CPU; and the loop starts a new generation of replays before every micro-batch."""
-    from train.config.options import parse_args
+    from train.config.parsing import parse_args
     from train.engine.execution import apply_execution_options, uses_cuda_graphs
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")

@@ -13,7 +13,7 @@ from model.registry import create_model
 from model.vit import Block
 from train.config.ds_config import resolve
 from train.config.errors import ConfigError
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.engine.execution import float8_blocks
 from train.pretrain import main
 from train.run.cli import cli

@@ -7,7 +7,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.estimate.dry_run import check
 from train.estimate.gpus import gpu_in_filename, gpu_named
 

@@ -9,7 +9,7 @@ from conftest import REPO
 
 from train.config.ds_config import resolve
 from train.config.errors import ConfigError
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.estimate.memory import largest_layer, model_states
 from train.run.build import build_engine
 

@@ -11,7 +11,7 @@ from model.objectives.mae import MAEConfig
 from model.registry import create_model
 from train.config.ds_config import BatchPlan
 from train.config.errors import ConfigError
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.estimate.comm_model import Compute, Network, estimate
 from train.estimate.costs import profile
 from train.estimate.scaling import batch_at, model_of, scaling, step_config

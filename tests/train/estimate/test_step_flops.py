@@ -5,7 +5,7 @@ import torch
 
 from tools.method_costs import costs, markdown
 from train.config.ds_config import resolve
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.estimate.costs import profile_config
 from train.estimate.step_flops import FlopCount
 

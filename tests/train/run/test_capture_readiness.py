@@ -13,7 +13,7 @@ from conftest import REPO
 
 from model.objectives import OBJECTIVES, Objective, ObjectiveConfig, list_objectives, register_objective
 from train.config.ds_config import resolve
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.run.capture_readiness import check_step
 
 DEBUG = ["--config", "train/configs/mae/debug.json"]

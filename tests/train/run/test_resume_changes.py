@@ -6,7 +6,7 @@ import pytest
 from conftest import CPU_DS, DEBUG_PRESET, run_pretrain
 
 from train.config.errors import ConfigError
-from train.config.options import parse_args
+from train.config.parsing import parse_args
 from train.run.folder import read_metrics
 from train.run.trainer import check_before_start
 
@@ -32,7 +32,7 @@ def test_a_resume_with_another_lr_is_said_and_recorded_and_another_model_refused
 
 def test_another_global_batch_on_the_same_ranks_is_refused():
     from train.config.ds_config import BatchPlan
-    from train.config.options import to_dict
+    from train.config.parsing import to_dict
     from train.run.build import check_resume_compatible
 
     cfg = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET)])

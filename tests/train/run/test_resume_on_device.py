@@ -20,7 +20,8 @@ from torch import nn
 from data.source import build_source
 from model.objectives import OBJECTIVES, build_objective
 from train.config.ds_config import resolve
-from train.config.options import encoder_img_size, parse_args
+from train.config.options import encoder_img_size
+from train.config.parsing import parse_args
 from train.config.plan import build_encoder, labeled_split
 
 CONFIGS = REPO / "train" / "configs"

@@ -45,7 +45,7 @@ def test_three_transformers_architectures_start_runs(tmp_path):
 
 def test_a_folder_of_other_sizes_is_refused_before_start_naming_both(tmp_path):
     from train.config.errors import ConfigError
-    from train.config.options import parse_args
+    from train.config.parsing import parse_args
     from train.run.trainer import check_before_start
 
     folder, _ = vit_mae_folder(tmp_path / "vit-mae")
@@ -74,7 +74,7 @@ def test_a_malformed_transformers_folder_is_refused_in_one_line_naming_the_key(t
     import json
 
     from train.config.errors import ConfigError
-    from train.config.options import parse_args
+    from train.config.parsing import parse_args
     from train.run.trainer import check_before_start
 
     folder, _ = vit_mae_folder(tmp_path / "vit-mae")
