@@ -66,9 +66,12 @@ class EngineCore(abc.ABC):
         """The micro-batch about to run backward is the optimizer step's last."""
         return self.micro == self.cfg.accum - 1
 
+    @torch.no_grad()
     def step(self) -> None:
         """Called after every micro-batch (as DeepSpeed's engine.step()); the last one of an
-        optimizer step updates the weights."""
+        optimizer step updates the weights. Under no_grad: nothing here is differentiated, and
+        reading FSDP2's DTensor gradients (`to_local`) with grad mode on runs an autograd Function
+        per parameter, about 1 ms of host time a step at ViT-B."""
         if self.micro < self.cfg.accum:
             return
         found_inf = self._optimizer_step(self._norm())
