@@ -3,8 +3,8 @@
 The workers read only each JPEG's header, draw the RandomResizedCrop + flip (the same seeded draw
 as the CPU path) and ship the encoded bytes; the main process decodes the whole batch with one
 `torchvision.io.decode_jpeg(list, device=...)` call (nvJPEG on CUDA; libjpeg on CPU, which the
-tests use), then crops, resizes (bicubic, antialiased) and flips each image on the device.
-Images that are not plain RGB / grayscale JPEGs (PNG, CMYK JPEG) are decoded and cropped by the
+tests use), then crops and resizes (bicubic, antialiased) each image on the device and flips the
+batch's flipped crops in one select. Images that are not plain RGB / grayscale JPEGs (PNG, CMYK JPEG) are decoded and cropped by the
 worker on the CPU and travel as uint8 crops. A JPEG the device cannot decode is retried alone,
 then decoded on the CPU; if that fails too it is counted as undecodable and replaced by another
 image of the batch, so the batch keeps its size.
@@ -71,32 +71,41 @@ class DeviceDecoder:
                         out.append(None)
             return out
 
-    def crop(self, img: torch.Tensor, crop: Crop) -> torch.Tensor:
-        """(3, H, W) uint8 -> (3, S, S) uint8: the same resize as the CPU path (antialiased bicubic)."""
-        out = F2.resize(img[:, crop.i:crop.i + crop.h, crop.j:crop.j + crop.w], [self.size, self.size],
-                        interpolation=InterpolationMode.BICUBIC, antialias=True)
-        return out.flip(-1) if crop.flip else out
+    def resized(self, img: torch.Tensor, crop: Crop) -> torch.Tensor:
+        """(3, H, W) uint8 -> (3, S, S) uint8, not flipped: the same resize as the CPU path
+        (antialiased bicubic). One launch per image: crop sizes differ."""
+        return F2.resize(img[:, crop.i:crop.i + crop.h, crop.j:crop.j + crop.w], [self.size, self.size],
+                         interpolation=InterpolationMode.BICUBIC, antialias=True)
 
     def __call__(self, images: list) -> torch.Tensor:
-        """The collated list -> (B, 3, S, S) uint8 on the device."""
-        out = torch.empty(len(images), 3, self.size, self.size, dtype=torch.uint8, device=self.device)
+        """The collated list -> (B, 3, S, S) uint8 on the device. The crops are stacked in one
+        launch and flipped in two for the whole batch (a flip and a select on a flag vector
+        copied from pinned memory), not one copy and one flip per image."""
         encoded = [k for k, x in enumerate(images) if isinstance(x, dict)]
-        decoded = self._decode([images[k]["jpeg"] for k in encoded]) if encoded else []
-        good = []
+        decoded = dict(zip(encoded, self._decode([images[k]["jpeg"] for k in encoded]) if encoded else []))
+        crops: list[torch.Tensor | None] = []
+        flips = [False] * len(images)
         for k, x in enumerate(images):
-            if not isinstance(x, dict):
-                out[k] = x.to(self.device, non_blocking=True)
-                good.append(k)
-        for k, img in zip(encoded, decoded):
-            if img is None:
-                continue
-            i, j, h, w, flip = images[k]["crop"].tolist()  # a CPU tensor: no device sync
-            out[k] = self.crop(img, Crop(i, j, h, w, bool(flip)))
-            good.append(k)
-        bad = sorted(set(range(len(images))) - set(good))
-        if bad and not good:
+            if not isinstance(x, dict):  # cropped (and flipped) by the worker
+                crops.append(x.to(self.device, non_blocking=True))
+            elif decoded[k] is None:
+                crops.append(None)
+            else:
+                i, j, h, w, flip = x["crop"].tolist()  # a CPU tensor: no device sync
+                crops.append(self.resized(decoded[k], Crop(i, j, h, w, False)))
+                flips[k] = bool(flip)
+        good = [k for k, c in enumerate(crops) if c is not None]
+        bad = [k for k, c in enumerate(crops) if c is None]
+        if not good:
             raise RuntimeError(f"no image of a batch of {len(images)} could be decoded")
         for n, k in enumerate(bad):  # keep the batch size: stand in another image of the batch
-            out[k] = out[good[n % len(good)]]
+            crops[k], flips[k] = crops[good[n % len(good)]], flips[good[n % len(good)]]
         self.failed += len(bad)
-        return out
+        out = torch.stack(crops)
+        if not any(flips):
+            return out
+        flag = torch.tensor(flips)
+        if self.device.type == "cuda":  # a copy from pageable memory would wait for the device
+            flag = flag.pin_memory()
+        flag = flag.to(self.device, non_blocking=True)
+        return torch.where(flag[:, None, None, None], out.flip(-1), out)

@@ -94,6 +94,42 @@ def test_device_decode_matches_the_cpu_path_and_keeps_the_batch_when_a_jpeg_is_c
     assert any(torch.equal(batch[1], batch[k]) for k in (0, 2, 3))  # a stand-in from the same batch
 
 
+
+def test_device_decode_stacks_and_flips_the_batch_in_a_few_launches():
+    """The decode of a batch of 16 JPEGs: one decode call and one resize per image (crop sizes
+    differ), then one stack and, for the flipped crops, one flip and one select for the whole batch
+    (it issued a copy per image and a flip per flipped one: 230 launches at micro-batch 64). Each
+    image equals its crop resized and, where drawn, flipped."""
+    from torchvision.io import decode_jpeg
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2 import functional as F2
+
+    from train.estimate.counting import Tally, counting
+
+    encoded = EncodedCropTransform(32)
+    files = [jpeg(photo_like(96, 72, seed=i)) for i in range(16)]
+    items = [{"image": encoded(opened(d), 40 + k, d), "label": k} for k, d in enumerate(files)]
+    flips = [bool(it["image"]["crop"][4]) for it in items]
+    assert 0 < sum(flips) < 16  # both kinds in the batch
+    decoder = DeviceDecoder(32, torch.device("cpu"))
+    images = DeviceDecoder.collate(items)["image"]
+    decoder(images)  # the first call: nothing cached is counted below
+    tally = Tally()
+    with counting(tally), tally("data"):
+        batch = decoder(images)
+    launches = tally.per_step(tally.step)["data"]["launches"]
+    ops = dict(tally.top_ops(tally.step, "data", 40))
+    assert ops.get("aten::flip", 0) == 1 and ops.get("aten::copy_", 0) <= 1, ops
+    # 16 decodes (torchvision's CPU decoder takes a list one by one; nvJPEG in one call), 16 resizes,
+    # then stack, flip, select (and on CUDA the flags' copy)
+    assert launches <= 2 * 16 + 4, (launches, ops)
+    for k, item in enumerate(items):
+        i, j, h, w, flip = item["image"]["crop"].tolist()
+        want = F2.resize(decode_jpeg(item["image"]["jpeg"])[:, i:i + h, j:j + w], [32, 32],
+                         interpolation=InterpolationMode.BICUBIC, antialias=True)
+        assert torch.equal(batch[k], want.flip(-1) if flip else want), k
+
+
 @pytest.mark.parametrize("decode", ["cpu", "cpu_draft", "nvjpeg"])
 def test_loader_with_each_decode_yields_normalised_batches(tmp_path, decode):
     from data.source import build_source
