@@ -153,3 +153,45 @@ def test_checkpoint_time_inside_a_log_window_is_left_out_of_throughput(monkeypat
         torch.float32, lambda step, metrics: logged.update({step: metrics}), save)
     assert [logged[s]["step_time"] for s in (4, 8)] == [1.0, 1.0]
     assert logged[4]["images_per_s"] == 4.0
+
+
+def test_a_checkpoint_of_nonfinite_weights_is_refused_at_resume_and_an_earlier_tag_named(tmp_path):
+    """A tag whose weights hold a NaN (saved before checkpoints were checked, or altered since,
+    its checksums updated) trained on and then stopped saying no earlier tag existed. Now the
+    resume stops at once (exit 3), naming the newest earlier tag; nothing is written or removed."""
+    import struct
+
+    from train.engine.checkpoint import crc32
+
+    run = tmp_path / "run"
+    run_pretrain(run, "--run.max_steps", "6", "--run.ckpt_every", "2")
+    tag = run / "checkpoints" / "step00000006"
+    raw = bytearray((tag / "model.safetensors").read_bytes())
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + size])
+    start = next(v["data_offsets"][0] for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32")
+    raw[8 + size + start:8 + size + start + 4] = struct.pack("<f", float("nan"))  # one weight, in place
+    (tag / "model.safetensors").write_bytes(raw)
+    complete = json.loads((tag / "complete.json").read_text())
+    complete["crc32"]["model.safetensors"] = crc32(tag / "model.safetensors")  # as if saved so
+    (tag / "complete.json").write_text(json.dumps(complete))
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    rows = len(read_metrics(run))
+    proc = run_pretrain(run, "--run.max_steps", "8", "--run.ckpt_every", "2", "--resume", "auto", check=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"checkpoint {tag} holds non-finite weights" in proc.stderr
+    assert f"resume from an earlier one instead, e.g. --resume {run / 'checkpoints' / 'step00000004'}" in proc.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before and len(read_metrics(run)) == rows
+
+
+def test_a_resumed_run_that_overflows_before_its_own_checkpoint_names_the_tag_it_resumed(tmp_path):
+    """The tag a run resumed from is its last good one until it writes another (the message said
+    no earlier checkpoint existed)."""
+    run = tmp_path / "run"
+    run_pretrain(run, "--run.max_steps", "4", "--run.ckpt_every", "2")
+    proc = run_pretrain(run, "--run.max_steps", "6", "--run.ckpt_every", "2", "--resume", "auto", "--optim.blr",
+                        "1e300", check=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "the weights hold non-finite values after step 6" in proc.stderr
+    assert "the last complete one, step00000004, is kept" in proc.stderr, proc.stderr[-3000:]

@@ -249,6 +249,13 @@ def loop_settings(cfg: PretrainConfig, checked: CheckedRun) -> LoopSettings:
                         cfg.run.keep_every_epochs * checked.per_epoch)
 
 
+def earlier_tag_hint(tag: Path) -> str:
+    """How to continue without `tag`: from the newest complete tag before it in its folder."""
+    earlier = sorted(p for p in tag.parent.glob("step*") if p.name < tag.name and checkpoint.is_complete(p))
+    return (f"resume from an earlier one instead, e.g. --resume {earlier[-1]}" if earlier else
+            "no earlier one exists there: start the run again (--run.overwrite true)")
+
+
 class Trainer:
     """One run, after check_before_start: set up in the constructor, trained by `run()`."""
 
@@ -270,6 +277,7 @@ class Trainer:
             self.record_labeled_split()
             self.say_if_unlabeled()
         self.data = training_source(cfg, self.encoder.img_size, plan, self.rank, self.world, self.device)
+        self.last_saved: Path | None = None  # the newest checkpoint tag of this run's weights (written or resumed)
         self.state = LoopState(self.resume())
         if self.rank == 0 and checked.resume_from is not None:
             record_resume(self.run_dir, self.state.step, checked.resume_from, checked.resume_changes)
@@ -277,7 +285,6 @@ class Trainer:
         self.ckpt_meta = {"zero_stage": self.engine.stage, "objective": cfg.objective,
                           "config": to_dict(cfg), "ds_config": checked.ds_config, "global_batch": plan.global_batch,
                           "encoder_timm_kwargs": self.encoder.timm_kwargs(), "model_name": cfg.model.name}
-        self.last_saved: Path | None = None  # the newest checkpoint tag this run wrote
         self.vis_images = self.vis_noise = None  # rank 0: the same images and masks at every figure step
         if self.rank == 0 and cfg.run.vis_every:
             self.vis_images, self.vis_noise = self.figure_inputs()
@@ -350,6 +357,10 @@ class Trainer:
         if resume_from is None:
             return 0
         client = checkpoint.load(self.engine, resume_from, self.rank, self.world, self.cfg.seed)
+        if not self.engine.weights_finite():  # saved before checkpoints were checked, or altered since
+            raise NonFiniteError(f"checkpoint {resume_from} holds non-finite weights, so training from it would "
+                                 f"only diverge; {earlier_tag_hint(resume_from)}")
+        self.last_saved = resume_from  # the newest good tag of this run's weights, until it writes one
         self.data.resume_from(client["data"])
         log.info("resumed from %s at step %d%s", resume_from, client["step"],
                  f" (written by {len(client['data'])} ranks, continued on {self.world})"
