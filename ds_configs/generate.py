@@ -1,4 +1,5 @@
-"""Write the DeepSpeed config matrix: `python ds_configs/generate.py` (a test checks the files match).
+"""Write the DeepSpeed config matrix: `python ds_configs/generate.py` (a test checks the files match);
+`--check` writes nothing and lists the files that differ from the generator's output.
 
 Pretraining, global batch 4096 (MAE, MixedAE, MAE+/AdPE):
     vit_{b,l,h}_8x{v100_fp16, a100_bf16, h100_bf16}_zero{1,2}.json
@@ -21,7 +22,9 @@ gradient_clipping 0.0 (the MAE recipes clip nothing).
 """
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -83,11 +86,23 @@ def render(cfg: dict) -> str:
     return json.dumps(cfg, indent=2) + "\n"
 
 
-def main() -> None:
-    for name, cfg in matrix().items():
-        (HERE / name).write_text(render(cfg))
-    print(f"wrote {len(matrix())} files to {HERE}")
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="write nothing; list the files that differ and exit 1")
+    a = p.parse_args(argv)
+    files = matrix()
+    differ = [name for name, cfg in files.items()
+              if not (HERE / name).is_file() or (HERE / name).read_text() != render(cfg)]
+    if a.check:
+        print(f"{len(differ)} of {len(files)} files differ from the generator's output" +
+              (f": {', '.join(differ)}" if differ else ""))
+        return 1 if differ else 0
+    for name in differ:
+        (HERE / name).write_text(render(files[name]))
+    print(f"wrote {len(differ)} of {len(files)} files to {HERE}" + (f": {', '.join(differ)}" if differ else
+                                                                      " (the others were already its output)"))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

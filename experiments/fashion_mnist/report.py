@@ -466,8 +466,11 @@ def publish(preset: str, runs: Path | None, order: list[str], expected: list[str
     results = load(where["summaries"], order)
     ablation = load(paths("ablation", docs)["summaries"], order) if preset == "full" else None
     figures = write_report(results, where["report"], where["figures"], where["discussion"], ablation, expected, preset)
-    print(f"wrote {where['report']} with {figures} figure(s) in {where['figures']}" +
-          ("" if plots.pyplot() is not None else f" ({NO_FIGURES})"))
+    if plots.pyplot() is not None:
+        print(f"wrote {where['report']} with {figures} figure(s) in {where['figures']}")
+    else:
+        print(f"wrote {where['report']} linking {figures} figure(s) already in {where['figures']}, drawing none: "
+              f"matplotlib is not installed (pip install -e '.[study]')")
     return where["report"]
 
 

@@ -151,8 +151,13 @@ def test_without_matplotlib_the_committed_report_is_kept_and_another_folder_says
         (docs / "study" / "full" / f"{r['entry']}_seed{r['seed']}.json").write_text(json.dumps(r))
     assert report.main(["--preset", "full", "--docs", str(docs)]) == docs / "RESULTS.md"
     said = capsys.readouterr().out
-    assert "RESULTS.md with 0 figure(s) in" in said and "(matplotlib is not installed" in said
+    assert "RESULTS.md linking 0 figure(s) already in" in said and "drawing none: matplotlib is not installed" in said
     assert "![" not in (docs / "RESULTS.md").read_text()
+    (docs / "figures" / "mae_reconstructions.png").write_bytes(b"drawn by an earlier run")  # a method's own figure
+    report.main(["--preset", "full", "--docs", str(docs)])
+    said = capsys.readouterr().out
+    assert "RESULTS.md linking 1 figure(s) already in" in said, said
+    assert "](figures/mae_reconstructions.png)" in (docs / "RESULTS.md").read_text()
 
 
 def test_plots_when_matplotlib_is_installed(tmp_path):

@@ -81,6 +81,31 @@ def test_shipped_micro_batches_are_the_largest_the_memory_estimate_allows_with_a
         assert json.loads((DS / name).read_text())["train_micro_batch_size_per_gpu"] == want, (name, largest)
 
 
+def test_the_generator_rewrites_only_what_differs_and_its_help_writes_nothing(tmp_path, monkeypatch, capsys):
+    """`--help` printed nothing and rewrote all 33 files (an edited one lost its edit silently);
+    now it is argparse's help, `--check` lists what differs, and a write names what it replaced."""
+    import shutil
+
+    sys.path.insert(0, str(DS))
+    try:
+        import generate
+    finally:
+        sys.path.remove(str(DS))
+    for f in DS.glob("*.json"):
+        shutil.copy(f, tmp_path / f.name)
+    monkeypatch.setattr(generate, "HERE", tmp_path)
+    edited = tmp_path / "vit_b_8xa100_bf16_zero1.json"
+    edited.write_text(edited.read_text().replace('"gradient_clipping": 0.0', '"gradient_clipping": 1.0'))
+    with pytest.raises(SystemExit) as helped:
+        generate.main(["--help"])
+    assert helped.value.code == 0 and "--check" in capsys.readouterr().out and "1.0" in edited.read_text()
+    assert generate.main(["--check"]) == 1 and "1 of 33 files differ" in capsys.readouterr().out
+    assert "1.0" in edited.read_text()
+    assert generate.main([]) == 0
+    assert "wrote 1 of 33 files to" in capsys.readouterr().out and "1.0" not in edited.read_text()
+    assert generate.main(["--check"]) == 0
+
+
 def test_matrix_files_are_the_generators_output():
     sys.path.insert(0, str(DS))
     try:
