@@ -98,6 +98,9 @@ def read_json(path: str | Path, what: str) -> Any:
     except json.JSONDecodeError as e:
         raise InputError(f"{what} {path}:{e.lineno}:{e.colno} is not valid JSON ({e.msg}): fix the file at line "
                          f"{e.lineno}, column {e.colno}") from None
+    except RecursionError:  # json's error for arrays/objects nested past the interpreter's recursion limit
+        raise InputError(f"{what} {path} is nested too deep to be read as JSON (arrays or objects inside one another "
+                         f"past Python's recursion limit): fix or replace the file") from None
     except _RepeatedKey as e:
         raise InputError(f"{what} {path} gives the key {e.args[0]!r} twice in one object, and JSON readers keep "
                          f"only the last (DeepSpeed refuses the file): keep one of them") from None

@@ -125,9 +125,11 @@ def write_one_shard(job: ShardJob) -> tuple[int, Tally]:
     with wds.TarWriter(str(job.path), mtime=TAR_MTIME) as sink:  # user/group/mode: TarWriter's fixed defaults
         for key, smp in job.samples:
             if isinstance(smp, ImageFile):
+                # PIL raises OSError subclasses for undecodable data too, and DecompressionBombError (no
+                # OSError) for a header claiming over twice Image.MAX_IMAGE_PIXELS, before any decoding
                 try:
                     data, ext = encode_image_file(smp.path)
-                except OSError as e:  # PIL raises OSError subclasses for undecodable data too
+                except (OSError, Image.DecompressionBombError) as e:
                     rejected.add(smp.path, f"{type(e).__name__}: {e}")  # named by its path
                     continue
             else:

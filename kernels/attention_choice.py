@@ -96,6 +96,8 @@ def load(path: Path | None = None) -> list[Choice]:
         raise bad(f"cannot be read ({e})") from None
     except json.JSONDecodeError as e:
         raise bad(f"is not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except RecursionError:  # json's error for arrays/objects nested past the interpreter's recursion limit
+        raise bad("is nested too deep to be read as JSON") from None
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise bad('the top level must be an object with an "entries" list')
     out, seen = [], set()
@@ -109,16 +111,16 @@ def load(path: Path | None = None) -> list[Choice]:
         cap = entry["capability"]
         if not isinstance(cap, str) or not (cap == "cpu" or re.fullmatch(r"\d{1,2}\.\d", cap)):
             raise bad(f'{where}: capability {cap!r} is neither "major.minor" (e.g. "9.0") nor "cpu"')
-        if entry["dtype"] not in DTYPES:
+        if not isinstance(entry["dtype"], str) or entry["dtype"] not in DTYPES:  # a list or an object is no key
             raise bad(f"{where}: dtype {entry['dtype']!r} is not one of {sorted(DTYPES)}")
         for k in SHAPE_KEYS:
             v = entry[k]
             if type(v) is not int or not 1 <= v <= 1 << 20:
                 raise bad(f"{where}: {k} {v!r} is not an integer in [1, 2^20]")
-        if entry["attention"] not in ATTENTIONS:
+        if not isinstance(entry["attention"], str) or entry["attention"] not in ATTENTIONS:
             raise bad(f"{where}: attention {entry['attention']!r} is not one of {sorted(ATTENTIONS)}")
         kernels = ATTENTIONS[entry["attention"]]
-        if entry["kernel"] not in kernels:
+        if not isinstance(entry["kernel"], str) or entry["kernel"] not in kernels:
             raise bad(f"{where}: kernel {entry['kernel']!r} is not one of {sorted(kernels)} "
                       f"(for {entry['attention']} attention)")
         if not isinstance(entry["measured"], dict):

@@ -59,3 +59,14 @@ def test_read_json_refuses_a_fifo(tmp_path):
     os.mkfifo(tmp_path / "index.json")
     with pytest.raises(InputError, match="index.json is a FIFO"):
         read_json(tmp_path / "index.json", "shard index")
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a": ' + '{"b": ' * 50_000 + "1" + "}" * 50_001])
+def test_read_json_refuses_json_nested_too_deep_in_one_line(tmp_path, text):
+    """json raises RecursionError, not a ValueError, for arrays or objects nested past Python's recursion limit."""
+    (tmp_path / "preset.json").write_text(text)
+    with pytest.raises(InputError) as refused:
+        read_json(tmp_path / "preset.json", "--config")
+    assert str(refused.value) == (f"--config {tmp_path / 'preset.json'} is nested too deep to be read as JSON "
+                                  f"(arrays or objects inside one another past Python's recursion limit): "
+                                  f"fix or replace the file")

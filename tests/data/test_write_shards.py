@@ -2,7 +2,9 @@ import hashlib
 import io
 import json
 import re
+import struct
 import tarfile
+import zlib
 from collections import Counter
 
 import numpy as np
@@ -78,6 +80,32 @@ def test_bad_inputs_are_reported_not_dropped(image_folder, tmp_path, capsys):
     [index] = write_shards(["imagefolder", str(image_folder), str(out), "--skip_bad"])
     assert index["num_samples"] == 24 and index["rejected"]["count"] == 1
     assert any("broken.jpg" in x for x in index["rejected"]["examples"])
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height grey pixels, and no pixel data."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit grey, no interlace
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
+def test_a_decompression_bomb_is_rejected_like_an_undecodable_file(image_folder, tmp_path, capsys):
+    """A 60-byte PNG whose header says 50000 x 50000: PIL refuses to open it (DecompressionBombError,
+    which is no OSError), and the writer ended in that traceback."""
+    (image_folder / "dog" / "bomb.png").write_bytes(_png_header(50_000, 50_000))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        write_shards(["imagefolder", str(image_folder), str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert "1 of 25 files are unreadable or not images" in err and "--skip_bad" in err
+    assert not (out / "train.json").exists()
+    [index] = write_shards(["imagefolder", str(image_folder), str(out), "--skip_bad"])
+    assert index["num_samples"] == 24 and index["rejected"]["count"] == 1
+    [example] = index["rejected"]["examples"]
+    assert "bomb.png" in example and "DecompressionBombError" in example and "2500000000 pixels" in example
 
 
 def test_missing_and_empty_folders(image_folder, tmp_path, capsys):

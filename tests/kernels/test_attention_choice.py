@@ -92,6 +92,9 @@ def test_a_compiled_block_traces_the_choice_without_a_break(tmp_path):
     ({"attention": "topk", "kernel": "math"}, "kernel 'math' is not one of ['fused', 'masked_sdpa'] (for topk"),
     ({"kernel": "masked_sdpa"}, "kernel 'masked_sdpa' is not one of"),
     ({"extra": 1}, "it must have exactly"),
+    ({"dtype": ["bf16"]}, "dtype ['bf16'] is not one of"),  # unhashable values: refused, not a TypeError
+    ({"attention": {"dense": 1}}, "attention {'dense': 1} is not one of"),
+    ({"kernel": ["math"]}, "kernel ['math'] is not one of"),
 ])
 def test_a_bad_entry_is_refused_with_where_and_what(tmp_path, change, said):
     path = table(tmp_path, entry(), entry(**{"tokens": 18, **change}))
@@ -110,6 +113,16 @@ def test_a_repeated_shape_and_a_malformed_file_are_refused(tmp_path):
     path.write_text("[]")
     with pytest.raises(ValueError, match='an "entries" list'):
         attention_choice.load(path)
+
+
+def test_a_table_nested_too_deep_is_refused_as_malformed(tmp_path):
+    """json raises RecursionError, not a ValueError, for arrays nested past Python's recursion limit."""
+    path = tmp_path / "choices.json"
+    path.write_text('{"entries": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError) as e:
+        attention_choice.load(path)
+    assert str(e.value).startswith(f"{path}: is nested too deep to be read as JSON") and "\n" not in str(e.value)
+    assert "choose_attention --write" in str(e.value)
 
 
 @settings(max_examples=150, deadline=None)

@@ -292,7 +292,7 @@ def check_files(tag_dir: Path) -> str | None:
         return f"{path} has {path.stat().st_size} bytes: not a {COMPLETE} this code wrote"
     try:
         meta = read_meta(tag_dir)
-    except (ValueError, UnicodeDecodeError, RecursionError):
+    except (ValueError, UnicodeDecodeError):  # read_meta's ValueError covers JSON nested too deep
         return f"{path} is not readable JSON"
     problem = _meta_problem(meta)
     if problem:
@@ -394,8 +394,15 @@ def find_resume(resume: str, output_dir: Path, check: Callable[[Path], str | Non
 
 
 def read_meta(tag_dir: Path) -> dict:
-    """complete.json: step, world size, ZeRO stage, the run's config, the encoder's timm kwargs."""
-    return json.loads((tag_dir / COMPLETE).read_text())
+    """complete.json: step, world size, ZeRO stage, the run's config, the encoder's timm kwargs.
+    ValueError when it is larger or nested deeper than one this code writes."""
+    path = tag_dir / COMPLETE
+    if path.stat().st_size > MAX_COMPLETE_BYTES:
+        raise ValueError(f"{path} has {path.stat().st_size} bytes: not a {COMPLETE} this code wrote")
+    try:
+        return json.loads(path.read_text())
+    except RecursionError:  # json's error for arrays/objects nested past the interpreter's recursion limit
+        raise ValueError(f"{path} is nested too deep to be read as JSON: not a {COMPLETE} this code wrote") from None
 
 
 def verify_safe(tag_dir: Path) -> None:

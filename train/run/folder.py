@@ -127,6 +127,8 @@ def foreign_config(run_dir: Path, config: dict) -> str:
         saved = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         return f"holds a config.json that is not readable JSON ({type(e).__name__})"
+    except RecursionError:  # json's error for arrays/objects nested past the interpreter's recursion limit
+        return "holds a config.json that is not readable JSON (nested too deep)"
     if not isinstance(saved, dict):
         return "holds a config.json that is not a run's config (not a JSON object of options sections)"
     unknown = sorted(set(saved) - set(config))
@@ -177,6 +179,8 @@ def other_run(run_dir: Path, config: dict) -> str:
             saved = json.loads(old_config.read_text())
         except (OSError, UnicodeDecodeError, ValueError):
             return "holds a run whose config.json is not readable JSON"
+        except RecursionError:
+            return "holds a run whose config.json is not readable JSON (nested too deep)"
         if not isinstance(saved, dict):
             return "holds a run whose config.json is not a JSON object"
         now = json.loads(json.dumps(config))  # as stored: tuples become lists
@@ -273,7 +277,7 @@ def metric_rows(path: Path) -> tuple[list[dict], int]:
             continue
         try:
             row = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep, no record this program wrote
             cut += 1
             continue
         if isinstance(row, dict) and type(row.get("step")) is int:

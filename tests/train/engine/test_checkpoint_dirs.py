@@ -110,3 +110,44 @@ def test_resume_falls_back_from_latest_to_the_tags_before_it_then_after(tmp_path
     assert latest_complete(root, lambda t: "damaged" if t.name in failing else None) == root / tag_for(8)
     (root / LATEST).write_text(tag_for(7))  # names no tag there: said, and the newest taken
     assert latest_complete(root) == root / tag_for(8) and "names step00000007, which is not a complete" in caplog.text
+
+
+DEEP_JSON = "[" * 100_000 + "]" * 100_000  # json raises RecursionError, not a ValueError, for this
+
+
+def test_a_complete_json_nested_too_deep_is_unreadable_not_a_recursion_error(tmp_path):
+    from train.engine.checkpoint import check_files, read_meta
+
+    tag = _tag(tmp_path, 3)
+    (tag / COMPLETE).write_text(DEEP_JSON)
+    with pytest.raises(ValueError) as e:
+        read_meta(tag)
+    assert str(e.value) == f"{tag / COMPLETE} is nested too deep to be read as JSON: not a {COMPLETE} this code wrote"
+    assert check_files(tag) == f"{tag / COMPLETE} is not readable JSON"
+
+
+def test_prune_keeps_a_tag_whose_complete_json_is_nested_too_deep(tmp_path):
+    """Pruning after a save read every older tag's complete.json for its pin: a deep one ended the run
+    in a traceback after training. Unreadable, it cannot say it is unpinned: kept, as a malformed one is."""
+    root = tmp_path / "checkpoints"
+    for s in (1, 2, 3):
+        _tag(root, s)
+    (root / tag_for(1) / COMPLETE).write_text(DEEP_JSON)
+    prune(root, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == [tag_for(1), tag_for(3)]
+
+
+def test_a_complete_json_larger_than_this_code_writes_is_not_read(tmp_path, monkeypatch):
+    """Pruning reads every older tag's complete.json: one over the bound is not read into memory, and kept."""
+    from train.engine import checkpoint
+
+    monkeypatch.setattr(checkpoint, "MAX_COMPLETE_BYTES", 64)
+    root = tmp_path / "checkpoints"
+    for s in (1, 2, 3):
+        _tag(root, s)
+    big = root / tag_for(1) / COMPLETE
+    big.write_text(json.dumps({"step": 1, "world_size": 1, "pad": "x" * 100}))
+    with pytest.raises(ValueError, match=f"{big} has {big.stat().st_size} bytes: not a {COMPLETE} this code wrote"):
+        checkpoint.read_meta(root / tag_for(1))
+    prune(root, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == [tag_for(1), tag_for(3)]

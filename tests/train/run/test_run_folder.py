@@ -1,0 +1,27 @@
+"""train/run/folder.py reads files an earlier run (or someone else) left in the output folder:
+metrics.jsonl and config.json nested too deep for json (a RecursionError, not a ValueError) are
+treated as the malformed files they are."""
+import json
+import logging
+
+from train.run.folder import Reporter, foreign_config, metric_rows, other_run
+
+DEEP_LINE = "[" * 100_000 + "]" * 100_000
+
+
+def test_a_metrics_line_nested_too_deep_is_dropped_like_a_line_cut_short(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2)) + DEEP_LINE + "\n")
+    rows, cut = metric_rows(path)
+    assert [r["step"] for r in rows] == [1, 2] and cut == 1
+    with caplog.at_level(logging.WARNING):
+        Reporter(tmp_path, start_step=2, stop_step=4, tensorboard=False, progress=False).close()
+    assert f"{path}: 1 line(s) that are no complete JSON record dropped" in caplog.text
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_a_config_json_nested_too_deep_is_not_a_runs_config(tmp_path):
+    (tmp_path / "config.json").write_text(DEEP_LINE)
+    assert foreign_config(tmp_path, {"optim": {}}) == "holds a config.json that is not readable JSON (nested too deep)"
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")  # a run trained there
+    assert other_run(tmp_path, {"optim": {}}) == "holds a run whose config.json is not readable JSON (nested too deep)"
