@@ -13,6 +13,7 @@ from data.write_shards import main as write_shards
 from train.config.errors import ConfigError
 from train.config.objective_fits import check_objective_fits
 from train.config.parsing import parse_args
+from train.run.run_lock import release_run_lock
 from train.run.trainer import check_before_start
 
 CONFIGS = DEBUG_PRESET.parent.parent
@@ -90,7 +91,8 @@ def test_a_run_folder_whose_start_never_trained_is_not_another_run(tmp_path):
     (run / "launch").mkdir()  # launchers/submit.py's snapshot: kept
     cfg = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(run)])
     check_before_start(cfg)  # no "holds a run with another config"
-    assert sorted(p.name for p in run.iterdir()) == ["launch"]  # the failed start's files are gone
+    assert sorted(p.name for p in run.iterdir()) == ["launch", "run.lock"]  # the failed start's files are gone
+    release_run_lock(run)  # held from the checks to the run's end: this test runs no run
     (run / "config.json").write_text(json.dumps({"optim": {"blr": 0.5}}))
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")  # it trained a step: a run
     with pytest.raises(ConfigError, match="holds a run with another config"):

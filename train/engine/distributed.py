@@ -30,6 +30,16 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def rank_from_env() -> int:
+    """This process's global rank before the process group exists, read as `world_size_from_env`
+    reads the world size (0 for a plain single-process run)."""
+    if "RANK" not in os.environ and slurm_env.in_task_step(os.environ):
+        return int(slurm_env.task_env(os.environ)["RANK"])
+    if "RANK" not in os.environ and MPI_ENV["RANK"] in os.environ:
+        return int(os.environ[MPI_ENV["RANK"]])
+    return int(os.environ.get("RANK", "0"))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -48,6 +48,7 @@ from train.run.folder import Reporter, check_run_folder, check_writable_folder, 
 from train.run.loop import LoopSettings, LoopState
 from train.run.loop import run as run_loop
 from train.run.preemption import REQUEUE_FAILED, Interrupted, StopOnSignal, requeue_job, resume_hint
+from train.run.run_lock import hold_run_lock, release_run_lock, sign_run_lock
 from train.run.visualize import write_figures
 from train.weights.export import export_checkpoint
 from train.weights.fit import check_init_from
@@ -102,7 +103,10 @@ def main(argv: list[str] | None = None, command: str = "pretrain", usage: str = 
     if flags.get("dry-run"):  # check for a world size and GPU, estimate memory; start nothing
         raise SystemExit(dry_run.main(argv))
     cfg = parse_args(argv)
-    return Trainer(cfg, check_before_start(cfg)).run()
+    try:
+        return Trainer(cfg, check_before_start(cfg)).run()
+    finally:
+        release_run_lock(Path(cfg.output_dir))
 
 
 @dataclass
@@ -135,8 +139,21 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
         verify_before_start(cfg.data)  # data.verify_shards: every shard's headers, before the run folder
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    per_epoch, total_steps, warmup_steps = schedule_steps(cfg, plan)
     run_dir = Path(cfg.output_dir)
+    if distributed.rank_from_env() == 0 and run_dir.is_dir():  # another run may be writing it (a new
+        hold_run_lock(run_dir)  # folder is locked as it is made: the checks write nothing)
+    try:
+        return check_run_folder_before_start(cfg, ds_config, plan, run_dir)
+    except BaseException:
+        release_run_lock(run_dir, refused=True)
+        raise
+
+
+def check_run_folder_before_start(cfg: PretrainConfig, ds_config: dict, plan: BatchPlan,
+                                  run_dir: Path) -> CheckedRun:
+    """The checks that read the run folder (the checkpoint to resume, another run's files), under
+    its lock."""
+    per_epoch, total_steps, warmup_steps = schedule_steps(cfg, plan)
     resume_from = checkpoint.find_resume(cfg.resume, run_dir)  # every file of the tag checked, nothing executed
     if resume_from is not None:
         check_resume(resume_from, cfg, plan)
@@ -273,6 +290,8 @@ class Trainer:
         self.encoder = objective.encoder
         backend, attention_paths = describe_attention(self.encoder, self.device, self.dtype)
         if self.rank == 0:
+            hold_run_lock(self.run_dir)  # held since the checks, or (a new folder) taken before its first file
+            sign_run_lock(self.run_dir)
             self.write_run_files(param_split, backend, attention_paths)
             self.record_labeled_split()
             self.say_if_unlabeled()

@@ -1,0 +1,71 @@
+"""One run per run folder (train/run/run_lock.py): a second run into a folder another is using is
+refused before it reads or writes anything there."""
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, run_pretrain
+
+from train.run.run_lock import LOCK_NAME, hold_run_lock, release_run_lock, sign_run_lock
+
+HOLD = ("import sys, time\nfrom pathlib import Path\nfrom train.run.run_lock import hold_run_lock, sign_run_lock\n"
+        "hold_run_lock(Path(sys.argv[1]))\nsign_run_lock(Path(sys.argv[1]))\nprint('held', flush=True)\n"
+        "time.sleep(120)\n")
+
+
+@pytest.fixture
+def held_by_another_process(tmp_path):
+    """A process holding tmp_path/run's lock, as a run does from its start to its end."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "run")], cwd=REPO, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "held"
+    yield tmp_path / "run", proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_and_touches_nothing(held_by_another_process):
+    run_dir, pid = held_by_another_process
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')  # the other run's, still being written
+    before = sorted(p.name for p in run_dir.iterdir())
+    proc = run_pretrain(run_dir, "--run.max_steps", "2", check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert f"output_dir {run_dir} is in use by another run (pid {pid} on " in proc.stderr
+    assert f"{run_dir / LOCK_NAME}): wait for it to end, or choose another --output_dir" in proc.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+
+
+def test_the_lock_is_held_for_the_run_and_let_go_at_its_end(tmp_path):
+    """Taken again in the same process: a no-op; released: another process takes it."""
+    run_dir = tmp_path / "run"
+    hold_run_lock(run_dir)
+    hold_run_lock(run_dir)
+    sign_run_lock(run_dir)
+    try:
+        taken = subprocess.run([sys.executable, "-c", HOLD.replace("time.sleep(120)", ""), str(run_dir)], cwd=REPO,
+                               capture_output=True, text=True)
+        assert taken.returncode == 1 and "is in use by another run (pid" in taken.stderr, taken.stderr
+    finally:
+        release_run_lock(run_dir)
+    taken = subprocess.run([sys.executable, "-c", HOLD.replace("time.sleep(120)", ""), str(run_dir)], cwd=REPO,
+                           capture_output=True, text=True)
+    assert taken.returncode == 0 and taken.stdout.strip() == "held", taken.stderr
+
+
+def test_a_finished_run_lets_the_next_one_resume_its_folder(tmp_path):
+    run_dir = tmp_path / "run"
+    run_pretrain(run_dir, "--run.max_steps", "2", "--run.ckpt_every", "2")
+    assert (run_dir / LOCK_NAME).read_text().startswith("pid ")
+    run_pretrain(run_dir, "--run.max_steps", "3", "--resume", "auto")
+
+
+def test_a_run_refused_before_start_leaves_no_lock_and_no_folder(tmp_path):
+    new = tmp_path / "new"
+    proc = run_pretrain(new, "--resume", str(tmp_path / "nowhere" / "step00000002"), check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert not new.exists()
+    hold_run_lock(new)  # and the lock is free: nothing of the refused run holds it
+    release_run_lock(new)
