@@ -2,8 +2,11 @@
 point's own flags (--dry-run, --world_size, --loader_only, ...) from the run options."""
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import sys
+from pathlib import Path
 
 from data.cli import InputError, one_line
 from data.faults import CorruptDataError, ShardIndexError
@@ -42,6 +45,11 @@ def cli(main_fn) -> None:
     except BrokenPipeError:  # the reader of standard output went away (`--help | head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush of stdout must not fail again
         raise SystemExit(1) from None
+    except OSError as e:
+        if e.errno not in WRITE_FAILURES:
+            raise
+        print(f"stopped: {write_failure(e)}", file=sys.stderr)
+        raise SystemExit(3) from None
     except CorruptDataError as e:  # a data/ message: it knows shards, not checkpoints
         print(f"training stopped: {e}\n{KEPT_AFTER_CORRUPT_DATA}", file=sys.stderr)
         raise SystemExit(3) from None
@@ -53,6 +61,22 @@ def cli(main_fn) -> None:
         print(f"rank {rank} stopped: another rank ended the run and its connection closed (that rank's message "
               f"says why)", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+# A file system that takes no more writes: the command stops with one line (checkpoint saves say their own)
+WRITE_FAILURES = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
+
+
+def write_failure(e: OSError) -> str:
+    """One line on a write the file system refused: the file, the reason, the room left, the way on."""
+    target = Path(e.filename) if isinstance(e.filename, str) else None
+    room = ""
+    if target is not None:
+        existing = next((p for p in (target, *target.parents) if p.exists()), None)
+        if existing is not None:
+            room = f"; {shutil.disk_usage(existing).free / 2**20:.1f} MiB free there"
+    return (f"could not write {target or 'a file'} ({e.strerror}{room}): make room (or mend the file system) and run "
+            f"the same command again; a training run continues from its last complete checkpoint with --resume auto")
 
 
 # What a collective raises on a rank whose peer process has gone (gloo's TCP pairs; NCCL's abort)

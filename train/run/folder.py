@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from data.folders import unwritable
-from data.outputs import clashing_input
+from data.outputs import clashing_input, written_whole
 from data.progress import Progress
 from train.engine.checkpoint import is_complete
 
@@ -200,12 +200,19 @@ def clear_run_outputs(run_dir: Path) -> None:
             path.unlink(missing_ok=True)
 
 
+def write_whole(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file renamed over it: a crash or a full disk midway
+    leaves the old file as it was."""
+    with written_whole(path) as tmp:
+        tmp.write_text(text)
+
+
 def write_run_files(run_dir: Path, config: dict, ds_config: dict, extra: dict) -> None:
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(config, indent=2))
-    (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+    write_whole(run_dir / "config.json", json.dumps(config, indent=2))
+    write_whole(run_dir / "ds_config.json", json.dumps(ds_config, indent=2))
     meta = {"git": git_commit(), "argv": sys.argv, "torch": torch.__version__, **extra}
-    (run_dir / "meta.json").write_text(json.dumps(meta, indent=2))
+    write_whole(run_dir / "meta.json", json.dumps(meta, indent=2))
 
 
 def record_resume(run_dir: Path, step: int, tag: Path, changes: dict[str, list]) -> None:
@@ -231,7 +238,10 @@ class Reporter:
             rows, cut = metric_rows(path)
             if cut:  # a write cut short (power loss, a full disk): its step is logged again by this run if after the tag
                 log.warning("%s: %d line(s) that are no complete JSON record dropped (a write cut short)", path, cut)
-            path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= start_step))
+            kept = [r for r in rows if r["step"] <= start_step]
+            if cut or len(kept) < len(rows):  # the whole history stays readable if this rewrite is cut short
+                write_whole(path, "".join(json.dumps(r) + "\n" for r in kept))
+        self.path = path
         self.file = open(path, "a", buffering=1)
         self.tb = None
         if tensorboard:
@@ -242,7 +252,10 @@ class Reporter:
         self.bar = Progress("training", stop_step, "steps", initial=start_step, leave=True) if progress else None
 
     def _write(self, step: int, metrics: dict[str, float], tb_section: str) -> None:
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        try:
+            self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        except OSError as e:  # a full disk: say which file (a write names none)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         if self.tb is not None:
             for k, v in metrics.items():
                 self.tb.add_scalar(f"{tb_section}/{k}", v, step)

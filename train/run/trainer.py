@@ -460,7 +460,14 @@ class Trainer:
                 log.info(said)
                 requeue_failed = "" if queued else said
         elif not stopped and self.rank == 0 and self.cfg.run.export and self.last_saved is not None:
-            out = export_checkpoint(self.last_saved, self.run_dir / "encoder.safetensors")
+            out = self.run_dir / "encoder.safetensors"
+            try:
+                export_checkpoint(self.last_saved, out)
+            except OSError as e:  # e.g. a full disk: the checkpoint is whole, the export can be redone from it
+                raise checkpoint.CheckpointWriteError(
+                    f"the encoder export {out} could not be written ({e.strerror}); the checkpoint {self.last_saved} "
+                    f"is complete: once there is room, write the export with python -m train.export --checkpoint "
+                    f"{self.last_saved} --out {out}") from None
             log.info("exported encoder to %s", out)
         distributed.barrier()
         if requeue_failed:  # rank 0 ends non-zero, so the job is not reported COMPLETED mid-schedule

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from data.folders import unwritable, unwritable_file
@@ -121,6 +123,21 @@ def readable_as_umask_says(path: Path) -> None:
     path.chmod(0o666 & ~mask)
 
 
+OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust writer names the OS's failure
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, whose failed writes (a full disk) are raised as the OSError they are
+    rather than a SafetensorError naming no file."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = OS_ERROR.search(str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
+
+
 def export_checkpoint(tag_dir: Path, out: Path) -> Path:
     """`out` (the encoder's fp32 weights) and `out` with .json (how timm rebuilds it), each written
     under a temporary name and renamed once both are complete: an interrupted export leaves the
@@ -138,7 +155,7 @@ def export_checkpoint(tag_dir: Path, out: Path) -> Path:
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     with written_whole(out) as weights, written_whole(out.with_suffix(".json")) as description:
-        save_file(encoder, str(weights), metadata={"format": "pt"})
+        save_safetensors(encoder, weights)
         readable_as_umask_says(weights)  # safetensors writes 0600: teammates on a shared file system could not read it
         description.write_text(json.dumps(info, indent=2))
     return out
