@@ -46,7 +46,7 @@ class LabelKey:
         if self.field is not None:
             try:
                 doc = json.loads(value)
-            except (TypeError, ValueError, UnicodeDecodeError):
+            except (TypeError, ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
                 raise SampleError("bad_label", f"the {self.member} member is not JSON") from None
             if not isinstance(doc, dict) or self.field not in doc:
                 raise SampleError("missing_cls", f"the {self.member} member has no field {self.field!r}")

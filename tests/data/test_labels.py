@@ -73,6 +73,7 @@ def test_labels_from_a_json_field(tmp_path):
     (b'{"label": 1.5}', "bad_label"),
     (b'{"label": true}', "bad_label"),
     (b"not json", "bad_label"),
+    (b"[" * 100_000 + b"]" * 100_000, "bad_label"),  # nested past the recursion limit
     (b'{"label": -1}', "bad_label"),  # a class index; -1 would pick the last logit
 ])
 def test_a_json_label_that_is_missing_or_not_an_integer_is_a_bad_sample(meta, kind):

@@ -51,3 +51,18 @@ def test_a_resume_and_its_pruning_pass_json_nested_too_deep_in_the_run_folder(tm
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     assert sorted(p.name for p in root.glob("step*")) == [tag_for(1), tag_for(3)]
     assert (root / LATEST).read_text() == tag_for(3) and (old / COMPLETE).read_text() == DEEP
+
+
+def test_a_run_folder_whose_config_json_is_nested_too_deep_is_refused_in_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(DEEP)
+    argv = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(run)]
+    capsys.readouterr()
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as status:
+        warnings.simplefilter("ignore")
+        cli(lambda: pretrain(argv))
+    err = capsys.readouterr().err
+    assert status.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err[-2000:]
+    assert "holds a config.json that is not readable JSON" in err
+    assert sorted(p.name for p in run.iterdir()) == ["config.json"] and (run / "config.json").read_text() == DEEP

@@ -183,14 +183,14 @@ def trained_objective(cfg: PretrainConfig) -> tuple[str, str] | None:
         try:
             tag = checkpoint.find_resume(cfg.resume, Path(cfg.output_dir), check=checkpoint.check_files)
             return checkpoint.read_meta(tag)["config"]["objective"], f"the checkpoint {tag}"
-        except (OSError, ValueError, KeyError, TypeError):  # no readable checkpoint there: check_resume says so
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):  # unreadable: check_resume says so
             return None
     saved = Path(cfg.output_dir) / "config.json"
     if cfg.run.overwrite or not saved.is_file():
         return None
     try:
         return json.loads(saved.read_text())["objective"], f"--output_dir {cfg.output_dir} (its config.json)"
-    except (OSError, ValueError, KeyError):  # unreadable: check_run_folder judges the folder
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # unreadable: check_run_folder judges it
         return None
 
 
