@@ -9,6 +9,9 @@ Skipped samples, by kind (`ERROR_KINDS`, metrics `data_skipped_<kind>`):
   truncated_shard     a tar that ends early or does not open (counted once per shard, not per sample)
   empty_image         a zero-byte image member
   decompression_bomb  more pixels than data.max_image_pixels (read from the header, before decoding)
+  oversized_member    an image or label member larger than any usable one can be (data/shards.py
+                      member_limit: for an image, 8 bytes a pixel of data.max_image_pixels plus 16 MiB;
+                      for a label, 1 MiB), judged from its tar header: never read
 New kinds are appended: checkpoints store the counts as a list in this order, and a shorter list
 (written before a kind existed) is read with zeros for the missing kinds.
 
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 ERROR_KINDS = ("missing_image", "missing_cls", "bad_label", "undecodable_image", "truncated_shard",
-               "empty_image", "decompression_bomb")
+               "empty_image", "decompression_bomb", "oversized_member")
 
 
 class SampleError(ValueError):

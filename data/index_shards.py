@@ -63,7 +63,7 @@ from data.loader import cores_per_rank
 from data.outputs import check_output, written_whole
 from data.progress import mapped
 from data.shard_index import URL_SCHEME, PipeShard, shard_name
-from data.shards import IMAGE_KEYS, _is_sample_member, pipe_members
+from data.shards import IMAGE_KEYS, UnreadMember, _is_sample_member, member_limit, pipe_members, read_label
 
 
 OWN_KEYS = {"members", "unlabeled", "bad_shards"}  # build_index's, which data/write_shards.py's indexes lack
@@ -92,7 +92,8 @@ class ShardScan:
 
 def _tar_members(path: Path, label_member: str) -> Iterator[dict]:
     """Sample members of a local tar from their headers: `data` is the member's size, or its bytes
-    for the label member. Raises tarfile.ReadError for a member cut short and for a missing
+    for the label member (an UnreadMember, not read, when over its data/shards.py member_limit).
+    Raises tarfile.ReadError for a member cut short and for a missing
     end-of-archive marker (a file cut at a member boundary, which tarfile reads without a word)."""
     size = os.path.getsize(path)
     try:
@@ -107,11 +108,16 @@ def _tar_members(path: Path, label_member: str) -> Iterator[dict]:
                 raise tarfile.ReadError(f"member {m.name} is cut short ({max(0, size - m.offset_data)} of {m.size} "
                                         f"bytes)")
             is_label = (base_plus_ext(m.name)[1] or "").lower() == label_member
-            yield {"fname": m.name, "data": tar.extractfile(m).read() if is_label else m.size, "__url__": str(path)}
+            yield {"fname": m.name, "data": _label_data(tar, m) if is_label else m.size, "__url__": str(path)}
         tar.fileobj.seek(tar.offset)
         end = tar.fileobj.read(2 * tarfile.BLOCKSIZE)
     if len(end) < 2 * tarfile.BLOCKSIZE or end.strip(b"\0"):
         raise tarfile.ReadError(f"no end-of-archive marker after the last member (at byte {tar.offset} of {size})")
+
+
+def _label_data(tar: tarfile.TarFile, m: tarfile.TarInfo) -> bytes | UnreadMember:
+    """A label member's bytes, or its size alone when it is larger than the reader reads (judged from the header)."""
+    return UnreadMember(m.size) if m.size > member_limit(m.name) else tar.extractfile(m).read()
 
 
 def _pipe_members(shard: PipeShard, label_member: str) -> Iterator[dict]:
@@ -144,7 +150,7 @@ def scan_shard(shard: Path | PipeShard, label: LabelKey) -> ShardScan:
                 scan.unlabeled.add(key, f"missing_cls: no {label.member} member")
                 continue
             try:
-                scan.labels[label.read(sample)] += 1  # as the reader reads it (data/labels.py): an integer >= 0
+                scan.labels[read_label(label, sample)] += 1  # as the reader reads it: an integer >= 0
             except SampleError as e:
                 scan.unlabeled.add(key, str(e))
     except NotATarError as e:
@@ -301,7 +307,7 @@ def is_our_index(path: Path) -> bool:
         if not stat.S_ISREG(path.stat().st_mode):  # a FIFO is never opened
             return False
         index = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deep
         return False
     return isinstance(index, dict) and OWN_KEYS <= set(index)
 

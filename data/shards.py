@@ -16,7 +16,8 @@ data/reshard.py works out which samples the old readers had consumed and the new
 exactly those (`Consumed`).
 
 Faults (data/faults.py): a sample that cannot be used (image missing, empty, undecodable or
-above data.max_image_pixels; in a labeled set: label missing or not an integer) is skipped and
+above data.max_image_pixels; in a labeled set: label missing or not an integer; its image or label
+member larger than `member_limit`, judged from the tar header and never read) is skipped and
 counted by kind; a shard that ends early (truncated tar) is counted and the stream moves on.
 Images of other modes are converted to 8-bit RGB and counted by conversion (CMYK, 16-bit, other),
 images in formats other than JPEG / PNG / WebP counted as `other_format` (data/image_modes.py).
@@ -42,7 +43,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 from PIL import Image
-from webdataset.tariterators import group_by_keys
+from webdataset.tariterators import base_plus_ext, group_by_keys
 
 from data.faults import ERROR_KINDS, BadSampleBudget, CorruptDataError, SampleError, verify_hint
 from data.image_modes import CONVERTED_KINDS, conversion_kind, format_kind
@@ -58,6 +59,14 @@ CLS = LabelKey()  # the labels of data/write_shards.py's shards
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # PIL's default Image.MAX_IMAGE_PIXELS (data.max_image_pixels)
 # What PIL raises for malformed image bytes (struct.error / IndexError from some truncated headers)
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, IndexError)
+# The most bytes read of one member (`member_limit`). An image member: an uncompressed image of
+# data.max_image_pixels pixels at 8 bytes a pixel (16-bit RGBA or CMYK, the widest PIL opens) plus
+# room for metadata (ICC profile, EXIF, XMP). Any other member: the reader needs at most the label
+# (a number, or a JSON record of a few kB), so 1 MiB; larger ones are left unread, which harms only
+# a sample whose label it holds.
+BYTES_PER_PIXEL = 8
+IMAGE_METADATA_BYTES = 16 << 20
+OTHER_MEMBER_BYTES = 1 << 20
 
 
 def derive_seed(*parts: int) -> int:
@@ -78,12 +87,30 @@ def _is_sample_member(m: tarfile.TarInfo) -> bool:
     return m.isreg() and not META.match(m.name) and not ("/" not in m.name and m.name.startswith("__"))
 
 
-def tar_members(f: Path | PipeShard, with_data: bool) -> Iterator[dict]:
+@dataclass(frozen=True)
+class UnreadMember:
+    """The data of a member larger than its `member_limit`, in place of its bytes: its size, from
+    the tar header. A sample whose image or label is one is skipped (`oversized_member`)."""
+    size: int
+
+    def __len__(self) -> int:  # as the bytes would be (data/index_shards.py counts members by size)
+        return self.size
+
+
+def member_limit(name: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> int:
+    """The most bytes read of member `name` (an image member by its extension, as webdataset groups it)."""
+    ext = (base_plus_ext(name)[1] or "").lower()
+    return BYTES_PER_PIXEL * max_pixels + IMAGE_METADATA_BYTES if ext in IMAGE_KEYS else OTHER_MEMBER_BYTES
+
+
+def tar_members(f: Path | PipeShard, with_data: bool, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Iterator[dict]:
     """Regular members of one tar in order, as webdataset's iterator gives them. Without data only
     the headers are read (the data is seeked over): the same members, so key-only replays see the
-    same samples. A member whose data runs past the end of the file raises, as reading it would."""
+    same samples. A member whose data runs past the end of the file raises, as reading it would.
+    A member over its `member_limit` (for data.max_image_pixels `max_pixels`) is not read: its data
+    is an UnreadMember, decided from the header alone."""
     if isinstance(f, PipeShard):
-        yield from pipe_members(f)
+        yield from pipe_members(f, max_pixels)
         return
     size = os.path.getsize(f)
     with tarfile.open(f, mode="r:") as tar:
@@ -92,21 +119,38 @@ def tar_members(f: Path | PipeShard, with_data: bool) -> Iterator[dict]:
                 continue
             if m.offset_data + m.size > size:
                 raise tarfile.ReadError(f"{f}: member {m.name} is cut short")
-            data = tar.extractfile(m).read() if with_data else None
+            if not with_data:
+                data = None
+            elif m.size > member_limit(m.name, max_pixels):
+                data = UnreadMember(m.size)
+            else:
+                data = tar.extractfile(m).read()
             yield {"fname": m.name, "data": data, "__url__": str(f)}
 
 
-def pipe_members(shard: PipeShard) -> Iterator[dict]:
+def _streamed_data(tar: tarfile.TarFile, m: tarfile.TarInfo, max_pixels: int) -> bytes | UnreadMember:
+    """A streamed member's bytes, or, over its `member_limit`, an UnreadMember once its data has been
+    read through in small pieces (a stream cannot seek; a member cut short raises as a whole read would)."""
+    f = tar.extractfile(m)
+    if m.size <= member_limit(m.name, max_pixels):
+        return f.read()
+    while f.read(1 << 20):
+        pass
+    return UnreadMember(m.size)
+
+
+def pipe_members(shard: PipeShard, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Iterator[dict]:
     """Members of the tar a shell command writes to stdout, read as a stream ("r|"). The data is
     always read, also for key-only replays: a stream cannot seek, and reading the data is how a
-    member cut short shows, so both see the same samples. A command that exits with an error
-    status ends the shard like a truncated tar."""
+    member cut short shows, so both see the same samples (a member over its `member_limit` is read
+    through and dropped, an UnreadMember). A command that exits with an error status ends the shard
+    like a truncated tar."""
     proc = subprocess.Popen(shard.command, shell=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
     try:
         with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
             for m in tar:
                 if _is_sample_member(m):
-                    yield {"fname": m.name, "data": tar.extractfile(m).read(), "__url__": shard.url}
+                    yield {"fname": m.name, "data": _streamed_data(tar, m, max_pixels), "__url__": shard.url}
         proc.stdout.read()  # the archive's zero padding: left unread, the command could die of SIGPIPE
         if (status := proc.wait()) != 0:
             raise tarfile.ReadError(f"{shard.url}: the command exited with status {status}")
@@ -117,20 +161,22 @@ def pipe_members(shard: PipeShard) -> Iterator[dict]:
         proc.wait()
 
 
-def shard_samples(f: Path | PipeShard, errors: Counter, with_data: bool = True) -> Iterator[dict]:
+def shard_samples(f: Path | PipeShard, errors: Counter, with_data: bool = True,
+                  max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Iterator[dict]:
     """The samples of one tar (webdataset's grouping of members by key); a truncated tar ends
     early and is counted. `with_data=False` yields the same samples with keys only (`__key__`,
-    `__url__`)."""
+    `__url__`). max_pixels: data.max_image_pixels, which sets the largest image member read."""
     try:
-        yield from group_by_keys(tar_members(f, with_data))
+        yield from group_by_keys(tar_members(f, with_data, max_pixels))
     except (tarfile.TarError, OSError, EOFError, ValueError):
         errors["truncated_shard"] += 1
 
 
-def raw_samples(files: list[Path | PipeShard], errors: Counter, with_data: bool = True) -> Iterator[dict]:
+def raw_samples(files: list[Path | PipeShard], errors: Counter, with_data: bool = True,
+                max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Iterator[dict]:
     """The samples of several tars in order (see `shard_samples`)."""
     for f in files:
-        yield from shard_samples(f, errors, with_data)
+        yield from shard_samples(f, errors, with_data, max_pixels)
 
 
 def sample_id(raw: dict) -> str:
@@ -157,16 +203,20 @@ def open_sample(sample: dict, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     """(lazily opened image: header read, pixels not decoded; label (None when `labels` is None:
     an unlabeled set, whose samples need no label); encoded bytes).
     Raise SampleError (a ValueError) naming the kind of a sample that cannot be used; an image of
-    more than `max_pixels` pixels is refused from its header, before any decoding."""
+    more than `max_pixels` pixels is refused from its header, before any decoding, and an image or
+    label member left unread (an UnreadMember: over its `member_limit`) without a look."""
     key = next((k for k in IMAGE_KEYS if k in sample), None)
     if key is None:
         raise SampleError("missing_image")
     if labels is not None and not labels.present(sample):
         raise SampleError("missing_cls", f"no {labels.member} member")
     data = sample[key]
+    if isinstance(data, UnreadMember):
+        raise SampleError("oversized_member", f"the {key} member is {data.size:,} bytes, more than an image of "
+                                              f"{max_pixels:,} pixels takes")
     if not data:
         raise SampleError("empty_image")
-    label = labels.read(sample) if labels is not None else None
+    label = read_label(labels, sample) if labels is not None else None
     try:
         with warnings.catch_warnings():  # PIL's warning for a large header: refused below, not noise in the log
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -178,6 +228,15 @@ def open_sample(sample: dict, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     if img.size[0] * img.size[1] > max_pixels:
         raise SampleError("decompression_bomb", f"{img.size[0]} x {img.size[1]} pixels")
     return img, label, data
+
+
+def read_label(labels: LabelKey, sample: dict) -> int:
+    """labels.read, or SampleError `oversized_member` when the label's member was too large to read."""
+    value = sample[labels.member]
+    if isinstance(value, UnreadMember):
+        raise SampleError("oversized_member", f"the {labels.member} member is {value.size:,} bytes, over the "
+                                              f"{OTHER_MEMBER_BYTES:,} read of a label")
+    return labels.read(sample)
 
 
 def decode(sample: dict, labels: LabelKey | None = CLS) -> tuple[Image.Image, int | None]:
@@ -223,7 +282,8 @@ class ShardStream(torch.utils.data.IterableDataset):
     `worker`, `epoch`, `pos` (the sample's position), `errors` and `converted` (this worker's
     skipped / converted sample counts since it started, ERROR_KINDS / CONVERTED_KINDS order).
     max_bad_fraction: give up past this fraction of unusable samples (data/faults.py; 1.0 = never).
-    max_image_pixels: larger images are skipped from their header (`decompression_bomb`).
+    max_image_pixels: larger images are skipped from their header (`decompression_bomb`), and image
+      members larger than `member_limit` from their tar header, unread (`oversized_member`).
     """
 
     def __init__(self, shards: ShardSet, transform: Callable, seed: int, rank: int, world: int, num_workers: int,
@@ -247,7 +307,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         minus those read) are counted as lost, and a tar that ends short without an error as truncated."""
         for i in ids:
             f, expected, got, truncated = self.shards.files[i], self.shards.counts[i], 0, errors["truncated_shard"]
-            for s in shard_samples(f, errors, with_data):
+            for s in shard_samples(f, errors, with_data, self.max_image_pixels):
                 got += 1
                 yield s
             if got < expected:

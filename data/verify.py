@@ -42,7 +42,16 @@ from data.loader import cores_per_rank
 from data.progress import mapped
 from data.labels import LabelKey
 from data.shard_index import PipeShard, ShardSet, check_held_out, check_scored_against
-from data.shards import CLS, DECODE_ERRORS, DEFAULT_MAX_IMAGE_PIXELS, IMAGE_KEYS, _is_sample_member, open_sample
+from data.shards import (
+    CLS,
+    DECODE_ERRORS,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    IMAGE_KEYS,
+    UnreadMember,
+    _is_sample_member,
+    member_limit,
+    open_sample,
+)
 
 PIL_OBJECT = re.compile(r" <_io\.BytesIO object at 0x[0-9a-f]+>")  # in PIL's messages: no help to a reader
 HEADER_BYTES = 64 * 1024  # read of each image member: holds the header of any PNG and nearly any JPEG
@@ -81,9 +90,10 @@ def _header_parses(data: bytes) -> bool:
         return False
 
 
-def _members(path: Path, tar: tarfile.TarFile):
+def _members(path: Path, tar: tarfile.TarFile, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
     """Sample members of one tar, as data/shards.py reads them, with image members cut to their
-    header (the whole member when the first HEADER_BYTES do not parse) and labels in full; then
+    header (the whole member when the first HEADER_BYTES do not parse) and labels in full; a
+    member over its `member_limit` is not read at all (an UnreadMember, as training skips it); then
     the end-of-archive marker (two zero blocks), whose absence means the file was cut short at a
     member boundary or has garbage after its last member (tarfile ends there without a word)."""
     size = os.path.getsize(path)
@@ -92,6 +102,9 @@ def _members(path: Path, tar: tarfile.TarFile):
             continue
         if m.offset_data + m.size > size:
             raise tarfile.ReadError(f"member {m.name} is cut short ({max(0, size - m.offset_data)} of {m.size} bytes)")
+        if m.size > member_limit(m.name, max_image_pixels):
+            yield {"fname": m.name, "data": UnreadMember(m.size), "__url__": str(path)}
+            continue
         f = tar.extractfile(m)
         is_image = m.name.rsplit(".", 1)[-1].lower() in IMAGE_KEYS
         data = f.read(HEADER_BYTES if is_image else None)
@@ -120,7 +133,7 @@ def verify_shard(path: Path | PipeShard, expected: int, max_image_pixels: int = 
         return report
     with tar:
         try:
-            for sample in group_by_keys(_members(path, tar)):
+            for sample in group_by_keys(_members(path, tar, max_image_pixels)):
                 report.samples += 1
                 try:
                     label = open_sample(sample, max_image_pixels, labels)[1]

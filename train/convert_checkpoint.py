@@ -59,16 +59,104 @@ def _read_legacy(path: Path) -> dict:
                           f"converted (convert another tag, or restore this one from a copy)") from None
 
 
+def _malformed(path: Path, problem: str) -> ConfigError:
+    return ConfigError(f"{path} is not a file of the earlier layout ({problem}); nothing was converted (convert "
+                       f"another tag, or restore this one from a copy)")
+
+
+def _entries(path: Path, saved, kinds: dict[str, type]) -> dict:
+    """`saved` itself, once it is a dict whose entries `kinds` are there and of their types."""
+    if not isinstance(saved, dict):
+        raise _malformed(path, f"it holds a {type(saved).__name__}, not a dict")
+    for key, kind in kinds.items():
+        if key not in saved:
+            raise _malformed(path, f"no {key!r} entry")
+        if not isinstance(saved[key], kind):
+            raise _malformed(path, f"its {key!r} entry is {_type_of(saved[key], kind)}")
+    return saved
+
+
+def _type_of(value, kind: type) -> str:
+    return (f"a {type(value).__name__}, not a {kind.__name__}" if kind in (dict, list) else
+            f"of type {type(value).__name__}, not {kind.__name__}")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _checked_model(path: Path, old) -> dict:
+    """model.pt's content, checked against the earlier layout before anything is made of it."""
+    _entries(path, old, {"module": dict, "engine": dict, "schedule": dict, "client": dict})
+    if not all(isinstance(k, str) for k in old["module"]):
+        raise _malformed(path, "its 'module' entry has a key that is not a parameter name")
+    if not _is_count(old["engine"].get("steps")) or "health" not in old["engine"]:
+        raise _malformed(path, "its 'engine' entry has no integer 'steps' or no 'health'")
+    return old
+
+
+def _checked_optim(path: Path, saved, shapes: dict[str, torch.Size]) -> dict:
+    """An optim_rank*.pt's content, checked against the earlier layout and model.pt's tensors
+    (`shapes`): every layout entry names one of them with its number of values, and every piece's
+    state holds as many values as its range (a scalar: a step count), so nothing read is larger
+    than the weights themselves."""
+    _entries(path, saved, {"optimizer": str, "layout": list, "pieces": list})
+    names = set()
+    for entry in saved["layout"]:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[0], str)
+                and _is_count(entry[1]) and _is_count(entry[2])):
+            raise _malformed(path, f"layout entry {str(entry)[:80]} is not [name, offset, number of values]")
+        name, _, numel = entry
+        if name not in shapes:
+            raise _malformed(path, f"its layout names {name[:80]!r}, which is no tensor of {LEGACY_FILE}")
+        if numel != shapes[name].numel():
+            raise _malformed(path, f"its layout gives {name!r} {numel} values, {LEGACY_FILE}'s tensor holds "
+                                   f"{shapes[name].numel()}")
+        if name in names:
+            raise _malformed(path, f"its layout names {name!r} twice")
+        names.add(name)
+    for piece in saved["pieces"]:
+        if not (isinstance(piece, dict) and _is_count(piece.get("start")) and _is_count(piece.get("end"))
+                and piece["start"] <= piece["end"] and isinstance(piece.get("state"), dict)):
+            raise _malformed(path, "a piece is not {start, end, state} with 0 <= start <= end")
+        start, end = piece["start"], piece["end"]
+        for key, values in piece["state"].items():
+            if not (isinstance(key, str) and isinstance(values, torch.Tensor)
+                    and (values.ndim == 0 or values.shape == (end - start,))):
+                raise _malformed(path, f"state {str(key)[:80]!r} of its piece [{start}, {end}) is not a tensor of "
+                                       f"{end - start} values")
+    return saved
+
+
+def _check_covered(tag_dir: Path, spans: dict[tuple[str, str], list[tuple[int, int]]], names: set[str],
+                   shapes: dict[str, torch.Size]) -> None:
+    """Every state (a key of the pieces) of every parameter of the layouts (`names`) is given by
+    the pieces once, value for value (the flat buffers held every state of their whole range): a
+    gap (a rank's file missing) would convert into zeros without a word."""
+    keys = sorted({key for _, key in spans})
+    for name, key in ((name, key) for name in sorted(names) for key in keys):
+        ranges = sorted(spans.get((name, key), []))
+        covered = sum(hi - lo for lo, hi in ranges)
+        disjoint = all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+        if covered != shapes[name].numel() or not disjoint:
+            raise ConfigError(f"{tag_dir}: the optim_rank*.pt files hold {covered} of the {shapes[name].numel()} "
+                              f"values of {name}'s {key}{'' if disjoint else ', some more than once'}; nothing was "
+                              f"converted (restore the tag's files from a copy)")
+
+
 def _legacy_optimizer(tag_dir: Path, shapes: dict[str, torch.Size]) -> tuple[str, dict[str, torch.Tensor]]:
     """(the optimizer's class name, {"<name>/<key>": state tensor in the parameter's shape}) from
-    every optim_rank*.pt: each piece covers a flat range of its file's layout {name: (offset, numel)}."""
-    flat: dict[tuple[str, str], torch.Tensor] = {}
+    every optim_rank*.pt: each piece covers a flat range of its file's layout {name: (offset, numel)}.
+    The files are checked, and their pieces against the parameters, before any state is put together."""
+    copies: list[tuple[str, str, int, int, torch.Tensor]] = []  # (name, key, lo, hi, values) in the parameter
     scalars: dict[tuple[str, str], torch.Tensor] = {}
-    kinds = set()
+    spans: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    kinds, names = set(), set()
     for f in sorted(tag_dir.glob("optim_rank*.pt")):
-        saved = _read_legacy(f)
+        saved = _checked_optim(f, _read_legacy(f), shapes)
         kinds.add(saved["optimizer"])
         layout = {name: (offset, numel) for name, offset, numel in saved["layout"]}
+        names.update(layout)
         for piece in saved["pieces"]:
             start, end = piece["start"], piece["end"]
             for name, (offset, numel) in layout.items():
@@ -79,10 +167,15 @@ def _legacy_optimizer(tag_dir: Path, shapes: dict[str, torch.Size]) -> tuple[str
                     if values.ndim == 0:  # AdamW's step: the same in every piece
                         scalars[name, key] = values.clone()
                         continue
-                    whole = flat.setdefault((name, key), torch.zeros(numel, dtype=values.dtype))
-                    whole[lo - offset:hi - offset] = values[lo - start:hi - start]
+                    spans.setdefault((name, key), []).append((lo - offset, hi - offset))
+                    copies.append((name, key, lo - offset, hi - offset, values[lo - start:hi - start]))
     if len(kinds) != 1:
         raise ConfigError(f"{tag_dir}: the optim_rank*.pt files hold {sorted(kinds) or 'no'} optimizer state")
+    _check_covered(tag_dir, spans, names, shapes)
+    flat: dict[tuple[str, str], torch.Tensor] = {}
+    for name, key, lo, hi, values in copies:
+        whole = flat.setdefault((name, key), torch.zeros(shapes[name].numel(), dtype=values.dtype))
+        whole[lo:hi] = values
     state = {f"{name}/{key}": v.view(shapes[name]) for (name, key), v in flat.items()}
     state.update({f"{name}/{key}": v for (name, key), v in scalars.items()})
     return kinds.pop(), state
@@ -101,7 +194,7 @@ def convert(tag_dir: Path) -> Path:
     if (tag_dir / WEIGHTS_FILE).exists():
         raise ConfigError(f"{tag_dir} holds {WEIGHTS_FILE} beside {LEGACY_FILE}: it is of the engine's layout already "
                           f"(a conversion stopped before it removed the earlier files) and resumes as it is")
-    old = _read_legacy(tag_dir / LEGACY_FILE)
+    old = _checked_model(tag_dir / LEGACY_FILE, _read_legacy(tag_dir / LEGACY_FILE))
     tensors = {k: v for k, v in old["module"].items() if isinstance(v, torch.Tensor)}
     extra = {k: v for k, v in old["module"].items() if not isinstance(v, torch.Tensor)}
     kind, optim = _legacy_optimizer(tag_dir, {k: v.shape for k, v in tensors.items()})

@@ -38,15 +38,31 @@ def rgb(value=(200, 50, 100), size=(8, 8)) -> Image.Image:
     return Image.new("RGB", size, value)
 
 
-def write_tar(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path:
-    """samples: (key, {extension: bytes}) in order."""
+def write_tar(path: Path, samples: list[tuple[str, dict[str, bytes | int]]]) -> Path:
+    """samples: (key, {extension: bytes, or a size: that many zero bytes, a hole of a sparse file}) in order."""
     with tarfile.open(path, "w") as tar:
         for key, members in samples:
             for ext, data in members.items():
                 info = tarfile.TarInfo(f"{key}.{ext}")
+                if isinstance(data, int):  # header only; the data is skipped over (gigabytes cost no disk)
+                    info.size = data
+                    tar.addfile(info)
+                    padded = -(-data // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+                    tar.fileobj.seek(padded, io.SEEK_CUR)
+                    tar.offset += padded
+                    continue
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
     return path
+
+
+# The most read of a member (data/shards.py): an image member, an uncompressed image of max_image_pixels
+# pixels at 8 bytes a pixel plus 16 MiB of metadata; any other member (a label, a JSON record) 1 MiB.
+def image_member_limit(max_pixels: int) -> int:
+    return 8 * max_pixels + (16 << 20)
+
+
+OTHER_MEMBER_LIMIT = 1 << 20
 
 
 def write_index(root: Path, shards: dict[str, int], name="train") -> Path:
@@ -88,11 +104,12 @@ def zoo(tmp_path) -> Path:
         ("alpha", {"png": encoded(rgb().convert("RGBA"), "PNG"), "cls": b"2"}),
         ("noimage", {"cls": b"9"}),
         ("bomb", {"png": encoded(rgb(size=(40, 40)), "PNG"), "cls": b"9"}),  # 1600 px > the limit of 1000
+        ("huge", {"png": image_member_limit(1000) + 1, "cls": b"9"}),  # too large to be read
         *[good(f"plain{k}", 0) for k in range(2)],
     ])
     cut = write_tar(tmp_path / "zoo-2.tar", [good(f"t{k}", 1) for k in range(4)])
     cut.write_bytes(cut.read_bytes()[:2 * 2048 + 512 + 10])  # 2 samples of 4 blocks, then inside t2's png
-    return write_index(tmp_path, {"zoo-0.tar": 8, "zoo-1.tar": 6, "zoo-2.tar": 4})
+    return write_index(tmp_path, {"zoo-0.tar": 8, "zoo-1.tar": 7, "zoo-2.tar": 4})
 
 
 def zoo_loader(index: Path, **kw) -> ShardLoader:
@@ -210,6 +227,75 @@ def test_a_configured_limit_above_pils_is_honoured(tmp_path, monkeypatch):
     sample = next(iter(stream))
     assert sample["image"].shape == (3, 8, 8) and sample["errors"].sum() == 0
 
+
+def kinds_of(files: list, max_pixels: int) -> dict[str, str]:
+    """key -> the kind of fault of each sample ('ok' for a usable one), as the training reader reads them."""
+    kinds = {}
+    for raw in raw_samples(files, Counter(), max_pixels=max_pixels):
+        try:
+            open_sample(raw, max_pixels)
+            kinds[raw["__key__"]] = "ok"
+        except SampleError as e:
+            kinds[raw["__key__"]] = e.kind
+    return kinds
+
+
+def test_a_member_over_its_size_limit_is_skipped_from_its_header_alike_in_every_pass(tmp_path):
+    png = encoded(rgb(), "PNG")
+    shard = write_tar(tmp_path / "big.tar", [
+        ("first", {"png": png, "cls": b"0"}),
+        ("huge", {"png": image_member_limit(1000) + 1, "cls": b"0"}),
+        ("edge", {"png": image_member_limit(1000), "cls": b"0"}),  # at the limit: read (zeros: undecodable)
+        ("biglabel", {"png": png, "cls": OTHER_MEMBER_LIMIT + 1}),
+        ("caption", {"png": png, "cls": b"1", "txt": OTHER_MEMBER_LIMIT + 1}),  # not read, and not needed
+        ("last", {"png": png, "cls": b"2"}),
+    ])
+    expected = {"first": "ok", "huge": "oversized_member", "edge": "undecodable_image",
+                "biglabel": "oversized_member", "caption": "ok", "last": "ok"}
+    assert kinds_of([shard], 1000) == expected
+    assert kinds_of([PipeShard(f"pipe:cat {shard}")], 1000) == expected  # a stream: drained, never held
+    keys = [s["__key__"] for s in raw_samples([shard], Counter(), with_data=False)]
+    assert keys == list(expected)  # key-only replays see the same samples: positions stay the same
+    errors = Counter()
+    assert [s["__key__"] for s in raw_samples([PipeShard(f"pipe:head -c 4096 {shard}")], errors)] == []
+    assert errors["truncated_shard"] == 1  # a stream cut inside a member left unread ends as a cut one does
+    # a larger data.max_image_pixels reads larger members
+    assert kinds_of([shard], 2000)["huge"] == "undecodable_image"
+
+
+def test_a_member_claiming_gigabytes_is_never_read(tmp_path):
+    shard = write_tar(tmp_path / "giant.tar", [("giant", {"png": 5 << 30, "cls": b"0"}),
+                                                ("after", {"png": encoded(rgb(), "PNG"), "cls": b"1"})])
+    script = ("import resource, sys; from collections import Counter; from pathlib import Path\n"
+              "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+              "from data.shards import open_sample, raw_samples\n"
+              "from data.faults import SampleError\n"
+              "for raw in raw_samples([Path(sys.argv[1])], Counter()):\n"
+              "    try:\n"
+              "        print(raw['__key__'], open_sample(raw)[1])\n"
+              "    except SampleError as e:\n"
+              "        print(raw['__key__'], e.kind)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(shard)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[:2] == ["giant oversized_member", "after 1"]
+
+
+
+def test_verify_never_reads_a_member_claiming_gigabytes_either(tmp_path):
+    """data.verify reads image members to their header, but the whole member when that does not
+    parse, and labels in full: a 5 GiB member ran it out of memory."""
+    shard = write_tar(tmp_path / "giant.tar", [("giant", {"png": 5 << 30, "cls": b"0"}),
+                                                ("after", {"png": encoded(rgb(), "PNG"), "cls": b"1"})])
+    script = ("import resource, sys; from pathlib import Path\n"
+              "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+              "from data.verify import verify_shard\n"
+              "r = verify_shard(Path(sys.argv[1]), 2)\n"
+              "print(r.samples, sorted(r.problems))\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(shard)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "2 ['oversized_member']", proc.stdout
 
 def test_budget_rule():
     budget = BadSampleBudget(0.25, min_total=4, reader="rank 0 worker 0")

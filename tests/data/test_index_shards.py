@@ -38,10 +38,18 @@ def labeled(n: int) -> list[dict]:
     return [{"__key__": f"k{i:04d}", "jpg": image("JPEG", 20 * i), "cls": i % 3} for i in range(n)]
 
 
-def write_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+def write_tar(path: Path, members: list[tuple[str, bytes | int]]) -> Path:
+    """members: (name, bytes, or a size: that many zero bytes, a hole of a sparse file)."""
     with tarfile.open(path, "w") as tar:
         for name, data in members:
             info = tarfile.TarInfo(name)
+            if isinstance(data, int):  # header only; the data is skipped over
+                info.size = data
+                tar.addfile(info)
+                padded = -(-data // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+                tar.fileobj.seek(padded, io.SEEK_CUR)
+                tar.offset += padded
+                continue
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return path
@@ -197,6 +205,25 @@ def test_labels_that_are_not_integers_leave_the_index_unlabeled(tmp_path, capsys
     assert "--classes given, but 2 samples have no cls label" in capsys.readouterr().err
 
 
+def test_a_label_member_too_large_to_read_leaves_its_sample_unlabeled_unread(tmp_path):
+    """A label member over 1 MiB (data/shards.py member_limit) is judged from its header: never read."""
+    shard = write_tar(tmp_path / "big.tar", [("a.jpg", image("JPEG", 1)), ("a.cls", b"3"),
+                                             ("b.jpg", image("JPEG", 2)), ("b.cls", (1 << 20) + 1),
+                                             ("c.jpg", image("JPEG", 3)), ("c.cls", 5 << 30)])
+    expected = ["big.tar/b: oversized_member: the cls member is 1,048,577 bytes, over the 1,048,576 read of a label",
+                "big.tar/c: oversized_member: the cls member is 5,368,709,120 bytes, over the 1,048,576 read of a "
+                "label"]
+    rc, idx = index(str(shard), "--out", str(tmp_path / "big.json"))
+    assert rc == 0 and idx["num_samples"] == 3 and idx["labeled"] is False and idx["labels_seen"] == [3]
+    assert idx["unlabeled"]["examples"] == expected
+    # from a command's output the same (the stream is read through, not held): only the 1 MiB one here
+    small = write_tar(tmp_path / "small.tar", [("a.jpg", image("JPEG", 1)), ("a.cls", b"3"),
+                                               ("b.jpg", image("JPEG", 2)), ("b.cls", (1 << 20) + 1)])
+    rc, idx = index(f"pipe:cat {small}", "--out", str(tmp_path / "pipe.json"), "--allow_pipe_urls")
+    assert rc == 0 and idx["num_samples"] == 2 and idx["labels_seen"] == [3]
+    assert idx["unlabeled"]["examples"] == [expected[0].replace("big.tar", "small.tar")]
+
+
 def test_pipe_shards_need_the_opt_in_and_urls_are_refused(tmp_path, capsys):
     shard = shardwriter(tmp_path, "p", labeled(3), 3)[0]
     out = tmp_path / "p.json"
@@ -224,3 +251,14 @@ def test_the_command_runs_from_the_root_in_parallel_and_has_help(tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0
+
+
+def test_an_out_file_of_json_nested_too_deep_is_not_taken_for_an_index_of_ours(tmp_path, capsys):
+    """--out is replaced without --overwrite only when it holds an index this command wrote; a file
+    of JSON nested past the recursion limit ended that check in a RecursionError traceback."""
+    shardwriter(tmp_path / "wds", "train", labeled(4), 4)
+    out = tmp_path / "deep.json"
+    out.write_text("[" * 100_000 + "]" * 100_000)
+    rc = main([str(tmp_path / "wds"), "--out", str(out)])
+    assert rc == 2 and "exists already: pass --overwrite to replace it" in capsys.readouterr().err
+    assert out.read_text().startswith("[[[")

@@ -141,3 +141,71 @@ def test_an_unknown_option_or_a_missing_path_is_named_and_nothing_is_converted(t
         err = capsys.readouterr().err
         assert status.value.code == 2 and err.count("\n") == 1 and says in err, err
     assert {f.name: f.read_bytes() for f in tag.iterdir()} == before
+
+
+def _tag_of(tmp_path, model, optim):
+    """A complete tag of the earlier layout holding `model` (model.pt) and `optim` (optim_rank00000.pt, if not None)."""
+    tag = tmp_path / "checkpoints" / "step00000001"
+    tag.mkdir(parents=True)
+    torch.save(model, tag / "model.pt")
+    if optim is not None:
+        torch.save(optim, tag / "optim_rank00000.pt")
+    files = {f.name: f.stat().st_size for f in tag.iterdir()}
+    (tag / "complete.json").write_text(json.dumps({"step": 1, "files": files}))
+    return tag
+
+
+def _model(**entries):
+    return {"module": {"w": torch.zeros(2, 5), "b": torch.zeros(3)}, "engine": {"steps": 1, "health": {}},
+            "schedule": {}, "client": {}, **entries}
+
+
+def _optim(layout=(("w", 0, 10), ("b", 16, 3)), pieces=None, **entries):
+    pieces = [{"start": 0, "end": 19, "state": {"step": torch.tensor(1.0), "exp_avg": torch.ones(19)}}] \
+        if pieces is None else pieces
+    return {"layout": [list(e) for e in layout], "optimizer": "AdamW", "pieces": pieces, **entries}
+
+
+@pytest.mark.parametrize("model,optim,file,problem", [
+    ({"foo": 1}, None, "model.pt", "no 'module' entry"),
+    ([1, 2, 3], None, "model.pt", "it holds a list, not a dict"),
+    (_model(module=[1]), _optim(), "model.pt", "its 'module' entry is a list, not a dict"),
+    (_model(engine={"health": {}}), _optim(), "model.pt", "its 'engine' entry has no integer 'steps'"),
+    (_model(), [1], "optim_rank00000.pt", "it holds a list, not a dict"),
+    (_model(), _optim(layout=[("zz", 0, 10)]), "optim_rank00000.pt",
+     "its layout names 'zz', which is no tensor of model.pt"),
+    (_model(), _optim(layout=[("w", 0, 10 ** 11)]), "optim_rank00000.pt",
+     "its layout gives 'w' 100000000000 values, model.pt's tensor holds 10"),
+    (_model(), _optim(layout=[("w", 0, 10), ("w", 10, 10)]), "optim_rank00000.pt", "its layout names 'w' twice"),
+    (_model(), _optim(layout=[("w", -1, 10)]), "optim_rank00000.pt", "layout entry ['w', -1, 10] is not"),
+    (_model(), _optim(pieces=[{"start": 0, "end": 19, "state": {"exp_avg": torch.ones(5)}}]), "optim_rank00000.pt",
+     "state 'exp_avg' of its piece [0, 19) is not a tensor of 19 values"),
+    (_model(), _optim(pieces=[{"start": 0, "end": 19, "state": {1: torch.ones(19), "exp_avg": torch.ones(19)}}]),
+     "optim_rank00000.pt", "state '1' of its piece [0, 19) is not a tensor of 19 values"),
+    (_model(), _optim(pieces=[{"start": 0}]), "optim_rank00000.pt", "a piece is not {start, end, state}"),
+    (_model(), _optim(optimizer=3), "optim_rank00000.pt", "its 'optimizer' entry is of type int, not str"),
+])
+def test_a_malformed_tag_is_refused_in_one_line_naming_the_file_and_nothing_changes(
+        tmp_path, capsys, model, optim, file, problem):
+    tag = _tag_of(tmp_path, model, optim)
+    before = {f.name: f.read_bytes() for f in tag.iterdir()}
+    with pytest.raises(SystemExit) as status:
+        cli(lambda: convert([str(tag)]))
+    err = capsys.readouterr().err
+    assert status.value.code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert f"{tag / file} is not a file of the earlier layout ({problem}" in err, err
+    assert "nothing was converted" in err
+    assert {f.name: f.read_bytes() for f in tag.iterdir()} == before
+
+
+def test_optimizer_state_the_pieces_do_not_cover_exactly_is_refused(tmp_path, capsys):
+    """A gap (a rank's file missing from the tag) would convert into zero moments without a word."""
+    state = {"exp_avg": torch.ones(10)}
+    tag = _tag_of(tmp_path, _model(), _optim(pieces=[{"start": 0, "end": 10, "state": state}]))
+    before = {f.name: f.read_bytes() for f in tag.iterdir()}
+    with pytest.raises(SystemExit) as status:
+        cli(lambda: convert([str(tag)]))
+    err = capsys.readouterr().err
+    assert status.value.code == 2 and err.count("\n") == 1, err
+    assert f"{tag}: the optim_rank*.pt files hold 0 of the 3 values of b's exp_avg" in err, err
+    assert {f.name: f.read_bytes() for f in tag.iterdir()} == before
