@@ -4,8 +4,10 @@ end, so that a second run into the same folder (started
 alongside, or a duplicate job resuming the same folder) is refused in one line instead of
 clearing, pruning or interleaving the first one's files. The file stays after a run (removing a
 lock file races with the next run's open) and says which process held it last; a run refused
-before start leaves the folder as it found it. A file system without locks (some network
-mounts) is said in a warning and the run goes on unguarded."""
+before start leaves the folder as it found it. A resume waits a while for the lock
+(RESUME_WAIT_S): a network file system keeps the lock of a node that died until its lease ends,
+and a requeued job may start before that. A file system without locks (some network mounts) is
+said in a warning and the run goes on unguarded."""
 from __future__ import annotations
 
 import errno
@@ -21,6 +23,7 @@ from train.config.errors import ConfigError
 
 log = logging.getLogger("pretrain")
 LOCK_NAME = "run.lock"
+RESUME_WAIT_S = 180.0  # NFSv4's lease (90 s by default) twice over
 
 
 @dataclass
@@ -33,9 +36,10 @@ class _Held:
 _held: dict[Path, _Held] = {}  # run folder (resolved) -> this process's lock on it
 
 
-def hold_run_lock(run_dir: Path) -> None:
-    """Take the folder's lock (creating the folder) for this process, or raise ConfigError naming
-    the process that holds it. Taking it again in the same process is a no-op."""
+def hold_run_lock(run_dir: Path, wait_s: float = 0.0) -> None:
+    """Take the folder's lock (creating the folder) for this process, waiting up to `wait_s` for
+    it, or raise ConfigError naming the process that holds it. Taking it again in the same process
+    is a no-op."""
     key = run_dir.resolve()
     if key in _held:
         return
@@ -44,17 +48,27 @@ def hold_run_lock(run_dir: Path) -> None:
     path = run_dir / LOCK_NAME
     made_file = not path.exists()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that has not said which"
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
-            raise ConfigError(f"output_dir {run_dir} is in use by another run ({holder}; {path}): wait for it to "
-                              f"end, or choose another --output_dir") from None
-        log.warning("output_dir %s: its file system takes no lock (%s), so nothing stops a second run from writing "
-                    "into it alongside this one", run_dir, e.strerror)
-        return
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as e:
+            held = e.errno in (errno.EWOULDBLOCK, errno.EACCES)
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that has not said which"
+            if held and time.monotonic() < deadline:
+                if not said:
+                    log.warning("output_dir %s is locked (%s): waiting up to %.0f s for it", run_dir, holder, wait_s)
+                    said = True
+                time.sleep(min(2.0, wait_s))
+                continue
+            os.close(fd)
+            if held:
+                raise ConfigError(f"output_dir {run_dir} is in use by another run ({holder}; {path}): wait for it to "
+                                  f"end, or choose another --output_dir") from None
+            log.warning("output_dir %s: its file system takes no lock (%s), so nothing stops a second run from "
+                        "writing into it alongside this one", run_dir, e.strerror)
+            return
     _held[key] = _Held(fd, made_file, made_dir)
 
 

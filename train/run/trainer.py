@@ -48,7 +48,7 @@ from train.run.folder import Reporter, check_run_folder, check_writable_folder, 
 from train.run.loop import LoopSettings, LoopState
 from train.run.loop import run as run_loop
 from train.run.preemption import REQUEUE_FAILED, Interrupted, StopOnSignal, requeue_job, resume_hint
-from train.run.run_lock import hold_run_lock, release_run_lock, sign_run_lock
+from train.run.run_lock import RESUME_WAIT_S, hold_run_lock, release_run_lock, sign_run_lock
 from train.run.visualize import write_figures
 from train.weights.export import export_checkpoint
 from train.weights.fit import check_init_from
@@ -141,7 +141,7 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
         raise ConfigError(str(e)) from None
     run_dir = Path(cfg.output_dir)
     if distributed.rank_from_env() == 0 and run_dir.is_dir():  # another run may be writing it (a new
-        hold_run_lock(run_dir)  # folder is locked as it is made: the checks write nothing)
+        hold_run_lock(run_dir, RESUME_WAIT_S if cfg.resume else 0.0)  # folder: locked as it is made)
     try:
         return check_run_folder_before_start(cfg, ds_config, plan, run_dir)
     except BaseException:

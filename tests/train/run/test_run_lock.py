@@ -69,3 +69,24 @@ def test_a_run_refused_before_start_leaves_no_lock_and_no_folder(tmp_path):
     assert not new.exists()
     hold_run_lock(new)  # and the lock is free: nothing of the refused run holds it
     release_run_lock(new)
+
+
+def test_a_resume_waits_for_a_lock_let_go_soon_after(tmp_path, caplog):
+    """A requeued job may start before a dead node's lock has expired (a network file system's
+    lease): a resume waits for it, saying so, and takes it once it is let go."""
+    import logging
+
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD.replace("time.sleep(120)", "time.sleep(3)"), str(run_dir)],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    caplog.set_level(logging.WARNING, logger="pretrain")
+    try:
+        start = time.monotonic()
+        hold_run_lock(run_dir, wait_s=60)
+        assert time.monotonic() - start > 1.0  # taken only once the holder let go (it holds it 3 s)
+        assert "is locked (pid " in caplog.text and "waiting up to 60 s for it" in caplog.text
+    finally:
+        release_run_lock(run_dir)
+        holder.kill()
+        holder.wait()
