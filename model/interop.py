@@ -17,6 +17,7 @@ format's reader raises is one WeightsFileError naming the file and what is wrong
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import pickle
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from model.irpe import ContextualRPE
 from model.objectives.mae import MAEConfig, MAEObjective
 from model.pos_embed import sincos_2d
 from model.timm_backbone import TimmBackbone
@@ -198,7 +200,35 @@ def _torch_state(path: Path, mmap: bool) -> dict:
     if odd := [k for k in state.get("model", state) if not isinstance(k, str)]:
         raise WeightsFileError(f"{path} names a tensor by the {type(odd[0]).__name__} {odd[0]!r}, not by a parameter "
                                f"name: give a state_dict (tensors by name)")
+    check_stored_whole(path, state)
     return state
+
+
+def _tensors(container: object):
+    """(dotted name, tensor) of every tensor in nested dicts / lists / tuples, walked without
+    recursion, each container once: a pickle may hold a list inside itself, or one list many times."""
+    stack, seen = [("", container)], set()
+    while stack:
+        prefix, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            yield prefix, value
+        elif isinstance(value, dict | list | tuple) and id(value) not in seen:
+            seen.add(id(value))
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack.extend((f"{prefix}.{k}" if prefix else str(k), v) for k, v in reversed(list(items)))
+
+
+def check_stored_whole(path: Path, state: object) -> None:
+    """WeightsFileError naming the first tensor whose storage holds fewer bytes than its values
+    take: torch.save keeps a broadcast view (`expand`, stride 0) as its small storage and its
+    strides, so a file of kilobytes can stand for a tensor of gigabytes that any computation on it
+    (the finiteness check, a copy into the model) would materialise."""
+    for name, value in _tensors(state):
+        claimed, stored = value.numel() * value.element_size(), value.untyped_storage().nbytes()
+        if claimed > stored:
+            raise WeightsFileError(f"{path}: tensor {name} claims {value.numel():,} values (shape {list(value.shape)}) "
+                                   f"of {claimed:,} bytes but stores {stored:,} (a broadcast view saved as such): "
+                                   f"give weights saved as whole tensors (tensor.contiguous() before torch.save)")
 
 
 def safe_load(path: str | Path) -> dict[str, torch.Tensor]:
@@ -251,9 +281,71 @@ def split_official_mae(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     return encoder, decoder
 
 
-def _depth(state: dict, prefix: str) -> int:
-    ids = {int(m.group(1)) for k in state if (m := re.match(rf"{prefix}\.(\d+)\.", k))}
-    return max(ids) + 1 if ids else 0
+def _block_name(name: str, prefix: str) -> re.Match | None:
+    """`{prefix}.N.rest` (groups: N, rest) with N written as Python writes it (no leading zero, at
+    most 9 digits), else None: `blocks.01.x` is not block 1."""
+    return re.fullmatch(rf"{prefix}\.(0|[1-9]\d{{0,8}})\.(.+)", name)
+
+
+def _depth(names, prefix: str) -> int:
+    """How many blocks `{prefix}.N.*` the names hold; ValueError unless they are numbered 0..n-1 in
+    turn: the depth built is the count of blocks the file holds, never a number one name claims."""
+    ids = sorted({int(m.group(1)) for k in names if (m := _block_name(k, prefix))})
+    if ids and ids[-1] != len(ids) - 1:
+        shown = ", ".join(map(str, ids[:3])) + (f", ..., {ids[-1]}" if len(ids) > 3 else "")
+        raise ValueError(f"holds {len(ids)} {prefix} numbered {shown}, not 0 to {len(ids) - 1} in turn as a ViT's "
+                         f"are: give a whole ViT encoder's weights")
+    return len(ids)
+
+
+def accepted_shapes(model: torch.nn.Module) -> dict[str, set[tuple[int, ...]]]:
+    """Name -> the shapes `model.load_state_dict` takes for it: its own, and for an iRPE table the
+    other head layout too (shared or per head, adopted when loaded: model/irpe.py ContextualRPE)."""
+    shapes = {name: {tuple(value.shape)} for name, value in model.state_dict().items()}
+    for name, module in model.named_modules():
+        if isinstance(module, ContextualRPE):
+            rows, _, width = module.table.shape
+            shapes[f"{name}.table"] |= {(rows, 1, width), (rows, module.num_heads, width)}
+    return shapes
+
+
+def shapes_misfit(theirs: dict[str, tuple[int, ...]], ours: dict[str, set[tuple[int, ...]]],
+                  depth: int | None = None) -> str:
+    """How tensors `theirs` (name -> shape) differ from a model's `ours` (accepted_shapes), '' when
+    the names and shapes are the same. With `depth`, `ours` is a one-block build whose `blocks.0.*`
+    stands for each of `depth` blocks: a claimed depth is judged without building it."""
+    if depth is not None and (held := _depth(theirs, "blocks")) != depth:
+        return f"{held} blocks, where the model has {depth}"
+    for name, shape in theirs.items():
+        accepted = ours.get(_as_block_zero(name) if depth is not None else name)
+        if accepted is None:
+            return f"a tensor {name}, which the model has not"
+        if tuple(shape) not in accepted:
+            return f"{name} of shape {list(shape)} (the model's: {' or '.join(str(list(s)) for s in sorted(accepted))})"
+    if depth is None:
+        expected = iter(ours)
+    else:  # every block holds what the template's block 0 holds
+        rests = [m.group(2) for name in ours if (m := _block_name(name, "blocks"))]
+        outside = (name for name in ours if not _block_name(name, "blocks"))
+        expected = itertools.chain(outside, (f"blocks.{i}.{rest}" for i in range(depth) for rest in rests))
+    absent = next((name for name in expected if name not in theirs), None)
+    return f"no {absent}, which the model has" if absent else ""
+
+
+def _as_block_zero(name: str) -> str:
+    """`blocks.N.rest` -> `blocks.0.rest`; any other name as it is."""
+    m = _block_name(name, "blocks")
+    return f"blocks.0.{m.group(2)}" if m else name
+
+
+def vit_misfit(arch: dict, theirs: dict[str, tuple[int, ...]]) -> str:
+    """How an encoder's tensors (name -> shape; a classifier `head.*` aside) differ from those of
+    VisionTransformer(**arch) ('' when they fit exactly). Compared with a one-block build on the
+    meta device, so no depth or width the description claims is ever allocated or built."""
+    with torch.device("meta"):
+        template = VisionTransformer(**{**arch, "depth": 1, "num_classes": 0})
+    theirs = {k: v for k, v in theirs.items() if not k.startswith("head.")}
+    return shapes_misfit(theirs, accepted_shapes(template), arch["depth"])
 
 
 def _shape(encoder: dict[str, torch.Tensor], name: str, layout: str) -> tuple[int, ...]:
@@ -295,7 +387,12 @@ def encoder_from_state(encoder: dict[str, torch.Tensor], num_heads: int | None =
     to the new grid, resize_pos_embed).
     """
     pool = "avg" if "fc_norm.weight" in encoder and "norm.weight" not in encoder else "token"
-    model = VisionTransformer(**{**infer_encoder_arch(encoder, num_heads), "global_pool": pool, **overrides})
+    arch = {**infer_encoder_arch(encoder, num_heads), "global_pool": pool}
+    problem = vit_misfit(arch, {k: tuple(v.shape) for k, v in encoder.items()})
+    if problem:  # judged before building: a tensor's shape sets a size (fc1: the MLP's width) of every block
+        raise ValueError(f"does not hold the tensors of one ViT: it holds {problem} (the ViT its patch_embed, "
+                         f"pos_embed and blocks.0.mlp.fc1 imply); give a whole ViT encoder's weights")
+    model = VisionTransformer(**{**arch, **overrides})
     state = {k: v for k, v in encoder.items() if not k.startswith("head.")}
     if "pos_embed" in state and state["pos_embed"].shape != model.pos_embed.shape:
         state["pos_embed"] = resize_pos_embed(state["pos_embed"], model.patch_embed.grid_size)

@@ -94,6 +94,7 @@ def inputs(tmp_path_factory) -> Path:
     (root / "current_tag" / "complete.json").write_text(json.dumps({"step": 1, "files": {"model.safetensors": 0}}))
     (root / "runs" / "entry" / "seed0").mkdir(parents=True)  # a study folder without finished runs
     write_bad_weights(root)
+    write_misdescribed_encoders(root)
     write_hostile_runs(root)  # checkpoints that would create {d}/ran if read the unsafe way
     train = json.loads((root / "shards" / "train.json").read_text())  # indexes of these shards that do not fit them
     (root / "shards" / "swapped.json").write_text(json.dumps(train | {"classes": train["classes"][::-1]}))
@@ -118,6 +119,22 @@ def write_bad_weights(root: Path) -> None:
     save_file({"encoder.w": torch.zeros(64)}, str(tag / "model.safetensors"))
     (tag / "model.safetensors").write_bytes((tag / "model.safetensors").read_bytes()[:-8])
     (tag / "complete.json").write_text(json.dumps({"step": 1, "world_size": 1}))  # a tag of before sizes and crc32s
+
+
+def write_misdescribed_encoders(root: Path) -> None:
+    """Small files that claim a large encoder: a .json beside an export describing 10**7 blocks or a
+    depth in quotes, a block numbered 9999999 among two, a broadcast view standing for 1.3 GB."""
+    from safetensors.torch import save_file
+
+    from model.registry import create_model
+
+    encoder = create_model("vit_debug_patch4")
+    state = {k: v.contiguous() for k, v in encoder.state_dict().items()}
+    for name, kwargs in (("deep", {"depth": 10**7}), ("quoted", {"depth": "2"})):
+        save_file(state, str(root / f"{name}.safetensors"))
+        (root / f"{name}.json").write_text(json.dumps({"timm_kwargs": encoder.timm_kwargs() | kwargs}))
+    save_file(state | {"blocks.9999999.norm1.weight": torch.ones(32)}, str(root / "bad" / "gapped.safetensors"))
+    torch.save({"model": {"w": torch.zeros(1, 32).expand(10**7, 32)}}, root / "bad" / "broadcast.pth")
 
 
 def no_pyplot(monkeypatch):
@@ -346,6 +363,24 @@ CASES = [
      ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/held_out/test.json", "--encoder",
       "{d}/bad/random.safetensors"], r"--encoder: .*random.safetensors is not a safetensors file.*; give an exported",
      None),
+    ("train.evaluate", "an export's description claiming blocks its weights do not hold",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/held_out/test.json", "--encoder",
+      "{d}/deep.safetensors"], r"deep.json: timm_kwargs does not describe the weights beside it, which hold 2 blocks, "
+                               r"where the model has 10000000: give the .json train.export wrote", None),
+    ("train.evaluate", "an export's description with a size in quotes",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/held_out/test.json", "--encoder",
+      "{d}/quoted.safetensors"], r"quoted.json: timm_kwargs: depth is '2', not an integer >= 1: give the .json", None),
+    ("train.evaluate", "weights numbering a block past the blocks they hold",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/held_out/test.json", "--encoder",
+      "{d}/bad/gapped.safetensors", "--num_heads", "2"],
+     r"gapped.safetensors: holds 3 blocks numbered 0, 1, 9999999, not 0 to 2 in turn", None),
+    ("train.evaluate", "a small torch file claiming a large broadcast tensor",
+     ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/held_out/test.json", "--encoder",
+      "{d}/bad/broadcast.pth"], r"broadcast.pth: tensor model.w claims 320,000,000 values .* but stores 128", None),
+    ("train.linprobe", "a small torch file claiming a large broadcast tensor as weights",
+     ["--ds_config", "ds_configs/cpu_linprobe.json", "--model.name", "vit_debug_patch4", "--model.init_from",
+      "{d}/bad/broadcast.pth", "--linprobe.num_classes", "2", "--data.train_index", "{d}/shards/train.json",
+      "--output_dir", "{d}/out"], r"model.init_from: .*broadcast.pth: tensor model.w claims 320,000,000 values", None),
     ("train.evaluate", "a FIFO as the encoder",
      ["--train_index", "{d}/shards/train.json", "--test_index", "{d}/held_out/test.json", "--encoder",
       "{d}/bad/fifo.safetensors"], r"--encoder .*fifo.safetensors is a FIFO \(named pipe\), not a regular file: give",

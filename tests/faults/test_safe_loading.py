@@ -52,3 +52,33 @@ def test_imported_weights_that_would_run_code_are_refused(tmp_path):
     assert not marker.exists()
     torch.save({"model": {"cls_token": torch.zeros(1, 1, 8)}}, path)  # plain tensors load
     assert safe_load(path)["model"]["cls_token"].shape == (1, 1, 8)
+
+
+def test_a_small_torch_file_claiming_a_large_broadcast_tensor_is_refused_before_any_computation(tmp_path):
+    """torch.save keeps an expanded view as its small storage and its strides: a file of kilobytes
+    stands for a (10**7, 32) tensor, which the finiteness check would materialise (gigabytes)."""
+    from model.interop import WeightsFileError, safe_load, weights_shapes
+
+    path = tmp_path / "broadcast.pth"
+    torch.save({"model": {"cls_token": torch.zeros(1, 1, 32),
+                          "blocks.0.attn.qkv.weight": torch.zeros(1, 32).expand(10**7, 32)}}, path)
+    assert path.stat().st_size < 10_000
+    for read in (safe_load, weights_shapes):  # the shapes alone (model.init_from's check) too
+        with pytest.raises(WeightsFileError, match=r"broadcast.pth: tensor model.blocks.0.attn.qkv.weight claims "
+                                                   r"320,000,000 values \(shape \[10000000, 32\]\) of 1,280,000,000 "
+                                                   r"bytes but stores 128 .*: give weights saved as whole tensors"):
+            read(path)
+
+
+def test_views_their_storage_holds_whole_still_load(tmp_path):
+    """A transposed tensor, a slice and a strided column take no more than their storage holds."""
+    from model.interop import safe_load
+
+    base = torch.arange(40.0).reshape(4, 10)
+    inside_itself = [base]
+    inside_itself.append(inside_itself)  # the pickle's memo makes a list that holds itself: walked once
+    torch.save({"transposed": base.t(), "rows": base[1:3], "column": base[:, 2], "args": inside_itself},
+               tmp_path / "views.pth")
+    state = safe_load(tmp_path / "views.pth")
+    assert torch.equal(state["transposed"], base.t()) and torch.equal(state["rows"], base[1:3])
+    assert torch.equal(state["column"], base[:, 2]) and state["args"][1] is state["args"]

@@ -150,3 +150,37 @@ def test_a_mean_pooled_encoder_given_to_a_cls_model_is_told_the_option(tmp_path)
     avg = build_objective("linprobe", create_model("vit_debug_patch4", global_pool="avg"), LinearProbeConfig(num_classes=3))
     load_into_objective(avg, tmp_path / "ft.safetensors")
     assert torch.equal(avg.encoder.fc_norm.weight, finetuned.fc_norm.weight)
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"blocks.9999999.norm1.weight": torch.ones(32)},
+     r"holds 3 blocks numbered 0, 1, 9999999, not 0 to 2 in turn as a ViT's are: give a whole ViT encoder's weights"),
+    ({"blocks.0.mlp.fc1.weight": torch.zeros(10**9, 0)},  # no values, yet an MLP 10**9 wide in every block
+     r"does not hold the tensors of one ViT: it holds blocks.0.mlp.fc1.weight of shape \[1000000000, 0\] \(the "
+     r"model's: \[1000000000, 32\]\)"),
+    ({"blocks.1.attn.qkv.weight": torch.zeros(7, 32)},
+     r"it holds blocks.1.attn.qkv.weight of shape \[7, 32\] \(the model's: \[96, 32\]\)"),
+], ids=["a block numbered past the file's", "a hidden width set by one tensor", "one block of another shape"])
+def test_an_encoder_state_is_judged_against_the_vit_it_implies_before_that_is_built(extra, says):
+    """The depth is the count of blocks the file holds (numbered 0..n-1), and every tensor has the
+    shape of the ViT the others imply: a name or a shape never sets the size of what is built."""
+    state = create_model("vit_debug_patch4").state_dict() | extra
+    with pytest.raises(ValueError, match=says):
+        encoder_from_state(state, num_heads=2)
+
+
+def test_vit_misfit_names_what_differs_without_building_the_depth_described():
+    from model.interop import vit_misfit
+
+    model = create_model("vit_debug_patch4", rpe=True)
+    model.blocks[0].attn.rpe.set_shared_heads(False)  # a per-head iRPE table loads into a shared one
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    arch = {**model.arch, "rpe": True}
+    assert vit_misfit(arch, shapes) == ""
+    assert vit_misfit({**arch, "depth": 10**9}, shapes) == "2 blocks, where the model has 1000000000"
+    assert vit_misfit({**arch, "embed_dim": 2**20, "num_heads": 1}, shapes) == ("cls_token of shape [1, 1, 32] (the "
+                                                                             "model's: [1, 1, 1048576])")
+    del shapes["blocks.1.mlp.fc2.bias"]
+    assert vit_misfit(arch, shapes) == "no blocks.1.mlp.fc2.bias, which the model has"
+    assert vit_misfit(arch, shapes | {"blocks.01.mlp.fc2.bias": (32,)}) == ("a tensor blocks.01.mlp.fc2.bias, which "
+                                                                            "the model has not")

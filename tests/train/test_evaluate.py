@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -223,3 +225,79 @@ def test_evaluate_refuses_an_img_size_whose_batch_cannot_fit_before_building_the
     with pytest.raises(ConfigError, match=r"can't allocate memory.*\(--img_size 64: the encoder at that size does not "
                                           r"fit in memory; give a smaller size, or 0 for its own\)"):
         main(argv + ["--img_size", "64"])
+
+
+FIX = r"give the .json train.export wrote beside these weights"
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda d: d | {"timm_kwargs": [1, 2]}, r"debug.json: timm_kwargs is \[1, 2\], not a table of the encoder's "
+                                            r"architecture \(img_size, .*\): " + FIX),
+    (lambda d: {"model_name": "vit_debug_patch4"}, r"description .*debug.json holds no timm_kwargs .*: " + FIX),
+    (lambda d: [d], r"description .*debug.json holds no timm_kwargs"),
+    (lambda d: d | {"timm_kwargs": d["timm_kwargs"] | {"depth": "2"}},
+     r"debug.json: timm_kwargs: depth is '2', not an integer >= 1: " + FIX),
+    (lambda d: d | {"timm_kwargs": d["timm_kwargs"] | {"embed_dim": True}}, r"embed_dim is True, not an integer >= 1"),
+    (lambda d: d | {"timm_kwargs": d["timm_kwargs"] | {"mlp_ratio": float("nan")}},
+     r"mlp_ratio is nan, not a finite number > 0"),
+    (lambda d: d | {"timm_kwargs": {k: v for k, v in d["timm_kwargs"].items() if k != "num_heads"}},
+     r"debug.json: timm_kwargs has no num_heads: " + FIX),
+    (lambda d: d | {"timm_kwargs": d["timm_kwargs"] | {"depth": 10**7}},
+     r"debug.json: timm_kwargs does not describe the weights beside it, which hold 2 blocks, where the model has "
+     r"10000000: " + FIX),
+    (lambda d: d | {"timm_kwargs": d["timm_kwargs"] | {"embed_dim": 2**20, "num_heads": 1}},
+     r"which hold blocks.0.attn.proj.bias of shape \[32\] \(the model's: \[1048576\]\)"),
+], ids=["a list", "no timm_kwargs", "not an object", "a depth in quotes", "a width true", "a NaN MLP ratio",
+        "no heads", "a depth the weights do not hold", "a width the weights do not have"])
+def test_an_exported_encoder_is_built_only_as_its_description_says_and_its_weights_hold(tmp_path, edit, says):
+    """The .json beside an export sets the encoder's sizes: each is checked for its type, and the
+    whole against the weights' names and shapes (on the meta device), before anything is built."""
+    import json
+
+    from safetensors.torch import save_file
+
+    encoder = create_model("vit_debug_patch4")
+    save_file({k: v.contiguous() for k, v in encoder.state_dict().items()}, str(tmp_path / "debug.safetensors"))
+    description = {"timm_kwargs": encoder.timm_kwargs(), "model_name": "vit_debug_patch4"}
+    (tmp_path / "debug.json").write_text(json.dumps(description))
+    assert load_encoder(encoder=str(tmp_path / "debug.safetensors")).arch == encoder.arch
+    (tmp_path / "debug.json").write_text(json.dumps(edit(description)))
+    with pytest.raises(ValueError, match=says):
+        load_encoder(encoder=str(tmp_path / "debug.safetensors"))
+
+
+def test_a_checkpoint_whose_meta_claims_another_encoder_is_refused_before_building_it(tmp_path, monkeypatch):
+    """complete.json's encoder_timm_kwargs are judged as an export's .json is."""
+    from train.engine import checkpoint
+    from train.weights import export
+
+    encoder = create_model("vit_debug_patch4")
+    meta = {"encoder_timm_kwargs": encoder.timm_kwargs() | {"depth": 10**7}}
+    tag = tmp_path / "run" / "checkpoints" / "step00000004"
+    monkeypatch.setattr(checkpoint, "find_resume", lambda given, path: tag)
+    monkeypatch.setattr(export, "encoder_state", lambda found: (encoder.state_dict(), meta))
+    with pytest.raises(ValueError, match=r"step00000004/complete.json: encoder_timm_kwargs does not describe the "
+                                         r"weights beside it, which hold 2 blocks, where the model has 10000000: give "
+                                         r"another of the run's checkpoints"):
+        load_encoder(checkpoint=str(tmp_path / "run"))
+    meta.clear()
+    with pytest.raises(ValueError, match=r"complete.json holds no encoder_timm_kwargs"):
+        load_encoder(checkpoint=str(tmp_path / "run"))
+    meta["encoder_timm_kwargs"] = encoder.timm_kwargs()
+    assert torch.equal(load_encoder(checkpoint=str(tmp_path / "run")).pos_embed, encoder.pos_embed)
+
+
+def test_a_subset_of_an_index_claiming_a_trillion_samples_draws_only_the_subset():
+    """An index's counts are a claim: the subset is drawn without a permutation of all of them
+    (8 TB for 10**12), and below LARGEST_PERMUTATION it is the permutation's, as it always was."""
+    from train.run.evaluation import subsample
+
+    claimed = ShardSet(files=(Path("a.tar"), Path("b.tar")), counts=(10**12, 12), classes=("a",))
+    sub = subsample(claimed, 10, seed=0)
+    assert sub.num_samples == 10 and subsample(claimed, 10, seed=0) == sub
+    assert all(0 <= p < 10**12 for keep in sub.keep for p in keep) and subsample(claimed, 10, seed=1) != sub
+    small = ShardSet(files=(Path("a.tar"), Path("b.tar")), counts=(30, 12), classes=("a",))
+    sub = subsample(small, 7, seed=5)
+    start = {Path("a.tar"): 0, Path("b.tar"): 30}
+    chosen = sorted(start[f] + p for f, keep in zip(sub.files, sub.keep, strict=True) for p in keep)
+    assert chosen == sorted(torch.randperm(42, generator=torch.Generator().manual_seed(5))[:7].tolist())
