@@ -128,13 +128,14 @@ EXPORT_FIX = "export another of the run's checkpoints"
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
-    """A labeled RGB shard index of 2 classes x 3 images."""
+    """A labeled RGB shard index of 2 classes x 3 images (and test.json beside it: the same images)."""
     root = tmp_path_factory.mktemp("shards")
     for c in range(2):
         (root / "images" / f"c{c}").mkdir(parents=True)
         for i in range(3):
             Image.fromarray(np.full((16, 16, 3), 80 * c + 20 * i, dtype=np.uint8)).save(root / "images" / f"c{c}" / f"{i}.png")
-    write_shards(["imagefolder", str(root / "images"), str(root / "s"), "--workers", "1"])
+    for name in ("train", "test"):  # test.json: the same images in shards of their own, what evaluate scores
+        write_shards(["imagefolder", str(root / "images"), str(root / "s"), "--workers", "1", "--name", name])
     return root / "s" / "train.json"
 
 
@@ -210,7 +211,7 @@ ENTRIES = {  # entry point -> (module, argv for the weights path W, the output R
                                                     "vit_debug_patch4", "--model.init_from", str(w),
                                                     "--linprobe.num_classes", "2", "--data.train_index", str(s),
                                                     "--output_dir", str(r)]),
-    "evaluate": ("train.evaluate", lambda w, r, s: ["--train_index", str(s), "--test_index", str(s), "--encoder",
+    "evaluate": ("train.evaluate", lambda w, r, s: ["--train_index", str(s), "--test_index", str(s.with_name("test.json")), "--encoder",
                                                     str(w), "--out", str(r)]),
 }
 
@@ -264,7 +265,7 @@ def test_an_exported_encoder_whose_weights_are_damaged_or_whose_description_is_a
     save_file({k: v.contiguous() for k, v in encoder.state_dict().items()}, str(path))
     path.write_bytes(path.read_bytes()[:-100])
     (tmp_path / "encoder.json").write_text(json.dumps({"timm_kwargs": encoder.timm_kwargs()}))
-    argv = ["--train_index", str(shards), "--test_index", str(shards), "--encoder", str(path)]
+    argv = ["--train_index", str(shards), "--test_index", str(shards.with_name("test.json")), "--encoder", str(path)]
     status, err = run_promptly("train.evaluate", argv, capsys)
     assert_refused(status, err, r"encoder.safetensors is truncated in its data", ENCODER_FIX)
 
