@@ -158,8 +158,8 @@ def scan_shard(shard: Path | PipeShard, label: LabelKey) -> ShardScan:
     except (tarfile.TarError, OSError, EOFError) as e:
         scan.bad = f"cut short or damaged after {scan.samples + scan.rejected.count} whole samples: " \
                    f"{str(e) or type(e).__name__}"
-    except ValueError as e:  # group_by_keys: a member name repeats within a sample
-        scan.bad = f"unreadable after {scan.samples + scan.rejected.count} whole samples: {e}"
+    except (ValueError, RecursionError) as e:  # a member name repeats within a sample; headers tarfile cannot parse
+        scan.bad = f"unreadable after {scan.samples + scan.rejected.count} whole samples: {str(e) or type(e).__name__}"
     if not scan.bad and not scan.samples:
         scan.bad = f"no sample with an image member ({scan.rejected.count} without one)"
     return scan

@@ -59,6 +59,9 @@ CLS = LabelKey()  # the labels of data/write_shards.py's shards
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # PIL's default Image.MAX_IMAGE_PIXELS (data.max_image_pixels)
 # What PIL raises for malformed image bytes (struct.error / IndexError from some truncated headers)
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, IndexError)
+# What reading a damaged tar raises: tarfile's errors, ValueError (int() of a malformed GNU sparse pax
+# header), RecursionError (tarfile reads each of a chain of pax / GNU long-name headers by recursing)
+TAR_READ_ERRORS = (tarfile.TarError, OSError, EOFError, ValueError, RecursionError)
 # The most bytes read of one member (`member_limit`). An image member: an uncompressed image of
 # data.max_image_pixels pixels at 8 bytes a pixel (16-bit RGBA or CMYK, the widest PIL opens) plus
 # room for metadata (ICC profile, EXIF, XMP). Any other member: the reader needs at most the label
@@ -168,7 +171,7 @@ def shard_samples(f: Path | PipeShard, errors: Counter, with_data: bool = True,
     `__url__`). max_pixels: data.max_image_pixels, which sets the largest image member read."""
     try:
         yield from group_by_keys(tar_members(f, with_data, max_pixels))
-    except (tarfile.TarError, OSError, EOFError, ValueError):
+    except TAR_READ_ERRORS:
         errors["truncated_shard"] += 1
 
 

@@ -47,6 +47,7 @@ from data.shards import (
     DECODE_ERRORS,
     DEFAULT_MAX_IMAGE_PIXELS,
     IMAGE_KEYS,
+    TAR_READ_ERRORS,
     UnreadMember,
     _is_sample_member,
     member_limit,
@@ -127,8 +128,8 @@ def verify_shard(path: Path | PipeShard, expected: int, max_image_pixels: int = 
         report.skipped = "a pipe: shard (read by running its command, not checked)"
         return report
     try:
-        tar = tarfile.open(path, mode="r:")
-    except (tarfile.TarError, OSError, EOFError) as e:
+        tar = tarfile.open(path, mode="r:")  # reads the first member's header
+    except TAR_READ_ERRORS as e:
         report.add("not_a_tar", str(e) or type(e).__name__)
         return report
     with tar:
@@ -146,7 +147,7 @@ def verify_shard(path: Path | PipeShard, expected: int, max_image_pixels: int = 
                 if num_classes is not None and label is not None and label >= num_classes:
                     report.add("label_out_of_range", f"{sample['__key__']}: label {label}, the index names "
                                                       f"{num_classes} classes")
-        except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+        except TAR_READ_ERRORS as e:
             report.add("truncated_shard", f"cut short or damaged after {report.samples} whole samples: "
                                           f"{str(e) or type(e).__name__}")
     if report.samples != expected:

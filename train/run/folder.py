@@ -284,7 +284,8 @@ def metric_rows(path: Path) -> tuple[list[dict], int]:
     """(the records of a metrics.jsonl, how many of its non-empty lines are none): a line cut short
     by a crash (half a record, NUL bytes) is left out, not a traceback for every later reader."""
     rows, cut = [], 0
-    for line in path.read_text(errors="replace").splitlines():
+    # split at newlines only: str.splitlines also splits at U+2028, U+0085 and others a JSON string may hold
+    for line in path.read_text(errors="replace").split("\n"):
         if not line.strip("\0 \t"):
             cut += bool(line.strip())
             continue
