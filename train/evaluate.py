@@ -49,8 +49,6 @@ from train.config.options import PretrainConfig
 from train.config.values import Interval, check_range, from_text
 from train.estimate.memory import GIB, ram
 from train.run.evaluation import (  # noqa: F401  (also what scripts import from train.evaluate)
-    ENCODER_FILES,
-    OUR_ARCH_KEYS,
     Coverage,
     DecodedSet,
     EvalStream,
@@ -59,7 +57,6 @@ from train.run.evaluation import (  # noqa: F401  (also what scripts import from
     classification_accuracy,
     coverage_keys,
     decode_all,
-    encoder_from_timm_kwargs,
     eval_batches,
     eval_summary,
     evaluate,
@@ -68,9 +65,14 @@ from train.run.evaluation import (  # noqa: F401  (also what scripts import from
     knn_top1,
     linear_probe_top1,
     load_encoder,
-    load_state_any_size,
     scores,
     subsample,
+)
+from train.weights.described import (  # noqa: F401  (also what scripts import from train.evaluate)
+    ENCODER_FILES,
+    OUR_ARCH_KEYS,
+    encoder_from_timm_kwargs,
+    load_state_any_size,
 )
 
 

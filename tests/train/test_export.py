@@ -121,3 +121,27 @@ def test_an_irpe_encoder_gets_no_timm_snippet(tmp_path):
     enc = create_model("vit_debug_patch4", rpe=True)
     assert timm_loading(enc.timm_kwargs(), "vit_debug_patch4", enc.state_dict(), tmp_path / "e.safetensors") == {
         "timm_model_name": None, "timm_create_kwargs": None, "timm_snippet": None}
+
+
+@pytest.mark.parametrize("fmt", ["timm", "transformers"])
+def test_a_checkpoint_whose_description_claims_another_encoder_is_not_built(fp32_run, tmp_path, fmt, capsys):
+    """complete.json's encoder_timm_kwargs are judged against the weights before an exporter builds
+    a model of their sizes (a depth of ten million ran out of memory in timm's or transformers' build)."""
+    import shutil
+
+    from train.run.cli import cli
+
+    run = tmp_path / "run"
+    shutil.copytree(fp32_run, run)
+    [tag] = sorted((run / "checkpoints").glob("step*"))
+    meta = json.loads((tag / "complete.json").read_text())
+    meta["encoder_timm_kwargs"]["depth"] = 10**7
+    (tag / "complete.json").write_text(json.dumps(meta))
+    out = tmp_path / ("out.safetensors" if fmt == "timm" else "out")
+    with pytest.raises(SystemExit) as stopped:
+        cli(lambda: export_main(["--checkpoint", str(run), "--format", fmt, "--out", str(out)]))
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1, err
+    assert "complete.json: encoder_timm_kwargs does not describe the weights beside it, which hold 2 blocks, " \
+           "where the model has 10000000" in err
+    assert not out.exists()

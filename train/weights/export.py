@@ -22,6 +22,7 @@ from model.interop import safe_load
 from train.config.errors import ConfigError
 from train.engine.checkpoint import find_resume, read_meta
 from train.engine.state_files import WEIGHTS_FILE, LegacyCheckpointError, check_layout
+from train.weights.described import checkpoint_description
 
 ENCODER_PREFIX = "encoder."
 # Our registry name at 224 px -> timm's model name, for users who prefer timm.create_model.
@@ -47,8 +48,11 @@ def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tenso
 
 
 def encoder_state(tag_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """The encoder's fp32 weights (timm names) from a checkpoint tag, and its complete.json."""
-    return _encoder_of(_module_state(tag_dir), tag_dir), read_meta(tag_dir)
+    """The encoder's fp32 weights (timm names) from a checkpoint tag, and its complete.json, whose
+    encoder_timm_kwargs are checked against those weights before anyone builds from them."""
+    encoder, meta = _encoder_of(_module_state(tag_dir), tag_dir), read_meta(tag_dir)
+    checkpoint_description(meta, tag_dir, encoder)
+    return encoder, meta
 
 
 def _encoder_of(state: dict[str, torch.Tensor], tag_dir: Path) -> dict[str, torch.Tensor]:
@@ -166,7 +170,9 @@ def export_transformers(tag_dir: Path, out: Path) -> tuple[Path, str]:
     from train.weights.transformers import write_folder
 
     state = _module_state(tag_dir)
-    out, name = write_folder(_encoder_of(state, tag_dir), _strip(state, "decoder."), read_meta(tag_dir), tag_dir, out)
+    encoder, meta = _encoder_of(state, tag_dir), read_meta(tag_dir)
+    checkpoint_description(meta, tag_dir, encoder)  # before a model of the sizes it claims is built
+    out, name = write_folder(encoder, _strip(state, "decoder."), meta, tag_dir, out)
     for path in out.iterdir():
         readable_as_umask_says(path)
     return out, name
