@@ -3,6 +3,7 @@ own ShardWriter with img2dataset's layout (an image + txt caption + json metadat
 images webp), and shard indexes in data/index_shards.py's format written by hand."""
 import io
 import json
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -45,4 +46,22 @@ def write_index(path: Path, tars: list[Path], counts: list[int], labeled: bool =
         "members": {"jpg": sum(counts) - len(tars), "json": sum(counts), "txt": sum(counts), "webp": len(tars)},
         "label_key": label_key, "labeled": labeled, "labels_seen": [], "unlabeled": {"count": 0, "examples": []},
         "bad_shards": []}))
+    return path
+
+
+def write_tar(path: Path, members: list[tuple[str, bytes | int]]) -> Path:
+    """A tar of `members` in order: (name, its bytes, or a size: a member of that many bytes written
+    as a hole of a sparse file, so gigabytes cost no disk)."""
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if isinstance(data, int):  # the header only; the data is skipped over
+                info.size = data
+                tar.addfile(info)
+                padded = -(-data // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+                tar.fileobj.seek(padded, io.SEEK_CUR)
+                tar.offset += padded
+                continue
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
     return path

@@ -5,7 +5,6 @@ import json
 import re
 import subprocess
 import sys
-import tarfile
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from wds_shards import write_tar as write_members
 
 from data.device_decode import DeviceDecoder, EncodedCropTransform
 from data.faults import ERROR_KINDS, BadSampleBudget, CorruptDataError, SampleError, ShardIndexError
@@ -40,20 +40,7 @@ def rgb(value=(200, 50, 100), size=(8, 8)) -> Image.Image:
 
 def write_tar(path: Path, samples: list[tuple[str, dict[str, bytes | int]]]) -> Path:
     """samples: (key, {extension: bytes, or a size: that many zero bytes, a hole of a sparse file}) in order."""
-    with tarfile.open(path, "w") as tar:
-        for key, members in samples:
-            for ext, data in members.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                if isinstance(data, int):  # header only; the data is skipped over (gigabytes cost no disk)
-                    info.size = data
-                    tar.addfile(info)
-                    padded = -(-data // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-                    tar.fileobj.seek(padded, io.SEEK_CUR)
-                    tar.offset += padded
-                    continue
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return path
+    return write_members(path, [(f"{key}.{ext}", data) for key, members in samples for ext, data in members.items()])
 
 
 # The most read of a member (data/shards.py): an image member, an uncompressed image of max_image_pixels

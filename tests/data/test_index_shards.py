@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import webdataset as wds
 from PIL import Image
+from wds_shards import write_tar
 
 from data.index_shards import main
 from data.labels import LabelKey
@@ -36,23 +37,6 @@ def shardwriter(folder: Path, prefix: str, samples: list[dict], per_shard: int) 
 
 def labeled(n: int) -> list[dict]:
     return [{"__key__": f"k{i:04d}", "jpg": image("JPEG", 20 * i), "cls": i % 3} for i in range(n)]
-
-
-def write_tar(path: Path, members: list[tuple[str, bytes | int]]) -> Path:
-    """members: (name, bytes, or a size: that many zero bytes, a hole of a sparse file)."""
-    with tarfile.open(path, "w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            if isinstance(data, int):  # header only; the data is skipped over
-                info.size = data
-                tar.addfile(info)
-                padded = -(-data // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-                tar.fileobj.seek(padded, io.SEEK_CUR)
-                tar.offset += padded
-                continue
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
 
 
 def index(*argv: str) -> tuple[int, dict | None]:

@@ -16,17 +16,23 @@ from train.run.trainer import main as pretrain
 DEEP = "[" * 100_000 + "]" * 100_000
 
 
-@pytest.mark.parametrize("option", ["--config", "--ds_config"])
-def test_a_config_file_nested_too_deep_is_refused_in_one_line(tmp_path, capsys, option):
-    (tmp_path / "deep.json").write_text(DEEP)
-    files = {"--ds_config": str(CPU_DS), "--config": str(DEBUG_PRESET), option: str(tmp_path / "deep.json")}
-    argv = [arg for pair in files.items() for arg in pair] + ["--output_dir", str(tmp_path / "run")]
+def refused_in_one_line(argv: list[str], capsys) -> str:
+    """Pretraining's stderr for `argv`, which it refuses before start: exit 2, one line."""
     capsys.readouterr()
     with warnings.catch_warnings(), pytest.raises(SystemExit) as status:
         warnings.simplefilter("ignore")
         cli(lambda: pretrain(argv))
     err = capsys.readouterr().err
     assert status.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err[-2000:]
+    return err
+
+
+@pytest.mark.parametrize("option", ["--config", "--ds_config"])
+def test_a_config_file_nested_too_deep_is_refused_in_one_line(tmp_path, capsys, option):
+    (tmp_path / "deep.json").write_text(DEEP)
+    files = {"--ds_config": str(CPU_DS), "--config": str(DEBUG_PRESET), option: str(tmp_path / "deep.json")}
+    argv = [arg for pair in files.items() for arg in pair] + ["--output_dir", str(tmp_path / "run")]
+    err = refused_in_one_line(argv, capsys)
     assert f"{tmp_path / 'deep.json'} is nested too deep to be read as JSON" in err and "fix or replace the file" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deep.json"]
 
@@ -57,12 +63,7 @@ def test_a_run_folder_whose_config_json_is_nested_too_deep_is_refused_in_one_lin
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(DEEP)
-    argv = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(run)]
-    capsys.readouterr()
-    with warnings.catch_warnings(), pytest.raises(SystemExit) as status:
-        warnings.simplefilter("ignore")
-        cli(lambda: pretrain(argv))
-    err = capsys.readouterr().err
-    assert status.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err[-2000:]
+    err = refused_in_one_line(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(run)],
+                              capsys)
     assert "holds a config.json that is not readable JSON" in err
     assert sorted(p.name for p in run.iterdir()) == ["config.json"] and (run / "config.json").read_text() == DEEP
