@@ -99,7 +99,7 @@ def is_transformers_folder(path: str | Path) -> bool:
         return False
     try:
         data = json.loads(config.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deep
         return False
     return isinstance(data, dict) and ("model_type" in data or "architectures" in data)
 
@@ -121,7 +121,7 @@ def read_config(folder: str | Path) -> dict:
     folder = Path(folder)
     try:
         saved = json.loads((folder / "config.json").read_text())
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise ValueError(f"{folder}/config.json is not readable JSON ({e})") from None
     if not isinstance(saved, dict):
         raise ValueError(f"{folder}/config.json holds a JSON {type(saved).__name__}, not a transformers config")
@@ -158,7 +158,7 @@ def weight_files(folder: str | Path) -> list[Path]:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text()).get("weight_map")
-            except (UnicodeDecodeError, ValueError, AttributeError) as e:
+            except (UnicodeDecodeError, ValueError, AttributeError, RecursionError) as e:
                 raise ValueError(f"{index} is not a JSON object of transformers' shard index ({e})") from None
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise ValueError(f"{index} has no weight_map of tensor name -> shard file: save the model again with "

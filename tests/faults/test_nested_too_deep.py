@@ -67,3 +67,12 @@ def test_a_run_folder_whose_config_json_is_nested_too_deep_is_refused_in_one_lin
                               capsys)
     assert "holds a config.json that is not readable JSON" in err
     assert sorted(p.name for p in run.iterdir()) == ["config.json"] and (run / "config.json").read_text() == DEEP
+
+
+def test_an_init_folder_whose_config_json_is_nested_too_deep_is_refused_in_one_line(tmp_path, capsys):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(DEEP)
+    err = refused_in_one_line(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir",
+                               str(tmp_path / "run"), "--model.init_from", str(folder)], capsys)
+    assert f"model.init_from {folder}: not an encoder this code reads" in err
