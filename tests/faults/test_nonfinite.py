@@ -195,3 +195,15 @@ def test_a_resumed_run_that_overflows_before_its_own_checkpoint_names_the_tag_it
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "the weights hold non-finite values after step 6" in proc.stderr
     assert "the last complete one, step00000004, is kept" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_run_resumed_from_another_folders_tag_names_that_tag_to_continue_from(tmp_path):
+    """Its own folder holds no checkpoint yet, so `--resume auto` there would find nothing."""
+    source, run = tmp_path / "source", tmp_path / "run"
+    run_pretrain(source, "--run.max_steps", "2", "--run.ckpt_every", "2")
+    tag = source / "checkpoints" / "step00000002"
+    proc = run_pretrain(run, "--resume", str(tag), "--run.max_steps", "4", "--run.ckpt_every", "4", "--optim.blr",
+                        "1e300", check=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert f"the last complete one, {tag}, is kept" in proc.stderr and f"--resume {tag}" in proc.stderr
+    assert "--resume auto" not in proc.stderr

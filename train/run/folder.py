@@ -61,7 +61,7 @@ def check_writable_folder(path: Path, what: str) -> None:
 
 
 def check_run_folder(run_dir: Path, config: dict, resuming: Path | None, overwrite: bool,
-                     inputs: dict[str, str] | None = None) -> None:
+                     inputs: dict[str, str] | None = None, clear: bool = True) -> None:
     """A run that does not resume must not mix into another run's folder: refuse one that holds
     checkpoints, or a config.json of another experiment, unless `overwrite` (then delete the old
     run's outputs). A folder whose run never trained (`never_trained`) is no other run: its
@@ -70,7 +70,8 @@ def check_run_folder(run_dir: Path, config: dict, resuming: Path | None, overwri
     (`inputs`: option -> path, e.g. the weights of --model.init_from), and output_dir is never an
     input folder itself: refused instead. A resume (`resuming`: the checkpoint tag) of a tag outside
     output_dir into a folder where a run trained is the same mix: refused. Raises
-    ValueError naming the way out; runs before any process group starts (after check_writable_folder)."""
+    ValueError naming the way out; runs before any process group starts (after check_writable_folder).
+    Only the rank holding the folder's lock deletes (`clear`); the others check and read only."""
     if not run_dir.is_dir():
         return
     if resuming is not None:
@@ -86,14 +87,16 @@ def check_run_folder(run_dir: Path, config: dict, resuming: Path | None, overwri
         if (run_dir / "config.json").is_file():  # a failed start's config.json, meta.json, empty logs, partial checkpoint
             refuse_deleting_inputs(run_dir, inputs or {}, "its outputs, left by a start that never trained, are "
                                    "deleted before this run writes its own")
-            clear_run_outputs(run_dir)
+            if clear:
+                clear_run_outputs(run_dir)
     elif problem := other_run(run_dir, config):
         if not overwrite:
             raise ValueError(f"output_dir {run_dir} {problem}; continue it with --resume auto, choose another "
                              f"--output_dir, or start afresh with --run.overwrite true (deletes its checkpoints and "
                              f"logs)")
         refuse_deleting_inputs(run_dir, inputs or {}, "--run.overwrite true deletes the old run's outputs")
-        clear_run_outputs(run_dir)
+        if clear:
+            clear_run_outputs(run_dir)
     # nothing cleared (or what was cleared held no input): the run's own files would replace an input
     # kept under their names, e.g. its export the encoder.safetensors it started from
     refuse_deleting_inputs(run_dir, inputs or {}, "the run writes its own there (its export replaces "
@@ -195,7 +198,7 @@ def clear_run_outputs(run_dir: Path) -> None:
     for name in RUN_OUTPUTS:
         path = run_dir / name
         if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)  # every rank does this before the group starts: races are benign
+            shutil.rmtree(path, ignore_errors=True)
         elif path.exists():
             path.unlink(missing_ok=True)
 

@@ -52,7 +52,12 @@ def hold_run_lock(run_dir: Path, wait_s: float = 0.0) -> None:
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
+            if _same_file(fd, path):
+                break
+            # a refused run removed the file it had made while this one waited: lock the one there now
+            os.close(fd)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            continue
         except OSError as e:
             held = e.errno in (errno.EWOULDBLOCK, errno.EACCES)
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that has not said which"
@@ -70,6 +75,16 @@ def hold_run_lock(run_dir: Path, wait_s: float = 0.0) -> None:
                         "writing into it alongside this one", run_dir, e.strerror)
             return
     _held[key] = _Held(fd, made_file, made_dir)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """The open lock file is still the one at `path` (not unlinked or replaced since it was opened)."""
+    try:
+        there = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
 
 
 def sign_run_lock(run_dir: Path) -> None:

@@ -169,7 +169,8 @@ def check_run_folder_before_start(cfg: PretrainConfig, ds_config: dict, plan: Ba
     try:
         check_run_folder(run_dir, to_dict(cfg), resuming=resume_from, overwrite=cfg.run.overwrite,
                          inputs={"--model.init_from": cfg.model.init_from, "--data.train_index": cfg.data.train_index,
-                                 "--data.eval_index": cfg.data.eval_index})
+                                 "--data.eval_index": cfg.data.eval_index},
+                         clear=distributed.rank_from_env() == 0)  # the rank that holds the folder's lock
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return CheckedRun(ds_config, plan, per_epoch, total_steps, warmup_steps, run_dir, resume_from, changes)
@@ -388,7 +389,11 @@ class Trainer:
 
     def on_checkpoint(self, step: int) -> None:
         if not self.engine.weights_finite():  # a tag of them would be kept, and rotate good ones away
-            kept = (f"the last complete one, {self.last_saved.name}, is kept: {REMEDY}" if self.last_saved else
+            ours = self.last_saved is not None and \
+                self.last_saved.resolve().parent == (self.run_dir / "checkpoints").resolve()
+            remedy = REMEDY if ours else REMEDY.replace("--resume auto", f"--resume {self.last_saved}")
+            kept = (f"the last complete one, {self.last_saved.name if ours else self.last_saved}, is kept: {remedy}"
+                    if self.last_saved else
                     "no earlier one exists: start again with a lower optim.blr or optim.weight_decay")
             raise NonFiniteError(f"the weights hold non-finite values after step {step}, from an update of finite "
                                  f"gradients that overflowed them. Training stopped without writing this checkpoint; "

@@ -90,3 +90,44 @@ def test_a_resume_waits_for_a_lock_let_go_soon_after(tmp_path, caplog):
         release_run_lock(run_dir)
         holder.kill()
         holder.wait()
+
+
+def test_ranks_without_the_lock_delete_nothing(tmp_path, monkeypatch):
+    """Only the rank holding the lock clears a folder (--run.overwrite, a start that never
+    trained): a second job's rank 1, whose rank 0 was refused, deleted a live run's checkpoints."""
+    from conftest import CPU_DS, DEBUG_PRESET
+
+    from train.config.parsing import parse_args
+    from train.run.trainer import check_before_start
+
+    run_dir = tmp_path / "run"
+    run_pretrain(run_dir, "--run.max_steps", "2", "--run.ckpt_every", "2")
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    monkeypatch.setenv("RANK", "1")
+    cfg = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(run_dir),
+                      "--run.overwrite", "true", "--optim.blr", "0.5"])
+    check_before_start(cfg)
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+
+
+def test_a_lock_file_a_refused_run_removed_is_not_held_twice(tmp_path):
+    """A refused run removes the lock file it made; a run that was waiting on that file takes the
+    file there now, so a third run is refused instead of holding the folder beside it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    hold_run_lock(run_dir)  # made run.lock
+    waiter = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
+         "from train.run.run_lock import hold_run_lock, sign_run_lock\n"
+         "hold_run_lock(Path(sys.argv[1]), wait_s=60)\nsign_run_lock(Path(sys.argv[1]))\nprint('held', flush=True)\n"
+         "time.sleep(60)\n", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "waiting up to 60 s for it" in waiter.stderr.readline()  # it has opened the file and waits
+        release_run_lock(run_dir, refused=True)  # removes the file it made
+        assert waiter.stdout.readline().strip() == "held"
+        with pytest.raises(Exception, match="is in use by another run"):
+            hold_run_lock(run_dir)
+    finally:
+        release_run_lock(run_dir)
+        waiter.kill()
+        waiter.wait()
