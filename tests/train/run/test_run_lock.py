@@ -55,13 +55,6 @@ def test_the_lock_is_held_for_the_run_and_let_go_at_its_end(tmp_path):
     assert taken.returncode == 0 and taken.stdout.strip() == "held", taken.stderr
 
 
-def test_a_finished_run_lets_the_next_one_resume_its_folder(tmp_path):
-    run_dir = tmp_path / "run"
-    run_pretrain(run_dir, "--run.max_steps", "2", "--run.ckpt_every", "2")
-    assert (run_dir / LOCK_NAME).read_text().startswith("pid ")
-    run_pretrain(run_dir, "--run.max_steps", "3", "--resume", "auto")
-
-
 def test_a_run_refused_before_start_leaves_no_lock_and_no_folder(tmp_path):
     new = tmp_path / "new"
     proc = run_pretrain(new, "--resume", str(tmp_path / "nowhere" / "step00000002"), check=False)
