@@ -33,3 +33,12 @@ def unwritable_file(path: Path) -> str:
         return "is a folder: give a file name"
     problem = unwritable(path.parent)
     return f"cannot be written: its folder {path.parent} {problem}" if problem else ""
+
+
+def is_file_named(path: Path) -> bool:
+    """path.is_file(); False also for a name the system refuses to look up (longer than it allows),
+    which pathlib raises as OSError: no file can be there."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False

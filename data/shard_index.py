@@ -24,6 +24,7 @@ from pathlib import Path
 
 from data.cli import read_json
 from data.faults import ShardIndexError
+from data.folders import is_file_named
 from data.labels import DEFAULT_LABEL_KEY, LabelKey
 
 URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -147,7 +148,7 @@ class ShardSet:
             raise ShardIndexError(f"shard index {path}: {len(malformed)} 'shards' entries lack a 'file' name or an "
                                   f"integer 'samples' count, e.g. {malformed[0]!r}")
         files = tuple(_shard_file(path, e["file"], allow_pipe_urls) for e in entries)
-        missing = [str(f) for f in files if isinstance(f, Path) and not _is_file(f)]
+        missing = [str(f) for f in files if isinstance(f, Path) and not is_file_named(f)]
         if missing:
             raise FileNotFoundError(f"{len(missing)} shard(s) listed in {path} are missing, e.g. {missing[:3]}")
         empty = [e["file"] for e, f in zip(entries, files) if e["samples"] <= 0 or
@@ -181,15 +182,6 @@ def _shard_file(index: Path, entry: str, allow_pipe_urls: bool) -> Path | PipeSh
                               f"index's folder; name a shard by its path under that folder or by its absolute path, "
                               f"as python -m data.index_shards SHARDS... --out INDEX.json writes them")
     return index.parent / entry
-
-
-def _is_file(path: Path) -> bool:
-    """path.is_file(); False also for a name the system refuses to look up (longer than it allows), which
-    pathlib raises as OSError: no shard can be there."""
-    try:
-        return path.is_file()
-    except OSError:
-        return False
 
 
 CLASS_LIST_FIX = ("give both the same class list in the same order (data.write_shards imagenet --classes_from the "

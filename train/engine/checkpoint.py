@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from data.cli import one_line
+from data.folders import is_file_named
 from train.engine import fault_injection
 from train.engine.distributed import all_gather_object, barrier
 from train.engine.state_files import (
@@ -299,20 +300,11 @@ def check_files(tag_dir: Path) -> str | None:
         return f"{path} {problem}"
     for name, size in meta.get("files", {}).items():
         f = tag_dir / name
-        if not _is_file(f):
+        if not is_file_named(f):
             return f"{f} is missing"
         if f.stat().st_size != size:
             return f"{f} has {f.stat().st_size} bytes, {size} were written"
     return None
-
-
-def _is_file(path: Path) -> bool:
-    """path.is_file(); False also for a name the system refuses to look up (longer than it allows), which
-    pathlib raises as OSError: no file of the tag can be there."""
-    try:
-        return path.is_file()
-    except OSError:
-        return False
 
 
 def tag_problem(tag_dir: Path) -> str | None:
