@@ -21,8 +21,8 @@ import torch
 
 from model.objectives import OBJECTIVES, Objective
 
-REMEDY = ("lower optim.blr, set gradient_clipping in the ds_config (e.g. 1.0), or train in bf16/fp32; then "
-          "continue from the last checkpoint with --resume auto")
+STEADIER = "lower optim.blr, set gradient_clipping in the ds_config (e.g. 1.0), or train in bf16/fp32"
+REMEDY = f"{STEADIER}; then continue from the last checkpoint with --resume auto"
 
 
 def describe_objective(module: torch.nn.Module) -> str:

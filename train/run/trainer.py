@@ -34,7 +34,7 @@ from train.config.parsing import defaults_under, help_text, parse_args, to_dict
 from train.config.plan import build_encoder, labeled_split, peak_lr, schedule_steps
 from train.engine import checkpoint, distributed
 from train.engine.execution import describe_blocks
-from train.engine.nonfinite import REMEDY, NonFiniteError
+from train.engine.nonfinite import REMEDY, STEADIER, NonFiniteError
 from train.engine.state_files import EXTRA_STATE, WEIGHTS_FILE, TagContents
 from train.estimate import dry_run
 from train.estimate.memory import check_floor
@@ -140,19 +140,20 @@ def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     run_dir = Path(cfg.output_dir)
-    if distributed.rank_from_env() == 0 and run_dir.is_dir():  # another run may be writing it (a new
-        hold_run_lock(run_dir, RESUME_WAIT_S if cfg.resume else 0.0)  # folder: locked as it is made)
+    locks = distributed.rank_from_env() == 0  # the rank that holds the folder's lock, and alone may clear it
+    if locks and run_dir.is_dir():  # another run may be writing it (a new folder: locked as it is made)
+        hold_run_lock(run_dir, RESUME_WAIT_S if cfg.resume else 0.0)
     try:
-        return check_run_folder_before_start(cfg, ds_config, plan, run_dir)
+        return check_run_folder_before_start(cfg, ds_config, plan, run_dir, clear=locks)
     except BaseException:
         release_run_lock(run_dir, refused=True)
         raise
 
 
-def check_run_folder_before_start(cfg: PretrainConfig, ds_config: dict, plan: BatchPlan,
-                                  run_dir: Path) -> CheckedRun:
+def check_run_folder_before_start(cfg: PretrainConfig, ds_config: dict, plan: BatchPlan, run_dir: Path,
+                                  clear: bool) -> CheckedRun:
     """The checks that read the run folder (the checkpoint to resume, another run's files), under
-    its lock."""
+    its lock; `clear`: this rank may delete a cleared run's outputs."""
     per_epoch, total_steps, warmup_steps = schedule_steps(cfg, plan)
     resume_from = checkpoint.find_resume(cfg.resume, run_dir)  # every file of the tag checked, nothing executed
     if resume_from is not None:
@@ -170,7 +171,7 @@ def check_run_folder_before_start(cfg: PretrainConfig, ds_config: dict, plan: Ba
         check_run_folder(run_dir, to_dict(cfg), resuming=resume_from, overwrite=cfg.run.overwrite,
                          inputs={"--model.init_from": cfg.model.init_from, "--data.train_index": cfg.data.train_index,
                                  "--data.eval_index": cfg.data.eval_index},
-                         clear=distributed.rank_from_env() == 0)  # the rank that holds the folder's lock
+                         clear=clear)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return CheckedRun(ds_config, plan, per_epoch, total_steps, warmup_steps, run_dir, resume_from, changes)
@@ -391,7 +392,7 @@ class Trainer:
         if not self.engine.weights_finite():  # a tag of them would be kept, and rotate good ones away
             ours = self.last_saved is not None and \
                 self.last_saved.resolve().parent == (self.run_dir / "checkpoints").resolve()
-            remedy = REMEDY if ours else REMEDY.replace("--resume auto", f"--resume {self.last_saved}")
+            remedy = REMEDY if ours else f"{STEADIER}; then continue from it with --resume {self.last_saved}"
             kept = (f"the last complete one, {self.last_saved.name if ours else self.last_saved}, is kept: {remedy}"
                     if self.last_saved else
                     "no earlier one exists: start again with a lower optim.blr or optim.weight_decay")
