@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from model.irpe import ContextualRPE
+from model.mae_decoder import MAEDecoder
 from model.objectives.mae import MAEConfig, MAEObjective
 from model.pos_embed import sincos_2d
 from model.timm_backbone import TimmBackbone
@@ -310,14 +311,14 @@ def accepted_shapes(model: torch.nn.Module) -> dict[str, set[tuple[int, ...]]]:
 
 
 def shapes_misfit(theirs: dict[str, tuple[int, ...]], ours: dict[str, set[tuple[int, ...]]],
-                  depth: int | None = None) -> str:
+                  depth: int | None = None, blocks: str = "blocks") -> str:
     """How tensors `theirs` (name -> shape) differ from a model's `ours` (accepted_shapes), '' when
-    the names and shapes are the same. With `depth`, `ours` is a one-block build whose `blocks.0.*`
+    the names and shapes are the same. With `depth`, `ours` is a one-block build whose `{blocks}.0.*`
     stands for each of `depth` blocks: a claimed depth is judged without building it."""
-    if depth is not None and (held := _depth(theirs, "blocks")) != depth:
-        return f"{held} blocks, where the model has {depth}"
+    if depth is not None and (held := _depth(theirs, blocks)) != depth:
+        return f"{held} {blocks}, where the model has {depth}"
     for name, shape in theirs.items():
-        accepted = ours.get(_as_block_zero(name) if depth is not None else name)
+        accepted = ours.get(_as_block_zero(name, blocks) if depth is not None else name)
         if accepted is None:
             return f"a tensor {name}, which the model has not"
         if tuple(shape) not in accepted:
@@ -325,17 +326,17 @@ def shapes_misfit(theirs: dict[str, tuple[int, ...]], ours: dict[str, set[tuple[
     if depth is None:
         expected = iter(ours)
     else:  # every block holds what the template's block 0 holds
-        rests = [m.group(2) for name in ours if (m := _block_name(name, "blocks"))]
-        outside = (name for name in ours if not _block_name(name, "blocks"))
-        expected = itertools.chain(outside, (f"blocks.{i}.{rest}" for i in range(depth) for rest in rests))
+        rests = [m.group(2) for name in ours if (m := _block_name(name, blocks))]
+        outside = (name for name in ours if not _block_name(name, blocks))
+        expected = itertools.chain(outside, (f"{blocks}.{i}.{rest}" for i in range(depth) for rest in rests))
     absent = next((name for name in expected if name not in theirs), None)
     return f"no {absent}, which the model has" if absent else ""
 
 
-def _as_block_zero(name: str) -> str:
-    """`blocks.N.rest` -> `blocks.0.rest`; any other name as it is."""
-    m = _block_name(name, "blocks")
-    return f"blocks.0.{m.group(2)}" if m else name
+def _as_block_zero(name: str, blocks: str = "blocks") -> str:
+    """`{blocks}.N.rest` -> `{blocks}.0.rest`; any other name as it is."""
+    m = _block_name(name, blocks)
+    return f"{blocks}.0.{m.group(2)}" if m else name
 
 
 def vit_misfit(arch: dict, theirs: dict[str, tuple[int, ...]]) -> str:
@@ -348,10 +349,10 @@ def vit_misfit(arch: dict, theirs: dict[str, tuple[int, ...]]) -> str:
     return shapes_misfit(theirs, accepted_shapes(template), arch["depth"])
 
 
-def _shape(encoder: dict[str, torch.Tensor], name: str, layout: str) -> tuple[int, ...]:
+def _shape(encoder: dict[str, torch.Tensor], name: str, layout: str, whole: str = "ViT encoder") -> tuple[int, ...]:
     """The shape of encoder[name], which must exist with as many dimensions as `layout` names."""
     if name not in encoder:
-        raise ValueError(f"holds no {name} among its ViT encoder tensors: give a whole ViT encoder's weights")
+        raise ValueError(f"holds no {name} among its {whole} tensors: give a whole {whole}'s weights")
     shape = tuple(encoder[name].shape)
     if len(shape) != layout.count(",") + 1:
         raise ValueError(f"holds a {name} of shape {shape}, not a ViT's {layout}: give the weights as a ViT's "
@@ -407,12 +408,31 @@ def mae_from_official(path: str | Path, num_heads: int | None = None, decoder_he
     if not decoder_state:
         raise ValueError(f"{path} has no decoder weights (an encoder-only or fine-tuned checkpoint); "
                          f"use encoder_from_state for those")
-    cfg = MAEConfig(decoder_dim=decoder_state["decoder_embed.weight"].shape[0],
-                    decoder_depth=_depth(decoder_state, "decoder_blocks"), decoder_heads=decoder_heads,
-                    **mae_overrides)
-    objective = MAEObjective(encoder_from_state(encoder_state, num_heads), cfg)
+    try:
+        encoder = encoder_from_state(encoder_state, num_heads)
+        width = _shape(decoder_state, "decoder_embed.weight", "(decoder width, encoder width)", "MAE decoder")[0]
+        cfg = MAEConfig(decoder_dim=width, decoder_depth=_depth(decoder_state, "decoder_blocks"),
+                        decoder_heads=decoder_heads, **mae_overrides)
+        if problem := _decoder_misfit(encoder, cfg, decoder_state):
+            raise ValueError(f"does not hold the tensors of one MAE decoder: it holds {problem} (the decoder its "
+                             f"decoder_embed and the encoder imply); give a whole MAE pretraining checkpoint")
+    except ValueError as e:
+        raise ValueError(f"{path} {e}") from None
+    objective = MAEObjective(encoder, cfg)
     objective.decoder.load_state_dict(decoder_state, strict=True)
     return objective
+
+
+def _decoder_misfit(encoder: VisionTransformer, cfg: MAEConfig, decoder_state: dict[str, torch.Tensor]) -> str:
+    """vit_misfit for the MAE decoder `cfg` describes beside `encoder`: compared with a one-block
+    build on the meta device, so no width or depth the file claims is allocated before it fits."""
+    cfg.validate()
+    pe = encoder.patch_embed
+    with torch.device("meta"):
+        template = MAEDecoder(pe.grid_size, pe.patch_size, pe.proj.in_channels, encoder.embed_dim, cfg.decoder_dim,
+                              depth=1, num_heads=cfg.decoder_heads)
+    theirs = {k: tuple(v.shape) for k, v in decoder_state.items()}
+    return shapes_misfit(theirs, accepted_shapes(template), cfg.decoder_depth, blocks="decoder_blocks")
 
 
 def resize_pos_embed(table: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:

@@ -184,3 +184,25 @@ def test_vit_misfit_names_what_differs_without_building_the_depth_described():
     assert vit_misfit(arch, shapes) == "no blocks.1.mlp.fc2.bias, which the model has"
     assert vit_misfit(arch, shapes | {"blocks.01.mlp.fc2.bias": (32,)}) == ("a tensor blocks.01.mlp.fc2.bias, which "
                                                                             "the model has not")
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda d: d.pop("decoder_embed.weight"), r"holds no decoder_embed.weight among its MAE decoder tensors: give a whole MAE decoder's weights"),
+    (lambda d: d.update({"decoder_embed.weight": torch.zeros(2**20, 0)}),  # no values, yet a decoder 2**20 wide
+     r"mask_token of shape \[1, 1, 64\] \(the model's: \[1, 1, 1048576\]\)"),
+    (lambda d: d.update({"decoder_blocks.7.norm1.weight": torch.ones(64)}),
+     r"holds 3 decoder_blocks numbered 0, 1, 7, not 0 to 2 in turn"),
+    (lambda d: d.update({"decoder_blocks.1.mlp.fc1.weight": torch.zeros(10**9, 0)}),
+     r"decoder_blocks.1.mlp.fc1.weight of shape \[1000000000, 0\] \(the model's: \[256, 64\]\)"),
+    (lambda d: d.pop("decoder_blocks.1.attn.proj.bias"), r"no decoder_blocks.1.attn.proj.bias, which the model has"),
+], ids=["no embedding", "a width set by one tensor", "a block numbered past the file's", "a hidden width",
+        "a tensor missing"])
+def test_an_official_decoder_is_judged_against_the_decoder_it_implies_before_that_is_built(mae, tmp_path, change,
+                                                                                           says):
+    """As the encoder's: the decoder built is the one the file's tensors describe, each of its
+    shapes checked on a one-block build on the meta device first."""
+    state = _official_format(mae)
+    change(state["model"])
+    torch.save(state, tmp_path / "mae_pretrain.pth")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'mae_pretrain.pth'}.*{says}"):
+        mae_from_official(tmp_path / "mae_pretrain.pth", decoder_heads=4)
