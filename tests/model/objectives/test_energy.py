@@ -162,6 +162,22 @@ def test_timm_attention_backbones_double_backward_on_cuda_in_bf16(name):
     assert sum(1 for g in grads if g is not None and g.float().abs().sum() > 0) > 0.9 * len(grads)
 
 
+@pytest.mark.gpu
+def test_the_vit_trains_through_the_double_backward_on_cuda_in_fp16():
+    """The V100 path: the model cast to fp16 as an fp16 ds_config casts it, with the default inner
+    scale. CPU cannot show it: its LayerNorm keeps the saved reciprocal std in fp16, whose cube in
+    the double backward overflows, where CUDA's LayerNorm keeps it in fp32."""
+    torch.manual_seed(0)
+    encoder = create_model("vit_debug_patch4", in_chans=1, **EnergyConfig().encoder_overrides())
+    obj = EnergyObjective(encoder, EnergyConfig(grid_cell=4, sr_scale=4, mixture="grid,sr,denoise")).cuda().half()
+    out = obj({"image": torch.randn(8, 1, 28, 28, device="cuda", dtype=torch.float16)})
+    out["loss"].backward()
+    assert out["loss"].dtype == torch.float32 and torch.isfinite(out["loss"])
+    assert all(torch.isfinite(p.grad).all() for p in obj.parameters() if p.grad is not None)
+    grads = [p.grad for p in encoder.parameters()]
+    assert sum(1 for g in grads if g is not None and g.float().abs().sum() > 0) > 0.9 * len(grads)
+
+
 @pytest.mark.parametrize("name", ["convnext_atto", "swin_tiny_patch4_window7_224", "vit_tiny_patch16_224"])
 def test_timm_backbones_train_through_the_same_objective(name):
     torch.manual_seed(0)
