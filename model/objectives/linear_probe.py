@@ -52,6 +52,6 @@ class LinearProbeObjective(Objective):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         logits = self.predict(batch["image"])
-        loss = F.cross_entropy(logits, batch["label"])
+        loss = F.cross_entropy(logits.float(), batch["label"])  # fp32: fp16's loss scale (2**16) is inf in fp16
         acc = (logits.argmax(1) == batch["label"]).float().mean() * 100
         return {"loss": loss, "train_top1": acc.detach()}

@@ -77,6 +77,12 @@ AS_THE_ENGINE_DOES: dict[str, Any] = {
     "zero_optimization.reduce_scatter": True, "zero_optimization.compute_grad_norm": True,
     "wall_clock_breakdown": False, "memory_breakdown": False, "timers": {"throughput": {"enabled": False}},
     "prescale_gradients": False, "gradient_predivide_factor": 1.0, "dump_state": False,
+    # fp32 master weights, gradient sums and optimizer state (train/engine/replicated.py, sharded.py)
+    "fp16.fp16_master_weights_and_grads": False,
+    # every step with a non-finite gradient norm is skipped, in bf16 as in fp16 (train/engine/core.py);
+    # "bfloat16" is DeepSpeed's other spelling of the section
+    **{f"{section}.{key}": value for section in ("bf16", "bfloat16") for key, value in (
+        ("check_grad_overflow", True), ("bf16_master_weights_and_grads", False), ("bf16_optimizer_states", False))},
 }
 OFFLOAD = ("FSDP2's CPU offload would move the sharded weights, their gradients and the optimizer step to the "
            "CPU together, and the step's device-side checks (found_inf, fp16's loss scale, the skip counters) "
@@ -94,6 +100,11 @@ WHY = {
     "timers": "the loop measures throughput itself at its log steps",
     "tensorboard": "the run writes TensorBoard events itself (run.tensorboard)",
     "checkpoint": "checkpoints are the run's own (train/engine/checkpoint.py)",
+    "fp16.fp16_master_weights_and_grads": "the engine keeps fp32 master weights and gradient sums",
+    **{f"{section}.{key}": why for section in ("bf16", "bfloat16") for key, why in (
+        ("check_grad_overflow", "the engine skips every step whose gradients are not finite"),
+        ("bf16_master_weights_and_grads", "the engine keeps fp32 master weights and gradient sums"),
+        ("bf16_optimizer_states", "the engine keeps the optimizer state in fp32"))},
 }
 # read by parts of DeepSpeed other than DeepSpeedConfig's parser
 OTHER_SECTIONS = {"optimizer", "scheduler", "activation_checkpointing", "flops_profiler", "autotuning", "aio"}

@@ -26,6 +26,17 @@ from train.engine.nonfinite import DeviceHealth
 from train.engine.state_files import load as load_tag
 from train.engine.state_files import save as save_tag
 
+LOSS_DTYPES = (torch.float32, torch.float64)
+
+
+def check_loss_dtype(loss: torch.Tensor) -> None:
+    """Refuse a 16-bit loss: backward seeds it with the fp16 loss scale (2**16 by default), which is
+    inf in fp16, so every step would overflow; in bf16 the loss keeps 8 bits of mantissa. A dtype
+    check reads no device value: no host sync."""
+    if loss.dtype not in LOSS_DTYPES:
+        raise TypeError(f"the objective's loss is {loss.dtype}, the engine takes a torch.float32 (or float64) loss: "
+                        f"compute the loss in fp32, e.g. logits.float() before the loss function")
+
 
 class EngineCore(abc.ABC):
     """What the loop calls: engine(batch), backward(loss), step() after every micro-batch,
@@ -57,6 +68,7 @@ class EngineCore(abc.ABC):
     # --- the loop's calls ------------------------------------------------------------------------
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The micro-batch's loss as backward takes it: times the fp16 loss scale, over the accumulation."""
+        check_loss_dtype(loss)
         if self.scaler is not None:
             loss = loss * self.scaler.scale.to(loss.dtype)
         return loss / self.cfg.accum if self.cfg.accum > 1 else loss

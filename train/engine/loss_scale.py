@@ -3,7 +3,8 @@
 The rule is DeepSpeed's dynamic loss scaler (its ds_config `fp16` section, the same keys and
 meaning), written as tensor arithmetic so that the step never waits for the device:
   - an overflow (non-finite gradients) uses up one unit of hysteresis; with none left the
-    scale halves (not below min_loss_scale); an overflow at the minimum with no hysteresis
+    scale halves (not below min_loss_scale: a scale below it, when min_loss_scale exceeds the
+    initial scale, becomes min_loss_scale); an overflow at the minimum with no hysteresis
     left is a collapse, which the loop reports at its next read (train/engine/nonfinite.py);
   - an overflow-free step that follows k x `loss_scale_window` overflow-free steps (k >= 1)
     doubles the scale and restores the hysteresis (every overflow-free step restores it with
@@ -55,7 +56,9 @@ class DeviceLossScale:
             return
         cfg, ok = self.cfg, 1.0 - overflow
         shrink = overflow * (self.hysteresis_left <= 1)  # an overflow with no hysteresis left
-        self.collapsed.copy_(torch.maximum(self.collapsed, shrink * (self.scale <= cfg.min_loss_scale)))
+        # DeepSpeed's test: exactly at the minimum; a scale below it (min_loss_scale above the initial
+        # scale) rises to the minimum instead
+        self.collapsed.copy_(torch.maximum(self.collapsed, shrink * (self.scale == cfg.min_loss_scale)))
         halved = torch.clamp_min(self.scale / 2, cfg.min_loss_scale)
         self.good_steps.copy_((self.good_steps + 1) * ok)
         stable = self.good_steps - 1  # DeepSpeed's "stable interval": the overflow-free steps before this one

@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -76,3 +77,36 @@ def test_an_avg_pooled_encoder_is_probed_through_its_fc_norm():
     tokens = encoder.forward_features(x)
     assert torch.allclose(probe.features(x), encoder.fc_norm(tokens[:, 1:].mean(1)), atol=1e-6)
     assert not torch.allclose(probe.features(x), tokens[:, 1:].mean(1), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_loss_is_fp32_when_the_probe_is_cast_to_16_bits(dtype):
+    """The engine multiplies the loss by the fp16 loss scale (2**16 by default, inf in fp16)."""
+    probe = _probe().to(dtype).train()
+    out = probe({"image": torch.randn(6, 3, 28, 28, dtype=dtype), "label": torch.tensor([0, 1, 2, 3, 4, 0])})
+    assert out["loss"].dtype == torch.float32 and torch.isfinite(out["loss"])
+
+
+def test_fp16_steps_at_the_default_loss_scale_are_not_skipped():
+    """fp16's dynamic scale starts at 2**16: the first steps must train, not overflow, and the scale stays."""
+    from types import SimpleNamespace
+
+    from train.engine import EngineConfig, build
+    from train.engine.optim import WarmupCosineSchedule, build_optimizer, build_param_groups
+
+    probe = _probe()
+    groups, _ = build_param_groups(probe, 0.0, 1.0)
+    engine = build(probe, groups, lambda g: build_optimizer(g, SimpleNamespace(name="lars")),
+                   lambda o: WarmupCosineSchedule(o, 0.1, 0.0, 0, 10), EngineConfig(0, "fp16", 1, 0.0),
+                   torch.device("cpu"))
+    probe.train()
+    before = probe.head[1].weight.detach().clone()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        images, labels = torch.randn(8, 3, 28, 28, generator=g), torch.randint(0, 5, (8,), generator=g)
+        batch = {"image": images.half(), "label": labels}
+        engine.backward(engine(batch)["loss"])
+        engine.step()
+    state = engine.device_state()
+    assert state["skipped_steps"].item() == 0 and state["loss_scale"].item() == 2.0 ** 16
+    assert torch.isfinite(state["grad_norm"]) and not torch.equal(probe.head[1].weight, before)

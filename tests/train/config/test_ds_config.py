@@ -140,6 +140,24 @@ def test_settings_the_engine_behaves_as_anyway_must_hold_that_value_with_its_typ
             resolve(_cfg(tmp_path, {**BASE, key: value}), world=1)
 
 
+PRECISION_AS_THE_ENGINE_DOES = {  # the engine skips every non-finite step; masters and optimizer state are fp32
+    "bf16": {"check_grad_overflow": True, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False},
+    "bfloat16": {"check_grad_overflow": True, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False},
+    "fp16": {"fp16_master_weights_and_grads": False},
+}
+
+
+@pytest.mark.parametrize("section", sorted(PRECISION_AS_THE_ENGINE_DOES))
+def test_precision_settings_the_engine_behaves_as_anyway_are_accepted_and_their_opposites_refused(tmp_path, section):
+    settings = PRECISION_AS_THE_ENGINE_DOES[section]
+    ds = {**BASE, section: {"enabled": True, **settings}}
+    final, _ = resolve(_cfg(tmp_path, ds), world=1, cuda=True, bf16_ok=True)  # fp16 and bf16 need a GPU
+    assert final[section] == {"enabled": True, **settings}
+    for key, value in settings.items():
+        with pytest.raises(ConfigError, match=rf"^ds_config {section}\.{key} = {not value!r} would not take effect"):
+            resolve(_cfg(tmp_path, {**BASE, section: {"enabled": True, key: not value}}), world=1, cuda=True)
+
+
 def test_whole_numbers_written_as_floats_are_the_integers_they_are(tmp_path):
     ds = {"train_batch_size": 64.0, "train_micro_batch_size_per_gpu": 4.0, "gradient_clipping": 1,
           "zero_optimization": {"stage": 2.0}, "bfloat16": {"enabled": True}}

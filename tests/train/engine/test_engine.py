@@ -158,6 +158,25 @@ def test_a_poisoned_step_changes_nothing_and_is_counted(precision):
     assert engine.device_state()["nonfinite_streak"].item() == 0
 
 
+@pytest.mark.parametrize("precision,loss_dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16),
+                                                  ("fp16", torch.bfloat16)])
+def test_a_16_bit_loss_is_refused_with_the_fix(precision, loss_dtype):
+    """fp16's loss scale (2**16 by default) is inf in fp16: an objective's loss must be fp32."""
+    module, scale = Tiny(), LossScaleConfig(initial_scale_power=8)  # 2**16 overflows this model's fp16 gradients
+    engine = build(module, groups_of(module), adamw, schedule, EngineConfig(0, precision, 1, 0.0, scale),
+                   torch.device("cpu"))
+    batch = batches(1)[0]
+    loss = engine({"image": batch["image"].to(engine.dtype), "target": batch["target"]})["loss"]
+    with pytest.raises(TypeError) as refused:
+        engine.backward(loss.to(loss_dtype))
+    message = str(refused.value)
+    assert "\n" not in message and str(loss_dtype) in message and "logits.float()" in message
+    assert all(p.grad is None for p in engine.module.parameters())  # refused before any backward
+    engine.backward(loss.double())  # fp64 is as safe as fp32
+    engine.step()
+    assert engine.device_state()["skipped_steps"].item() == 0
+
+
 def test_lars_skips_a_flagged_step_and_unscales_its_gradients():
     p = nn.Parameter(torch.randn(3, 4))
     opt = LARS([{"params": [p], "weight_decay": 0.1}], lr=0.1)
@@ -180,12 +199,17 @@ def test_the_fp16_scale_follows_deepspeeds_dynamic_loss_scaler(monkeypatch):
     from deepspeed.runtime.fp16 import loss_scaler
 
     monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda: 0)  # it logs from rank 0
-    for hysteresis, consecutive in ((1, False), (2, False), (3, True)):
-        cfg = LossScaleConfig(initial_scale_power=6, loss_scale_window=3, hysteresis=hysteresis,
-                              consecutive_hysteresis=consecutive, min_loss_scale=2.0)
+    # (initial_scale_power, min_loss_scale, hysteresis, consecutive); a minimum above the initial scale
+    # (the ds_config checks accept it) makes the first shrink jump up to the minimum, not a collapse
+    cases = ((6, 2.0, 1, False), (6, 2.0, 2, False), (6, 2.0, 3, True), (4, 1024.0, 1, False), (4, 1024.0, 2, True),
+             (4, 1000.0, 1, False))
+    for power, minimum, hysteresis, consecutive in cases:
+        cfg = LossScaleConfig(initial_scale_power=power, loss_scale_window=3, hysteresis=hysteresis,
+                              consecutive_hysteresis=consecutive, min_loss_scale=minimum)
         ours = DeviceLossScale(cfg, torch.device("cpu"))
-        theirs = loss_scaler.DynamicLossScaler(init_scale=64.0, scale_window=3, min_scale=2.0, delayed_shift=hysteresis,
-                                               consecutive_hysteresis=consecutive, raise_error_at_min_scale=True)
+        theirs = loss_scaler.DynamicLossScaler(init_scale=2.0 ** power, scale_window=3, min_scale=minimum,
+                                               delayed_shift=hysteresis, consecutive_hysteresis=consecutive,
+                                               raise_error_at_min_scale=True)
         overflows = [1, 0, 0, 0, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 1]
         for i, overflow in enumerate(overflows):
             try:
@@ -193,11 +217,11 @@ def test_the_fp16_scale_follows_deepspeeds_dynamic_loss_scaler(monkeypatch):
             except Exception as e:  # at the minimum: DeepSpeed raises, ours raises its flag
                 assert "minimum" in str(e)
                 ours.update(torch.tensor(float(overflow)))
-                assert ours.collapsed.item() == 1.0, (hysteresis, i)
+                assert ours.collapsed.item() == 1.0, (power, minimum, hysteresis, consecutive, i)
                 break
             ours.update(torch.tensor(float(overflow)))
-            assert ours.scale.item() == theirs.cur_scale, (hysteresis, consecutive, i)
-            assert ours.collapsed.item() == 0.0
+            assert ours.scale.item() == theirs.cur_scale, (power, minimum, hysteresis, consecutive, i)
+            assert ours.collapsed.item() == 0.0, (power, minimum, hysteresis, consecutive, i)
     static = DeviceLossScale(LossScaleConfig(loss_scale=128.0), torch.device("cpu"))
     static.update(torch.tensor(1.0))
     assert static.scale.item() == 128.0
