@@ -15,18 +15,23 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 PAGES = sorted([README, REPO / "CHANGELOG.md", *REPO.glob("docs/**/*.md")])
-# method -> (its page, title, arXiv id)
-PAPERS = {
-    "mae": ("docs/methods/MAE.md", "Masked Autoencoders Are Scalable Vision Learners", "2111.06377"),
-    "mixedae": ("docs/methods/MIXEDAE.md", "Mixed Autoencoder for Self-supervised Visual Representation Learning",
-                "2303.17152"),
-    "maeplus": ("docs/methods/MAEPLUS_ADPE.md",
-                "AdPE: Adversarial Positional Embeddings for Pretraining Vision Transformers via MAE+", "2303.07598"),
-    "mlomae": ("docs/methods/MLOMAE.md",
-               "Downstream Task Guided Masking Learning in Masked Autoencoders Using Multi-Level Optimization",
-               "2402.18128"),
-    "energy": ("docs/methods/ENERGY.md", "Energy-Inspired Self-Supervised Pretraining for Vision Models", "2302.01384"),
-}
+METHOD_PAGES = sorted(REPO.glob("docs/methods/*.md"))
+SHIPPED = {"mae", "mixedae", "maeplus", "mlomae", "energy"}
+
+
+def cited_paper(page: Path) -> tuple[str, str, str]:
+    """(method, title, arXiv id) as a method's page opens: `# ... (`--objective <method>`)`, then the
+    paper's authors, *title.* and arXiv:<id>; "" for what it does not say."""
+    text = page.read_text()
+    method = re.match(r"# .*\(`--objective (\w+)`\)", text)
+    title = re.search(r"\*([^*]+?)\.?\*", " ".join(text.split()))  # the first italic span
+    arxiv = re.search(r"arXiv:(\d{4}\.\d{4,5})", text)
+    return tuple(found.group(1) if found else "" for found in (method, title, arxiv))
+
+
+# method -> (its page, title, arXiv id), as its page in docs/methods/ cites them
+PAPERS = {method: (page.relative_to(REPO).as_posix(), title, arxiv)
+          for page in METHOD_PAGES for method, title, arxiv in [cited_paper(page)]}
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -45,8 +50,13 @@ def test_the_readme_and_the_methods_page_cite_the_paper(method):
 
 
 def test_there_is_one_page_per_method():
-    assert sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("docs/methods/*.md")) == \
-        sorted(page for page, _, _ in PAPERS.values())
+    """A method is an objective with a debug preset (train/configs/<name>/debug.json; fine-tuning and
+    the linear probe have none); each has one page in docs/methods/ that cites its paper."""
+    unread = [p.name for p in METHOD_PAGES if not all(cited_paper(p))]
+    assert not unread, f"{unread}: open with '# Name (`--objective <name>`)', the paper's *title.* and arXiv:<id>"
+    methods = {p.parent.name for p in REPO.glob("train/configs/*/debug.json")}
+    assert len(PAPERS) == len(METHOD_PAGES), "two pages name the same --objective"
+    assert set(PAPERS) == methods and SHIPPED <= methods, f"methods without a page: {sorted(methods - set(PAPERS))}"
 
 
 def links(page: Path) -> list[tuple[int, str]]:

@@ -2,7 +2,8 @@
 registered under its name by `@register_objective` (the contract: model/objectives/base.py).
 
 Importing a method's module registers it. This package imports every module in its folder, so
-a new method is its own file here (plus its presets, tests and its page in docs/methods/): no list to edit.
+a new method is its own file here (plus its presets, train/configs/<name>/debug.json first, its tests
+and its page in docs/methods/: docs/ARCHITECTURE.md "Adding a method"): no list to edit.
 """
 from __future__ import annotations
 

@@ -86,7 +86,8 @@ class Objective(nn.Module, metaclass=ABCMeta):
 
     batch: "image" (B, C, H, W) in the compute dtype (or (B, k, C, s, s) multi-crop), "label" (B,)
            when the shards carry labels, and what the data source attaches (e.g. "val_image").
-    returns: a dict with "loss" (a 0-dim tensor, the one the engine differentiates) plus named
+    returns: a dict with "loss" (a 0-dim fp32 tensor, the one the engine differentiates: fp16's loss
+           scale of 2**16 is inf in 16 bits, so the engine refuses a 16-bit loss) plus named
            0-dim tensors, averaged over the log window and logged; other entries (non-0-dim)
            are outputs for inspection and are not logged.
     """

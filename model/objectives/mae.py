@@ -33,11 +33,12 @@ class MAEConfig(ObjectiveConfig):
     decoder_depth: int = field(default=8, metadata={"range": "[1, inf)"})  # MAE decoder blocks
     decoder_heads: int = field(default=16, metadata={"range": "[1, inf)"})  # MAE decoder attention heads
 
+    # `section`, not "mae": a method deriving this config reports the options under its own name
     def validate(self) -> None:
-        check_decoder("mae", self.decoder_dim, self.decoder_heads)
+        check_decoder(self.section, self.decoder_dim, self.decoder_heads)
 
     def check_fits(self, img_size: int, patch_size: int, depth: int, micro_batch: int) -> None:
-        check_mask_ratio("mae.mask_ratio", self.mask_ratio, (img_size // patch_size) ** 2)
+        check_mask_ratio(f"{self.section}.mask_ratio", self.mask_ratio, (img_size // patch_size) ** 2)
 
 
 def check_decoder(section: str, dim: int, heads: int) -> None:

@@ -9,9 +9,11 @@ number, so the data do not depend on the world size: each rank takes its rows of
 micro-batch). Rank 0 writes {"<stage>_<accum>": [the global batch's mean loss per step]}.
 CASE `objective-<name>`: energy or mlomae at 2 ranks, stages 0-3, accumulation 1, with their
 own random draws (seeded alike for every stage): the same per-step mean losses.
-CASE `sweep`: every objective's debug preset (AdPE: MAE+ with the RPE-coordinate adversary; the
-linear probe on ZeRO-0 only, LARS needing whole tensors) through the real loop and data source,
-2 optimizer steps on every stage: rank 0 writes {"<objective> <stage>": [losses], ...}.
+CASE `sweep`: every registered objective's debug preset, train/configs/<name>/debug.json (and
+SWEEP_SPECIAL: AdPE, MAE+ with the RPE-coordinate adversary; fine-tuning and the linear probe, with
+no preset of their own, on MAE's; the linear probe on ZeRO-0 only, LARS needing whole tensors)
+through the real loop and data source, 2 optimizer steps on every stage: rank 0 writes
+{"<objective> <stage>": [losses], ...}.
 CASE `float8-mae`: every stage with run.float8, and stage 0 without, on the same batches: rank 0
 writes {"<stage>": [losses], "0 plain": [losses]}.
 CASE `compile-mae`: every stage, accumulation 1, the blocks compiled (run.compile) and eager, on
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 from rank_end import end_rank
 
+from model.objectives import list_objectives
 from train.config.ds_config import resolve
 from train.config.parsing import parse_args
 from train.engine import distributed
@@ -151,17 +154,15 @@ def objective_stages(out: Path, objective: str, steps: int) -> dict:
 
 
 PRESETS = REPO / "train" / "configs"
-SWEEP = {
-    "mae": ["--config", str(PRESETS / "mae/debug.json")],
-    "mixedae": ["--config", str(PRESETS / "mixedae/debug.json")],
-    "maeplus": ["--config", str(PRESETS / "maeplus/debug.json")],
+# the sweep's runs besides each registered objective's own debug preset (which suffices for a new method)
+SWEEP_SPECIAL = {
     "adpe": ["--config", str(PRESETS / "maeplus/debug.json"), "--config", str(PRESETS / "maeplus/variants/rpe_coord.json")],
-    "mlomae": ["--config", str(PRESETS / "mlomae/debug.json")],
-    "energy": ["--config", str(PRESETS / "energy/debug.json")],
     "finetune": ["--config", str(PRESETS / "mae/debug.json"), "--objective", "finetune", "--finetune.num_classes", "10"],
     "linprobe": ["--config", str(PRESETS / "mae/debug.json"), "--objective", "linprobe", "--linprobe.num_classes", "10",
                  "--optim.name", "lars"],
 }
+SWEEP = {**{name: ["--config", str(PRESETS / name / "debug.json")] for name in list_objectives()
+            if (PRESETS / name / "debug.json").is_file()}, **SWEEP_SPECIAL}
 
 
 def sweep(out: Path) -> dict:

@@ -35,6 +35,7 @@ from kernels import resolve_backend
 from model.objectives import OBJECTIVES, ObjectiveConfig, list_objectives
 from model.registry import list_models, model_arch
 from model.timm_backbone import is_timm_name
+from train.config.ds_keys import did_you_mean
 from train.config.errors import ConfigError
 from train.config.help import field_comments, show_default
 from train.config.values import Interval, check_range, from_json, from_text, shown
@@ -152,7 +153,8 @@ class PretrainConfig:
         if not self.output_dir.strip():
             raise ConfigError("--output_dir is empty: give the run folder, e.g. --output_dir runs/pretrain")
         if self.objective not in OBJECTIVES or self.objective not in self.sections:
-            raise ConfigError(f"objective {self.objective!r} is unknown; choose one of {list_objectives()}")
+            raise ConfigError(f"objective {self.objective!r} is unknown; choose one of {list_objectives()}"
+                              f"{did_you_mean(self.objective, list_objectives())}")
         if self.optim.name not in ("adamw", "lars"):
             raise ConfigError(f"optim.name must be adamw or lars, got {self.optim.name!r}")
         if self.data.train_transform not in ("crop_flip", "randaug", "multicrop"):

@@ -133,3 +133,22 @@ def test_overfits_a_fixed_batch():
         loss.backward()
         opt.step()
     assert loss.item() < 0.25 * first and loss.item() < 0.5
+
+
+def test_a_method_built_on_maes_config_names_its_own_section(monkeypatch):
+    """A config deriving MAEConfig, registered under another name, reports the options its user set."""
+    from model.objectives import base
+    from model.objectives.mae import MAEObjective
+
+    monkeypatch.setattr(base, "OBJECTIVES", dict(base.OBJECTIVES))  # leave the session's registry as it was
+
+    class OtherConfig(MAEConfig):
+        pass
+
+    base.register_objective("mae_other", OtherConfig)(type("MAEOther", (MAEObjective,), {}))
+    with pytest.raises(ValueError, match=r"^mae_other\.decoder_dim 30 is not divisible by mae_other\.decoder_heads 4$"):
+        OtherConfig(decoder_dim=30, decoder_heads=4).validate()
+    with pytest.raises(ValueError, match=r"^mae_other\.mask_ratio 0\.99 keeps no patch of the 49"):
+        OtherConfig(mask_ratio=0.99).check_fits(img_size=28, patch_size=4, depth=2, micro_batch=8)
+    with pytest.raises(ValueError, match=r"^mae\.decoder_dim 30 is not divisible by mae\.decoder_heads 4$"):
+        MAEConfig(decoder_dim=30, decoder_heads=4).validate()  # MAE's own section stays its own

@@ -35,6 +35,8 @@ def test_typed_overrides_both_syntaxes():
     (["--optim.betas", "0.9"], "2 comma-separated"),
     (["--optim.epochs", "10", "--optim.warmup_epochs", "20"], "warmup_epochs"),
     (["--optim.blr"], "needs a value"),
+    (["--objective", "mixedea"], r"^objective 'mixedea' is unknown; choose one of \[.*\]; did you mean 'mixedae'\?$"),
+    (["--objective", "xyz"], r"^objective 'xyz' is unknown; choose one of \[.*'mae'.*\]$"),  # nothing close: no guess
 ])
 def test_bad_options_are_named(args, message):
     with pytest.raises(ConfigError, match=message):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from fake_gpu import CU126_ARCHS, CU130_ARCHS, GPUS, fake_flash_attn, fake_gpu
 
-from model.objectives import build_objective
+from model.objectives import build_objective, list_objectives
 from train.config.device_checks import CudaDevice, kernels_cover, runs_on, this_device
 from train.config.parsing import parse_args
 from train.config.plan import build_encoder
@@ -58,19 +58,27 @@ def test_this_device_reads_torch_and_ignores_emulated_bf16(gpu):
     assert (this_device() is None) == (not torch.cuda.is_available())  # the fake is gone
 
 
-# objective -> (preset in train/configs, stem of its shipped ds_configs)
-OBJECTIVES = {
-    "mae": (None, "vit_b"),
-    "mixedae": ("mixedae/vit_b.json", "vit_b"),
-    "maeplus": ("maeplus/vit_b.json", "vit_b"),
-    "mlomae": ("mlomae/vit_b.json", "mlomae_vit_b"),
-    "energy": ("energy/vit_b.json", "energy_vit_b"),
-}
+def vit_b_run(name: str) -> tuple[str | None, str]:
+    """(its ViT-B preset in train/configs, or None for the defaults' ViT-B; the stem of the shipped
+    ds_configs it takes: its own `<name>_vit_b_*` when it has them, else the common `vit_b_*`)."""
+    preset = f"{name}/vit_b.json" if (REPO / "train" / "configs" / name / "vit_b.json").is_file() else None
+    own = any((REPO / "ds_configs").glob(f"{name}_vit_b_8x*.json"))
+    return preset, f"{name}_vit_b" if own else "vit_b"
+
+
+# every pretraining method (a registered objective with a debug preset) -> vit_b_run(method)
+OBJECTIVES = {name: vit_b_run(name) for name in list_objectives()
+              if (REPO / "train" / "configs" / name / "debug.json").is_file()}
 # precision -> the shipped ds_config a user of it takes (fp32: the bf16 file with bf16 switched off)
 DS_FILES = {"fp16": "8xv100_fp16_zero1", "bf16": "8xa100_bf16_zero1", "fp32": "8xa100_bf16_zero1"}
 # a GPU and the torch build installed with it: PyPI's CUDA 13.0 wheels or the CUDA 12.6 ones
 MACHINES = {"v100+cu130": ("v100", CU130_ARCHS), "v100+cu126": ("v100", CU126_ARCHS),
             "a100+cu130": ("a100", CU130_ARCHS), "h100+cu130": ("h100", CU130_ARCHS)}
+
+
+def test_every_pretraining_method_is_checked_with_its_vit_b_files():
+    assert {"mae", "mixedae", "maeplus", "mlomae", "energy"} <= set(OBJECTIVES)
+    assert OBJECTIVES["mae"] == (None, "vit_b") and OBJECTIVES["mlomae"] == ("mlomae/vit_b.json", "mlomae_vit_b")
 
 
 def expected_refusal(gpu: str, archs: tuple[str, ...], precision: str, backend: str) -> str | None:
