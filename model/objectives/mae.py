@@ -104,7 +104,9 @@ class MAEObjective(Objective):
         masking = self.make_masking(batch, images.shape[0], images.device)
         pred = self.decoder(self.encode(images, masking), masking.ids_restore)  # (B, N, p*p*C)
         loss = masked_patch_loss(pred, self.target(images), masking.mask)
-        return {"loss": loss, "pred": pred, "mask": masking.mask}
+        # pred for inspection, detached: a view (the decoder drops its cls row) that requires grad
+        # makes FSDP2 warn at every forward of the root module
+        return {"loss": loss, "pred": pred.detach(), "mask": masking.mask}
 
     def vis_masking(self, images: torch.Tensor, noise: torch.Tensor) -> Masking:
         """The masking the figures show: MAE's random masking from the fixed noise (B, N)."""

@@ -79,6 +79,11 @@ def test_objective_contract(name):
     out = objective(batch)
     loss = out["loss"]
     assert loss.ndim == 0 and torch.isfinite(loss), name
+    assert loss.dtype == torch.float32, name  # the engine refuses a 16-bit loss
+    # FSDP2 warns at every forward of a root returning a view that requires grad (an in-place op
+    # on it would skip the pre-backward all-gather): outputs beyond the loss and its parts carry none
+    views = [k for k, v in out.items() if isinstance(v, torch.Tensor) and v.requires_grad and v._base is not None]
+    assert not views, f"{name} returns views that require grad: {views}"
     loss.backward()
 
     trainable = {n: p for n, p in objective.named_parameters() if p.requires_grad}
