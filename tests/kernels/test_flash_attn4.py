@@ -244,8 +244,8 @@ def test_the_real_kernels_match_the_math_reference_forward_and_backward(dtype, t
     """The tests above run a stand-in package; this one runs flash-attn-4 itself where it trains
     (sm90 / sm100), at ViT-B/16 (197 x 64), ViT-H/14-like (257 x 80) and MAE's encoder (50 tokens)."""
     capability = torch.cuda.get_device_capability()
-    why = refusal(torch.empty(1, 1, 1, head_dim, dtype=dtype), torch.empty(1, 1, 1, head_dim, dtype=dtype),
-                  torch.empty(1, 1, 1, head_dim, dtype=dtype), capability)
+    empty = torch.empty(1, 1, 1, head_dim, dtype=dtype)
+    why = flash_attn4.refusal(empty, empty, empty, capability)
     if why is not None:
         pytest.skip(f"flash-attn-4 does not run here: {why}")
     g = torch.Generator(device="cuda").manual_seed(0)
