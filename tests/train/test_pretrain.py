@@ -1,9 +1,10 @@
 """train/pretrain.py end to end as a single process: run folder, resume exactness, rejection."""
 import json
+import re
 
 import pytest
 import torch
-from conftest import run_pretrain
+from conftest import CPU_DS, run_pretrain
 
 from train.engine.optim import warmup_cosine
 from train.engine.state_files import read_tensors
@@ -180,3 +181,50 @@ def test_epoch_checkpoints_kept_for_later_evaluation(tmp_path):
             for t in ("step00000008", "step00000016", "step00000020")] == [True, True, False]
     out = export_checkpoint(root / "step00000008", tmp_path / "epoch1" / "encoder.safetensors")
     assert out.is_file() and (tmp_path / "epoch1" / "encoder.json").is_file()
+
+
+def strict_json(line: str):
+    """json.loads refusing NaN and Infinity, which JSON does not have (JavaScript's JSON.parse fails on them)."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+@pytest.fixture(scope="module")
+def skipped_step(tmp_path_factory):
+    """8 steps of 2 micro-batches whose step 3 has a NaN loss (the step is skipped), logged every 4
+    steps and every step (the same training): {log_every: (run folder, process)}."""
+    ds = tmp_path_factory.mktemp("ds") / "accum2.json"
+    ds.write_text(json.dumps({**json.loads(CPU_DS.read_text()), "train_micro_batch_size_per_gpu": 4,
+                              "gradient_accumulation_steps": 2}))
+    runs = {}
+    for log_every in (4, 1):
+        out = tmp_path_factory.mktemp(f"log_every{log_every}")
+        proc = run_pretrain(out, "--run.max_steps", "8", "--run.log_every", str(log_every), "--run.ckpt_every", "8",
+                            ds_config=ds, faults="nan_loss@3")
+        runs[log_every] = out, proc
+    return runs
+
+
+def test_a_skipped_step_leaves_its_windows_loss_the_mean_of_the_finite_ones(skipped_step):
+    windows = [strict_json(line) for line in (skipped_step[4][0] / "metrics.jsonl").read_text().splitlines()]
+    steps = [strict_json(line) for line in (skipped_step[1][0] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in windows] == [4, 8] and [r["step"] for r in steps] == list(range(1, 9))
+    assert steps[2]["loss"] is None and steps[2]["nonfinite_losses"] == 2  # no finite loss in step 3: null
+    per_step = {r["step"]: r["loss"] for r in steps}
+    assert windows[0]["loss"] == pytest.approx((per_step[1] + per_step[2] + per_step[4]) / 3, rel=1e-12)
+    assert windows[0]["nonfinite_losses"] == 2 and windows[0]["skipped_steps"] == 1
+    assert windows[1]["loss"] == pytest.approx(sum(per_step[s] for s in range(5, 9)) / 4, rel=1e-12)
+    assert "nonfinite_losses" not in windows[1] and all("nonfinite_losses" not in r for r in steps if r["step"] != 3)
+
+
+def test_the_run_ends_with_a_summary_line_that_agrees_with_metrics_jsonl(skipped_step):
+    run_dir, proc = skipped_step[4]
+    rows = read_metrics(run_dir)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("[pretrain] trained steps")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    seconds = sum(r["step_time"] * 4 for r in rows)  # the logged windows' training time
+    assert re.fullmatch(rf"\[pretrain\] trained steps 1-8 in \d+\.\d s: loss {rows[-1]['loss']:.4g} \(last window\), "
+                        rf"{8 * 8 / seconds:.0f} images/s over the run, 1 skipped step\(s\)", lines[0]), lines[0]
+    assert proc.stderr.index(lines[0]) < proc.stderr.index("exported encoder to")

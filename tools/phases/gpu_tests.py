@@ -39,7 +39,7 @@ def run(check: Check, a) -> None:
     def engine(name: str, precision: str, stage: int) -> dict:
         ds = ds_config(check, name, micro, precision, stage) if check.cuda else CPU_DEBUG_DS
         rows = pretrain(name, ds, steps)
-        losses = [r["loss"] for r in rows]
+        losses = [math.nan if r["loss"] is None else r["loss"] for r in rows]  # null: a window with no finite loss
         k = max(1, len(losses) // 5)
         first, last = statistics.fmean(losses[:k]), statistics.fmean(losses[-k:])
         out = {"precision": precision, "zero_stage": stage, "steps": len(losses), "loss_first": losses[0],

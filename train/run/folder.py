@@ -1,11 +1,13 @@
 """The run folder: merged config, final ds_config, provenance, metrics.jsonl, TensorBoard events.
 
-Only rank 0 writes. metrics.jsonl has one JSON object per logged step.
+Only rank 0 writes. metrics.jsonl has one JSON object per logged step (strict JSON: a value that
+is not finite, e.g. the loss of a window without a finite one, is null).
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import subprocess
 import sys
@@ -228,6 +230,13 @@ def record_resume(run_dir: Path, step: int, tag: Path, changes: dict[str, list])
         f.write(json.dumps({"step": step, "from": str(tag), "changes": changes}) + "\n")
 
 
+def json_line(record: dict) -> str:
+    """`record` as one line of strict JSON: a float that is not finite becomes null (JSON has no
+    NaN or Infinity, and JavaScript's JSON.parse, jq and others refuse them)."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(finite, allow_nan=False) + "\n"
+
+
 class Reporter:
     """Rank 0's outputs per logged step: metrics.jsonl, TensorBoard, progress bar (images/s, ETA).
 
@@ -243,7 +252,7 @@ class Reporter:
                 log.warning("%s: %d line(s) that are no complete JSON record dropped (a write cut short)", path, cut)
             kept = [r for r in rows if r["step"] <= start_step]
             if cut or len(kept) < len(rows):  # the whole history stays readable if this rewrite is cut short
-                write_whole(path, "".join(json.dumps(r) + "\n" for r in kept))
+                write_whole(path, "".join(map(json_line, kept)))
         self.path = path
         self.file = open(path, "a", buffering=1)
         self.tb = None
@@ -256,7 +265,7 @@ class Reporter:
 
     def _write(self, step: int, metrics: dict[str, float], tb_section: str) -> None:
         try:
-            self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.file.write(json_line({"step": step, **metrics}))
         except OSError as e:  # a full disk: say which file (a write names none)
             raise OSError(e.errno, e.strerror, str(self.path)) from None
         if self.tb is not None:

@@ -8,6 +8,7 @@ and never inside a step (tools/census.py counts it; tests/train/estimate/test_ce
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -54,34 +55,56 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device, dtype: torc
     return out
 
 
+def _window_stats(values: torch.Tensor) -> torch.Tensor:
+    """(mean, sum of the finite values, how many are finite, how many are not) of one scalar's
+    window, in float64; the plain mean stays the logged value of a window without a non-finite one."""
+    finite = torch.isfinite(values)
+    return torch.stack([values.mean(), torch.where(finite, values, 0.0).sum(), finite.sum(dtype=torch.float64),
+                        (~finite).sum(dtype=torch.float64)])
+
+
 def read_window(window: dict[str, list[torch.Tensor]], device_state: dict[str, torch.Tensor],
                 counters: dict[str, int], device: torch.device) -> dict[str, float]:
     """The one host-device sync of a read: the means of the window's logged 0-dim tensors (over
     its micro-batches or steps, and over ranks), the engine's device state (gradient norm, skip
     counters, fp16 scale: the same on every rank) and the data source's counters (host integers,
     summed over ranks) come back in one `.tolist()`; with a process group, means and counters
-    share one all-reduce."""
+    share one all-reduce. A non-finite value (a skipped step's loss) is left out of its scalar's
+    mean, which is NaN only when none is finite; `nonfinite_losses` counts the losses left out."""
     names = sorted(window)
-    parts = [torch.stack([torch.stack(window[k]).double().mean() for k in names])] if names else []
+    parts = [torch.stack([_window_stats(torch.stack(window[k]).double()) for k in names]).flatten()] if names else []
     reduce_counters = dist.is_initialized() and bool(counters)
     if reduce_counters:  # copied to the device without waiting for it
         parts.append(torch.tensor(list(counters.values()), dtype=torch.float64).to(device, non_blocking=True))
     if dist.is_initialized() and parts:
         reduced = torch.cat(parts)
         dist.all_reduce(reduced)
-        reduced[:len(names)] /= dist.get_world_size()
+        reduced[:4 * len(names)].view(-1, 4)[:, 0] /= dist.get_world_size()  # sums and counts stay sums
         parts = [reduced]
     engine_names = list(device_state)
     if engine_names:
         parts.append(torch.stack([device_state[k].detach().double().reshape(()) for k in engine_names]))
     read = torch.cat(parts).tolist() if parts else []  # the sync
-    metrics = dict(zip(names, read[:len(names)]))
+    metrics = {}
+    for i, k in enumerate(names):
+        mean, finite_sum, finite, left_out = read[4 * i:4 * i + 4]
+        metrics[k] = mean if not left_out else finite_sum / finite if finite else math.nan
+        if k == "loss" and left_out:
+            metrics["nonfinite_losses"] = round(left_out)
+    read = read[4 * len(names):]
     if reduce_counters:
-        metrics.update(zip(counters, map(round, read[len(names):len(names) + len(counters)]), strict=True))
+        metrics.update(zip(counters, map(round, read[:len(counters)]), strict=True))
     else:
         metrics.update(counters)
     metrics.update(zip(engine_names, read[len(read) - len(engine_names):]))
     return metrics
+
+
+def _seconds(callback: Callable[[int], None], step: int) -> float:
+    """How long `callback(step)` took."""
+    start = time.perf_counter()
+    callback(step)
+    return time.perf_counter() - start
 
 
 def run(
@@ -159,16 +182,14 @@ def run(
                 metrics.pop(k, None)
             on_log(step, metrics)
             window, t_last, steps_since_log = {}, time.perf_counter(), 0
+        # checkpoints, evaluation and figures are not training throughput: the window's start moves by
+        # their time (a reset would drop the window's earlier steps from the time but not from the count)
         if on_evaluate is not None and (last or (settings.eval_every and step % settings.eval_every == 0)):
-            on_evaluate(step)
+            t_last += _seconds(on_evaluate, step)
         if settings.vis_every and (step % settings.vis_every == 0 or last):
-            on_visualize(step)
+            t_last += _seconds(on_visualize, step)
         if save:
-            t_save = time.perf_counter()
-            on_checkpoint(step)
-            # checkpoint time is not training throughput: the window's start moves by it (a reset
-            # would drop the window's earlier steps from the time but not from the count)
-            t_last += time.perf_counter() - t_save
+            t_last += _seconds(on_checkpoint, step)
         if not last and should_stop(step):
             if not save:
                 on_checkpoint(step)

@@ -12,6 +12,7 @@ import json
 import logging
 import random
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -275,6 +276,30 @@ def earlier_tag_hint(tag: Path) -> str:
             "no earlier one exists there: start the run again (--run.overwrite true)")
 
 
+class RunSummary:
+    """The line that ends a run's log (rank 0): its steps, time, last loss, throughput and skipped
+    steps, from the windows the loop logged (no device read of its own)."""
+
+    def __init__(self, first_step: int, global_batch: int):
+        self.first_step, self.global_batch = first_step, global_batch
+        self.started = time.perf_counter()
+        self.logged_step, self.last = first_step, {}
+        self.training_s = 0.0  # the logged windows' own time: without checkpoints, evaluation and figures
+
+    def add(self, step: int, metrics: dict) -> None:
+        self.training_s += metrics["step_time"] * (step - self.logged_step)
+        self.logged_step, self.last = step, metrics
+
+    def line(self, step: int) -> str | None:
+        """'trained steps A-B in T s: ...' after step `step`; None when no window was logged."""
+        if not self.last:
+            return None
+        images_per_s = self.global_batch * (self.logged_step - self.first_step) / self.training_s
+        return (f"trained steps {self.first_step + 1}-{step} in {time.perf_counter() - self.started:.1f} s: loss "
+                f"{self.last['loss']:.4g} (last window), {images_per_s:.0f} images/s over the run, "
+                f"{self.last['skipped_steps']} skipped step(s)")
+
+
 class Trainer:
     """One run, after check_before_start: set up in the constructor, trained by `run()`."""
 
@@ -436,6 +461,7 @@ class Trainer:
         report = self.reporter.log if self.reporter else lambda step, metrics: None
 
         watch = CompileWatch() if self.cfg.run.compile else None
+        summary = RunSummary(self.state.step, self.settings.global_batch)
 
         def on_log(step: int, metrics: dict) -> None:  # every rank: the metrics are reduced over ranks
             if watch is not None:
@@ -446,6 +472,7 @@ class Trainer:
                 metrics["loss_at_chance"] = 1
                 if self.chance.first_time() and self.rank == 0:
                     log.warning(self.chance.message())
+            summary.add(step, metrics)
             report(step, metrics)
 
         try:
@@ -456,6 +483,8 @@ class Trainer:
             stop.close()
         if self.reporter is not None:
             self.reporter.close()
+        if self.rank == 0 and (said := summary.line(self.state.step)):  # also where no bar showed the loss
+            log.info(said)
         if self.rank == 0 and self.chance is not None and self.chance.last is not None and not stopped:
             log.warning("at the end: %s", self.chance.message())
         requeue_failed = ""

@@ -25,3 +25,26 @@ def test_a_config_json_nested_too_deep_is_not_a_runs_config(tmp_path):
     assert foreign_config(tmp_path, {"optim": {}}) == "holds a config.json that is not readable JSON (nested too deep)"
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")  # a run trained there
     assert other_run(tmp_path, {"optim": {}}) == "holds a run whose config.json is not readable JSON (nested too deep)"
+
+
+def strict_json(line: str):
+    """json.loads refusing NaN and Infinity, which JSON does not have (JavaScript's JSON.parse fails on them)."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_a_nonfinite_value_is_written_as_null_and_old_lines_are_rewritten_so(tmp_path):
+    """A window without a finite loss logs NaN: metrics.jsonl holds null there, strict JSON; a line an
+    older run wrote with NaN is rewritten as null when a resume cuts the file back."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": NaN, "lr": 0.1}\n{"step": 2, "loss": 1.0}\n')
+    reporter = Reporter(tmp_path, start_step=1, stop_step=4, tensorboard=False, progress=False)
+    reporter.log(2, {"loss": float("nan"), "images_per_s": float("inf"), "nonfinite_losses": 4, "lr": 0.1})
+    reporter.log_eval(2, {"eval_top1": 50.0})
+    reporter.close()
+    rows = [strict_json(line) for line in path.read_text().splitlines()]
+    assert rows == [{"step": 1, "loss": None, "lr": 0.1},
+                    {"step": 2, "loss": None, "images_per_s": None, "nonfinite_losses": 4, "lr": 0.1},
+                    {"step": 2, "eval_top1": 50.0}]

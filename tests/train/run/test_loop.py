@@ -1,0 +1,74 @@
+"""train/run/loop.py's log window: its throughput counts training only (not checkpoints, evaluation
+or figures), and its loss is the mean over the window's finite micro-batch losses."""
+import math
+
+import pytest
+import torch
+
+import train.run.loop as loop
+from train.engine import EngineConfig, build
+from train.engine.optim import WarmupCosineSchedule
+from train.run.loop import LoopSettings, LoopState, run
+
+
+class Recorded(torch.nn.Module):
+    """An objective whose loss is NaN at the given calls (counted from 1); it keeps every loss it
+    returned, and each call takes a second of `clock` when one is given."""
+
+    def __init__(self, nan_at: set[int] = frozenset(), clock: list[float] | None = None):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(2))
+        self.nan_at, self.clock, self.losses = nan_at, clock, []
+
+    def forward(self, batch):
+        if self.clock is not None:
+            self.clock[0] += 1.0
+        loss = (self.w * batch["image"]).sum() * (float("nan") if len(self.losses) + 1 in self.nan_at else 1.0)
+        self.losses.append(loss.detach())
+        return {"loss": loss}
+
+    def after_optimizer_step(self, lr, batches):
+        return {}
+
+
+def train(module: Recorded, settings: LoopSettings, accum: int = 1, **callbacks) -> dict[int, dict]:
+    """`module` trained through the loop on images 1, 2, 3, ...: the metrics of each logged step."""
+    engine = build(module, [{"params": [module.w], "weight_decay": 0.0}],
+                   lambda groups: torch.optim.AdamW(groups, lr=0.0, fused=True),
+                   lambda opt: WarmupCosineSchedule(opt, 0.1, 0.0, 0, 100),
+                   EngineConfig(0, "fp32", accum, 0.0), torch.device("cpu"))
+    images = iter({"image": torch.full((2,), float(i))} for i in range(1, 1000))
+    logged = {}
+    run(engine, images, settings, LoopState(0), torch.device("cpu"), torch.float32,
+        lambda step, metrics: logged.update({step: metrics}), callbacks.pop("on_checkpoint", lambda step: None),
+        **callbacks)
+    return logged
+
+
+def test_evaluation_and_figure_time_is_left_out_of_throughput(monkeypatch):
+    """Evaluation at a log step and mid-window, figures likewise, a checkpoint too: each window's
+    step_time is its steps' own second (a fake clock: each step 1 s, each callback 10 s)."""
+    clock = [0.0]
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
+
+    def slow(step):
+        clock[0] += 10.0
+
+    settings = LoopSettings(12, log_every=4, ckpt_every=6, global_batch=4, vis_every=3, eval_every=2)
+    logged = train(Recorded(clock=clock), settings, on_checkpoint=slow, on_evaluate=slow, on_visualize=slow)
+    assert [logged[s]["step_time"] for s in (4, 8, 12)] == [1.0, 1.0, 1.0]
+    assert [logged[s]["images_per_s"] for s in (4, 8, 12)] == [4.0, 4.0, 4.0]
+
+
+def test_a_window_logs_the_mean_of_its_finite_losses_and_counts_the_others():
+    """Two micro-batches a step, log every 2 steps: NaN at micro-batch 3 (step 2) leaves the
+    window of steps 1-2 the mean of the other three; steps 3-4 (both NaN) have no finite loss."""
+    module = Recorded(nan_at={3, 5, 6, 7, 8})
+    logged = train(module, LoopSettings(6, log_every=2, ckpt_every=100, global_batch=4), accum=2)
+    losses = [x.item() for x in module.losses]
+    assert logged[2]["loss"] == pytest.approx((losses[0] + losses[1] + losses[3]) / 3, rel=1e-12)
+    assert logged[2]["nonfinite_losses"] == 1
+    assert math.isnan(logged[4]["loss"]) and logged[4]["nonfinite_losses"] == 4
+    # a finite window: exactly the plain mean over its micro-batches, and no count
+    assert logged[6]["loss"] == torch.stack(module.losses[8:12]).double().mean().item()
+    assert "nonfinite_losses" not in logged[6]
