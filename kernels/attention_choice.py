@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,24 +257,40 @@ def time_kernels(batch: int, heads: int, tokens: int, head_dim: int, dtype: torc
         runs[FLASH_ATTN_4] = lambda: flash_attn4_attention(q, k, v)
     else:
         out[FLASH_ATTN_4] = f"not available: {reason}"
-    for name, run in runs.items():
-        def once(run=run) -> None:
+
+    def timed(run: Callable[[], torch.Tensor]) -> float:
+        def once() -> None:
             torch.autograd.grad(run(), (q, k, v), grad)
-        try:
-            with warnings.catch_warnings():  # PyTorch warns why each kernel it was told to use cannot run
-                warnings.simplefilter("ignore")
-                for _ in range(warmup):  # flash-attn-4 compiles the shape's kernels in the first
-                    once()
-        except RuntimeError as e:  # "No available kernel" and the reasons PyTorch warned about
-            out[name] = f"not available: {str(e).splitlines()[0][:160]}"
-            continue
+        with warnings.catch_warnings():  # PyTorch warns why each kernel it was told to use cannot run
+            warnings.simplefilter("ignore")
+            for _ in range(warmup):  # flash-attn-4 compiles the shape's kernels in the first
+                once()
         sync()
         start = time.perf_counter()
         for _ in range(iters):
             once()
         sync()
-        out[name] = (time.perf_counter() - start) / iters * 1e3
+        return (time.perf_counter() - start) / iters * 1e3
+
+    for name, run in runs.items():
+        out[name] = ms_or_reason(lambda run=run: timed(run))
     return {name: out[name] for name in ATTENTIONS["dense"]}
+
+
+def ms_or_reason(timed: Callable[[], float]) -> float | str:
+    """One candidate kernel's milliseconds, or why it did not run: a failing kernel must not lose the
+    others' times. PyTorch's refusals are RuntimeErrors ("No available kernel", with the reasons it
+    warned about); flash-attn-4's are CUTLASS DSL errors and asserts, named by their type."""
+    try:
+        return timed()
+    except RuntimeError as e:
+        return f"not available: {_first_line(e)}"
+    except Exception as e:  # noqa: BLE001 - any failure of one kernel; KeyboardInterrupt still stops the tool
+        return f"not available: {type(e).__name__}: {_first_line(e)}"
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).splitlines() or [""])[0][:160]
 
 
 def choose(ms: dict[str, float | str], default: str = "pytorch") -> str:

@@ -175,11 +175,15 @@ class MixedAEObjective(Objective):
         segments = torch.cat([torch.full_like(segment[:, :1], GLOBAL), segment], dim=1)  # (Bm, 1+N)
         masks = self.attention_masks(segments)
         latent = self.encoder.forward_tokens(x, self.segment_input(segments, x.dtype), masks)
-        stats = {f"topk_acc_block{i}": m.same_source_share for i, m in enumerate(masks)
-                 if isinstance(m, TopKMask) and m.same_source_share is not None}
-        if stats:
-            stats["topk_acc"] = torch.stack(list(stats.values())).mean()
-        return latent, stats
+        recorded = {i: m.same_source_share for i, m in enumerate(masks)
+                    if isinstance(m, TopKMask) and m.same_source_share is not None}
+        if not recorded:
+            return latent, {}
+        # One copy of all blocks' shares: a compiled block returns its share as a graph output, which
+        # a CUDA graph's next replay overwrites before the loop reads its log window.
+        shares = torch.stack(list(recorded.values()))  # (blocks,)
+        stats = {f"topk_acc_block{i}": share for i, share in zip(recorded, shares.unbind())}
+        return latent, stats | {"topk_acc": shares.mean()}
 
     def unmix_predictions(self, latent: torch.Tensor, mixing: Mixing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decoding per (mixed image, source image): pred (Bm, g, N, P), the decoder's kept

@@ -297,3 +297,16 @@ def test_the_tools_topk_shape_is_mixedaes_encoder_at_its_preset():
     # ViT-B/16 at 224, r = 1/4: 128 images make 32 mixed ones of 196 patches + cls, K = round(196 / 4) = 49
     assert topk_shape_of(DEFAULT_TOPK_CONFIGS[0], "vit_base_patch16", 128) == (32, 12, 197, 64, 49)
     assert topk_shape_of(DEFAULT_TOPK_CONFIGS[0], "vit_large_patch16", 128) == (32, 16, 197, 64, 49)
+
+
+def test_a_kernel_that_fails_otherwise_than_pytorchs_refusal_is_recorded_and_the_others_are_timed(monkeypatch):
+    """flash-attn-4 fails with CUTLASS DSL's own errors and asserts, not RuntimeError: that kernel
+    gets the error's type and first line, every other kernel its time."""
+    def failing(q, k, v):
+        raise AssertionError("head_dim 16 is not supported\nmore detail")
+
+    monkeypatch.setattr(attention_choice, "flash_attn4_refusal", lambda q, k, v, capability: None)
+    monkeypatch.setattr(attention_choice, "flash_attn4_attention", failing)
+    ms = attention_choice.time_kernels(2, 2, 17, 16, torch.float32, CPU, iters=1, warmup=1)
+    assert ms["flash_attn4"] == "not available: AssertionError: head_dim 16 is not supported"
+    assert isinstance(ms["pytorch"], float) and isinstance(ms["math"], float)

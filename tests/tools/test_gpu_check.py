@@ -292,7 +292,7 @@ def test_methods_phase_gpu_branch_runs_its_items_in_order_and_sums_them(tmp_path
     items, summary = check.record["items"], check.record["summary"]
     assert not [k for k, v in items.items() if "error" in v or "skipped" in v], items
     order = ["mae", "mixedae", "mixedae_torch_topk", "maeplus", "adpe", "mlomae", "energy"]
-    assert list(items) == ([f"{m}_r0" for m in order] + ["kernels_bf16", "phase_times"]
+    assert list(items) == (["phase_times"] + [f"{m}_r0" for m in order] + ["kernels_bf16"]
                            + [f"{m}_r1" for m in order[::-1]] + ["kernels_fp16"])
     assert {micro for _, micro, _ in seen} == {128} and sum(t for _, _, t in seen) == 2  # the composition: one per round
     ratios = summary["step_ratios"]
@@ -348,34 +348,50 @@ def test_compile_phase_gpu_branch_runs_every_item_in_its_order(tmp_path, monkeyp
     assert summary["equality_bf16_micro64"]["equal"] and summary["float8_curves_vit_l_micro64"]["within_bf16_noise"]
 
 
-def test_the_documented_one_call_plan_measures_the_loader_s_targets_within_its_share(tmp_path, monkeypatch):
-    """docs/GPU.md's one call gives each phase a share; with every item taking its whole estimate,
-    the loader's share reaches its targets' items (the shards, nvjpeg, the first end-to-end round).
-    Its shard making alone was estimated above its share (90 s against 80), so the phase stopped there."""
+def _documented_shares() -> dict[str, float]:
+    """docs/GPU.md's one call: each phase's share of it in seconds."""
     import re
-    import types
-
-    import benchmarks.photo_shards
-    import tools.phases.common
-    import tools.photos
-    from tools.gpu_check import Check
-    from tools.phases import loader
 
     call = re.search(r"gpu_check ((?:\w+:\d+ )+)--budget_s\s+(\d+)", (REPO / "docs" / "GPU.md").read_text())
     shares = {name: float(s) for name, s in (p.split(":") for p in call.group(1).split())}
     assert sum(shares.values()) <= float(call.group(2)) <= 540  # a call of under 10 minutes, with its start
+    return shares
+
+
+def _planned_check(tmp_path, phase: str, share: float):
+    """The phase's GPU branch on this CPU within `share` seconds, each item taking its whole estimate
+    on a clock of its own."""
+    from tools.gpu_check import Check
 
     class Planned(Check):
-        """Each item takes its whole estimate, on a clock of its own."""
         spent = 0.0
 
         def remaining(self) -> float:
-            return shares["loader"] - 5 - self.spent  # 5 s: the phase's own start (imports, versions)
+            return share - 5 - self.spent  # 5 s: the phase's own start (imports, versions)
 
         def item(self, name, estimate_s, fn):
             result = super().item(name, estimate_s, fn)
             self.spent += estimate_s if result is not None else 0
             return result
+
+    check = Planned(phase, tmp_path, smoke=False, deadline=float("inf"), work=tmp_path / "work", log=tmp_path / "log")
+    check.work.mkdir()
+    check.cuda = True
+    return check
+
+
+def test_the_documented_one_call_plan_measures_the_loader_s_targets_within_its_share(tmp_path, monkeypatch):
+    """docs/GPU.md's one call gives each phase a share; with every item taking its whole estimate,
+    the loader's share reaches its targets' items (the shards, nvjpeg, the first end-to-end round).
+    Its shard making alone was estimated above its share (90 s against 80), so the phase stopped there."""
+    import types
+
+    import benchmarks.photo_shards
+    import tools.phases.common
+    import tools.photos
+    from tools.phases import loader
+
+    shares = _documented_shares()
 
     def shards(argv):
         images = benchmarks.photo_shards.images_folder(Path(argv[1]))
@@ -388,14 +404,41 @@ def test_the_documented_one_call_plan_measures_the_loader_s_targets_within_its_s
     monkeypatch.setattr(benchmarks.photo_shards, "main", shards)
     monkeypatch.setattr(loader, "device_loader", lambda *a: {"images_per_s": 6000.0})
     monkeypatch.setattr(tools.phases.common, "our_bench", lambda check, argv: {"images_per_s": 3000.0})
-    check = Planned("loader", tmp_path, smoke=False, deadline=float("inf"), work=tmp_path / "work", log=tmp_path / "log")
-    check.work.mkdir()
-    check.cuda = True
+    check = _planned_check(tmp_path, "loader", shares["loader"])
     loader.run(check, types.SimpleNamespace())
     ran = [k for k, v in check.record["items"].items() if "skipped" not in v]
     assert ran[:4] == ["make_shards", "decode_nvjpeg", "end_to_end_synthetic_r0", "end_to_end_shards_r0"], \
         check.record["items"]
     assert check.record["summary"]["end_to_end"]["shards_over_synthetic"] == 1.0
+
+
+def test_the_documented_one_call_plan_measures_where_each_method_s_step_goes_within_its_share(tmp_path, monkeypatch):
+    """The methods phase's share of docs/GPU.md's one call, every item taking its whole estimate: the
+    phase-by-phase times (tools/method_time.py), which no record holds yet, are measured. After a
+    round of every method at micro-batch 128 and the bf16 kernels, the share had no room for them."""
+    import json
+    import types
+
+    import kernels.bench
+    from tools import method_time
+    from tools.phases import methods
+
+    def kbench(argv):
+        path = tmp_path / "kernels.json"
+        path.write_text(json.dumps({"dtype": "bf16", "shapes": {"vit_b": {"results": {"dense_sdpa": {"ms": 1.0}},
+                                                                          "ratios": {}}}}))
+        return str(path)
+
+    row = {"ms": {}, "step_ms": 1.0, "micro_batch": 64, "over_mae_measured": 1.0, "over_mae_counted": 1.0}
+    monkeypatch.setattr(methods, "our_bench", lambda check, argv, torch_topk=False: {"step_time_s": 0.1})
+    monkeypatch.setattr(kernels.bench, "main", kbench)
+    monkeypatch.setattr(method_time, "main", lambda argv: {m: dict(row) for m in method_time.METHODS})
+    monkeypatch.setattr(method_time, "markdown", lambda rows: "")
+    check = _planned_check(tmp_path, "methods", _documented_shares()["methods"])
+    methods.run(check, types.SimpleNamespace())
+    items = check.record["items"]
+    assert "skipped" not in items["phase_times"], items
+    assert set(check.record["summary"]["phase_times"]) == set(method_time.METHODS)
 
 
 def test_an_entry_point_s_refusal_inside_a_phase_is_recorded_and_the_next_phase_runs(tmp_path, monkeypatch):

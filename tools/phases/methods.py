@@ -1,7 +1,7 @@
-"""Phase `methods`: step-time ratios of every method to MAE at ViT-B/224 through train/bench.py at
-micro-batch 128, where the host no longer sets the pace (at 64 a MAE step took as long as at 128 on
-an H100); kernels/bench.py; then where each method's step goes, phase by phase, beside its counted
-arithmetic (tools/method_time.py, at 64: energy's double backward at 128 is near an H100's memory)."""
+"""Phase `methods`: where each method's step goes, phase by phase, beside its counted arithmetic
+(tools/method_time.py, at 64: energy's double backward at 128 is near an H100's memory); then
+step-time ratios of every method to MAE at ViT-B/224 through train/bench.py at micro-batch 128, where
+the host no longer sets the pace (at 64 a MAE step took as long as at 128 on an H100); kernels/bench.py."""
 from __future__ import annotations
 
 import json
@@ -12,15 +12,29 @@ from tools.gpu_check import Check, free_memory
 from tools.method_costs import DEBUG_METHODS, METHODS
 from tools.phases.common import CPU_DEBUG_DS, TARGETS, ds_config, our_bench
 
+# Seconds per item on a GPU. train/bench.py at micro-batch 64 on an H100 took, for its build, 3 warmup
+# and 10 timed steps, the slower round's seconds of
+# benchmarks/results/gpu_check_methods_cuda_20261127T021741.json (MLO-MAE 13.7 s, energy 7.0 s, MAE 5.6 s);
+# at 128 each of the 13 steps may take twice as long, so the estimate adds them once more
+# (MLO-MAE 13.7 + 13 x 0.67 s).
+BENCH_ESTIMATE_S = {"mae": 7, "mixedae": 9, "mixedae_torch_topk": 7, "maeplus": 6, "adpe": 7, "mlomae": 23,
+                    "energy": 12}
+KERNELS_ESTIMATE_S = 40  # kernels/bench.py at the ViT-B/L shapes: 36.8 s in bf16 there
+# Not measured yet: the six methods built and stepped (under their bench items' 42 s at 64) and their
+# FLOPs counted on the host for the same steps (43 s on a 2-core CPU)
+PHASE_TIMES_ESTIMATE_S = 90
+
 
 def run(check: Check, a) -> None:
     summary = check.record["summary"]
     summary["targets"] = {k: TARGETS[k] for k in ("mixedae_over_mae_step", "adpe_over_maeplus_step",
                                                   "topk_fused_speedup_vs_topk_torch", "topk_fused_over_dense")}
     if check.cuda:
-        ds, steps, presets, rounds, est = ds_config(check, "methods_128", 128), ("10", "3"), METHODS, 2, 30
+        ds, steps, presets, rounds = ds_config(check, "methods_128", 128), ("10", "3"), METHODS, 2
+        est = BENCH_ESTIMATE_S
     else:
-        ds, steps, presets, rounds, est = CPU_DEBUG_DS, ("1", "0"), DEBUG_METHODS, 1, 0
+        ds, steps, presets, rounds = CPU_DEBUG_DS, ("1", "0"), DEBUG_METHODS, 1
+        est = dict.fromkeys(BENCH_ESTIMATE_S, 0)
 
     def argv(method: str) -> list[str]:
         return ["--ds_config", str(ds), "--data.source", "synthetic", "--steps", steps[0], "--warmup", steps[1],
@@ -31,7 +45,8 @@ def run(check: Check, a) -> None:
     def methods_round(r: int) -> None:
         for method in (order if r % 2 == 0 else order[::-1]):  # alternate, so drift cancels between rounds
             name = method.replace("_torch_topk", "")
-            check.item(f"{method}_r{r}", est, lambda m=method, n=name: our_bench(check, argv(n), m.endswith("torch_topk")))
+            check.item(f"{method}_r{r}", est[method],
+                       lambda m=method, n=name: our_bench(check, argv(n), m.endswith("torch_topk")))
 
     def kernel_bench(dtype: str) -> None:
         from kernels.bench import main as kbench
@@ -45,7 +60,7 @@ def run(check: Check, a) -> None:
                     "shapes": {k: {"ms": {n: r["ms"] for n, r in v["results"].items()}, "ratios": v["ratios"]}
                                for k, v in record["shapes"].items()}}
 
-        result = check.item(f"kernels_{dtype}", 60, measure)
+        result = check.item(f"kernels_{dtype}", KERNELS_ESTIMATE_S, measure)
         if result and "shapes" in result:
             summary[f"kernels_{dtype}"] = {k: v["ratios"] for k, v in result["shapes"].items()}
 
@@ -59,15 +74,16 @@ def run(check: Check, a) -> None:
             free_memory()
             return {"rows": rows, "markdown": method_time.markdown(rows)}
 
-        result = check.item("phase_times", 90, measure)
+        result = check.item("phase_times", PHASE_TIMES_ESTIMATE_S, measure)
         if result and "rows" in result:
             summary["phase_times"] = {m: {k: r.get(k) for k in ("ms", "step_ms", "over_mae_measured", "over_mae_counted")}
                                       for m, r in result["rows"].items()}
 
-    # what a short call should learn first: one round of every method, the kernels, where the time goes
+    # what no record holds first: where each method's step goes (docs/GPU.md's share of 130 s has no
+    # room for it after a round of every method), then one round, the kernels, the second round
+    phase_times()
     methods_round(0)
     kernel_bench("bf16" if check.cuda else "fp32")
-    phase_times()
     for r in range(1, rounds):
         methods_round(r)
     if check.cuda:

@@ -188,3 +188,64 @@ def test_evaluation_with_a_short_last_batch_compiles_nothing(tmp_path, monkeypat
     evaluations = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
                    if "top1" in line]
     assert evaluations and evaluations[0]["step"] == 2
+
+
+def _compiled_objectives() -> dict[str, list[str]]:
+    """Every debug method whose objective run.compile takes (energy's double backward is refused), and
+    the classifiers (fine-tuning, linear probe)."""
+    from model.objectives.base import OBJECTIVES
+    from tools.method_costs import DEBUG_METHODS
+    from train.config.parsing import parse_args
+
+    debug = {m: argv for m, argv in DEBUG_METHODS.items()
+             if not OBJECTIVES[parse_args(["--ds_config", str(CPU_DS), *argv]).objective][1].double_backward}
+    heads = {name: ["--objective", name, "--model.name", "vit_debug_patch4", f"--{name}.num_classes", "3",
+                    "--data.source", "synthetic", "--data.num_classes", "3", "--data.epoch_size", "64"]
+             for name in ("finetune", "linprobe")}
+    return debug | heads
+
+
+@pytest.mark.parametrize("method", list(_compiled_objectives()))
+def test_no_logged_value_is_a_compiled_block_graphs_own_output(monkeypatch, method):
+    """On one GPU the compiled blocks replay as CUDA graphs, whose outputs live in the graphs' memory
+    pool and are overwritten by the next micro-batch's replay; the loop keeps the logged 0-dim values
+    of a window until its log step, so none may share storage with a block graph's output (a backend
+    that runs each graph as traced records its outputs). The forward's values and the hook's."""
+    from train.config.options import section
+    from train.config.parsing import parse_args
+    from train.config.plan import build_encoder
+    from train.engine.execution import apply_execution_options
+
+    graph_outputs: list[torch.Tensor] = []
+
+    def recording(gm, example_inputs):
+        def run(*args):
+            out = gm(*args)
+            graph_outputs.extend(o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                                 if isinstance(o, torch.Tensor))
+            return out
+        return run
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": recording, "mode": None}))
+    monkeypatch.chdir(REPO)
+    cfg = parse_args(["--ds_config", str(CPU_DS), *_compiled_objectives()[method]])
+    torch.manual_seed(0)
+    objective = build_objective(cfg.objective, build_encoder(cfg), section(cfg))
+    apply_execution_options(objective, recompute=False, compile_blocks=True)
+    size, chans = objective.encoder.patch_embed.img_size, cfg.model.in_chans
+
+    def batch():  # labels and a validation batch for the objectives that read them (MLO-MAE's levels II-III)
+        return {"image": torch.randn(8, chans, size, size), "label": torch.randint(0, 3, (8,)),
+                "val_image": torch.randn(8, chans, size, size), "val_label": torch.randint(0, 3, (8,))}
+
+    for _ in range(2):  # the step that compiles and one that reuses the graphs
+        graph_outputs.clear()
+        batches = [batch()]
+        out = objective(batches[0])
+        out["loss"].backward()
+        logged = {k: v for k, v in out.items() if v.ndim == 0} | objective.after_optimizer_step(1e-4, batches)
+        assert graph_outputs, "no compiled block ran"
+        storages = {t.untyped_storage().data_ptr() for t in graph_outputs}
+        aliased = sorted(k for k, v in logged.items() if v.untyped_storage().data_ptr() in storages)
+        assert not aliased, f"{method}: logged values stored in a compiled block graph's output: {aliased}"
