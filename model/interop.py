@@ -288,14 +288,14 @@ def _block_name(name: str, prefix: str) -> re.Match | None:
     return re.fullmatch(rf"{prefix}\.(0|[1-9]\d{{0,8}})\.(.+)", name)
 
 
-def _depth(names, prefix: str) -> int:
+def _depth(names, prefix: str, whose: str = "a ViT's", fix: str = "give a whole ViT encoder's weights") -> int:
     """How many blocks `{prefix}.N.*` the names hold; ValueError unless they are numbered 0..n-1 in
     turn: the depth built is the count of blocks the file holds, never a number one name claims."""
     ids = sorted({int(m.group(1)) for k in names if (m := _block_name(k, prefix))})
     if ids and ids[-1] != len(ids) - 1:
         shown = ", ".join(map(str, ids[:3])) + (f", ..., {ids[-1]}" if len(ids) > 3 else "")
-        raise ValueError(f"holds {len(ids)} {prefix} numbered {shown}, not 0 to {len(ids) - 1} in turn as a ViT's "
-                         f"are: give a whole ViT encoder's weights")
+        raise ValueError(f"holds {len(ids)} {prefix} numbered {shown}, not 0 to {len(ids) - 1} in turn as {whose} "
+                         f"are: {fix}")
     return len(ids)
 
 
@@ -410,17 +410,35 @@ def mae_from_official(path: str | Path, num_heads: int | None = None, decoder_he
                          f"use encoder_from_state for those")
     try:
         encoder = encoder_from_state(encoder_state, num_heads)
-        width = _shape(decoder_state, "decoder_embed.weight", "(decoder width, encoder width)", "MAE decoder")[0]
-        cfg = MAEConfig(decoder_dim=width, decoder_depth=_depth(decoder_state, "decoder_blocks"),
-                        decoder_heads=decoder_heads, **mae_overrides)
+        width, depth = _decoder_size(decoder_state, decoder_heads)
+        cfg = MAEConfig(decoder_dim=width, decoder_depth=depth, decoder_heads=decoder_heads, **mae_overrides)
         if problem := _decoder_misfit(encoder, cfg, decoder_state):
             raise ValueError(f"does not hold the tensors of one MAE decoder: it holds {problem} (the decoder its "
-                             f"decoder_embed and the encoder imply); give a whole MAE pretraining checkpoint")
+                             f"decoder_embed and the encoder imply); {WHOLE_MAE}")
     except ValueError as e:
         raise ValueError(f"{path} {e}") from None
     objective = MAEObjective(encoder, cfg)
     objective.decoder.load_state_dict(decoder_state, strict=True)
     return objective
+
+
+WHOLE_MAE = "give a whole MAE pretraining checkpoint"
+
+
+def _decoder_size(decoder_state: dict[str, torch.Tensor], heads: int) -> tuple[int, int]:
+    """(width, depth) of the MAE decoder an official checkpoint holds, read off its decoder_embed
+    and the blocks it numbers, with `heads` attention heads; ValueError when they make no decoder."""
+    width = _shape(decoder_state, "decoder_embed.weight", "(decoder width, encoder width)", "MAE decoder")[0]
+    depth = _depth(decoder_state, "decoder_blocks", "an MAE decoder's", WHOLE_MAE)
+    if not depth:
+        raise ValueError(f"holds no decoder_blocks beside its decoder_embed: {WHOLE_MAE}")
+    if width < 4 or width % 4:
+        raise ValueError(f"holds a decoder_embed.weight {width} wide, not a positive multiple of 4 as an MAE decoder's "
+                         f"2-D sin-cos position table needs: {WHOLE_MAE}")
+    if width % heads:
+        raise ValueError(f"holds a decoder {width} wide (decoder_embed.weight), which decoder_heads {heads} does not "
+                         f"divide: pass the decoder_heads it was trained with (MAE's: 16)")
+    return width, depth
 
 
 def _decoder_misfit(encoder: VisionTransformer, cfg: MAEConfig, decoder_state: dict[str, torch.Tensor]) -> str:

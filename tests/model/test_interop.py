@@ -191,12 +191,18 @@ def test_vit_misfit_names_what_differs_without_building_the_depth_described():
     (lambda d: d.update({"decoder_embed.weight": torch.zeros(2**20, 0)}),  # no values, yet a decoder 2**20 wide
      r"mask_token of shape \[1, 1, 64\] \(the model's: \[1, 1, 1048576\]\)"),
     (lambda d: d.update({"decoder_blocks.7.norm1.weight": torch.ones(64)}),
-     r"holds 3 decoder_blocks numbered 0, 1, 7, not 0 to 2 in turn"),
+     r"holds 3 decoder_blocks numbered 0, 1, 7, not 0 to 2 in turn as an MAE decoder's are: give a whole MAE "
+     r"pretraining checkpoint$"),
+    (lambda d: d.update({"decoder_embed.weight": torch.zeros(0, 384)}),
+     r"holds a decoder_embed.weight 0 wide, not a positive multiple of 4 as an MAE decoder's 2-D sin-cos position "
+     r"table needs: give a whole MAE pretraining checkpoint$"),
+    (lambda d: [d.pop(k) for k in list(d) if k.startswith("decoder_blocks.")],
+     r"holds no decoder_blocks beside its decoder_embed: give a whole MAE pretraining checkpoint$"),
     (lambda d: d.update({"decoder_blocks.1.mlp.fc1.weight": torch.zeros(10**9, 0)}),
      r"decoder_blocks.1.mlp.fc1.weight of shape \[1000000000, 0\] \(the model's: \[256, 64\]\)"),
     (lambda d: d.pop("decoder_blocks.1.attn.proj.bias"), r"no decoder_blocks.1.attn.proj.bias, which the model has"),
-], ids=["no embedding", "a width set by one tensor", "a block numbered past the file's", "a hidden width",
-        "a tensor missing"])
+], ids=["no embedding", "a width set by one tensor", "a block numbered past the file's", "no width", "no blocks",
+        "a hidden width", "a tensor missing"])
 def test_an_official_decoder_is_judged_against_the_decoder_it_implies_before_that_is_built(mae, tmp_path, change,
                                                                                            says):
     """As the encoder's: the decoder built is the one the file's tensors describe, each of its
@@ -206,3 +212,10 @@ def test_an_official_decoder_is_judged_against_the_decoder_it_implies_before_tha
     torch.save(state, tmp_path / "mae_pretrain.pth")
     with pytest.raises(ValueError, match=f"{tmp_path / 'mae_pretrain.pth'}.*{says}"):
         mae_from_official(tmp_path / "mae_pretrain.pth", decoder_heads=4)
+
+
+def test_decoder_heads_that_do_not_divide_the_official_decoder_are_named_as_the_argument(mae, tmp_path):
+    torch.save(_official_format(mae), tmp_path / "mae_pretrain.pth")
+    with pytest.raises(ValueError, match=r"holds a decoder 64 wide \(decoder_embed.weight\), which decoder_heads 5 does "
+                                         r"not divide: pass the decoder_heads it was trained with \(MAE's: 16\)$"):
+        mae_from_official(tmp_path / "mae_pretrain.pth", decoder_heads=5)

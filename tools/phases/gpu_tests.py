@@ -65,8 +65,7 @@ def run(check: Check, a) -> None:
         straight = pretrain("straight", ds, resume_steps, ["--run.ckpt_every", str(10**6)])
         pretrain("resumed", ds, resume_steps, ["--run.ckpt_every", str(half), "--run.max_steps", str(half)])
         resumed = pretrain("resumed", ds, resume_steps, ["--run.ckpt_every", str(10**6), "--resume", "auto"])
-        a = {r["step"]: r["loss"] for r in straight}
-        b = {r["step"]: r["loss"] for r in resumed}
+        a, b = ({r["step"]: math.nan if r["loss"] is None else r["loss"] for r in rows} for rows in (straight, resumed))
         after = [s for s in sorted(a) if s > half and s in b]
         diff = max((abs(a[s] - b[s]) / max(abs(a[s]), 1e-12) for s in after), default=float("nan"))
         return {"steps": resume_steps, "checkpoint_at": half, "compared_steps": len(after),

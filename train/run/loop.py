@@ -100,8 +100,12 @@ def read_window(window: dict[str, list[torch.Tensor]], device_state: dict[str, t
     return metrics
 
 
-def _seconds(callback: Callable[[int], None], step: int) -> float:
-    """How long `callback(step)` took."""
+def _seconds(callback: Callable[[int], None], step: int, device: torch.device) -> float:
+    """How long `callback(step)` took. On a GPU the training work still queued is finished first (an
+    evaluation or figure at a step that neither logs nor saves follows no read), so that its time
+    stays the window's; the callback waits for the device anyway."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
     start = time.perf_counter()
     callback(step)
     return time.perf_counter() - start
@@ -185,11 +189,11 @@ def run(
         # checkpoints, evaluation and figures are not training throughput: the window's start moves by
         # their time (a reset would drop the window's earlier steps from the time but not from the count)
         if on_evaluate is not None and (last or (settings.eval_every and step % settings.eval_every == 0)):
-            t_last += _seconds(on_evaluate, step)
+            t_last += _seconds(on_evaluate, step, device)
         if settings.vis_every and (step % settings.vis_every == 0 or last):
-            t_last += _seconds(on_visualize, step)
+            t_last += _seconds(on_visualize, step, device)
         if save:
-            t_last += _seconds(on_checkpoint, step)
+            t_last += _seconds(on_checkpoint, step, device)
         if not last and should_stop(step):
             if not save:
                 on_checkpoint(step)

@@ -72,3 +72,18 @@ def test_a_window_logs_the_mean_of_its_finite_losses_and_counts_the_others():
     # a finite window: exactly the plain mean over its micro-batches, and no count
     assert logged[6]["loss"] == torch.stack(module.losses[8:12]).double().mean().item()
     assert "nonfinite_losses" not in logged[6]
+
+
+def test_on_a_gpu_the_queued_training_work_is_finished_before_a_callback_is_timed(monkeypatch):
+    """An evaluation at a step that neither logs nor saves follows no read: the kernels still queued
+    would finish inside its timer and be taken out of the window's time."""
+    order = []
+
+    class Stream:
+        def synchronize(self):
+            order.append("synchronize")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    loop._seconds(lambda step: order.append(f"evaluate {step}"), 7, torch.device("cuda", 0))
+    loop._seconds(lambda step: order.append(f"evaluate {step}"), 8, torch.device("cpu"))
+    assert order == ["synchronize", "evaluate 7", "evaluate 8"]
