@@ -231,10 +231,10 @@ def record_resume(run_dir: Path, step: int, tag: Path, changes: dict[str, list])
 
 
 def json_line(record: dict) -> str:
-    """`record` as one line of strict JSON: a float that is not finite becomes null (JSON has no
-    NaN or Infinity, and JavaScript's JSON.parse, jq and others refuse them)."""
-    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-    return json.dumps(finite, allow_nan=False) + "\n"
+    """`record` as one line of JSON with its non-finite values as null (JSON has no NaN or Infinity,
+    and JavaScript's JSON.parse, jq and others refuse them). The run's own records are flat; what a
+    line written by something else holds deeper is kept as it was when a resume rewrites it."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}) + "\n"
 
 
 class Reporter:
