@@ -26,13 +26,13 @@ endif
 install: $(STAMP)
 
 # The suite, on TEST_WORKERS pytest-xdist workers, each test file whole on one of them (so a module's
-# fixture is built once). Most tests keep one core busy or wait on the processes they start, so two
+# fixture is built once), the longest files first (tests/conftest.py LONGEST_FILES). Most tests keep one core busy or wait on the processes they start, so two
 # workers on 2 cores take about two thirds of the time of one process (README); TEST_WORKERS=0: one. The real-Slurm tests
 # (tests/launchers/test_real_slurm.py) need Debian's slurm-wlm and munge, which CI (.ci/run)
 # installs; elsewhere they skip, saying why (optional: `make slurm`).
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Fashion-MNIST shards -> MAE pretraining of the mini ViT on CPU -> kNN / linear probe vs random
 # init (experiments/fashion_mnist/demo.py). The idx files come from Debian's dataset-fashion-mnist

@@ -51,7 +51,21 @@ def no_process_group_left_behind():
         yield
 
 
+# The files that take longest (minutes: real processes, ranks, Slurm jobs), longest first. `make test`
+# hands whole files to its workers in collection order (--no-loadscope-reorder), and files started
+# last set the suite's end: these go first, the many short files fill in after them.
+LONGEST_FILES = [
+    "launchers/test_real_slurm.py", "distributed/test_engines.py", "distributed/test_world_size_change.py",
+    "tools/test_gpu_check.py", "faults/test_interrupt.py", "faults/test_nonfinite.py", "train/test_pretrain.py",
+    "train/engine/test_compile.py", "train/run/test_run_lock.py", "test_readme_commands.py",
+    "train/run/test_resume_changes.py", "faults/test_misconfiguration.py", "model/objectives/test_energy.py",
+    "train/test_linprobe_cpu_recipe.py", "faults/test_rank_crash_resume.py", "launchers/test_slurm.py",
+]
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(Path(item.path).relative_to(REPO / "tests").as_posix(), len(rank)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
