@@ -26,8 +26,9 @@ endif
 install: $(STAMP)
 
 # The suite, on TEST_WORKERS pytest-xdist workers, each test file whole on one of them (so a module's
-# fixture is built once), the longest files first (tests/conftest.py LONGEST_FILES). Most tests keep one core busy or wait on the processes they start, so two
-# workers on 2 cores take about two thirds of the time of one process (README); TEST_WORKERS=0: one. The real-Slurm tests
+# fixture is built once), the longest files first (tests/conftest.py LONGEST_FILES). Most tests keep
+# one core busy or wait on the processes they start, so two workers suit 2 cores (README: the time);
+# TEST_WORKERS=0: one process. The real-Slurm tests
 # (tests/launchers/test_real_slurm.py) need Debian's slurm-wlm and munge, which CI (.ci/run)
 # installs; elsewhere they skip, saying why (optional: `make slurm`).
 TEST_WORKERS ?= 2
