@@ -12,7 +12,6 @@ import json
 import logging
 import random
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,6 +49,7 @@ from train.run.loop import LoopSettings, LoopState
 from train.run.loop import run as run_loop
 from train.run.preemption import REQUEUE_FAILED, Interrupted, StopOnSignal, requeue_job, resume_hint
 from train.run.run_lock import RESUME_WAIT_S, hold_run_lock, release_run_lock, sign_run_lock
+from train.run.summary import RunSummary
 from train.run.visualize import write_figures
 from train.weights.export import export_checkpoint
 from train.weights.fit import check_init_from
@@ -274,30 +274,6 @@ def earlier_tag_hint(tag: Path) -> str:
     earlier = sorted(p for p in tag.parent.glob("step*") if p.name < tag.name and checkpoint.is_complete(p))
     return (f"resume from an earlier one instead, e.g. --resume {earlier[-1]}" if earlier else
             "no earlier one exists there: start the run again (--run.overwrite true)")
-
-
-class RunSummary:
-    """The line that ends a run's log (rank 0): its steps, time, last loss, throughput and skipped
-    steps, from the windows the loop logged (no device read of its own)."""
-
-    def __init__(self, first_step: int, global_batch: int):
-        self.first_step, self.global_batch = first_step, global_batch
-        self.started = time.perf_counter()
-        self.logged_step, self.last = first_step, {}
-        self.training_s = 0.0  # the logged windows' own time: without checkpoints, evaluation and figures
-
-    def add(self, step: int, metrics: dict) -> None:
-        self.training_s += metrics["step_time"] * (step - self.logged_step)
-        self.logged_step, self.last = step, metrics
-
-    def line(self, step: int) -> str | None:
-        """'trained steps A-B in T s: ...' after step `step`; None when no window was logged."""
-        if not self.last:
-            return None
-        images_per_s = self.global_batch * (self.logged_step - self.first_step) / self.training_s
-        return (f"trained steps {self.first_step + 1}-{step} in {time.perf_counter() - self.started:.1f} s: loss "
-                f"{self.last['loss']:.4g} (last window), {images_per_s:.0f} images/s over the run, "
-                f"{self.last['skipped_steps']} skipped step(s)")
 
 
 class Trainer:
