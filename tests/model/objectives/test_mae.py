@@ -140,7 +140,7 @@ def test_a_method_built_on_maes_config_names_its_own_section(monkeypatch):
     from model.objectives import base
     from model.objectives.mae import MAEObjective
 
-    monkeypatch.setattr(base, "OBJECTIVES", dict(base.OBJECTIVES))  # leave the session's registry as it was
+    monkeypatch.setattr(base, "OBJECTIVES", dict(base.OBJECTIVES))  # leave the registry the other tests see as it was
 
     class OtherConfig(MAEConfig):
         pass
