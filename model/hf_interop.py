@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from model.interop import load_into_objective, safe_load, weights_shapes
+from model.interop import load_into_objective
+from model.weights_reader import safe_load, weights_shapes
 from model.objectives.mae import MAEConfig, MAEObjective
 from model.pos_embed import sincos_2d
 from model.registry import list_models, model_arch

@@ -43,7 +43,7 @@ from data.loader import AUTO_WORKERS, resolve_num_workers
 from data.outputs import check_output, written_whole
 from data.shard_index import ShardSet, check_held_out, check_scored_against
 from data.source import DECODED_CHANNELS
-from model.interop import WeightsFileError
+from model.weights_reader import WeightsFileError
 from train.config.errors import ConfigError
 from train.config.options import PretrainConfig
 from train.config.values import Interval, check_range, from_text

@@ -38,7 +38,7 @@ import json
 from pathlib import Path
 
 from data.cli import Parser
-from model.interop import WeightsFileError
+from model.weights_reader import WeightsFileError
 from train.config.errors import ConfigError
 from train.weights.export import (  # noqa: F401  (also what scripts import from train.export)
     check_outputs,

@@ -42,7 +42,7 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(tmp_path, capsys, monke
 
 
 def test_imported_weights_that_would_run_code_are_refused(tmp_path):
-    from model.interop import safe_load
+    from model.weights_reader import safe_load
 
     marker = tmp_path / "ran"
     path = tmp_path / "mae_pretrain_vit_base.pth"
@@ -57,7 +57,7 @@ def test_imported_weights_that_would_run_code_are_refused(tmp_path):
 def test_a_small_torch_file_claiming_a_large_broadcast_tensor_is_refused_before_any_computation(tmp_path):
     """torch.save keeps an expanded view as its small storage and its strides: a file of kilobytes
     stands for a (10**7, 32) tensor, which the finiteness check would materialise (gigabytes)."""
-    from model.interop import WeightsFileError, safe_load, weights_shapes
+    from model.weights_reader import WeightsFileError, safe_load, weights_shapes
 
     path = tmp_path / "broadcast.pth"
     torch.save({"model": {"cls_token": torch.zeros(1, 1, 32),
@@ -72,7 +72,7 @@ def test_a_small_torch_file_claiming_a_large_broadcast_tensor_is_refused_before_
 
 def test_views_their_storage_holds_whole_still_load(tmp_path):
     """A transposed tensor, a slice and a strided column take no more than their storage holds."""
-    from model.interop import safe_load
+    from model.weights_reader import safe_load
 
     base = torch.arange(40.0).reshape(4, 10)
     inside_itself = [base]

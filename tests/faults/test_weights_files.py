@@ -27,7 +27,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from data.write_shards import main as write_shards
-from model.interop import WeightsFileError, safe_load, weights_shapes
+from model.weights_reader import WeightsFileError, safe_load, weights_shapes
 from model.registry import create_model
 from train.pretrain import main as pretrain
 from train.run.cli import cli

@@ -5,7 +5,8 @@ import torch
 from safetensors.torch import save_file
 
 from model import create_model
-from model.interop import encoder_from_state, mae_from_official, safe_load
+from model.interop import encoder_from_state, mae_from_official
+from model.weights_reader import safe_load
 from model.objectives import build_objective
 from model.objectives.mae import MAEConfig
 

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.serialization import get_unsafe_globals_in_checkpoint
 
-from model.interop import safetensors_header
+from model.weights_reader import safetensors_header
 
 WEIGHTS_FILE = "model.safetensors"
 STATE_FILE = "state.pt"

@@ -22,7 +22,8 @@ from data.progress import Progress
 from data.shard_index import ShardSet
 from data.shards import DECODE_ERRORS, decode, shard_samples
 from data.transforms import EvalTransform
-from model.interop import encoder_from_state, safe_load, split_official_mae
+from model.interop import encoder_from_state, split_official_mae
+from model.weights_reader import safe_load
 from model.vit import VisionTransformer
 from train.weights.described import CHECKPOINT_FIX, EXPORT_FIX, checkpoint_description, described_encoder
 

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from data.folders import unwritable, unwritable_file
 from data.outputs import check_output, written_whole
-from model.interop import safe_load
+from model.weights_reader import safe_load
 from train.config.errors import ConfigError
 from train.engine.checkpoint import find_resume, read_meta
 from train.engine.state_files import WEIGHTS_FILE, LegacyCheckpointError, check_layout

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from model.interop import DECODER_PREFIXES, WeightsFileError, weights_shapes
+from model.interop import DECODER_PREFIXES
+from model.weights_reader import WeightsFileError, weights_shapes
 from train.config.errors import ConfigError
 from train.config.options import PretrainConfig, check_init_from_exists
 from train.engine import checkpoint
