@@ -167,7 +167,7 @@ def test_output_places_that_cannot_be_written_are_refused_before_start(tmp_path,
 
 
 def test_messages_name_the_fix(tmp_path, rgb_shards):
-    from train.run.trainer import check_before_start
+    from train.run.prestart import check_before_start
 
     # named by the key the file sets: the micro-batch here, the global batch in a file that gives it
     with pytest.raises(ConfigError, match=r"smaller than the global batch 8 .* give a ds_config with a "

@@ -14,7 +14,7 @@ from train.config.errors import ConfigError
 from train.config.objective_fits import check_objective_fits
 from train.config.parsing import parse_args
 from train.run.run_lock import release_run_lock
-from train.run.trainer import check_before_start
+from train.run.prestart import check_before_start
 
 CONFIGS = DEBUG_PRESET.parent.parent
 

@@ -33,7 +33,7 @@ from train.config.parsing import parse_args
 from train.engine.config import EngineConfig
 from train.run.cli import cli
 from train.run.folder import read_metrics
-from train.run.trainer import check_before_start
+from train.run.prestart import check_before_start
 from train.run.trainer import main as pretrain
 
 PRESETS = REPO / "train" / "configs"

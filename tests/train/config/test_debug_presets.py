@@ -7,7 +7,7 @@ import pytest
 from conftest import CPU_DS, REPO
 
 from train.config.parsing import parse_args
-from train.run.trainer import check_before_start
+from train.run.prestart import check_before_start
 
 PRESETS = sorted((REPO / "train" / "configs").glob("*/debug.json"))
 

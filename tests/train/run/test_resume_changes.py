@@ -8,7 +8,7 @@ from conftest import CPU_DS, DEBUG_PRESET, run_pretrain
 from train.config.errors import ConfigError
 from train.config.parsing import parse_args
 from train.run.folder import read_metrics
-from train.run.trainer import check_before_start
+from train.run.prestart import check_before_start
 
 
 def test_a_resume_with_another_lr_is_said_and_recorded_and_another_model_refused(tmp_path):

@@ -91,7 +91,7 @@ def test_ranks_without_the_lock_delete_nothing(tmp_path, monkeypatch):
     from conftest import CPU_DS, DEBUG_PRESET
 
     from train.config.parsing import parse_args
-    from train.run.trainer import check_before_start
+    from train.run.prestart import check_before_start
 
     run_dir = tmp_path / "run"
     run_pretrain(run_dir, "--run.max_steps", "2", "--run.ckpt_every", "2")

@@ -46,7 +46,7 @@ def test_three_transformers_architectures_start_runs(tmp_path):
 def test_a_folder_of_other_sizes_is_refused_before_start_naming_both(tmp_path):
     from train.config.errors import ConfigError
     from train.config.parsing import parse_args
-    from train.run.trainer import check_before_start
+    from train.run.prestart import check_before_start
 
     folder, _ = vit_mae_folder(tmp_path / "vit-mae")
     cfg = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(tmp_path / "run"),
@@ -75,7 +75,7 @@ def test_a_malformed_transformers_folder_is_refused_in_one_line_naming_the_key(t
 
     from train.config.errors import ConfigError
     from train.config.parsing import parse_args
-    from train.run.trainer import check_before_start
+    from train.run.prestart import check_before_start
 
     folder, _ = vit_mae_folder(tmp_path / "vit-mae")
     config = json.loads((folder / "config.json").read_text())
