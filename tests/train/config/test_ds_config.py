@@ -168,3 +168,25 @@ def test_whole_numbers_written_as_floats_are_the_integers_they_are(tmp_path):
 
     assert zero_stage(final) == 2 and type(zero_stage(final)) is int
     assert precision(final) == "bf16"  # DeepSpeed's other spelling of the bf16 section
+
+
+def test_the_fp16_sections_scaler_settings_reach_the_engine():
+    """The ds_config's fp16 section sets the loss scaler as DeepSpeed's does; its other keys
+    (enabled) are not scaler settings."""
+    import torch
+
+    from train.engine import EngineConfig, build
+    from train.engine.loss_scale import LossScaleConfig
+    from train.engine.optim import WarmupCosineSchedule
+
+    fp16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 50, "min_loss_scale": 4}
+    cfg = EngineConfig.from_ds_config({**BASE, "fp16": fp16})
+    assert cfg.precision == "fp16"
+    assert cfg.loss_scale == LossScaleConfig(initial_scale_power=8, hysteresis=1, loss_scale_window=50,
+                                             min_loss_scale=4)
+    static = EngineConfig.from_ds_config({**BASE, "fp16": {"enabled": True, "loss_scale": 128}}).loss_scale
+    assert static == LossScaleConfig(loss_scale=128) and not static.dynamic
+    module = torch.nn.Linear(2, 2)
+    engine = build(module, [{"params": list(module.parameters())}], lambda g: torch.optim.AdamW(g, lr=0.0, fused=True),
+                   lambda o: WarmupCosineSchedule(o, 0.0, 0.0, 0, 1), cfg, torch.device("cpu"))
+    assert engine.device_state()["loss_scale"].item() == 2.0 ** 8

@@ -3,6 +3,7 @@ clipping, parameter groups with lr scales, fp32 master weights under bf16 / fp16
 that changes nothing, the fp16 scale following DeepSpeed's dynamic loss scaler, and checkpoints
 that carry over to another layout."""
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,6 +36,23 @@ class Tiny(nn.Module):
         return {}
 
 
+class SkipsB(Tiny):
+    """Batches marked skip_b leave b out of the loss: autograd never reaches it. With reach_b (the
+    reference's copy) b stays in the graph at weight zero, so its gradient is zeros."""
+
+    reach_b = False
+
+    def forward(self, batch):
+        if not batch.get("skip_b"):
+            return super().forward(batch)
+        x = batch["image"]
+        h = torch.tanh(self.a(x))
+        y = h[:, :3] + self.token.to(x.dtype) + self.shift
+        if self.reach_b:
+            y = y + 0 * self.b(h)
+        return {"loss": (y.float() - batch["target"]).square().mean()}
+
+
 def groups_of(module: nn.Module) -> list[dict]:
     decay = [module.a.weight, module.b.weight]
     rest = [module.a.bias, module.b.bias, module.token, module.unused]
@@ -65,7 +83,7 @@ def reference_steps(module: Tiny, data: list[dict], accum: int, clip: float, dty
     pairs = list(zip(master.parameters(), model.parameters()))
     for i in range(0, len(data), accum):
         for batch in data[i:i + accum]:
-            loss = model({"image": batch["image"].to(dtype), "target": batch["target"]})["loss"] / accum
+            loss = model({**batch, "image": batch["image"].to(dtype)})["loss"] / accum
             loss.backward()
             for p32, p in pairs:
                 if p.grad is not None:
@@ -90,7 +108,7 @@ def engine_steps(module: Tiny, data: list[dict], accum: int, clip: float, precis
                    torch.device("cpu"))
     assert isinstance(engine, ReplicatedEngine) and engine.ddp is None  # one rank: no wrapper, every stage
     for batch in data:
-        loss = engine({"image": batch["image"].to(engine.dtype), "target": batch["target"]})["loss"]
+        loss = engine({**batch, "image": batch["image"].to(engine.dtype)})["loss"]
         engine.backward(loss)
         engine.step()
     return engine
@@ -111,8 +129,11 @@ def test_the_logged_lr_is_the_largest_any_group_takes(stage):
     assert engine.get_lr() == pytest.approx(want, rel=1e-12) and want > 0
 
 
+# (fp32, 1, 100.0): a clip far above the norm leaves the gradients as they are (never scales them up);
+# (fp32, 2, 4.0): a clip between the micro-batches' mean's norm (2.5-3.2 here) and their sum's: only the mean is kept
 @pytest.mark.parametrize("precision,accum,clip", [("fp32", 1, 0.0), ("fp32", 3, 0.5), ("bf16", 2, 0.0),
-                                                  ("bf16", 1, 0.3), ("fp16", 2, 0.0)])
+                                                  ("bf16", 1, 0.3), ("fp16", 2, 0.0), ("fp32", 1, 100.0),
+                                                  ("fp32", 2, 4.0)])
 def test_steps_equal_a_textbook_adamw_loop(precision, accum, clip):
     torch.manual_seed(0)
     module, data = Tiny(), batches(6)
@@ -133,20 +154,95 @@ def test_steps_equal_a_textbook_adamw_loop(precision, accum, clip):
     assert engine.steps == 6 // accum and engine.device_state()["skipped_steps"].item() == 0
 
 
+@pytest.mark.parametrize("clip", [0.0, 0.5, 100.0])
+def test_the_fp16_gradient_norm_is_unscaled_and_clips_as_fp32s(clip):
+    """fp16's gradients carry the loss scale (2**8 here): the logged norm and the clip coefficient
+    are the unscaled gradients', so a clip of 100 (far above the norm) clips nothing."""
+    torch.manual_seed(0)
+    module, data = Tiny(), batches(6)
+    fp16 = engine_steps(module, data, 1, clip, "fp16")
+    fp32 = engine_steps(module, data, 1, clip, "fp32")
+    torch.testing.assert_close(fp16.grad_norm, fp32.grad_norm, rtol=2e-2, atol=0)
+    ref = dict(reference_steps(module, data, 1, clip, torch.float16).named_parameters())
+    for name, value in master_weights(fp16).items():
+        torch.testing.assert_close(value, ref[name].detach(), rtol=2e-3, atol=2e-3, msg=name)
+
+
+def test_accumulated_micro_batches_give_their_mean_gradient():
+    """Two micro-batches of one batch: the step's gradient, and the norm logged and clipped, is
+    that batch's own, not the sum of the two."""
+    torch.manual_seed(0)
+    module, batch = Tiny(), batches(1)[0]
+    engine = engine_steps(module, [batch, batch], 2, 0.0, "fp32")
+    plain = copy.deepcopy(module)
+    plain(batch)["loss"].backward()
+    want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in plain.parameters() if p.grad is not None]))
+    torch.testing.assert_close(engine.grad_norm, want)
+
+
+def test_a_parameter_no_micro_batch_reaches_takes_a_zero_gradient_not_the_last_steps():
+    """bf16: the step's gradients are fp32 sums kept across steps; one that this step's backward
+    never reached (b, on a skip_b batch) must be zero, as if b's gradient were zeros: AdamW still
+    moves b by its momentum and weight decay, not by the previous step's gradient again."""
+    torch.manual_seed(0)
+    module = SkipsB()
+    first, second = batches(2)
+    data = [first, {**second, "skip_b": True}]
+    engine = engine_steps(module, data, 1, 0.0, "bf16")
+    for name in ("b.weight", "b.bias"):
+        assert torch.count_nonzero(engine.master_grads[engine.names.index(name)]) == 0, name
+    reference = copy.deepcopy(module)
+    reference.reach_b = True
+    ref = dict(reference_steps(reference, data, 1, 0.0, torch.bfloat16).named_parameters())
+    for name, value in master_weights(engine).items():
+        torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_comm_hook_averages_over_ranks_in_its_dtype_and_casts_back(monkeypatch):
+    """ZeRO-0 with a communication_data_type other than the compute dtype reduces DDP's buckets in
+    reduce_in's hook, which replaces DDP's own averaging, so it must divide by the world size. Two
+    ranks holding the same bf16 gradient stand in: the all-reduce (in fp32) sums the two, and their
+    mean, cast back into the bf16 bucket, is that gradient."""
+    import torch.distributed as dist
+
+    from train.engine.replicated import reduce_in
+
+    reduced = []
+
+    def all_reduce(t, group=None, async_op=False):
+        reduced.append(t.dtype)
+        t.add_(t.clone())  # the other rank's equal contribution
+        fut = torch.futures.Future()
+        fut.set_result([t])
+        return SimpleNamespace(get_future=lambda: fut)
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    grads = torch.randn(10, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    buffer = grads.clone()
+    out = reduce_in(torch.float32)(object(), SimpleNamespace(buffer=lambda: buffer)).wait()
+    assert reduced == [torch.float32]
+    assert out is buffer and out.dtype == torch.bfloat16 and torch.equal(out, grads)
+
+
 def optimizer_state(engine: ReplicatedEngine) -> list[torch.Tensor]:
     return [v.clone() for t in engine.masters for v in engine.optimizer.state[t].values()]
 
 
+# poison: NaN, or 1e30, whose gradients are finite in fp32 / bf16 but their norm overflows to inf
+@pytest.mark.parametrize("poison", [float("nan"), 1e30])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_a_poisoned_step_changes_nothing_and_is_counted(precision):
+def test_a_poisoned_step_changes_nothing_and_is_counted(precision, poison):
     torch.manual_seed(0)
     module, data = Tiny(), batches(3)
     engine = engine_steps(module, data[:2], 1, 1.0, precision)
     weights, state = master_weights(engine), optimizer_state(engine)
     params = [p.detach().clone() for p in engine.module.parameters()]
-    poisoned = engine({"image": data[2]["image"].to(engine.dtype), "target": data[2]["target"]})["loss"] * float("nan")
+    poisoned = engine({"image": data[2]["image"].to(engine.dtype), "target": data[2]["target"]})["loss"] * poison
     engine.backward(poisoned)
     engine.step()
+    if poison == 1e30 and precision != "fp16":  # (fp16's gradients themselves overflow, to NaN)
+        assert engine.grad_norm.item() == float("inf")  # inf, not NaN: the norm is what overflowed
     assert all(torch.equal(master_weights(engine)[k], v) for k, v in weights.items())
     assert all(torch.equal(a, b) for a, b in zip(optimizer_state(engine), state))  # moments and step count
     assert all(torch.equal(p.detach(), q) for p, q in zip(engine.module.parameters(), params))
@@ -193,6 +289,14 @@ def test_lars_skips_a_flagged_step_and_unscales_its_gradients():
     opt.found_inf = torch.tensor(0.0)
     opt.step()
     torch.testing.assert_close(p.detach(), ref.detach())
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):  # the engine's path (found_inf set) carries momentum as the plain one does
+        ref.grad = torch.randn(3, 4, generator=gen)
+        p.grad = ref.grad * 8
+        ref_opt.step()
+        opt.step()
+        torch.testing.assert_close(p.detach(), ref.detach())
+        torch.testing.assert_close(opt.state[p]["mu"], ref_opt.state[ref]["mu"])
 
 
 def test_the_fp16_scale_follows_deepspeeds_dynamic_loss_scaler(monkeypatch):

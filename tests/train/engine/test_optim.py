@@ -87,3 +87,16 @@ def test_lars_step_hand_computed():
     w.grad, b.grad = torch.zeros(1, 2), torch.tensor([2.0])
     opt.step()  # momentum carries: mu = 0.9 * 2 + 2 = 3.8
     assert torch.allclose(b, torch.tensor([0.8 - 0.1 * 3.8]))
+
+
+def test_lars_leaves_a_weight_with_a_zero_gradient_as_it_is():
+    """No weight decay and an all-zero gradient: ||g|| = 0 takes the trust ratio 1, not
+    trust * ||w|| / 0 = inf, which times the zero gradient would write NaN into the weight."""
+    from train.engine.optim import LARS
+
+    p = torch.nn.Parameter(torch.randn(3, 4, generator=torch.Generator().manual_seed(0)))
+    before = p.detach().clone()
+    opt = LARS([p], lr=0.1, weight_decay=0.0)
+    p.grad = torch.zeros(3, 4)
+    opt.step()
+    assert torch.equal(p.detach(), before)
