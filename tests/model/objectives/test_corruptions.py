@@ -35,9 +35,28 @@ def test_each_random_blank_covers_a_uniform_share_of_the_area(area):
     """One blank per sample: its area is U(area) of the image (up to pixel rounding)."""
     x = images(b=2000, s=64)
     share = (C.random_blanks(x, 1, area, generator=gen()) == 0).all(1).flatten(1).float().mean(1)
-    pixel = 2 * 64 * (area[1] * 64 * 64) ** 0.5 / 64 ** 2  # one row/column of slack around the rectangle
+    # pixel rounding: an h x w rectangle covers between (h-1)(w-1) and (h+1)(w+1) pixels, and with
+    # aspect ratios in (1/2, 2) h + w <= 2.13 sqrt(area); a blank clipped at the border covers less
+    pixel = (2.13 * (area[1] * 64 * 64) ** 0.5 + 1) / 64 ** 2
     assert bool((share >= area[0] - pixel).all() and (share <= area[1] + pixel).all())
     assert abs(share.mean().item() - sum(area) / 2) < pixel / 2
+
+
+def test_blank_aspect_ratios_are_symmetric_in_log():
+    """Aspect ratios log-uniform in (1/2, 2): as many rectangles taller than wide as wider than
+    tall, and some of each beyond 3:2 (counted in covered rows and columns of one blank)."""
+    cov = (C.random_blanks(images(b=4000, c=1), 1, (0.05, 0.05), generator=gen()) == 0)[:, 0]
+    rows, cols = cov.any(2).sum(1).float(), cov.any(1).sum(1).float()
+    taller, wider = (rows > cols).float().mean().item(), (rows < cols).float().mean().item()
+    assert 0.4 < taller / (taller + wider) < 0.6, (taller, wider)
+    assert (rows > 1.5 * cols).float().mean() > 0.1 and (cols > 1.5 * rows).float().mean() > 0.1
+
+
+def test_grid_blanks_the_rounded_share_of_cells():
+    """7 x 7 cells at ratio 0.75: round(36.75) = 37 cells blanked per sample, not the floor 36."""
+    y = C.grid_mask(images(b=4, c=1, s=28), cell=4, ratio=0.75, generator=gen())
+    blanked = (y == 0)[:, 0].view(4, 7, 4, 7, 4).all(4).all(2)  # (B, 7, 7) cells
+    assert blanked.flatten(1).sum(1).tolist() == [round(0.75 * 49)] * 4
 
 
 def test_many_blanks_cover_most_of_the_image():

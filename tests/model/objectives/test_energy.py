@@ -1,10 +1,13 @@
 """Energy-based pretraining: the weights learn through the input gradient, alpha learns, restoration
 works on a tiny case, the same objective drives timm ConvNeXt and Swin."""
+from functools import partial
+
 import pytest
 import timm
 import torch
 import torch.nn.functional as F
 
+from model.objectives import corruptions as C
 from model.objectives.energy import EnergyConfig, EnergyObjective
 from model.registry import create_model
 
@@ -86,12 +89,78 @@ def test_the_loss_is_the_mean_over_steps_of_smooth_l1_to_the_original():
     step, losses, alpha = corrupted, [], obj.log_alpha.exp()
     for _ in range(2):
         step = step.detach().requires_grad_()
-        (g,) = torch.autograd.grad(obj.energy(step).sum(), step)
+        (g,) = torch.autograd.grad(obj.energy(step).sum(), step, create_graph=True)
         step = step - alpha * g
         d = (step - x).abs()
         assert (d > 1).any()
         losses.append(torch.where(d < 1, 0.5 * d ** 2, d - 0.5).mean())
-    torch.testing.assert_close(out["loss"].double(), torch.stack(losses).mean(), rtol=1e-6, atol=0)  # an fp32 loss
+    want = torch.stack(losses).mean()
+    torch.testing.assert_close(out["loss"].double(), want, rtol=1e-6, atol=0)  # an fp32 loss
+    # the same gradients too: the stop-gradient between steps shows only there, not in the loss value
+    params = [obj.log_alpha, obj.head.weight, obj.encoder.blocks[0].attn.qkv.weight]
+    for got, ref in zip(torch.autograd.grad(out["loss"], params), torch.autograd.grad(want, params)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("pool", ["avg", "cls"])
+def test_the_energy_reads_the_configured_pooling(pool):
+    """E(x) = h(patch-token mean) for avg, h(cls token) for cls, on the blocks' normed tokens."""
+    obj = vit_objective(pool=pool)
+    x = batch(b=2)["image"]
+    tokens = obj.encoder.forward_features(x)
+    feats = obj.encoder.fc_norm(tokens[:, 1:].mean(1)) if pool == "avg" else tokens[:, 0]
+    torch.testing.assert_close(obj.energy(x), (feats @ obj.head.weight.T)[:, 0])
+
+
+@pytest.mark.parametrize("name", ["grid", "blank_small", "blank_large", "sr", "denoise", "colorize"])
+def test_a_single_corruption_is_its_configured_function_drawn_from_the_generator(name):
+    """--energy.corruption NAME applies that corruption with its own settings (the small blanks'
+    count and area for blank_small, the large ones' for blank_large), its randomness from the
+    generator given (figures draw one fixed corruption per call)."""
+    settings = dict(grid_cell=4, grid_ratio=0.5, small_blanks=9, small_area=(0.01, 0.02), large_blanks=3,
+                    large_area=(0.1, 0.2), sr_scale=2)
+    reference = {"grid": partial(C.grid_mask, cell=4, ratio=0.5),
+                 "blank_small": partial(C.random_blanks, count=9, area=(0.01, 0.02)),
+                 "blank_large": partial(C.random_blanks, count=3, area=(0.1, 0.2)),
+                 "sr": partial(C.super_resolution, scale=2), "denoise": C.denoise, "colorize": C.colorize}[name]
+    obj = vit_objective(corruption=name, **settings)
+    x = batch(b=8)["image"] + 3.0
+    torch.manual_seed(7)  # the global RNG differs from the generator's stream
+    corrupted, choice = obj.corrupt(x, torch.Generator().manual_seed(0))
+    assert choice is None and not torch.equal(corrupted, x)
+    assert torch.equal(corrupted, reference(x, generator=torch.Generator().manual_seed(0)))
+
+
+def test_the_figure_rows_are_corrupted_first_step_last_step_original():
+    """Rows of energy_restoration: the generator-0 corruption, x~1 (one step by hand), x~N, x."""
+    obj = vit_objective(steps=3, corruption="denoise")
+    x = batch(b=2)["image"]
+    rows = obj.visualizations(x, None)["energy_restoration"]
+    corrupted, _ = obj.corrupt(x, torch.Generator().manual_seed(0))
+    probe = corrupted.clone().requires_grad_()
+    (g,) = torch.autograd.grad(obj.energy(probe).sum(), probe)
+    first = corrupted - obj.log_alpha.exp().detach() * g
+    last = first
+    for _ in range(2):
+        probe = last.clone().requires_grad_()
+        (g,) = torch.autograd.grad(obj.energy(probe).sum(), probe)
+        last = last - obj.log_alpha.exp().detach() * g
+    assert torch.equal(rows[0], corrupted) and torch.equal(rows[3], x)
+    torch.testing.assert_close(rows[1], first)
+    torch.testing.assert_close(rows[2], last)
+    assert not torch.allclose(rows[1], rows[2])
+
+
+def test_the_fp16_inner_scale_is_divided_back_out():
+    """Under fp16 the inner gradient is of E * fp16_inner_scale; dividing it back gives the fp32
+    step (to fp16 rounding), not one fp16_inner_scale times larger."""
+    obj = vit_objective(steps=1, corruption="denoise")
+    x = batch(b=2)["image"]
+    step32 = obj.restore(x, create_graph=False)[0] - x
+    x16 = x.half()
+    step16 = obj.half().restore(x16, create_graph=False)[0].float() - x16.float()
+    assert step32.norm() > 0
+    assert (step16 - step32).norm() < 0.1 * step32.norm()
 
 
 def test_restoration_beats_the_corruption_after_training():

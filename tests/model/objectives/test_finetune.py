@@ -32,10 +32,13 @@ def test_head_init_and_plain_label_smoothing():
 
 def test_mixup_loss_is_soft_target_ce_of_timm_mixup():
     ft = _ft().train()
+    assert ft.mixup.label_smoothing == 0.1  # the config's smoothing goes into the soft targets
+    with torch.no_grad():  # logits away from 0, where the soft-target CE no longer ignores the targets
+        ft.encoder.head.weight.normal_()
     images, labels = torch.randn(4, 3, 28, 28), torch.tensor([0, 1, 2, 3])
     np.random.seed(3)
     torch.manual_seed(5)
-    loss = ft({"image": images, "label": labels})["loss"]
+    loss = ft({"image": images.clone(), "label": labels})["loss"]  # timm's Mixup mixes its input in place
     np.random.seed(3)
     mixed, soft = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=4)(images.clone(), labels)
     assert torch.allclose(soft.sum(1), torch.ones(4)) and (soft.max(1).values < 1).all()

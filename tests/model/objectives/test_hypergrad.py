@@ -53,7 +53,9 @@ def exact_and_fd(obj, lr_enc, lr_head, through_head=True, eps_scale=0.01):
     state_l2 = state1 if through_head else {**state, **dict(zip(names, [e.detach() for e in E1]))}
     l2 = obj.class_loss(state_l2, C0, img2, y2)
     C1 = [c - lr_head * g for c, g in zip(C0, torch.autograd.grad(l2, C0, create_graph=True))]
-    exact = torch.autograd.grad(obj.class_loss(state1, C1, img3, y3), T)
+    grads = torch.autograd.grad(obj.class_loss(state1, C1, img3, y3), [*T, *E1])
+    # dL3/dE' in total (through C' too when it depends on E'): Eq. 9's w, whose norm is logged
+    exact, w_exact = grads[:len(T)], grads[len(T):]
 
     # finite differences at the same points
     E1_leaf = [e.detach().requires_grad_() for e in E1]
@@ -66,6 +68,7 @@ def exact_and_fd(obj, lr_enc, lr_head, through_head=True, eps_scale=0.01):
         level3=lambda: obj.class_loss(s1, C1_leaf, img3, y3),
         mask_params=T, points=Points(E0, E1_leaf, C0_copy, E1_leaf, C1_leaf),
         lr_enc=lr_enc, lr_head=lr_head, through_head=through_head, eps_scale=eps_scale)
+    torch.testing.assert_close(stats["val_grad_norm"], flat(w_exact).norm(), rtol=2e-3, atol=0)
     return exact, fd, stats
 
 

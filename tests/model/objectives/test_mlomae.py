@@ -10,7 +10,7 @@ from model.objectives.masking_net import (
     top_masking,
     weighted_recon_loss,
 )
-from model.objectives.mlomae import MLOMAEConfig, MLOMAEObjective
+from model.objectives.mlomae import Auxiliary, MLOMAEConfig, MLOMAEObjective
 from model.registry import create_model
 
 
@@ -271,3 +271,70 @@ def test_a_checkpoint_of_torchs_default_adamw_resumes_into_the_fused_one():
     ref.step()
     for p, q in zip(net.parameters(), ref_net.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mask_input_grad", [False, True])
+@pytest.mark.parametrize("variant", ["mlo", "blo"])
+def test_level3_hands_the_hypergradient_its_rates_paths_and_batches(monkeypatch, variant, mask_input_grad):
+    """One cycle (level1_steps 2, level2_steps 2) read through recorders: Eq. 9's eta_E (times gamma
+    for BLO, Eq. 5) and eta_C = lr * head_lr_scale, the head path for MLO only, T's input as data
+    (or recomputed with mask_input_grad), L2 on the latest D_tr micro-batch, T stepped at
+    lr * mask_lr_scale after level2_steps head steps at lr * head_lr_scale."""
+    import model.objectives.mlomae as mlomae_module
+
+    lr = 1e-2
+    obj = objective(variant=variant, blo_gamma=0.5, head_lr_scale=0.3, mask_lr_scale=0.7, level1_steps=2,
+                    level2_steps=2, mask_input_grad=mask_input_grad)
+    seen, steps, t_ins, class_images = {}, [], [], []
+    real_hypergradient, real_step = mlomae_module.mask_hypergradient, Auxiliary.step
+    real_level1, real_class = obj.level1_loss, obj.class_loss
+
+    def hypergradient(**kw):
+        seen.update(kw)
+        return real_hypergradient(**kw)
+
+    def step(module, opt, grads, step_lr):
+        steps.append((module, step_lr))
+        real_step(module, opt, grads, step_lr)
+
+    def level1_loss(state, images, t_in, masking, track_encoder=False):
+        t_ins.append(t_in)
+        return real_level1(state, images, t_in, masking, track_encoder)
+
+    def class_loss(state, head, images, labels):
+        class_images.append(images)
+        return real_class(state, head, images, labels)
+
+    monkeypatch.setattr(mlomae_module, "mask_hypergradient", hypergradient)
+    monkeypatch.setattr(Auxiliary, "step", staticmethod(step))
+    monkeypatch.setattr(obj, "level1_loss", level1_loss)
+    monkeypatch.setattr(obj, "class_loss", class_loss)
+    older, latest = batch(0, val=False), batch(1)
+    assert obj.after_optimizer_step(lr=lr, batches=[older]) == {}
+    obj.after_optimizer_step(lr=lr, batches=[latest])
+
+    assert seen["lr_enc"] == pytest.approx(lr * (0.5 if variant == "blo" else 1.0))
+    assert seen["lr_head"] == pytest.approx(lr * 0.3)
+    assert seen["through_head"] is (variant == "mlo")
+    assert [(m is obj.aux.head, m is obj.aux.mask_net) for m, _ in steps] == [(True, False)] * 2 + [(False, True)]
+    assert [s for _, s in steps] == pytest.approx([lr * 0.3, lr * 0.3, lr * 0.7])
+    assert all(s["step"].item() == 2 for s in obj.aux.head_opt.state.values())  # level2_steps AdamW steps of C
+    assert t_ins and all((t is None) == mask_input_grad for t in t_ins)
+    # L3 on D_val; L2 (read only on MLO's head path) on the latest D_tr micro-batch, not the older one
+    assert any(torch.equal(x, latest["val_image"]) for x in class_images)
+    l2_images = [x for x in class_images if not torch.equal(x, latest["val_image"])]
+    assert len(l2_images) == (2 if variant == "mlo" else 0)
+    assert all(torch.equal(x, latest["image"]) for x in l2_images)
+
+
+def test_the_level2_classifier_reads_the_cls_token_with_adamw_eps_1e8():
+    """C is a linear layer on the encoder's cls token (not the patch mean); its AdamW keeps the
+    default eps 1e-8 (only T's takes mask_adam_eps)."""
+    obj = objective()
+    images = batch()["image"]
+    with torch.no_grad():
+        obj.aux.head.weight.normal_()  # logits of order 1, far above assert_close's atol
+        want = obj.aux.head(obj.encoder.forward_features(images)[:, 0])
+        torch.testing.assert_close(obj.predict(images), want)
+    assert all(g["eps"] == 1e-8 for g in obj.aux.head_opt.param_groups)
+    assert all(g["eps"] == obj.cfg.mask_adam_eps == 1e-16 for g in obj.aux.mask_opt.param_groups)
