@@ -100,3 +100,12 @@ def test_drop_path_keeps_each_sample_at_its_rate_in_any_dtype():
     assert drop.float().eval()(x) is x and not drop.state_dict()
     assert create_model("vit_debug_patch4", drop_path_rate=0.2).state_dict().keys() == \
         create_model("vit_debug_patch4").state_dict().keys()
+
+
+def test_stochastic_depth_rate_grows_linearly_from_zero_to_the_rate_at_the_last_block():
+    # timm's rule: dpr = torch.linspace(0, drop_path_rate, depth); the last block gets the full rate
+    m = create_model("vit_tiny_patch16", img_size=32, drop_path_rate=0.1)  # 12 blocks
+    want = torch.linspace(0, 0.1, 12).tolist()
+    assert [b.drop_path.drop_prob if i else 0.0 for i, b in enumerate(m.blocks)] == pytest.approx(want)
+    keeps = [b.drop_path.keep_bits.view(torch.float32).item() for b in m.blocks[1:]]  # what forward reads
+    assert keeps == pytest.approx([1 - p for p in want[1:]], abs=1e-7)

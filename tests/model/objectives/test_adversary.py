@@ -143,3 +143,27 @@ def test_a_non_finite_gradient_moves_neither_the_adversary_nor_the_adam_moments(
     a.step(lr=0.01)
     assert torch.equal(a.tensors["x"].detach(), before[0])
     assert all(torch.equal(a.adam["x"][k], v) for k, v in before[1].items())
+
+
+def test_logged_norms_are_the_constraints_norm():
+    for norm, want in (("linf", 0.4), ("l2", 0.5)):
+        a = Adversaries({"x": (2,)}, norm, eps=1.0, scale=1.0)
+        a.tensors["x"] = torch.tensor([0.3, -0.4], requires_grad=True)
+        assert a.norms()["adv_x"].item() == pytest.approx(want)
+
+
+def test_rpe_embed_perturbation_equals_adding_it_to_the_table_for_masked_query_rows():
+    # AdPE rpe_embed: masked query rows read r_ij + a_ij, the same q . (r + a) / sqrt(d) as a perturbed table
+    from model.irpe import ContextualRPE
+    from model.objectives.adversary import RPEPerturbation
+
+    gen = torch.Generator().manual_seed(0)
+    rpe = ContextualRPE(num_heads=2, head_dim=16, grid_size=(7, 7)).double()
+    with torch.no_grad():
+        rpe.table.normal_(0, 0.5, generator=gen)
+    q = torch.randn(2, 2, 50, 16, dtype=torch.float64, generator=gen)
+    e = torch.randn(rpe.table.shape, dtype=torch.float64, generator=gen)  # (buckets, 1, d): the shared table's shape
+    attacked = rpe(q, RPEPerturbation(torch.ones(2, 49, dtype=torch.bool), embed=e))
+    with torch.no_grad():
+        rpe.table += e
+    torch.testing.assert_close(attacked[:, :, 1:], rpe(q)[:, :, 1:], rtol=1e-10, atol=1e-12)  # patch query rows

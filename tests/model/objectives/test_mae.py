@@ -152,3 +152,30 @@ def test_a_method_built_on_maes_config_names_its_own_section(monkeypatch):
         OtherConfig(mask_ratio=0.99).check_fits(img_size=28, patch_size=4, depth=2, micro_batch=8)
     with pytest.raises(ValueError, match=r"^mae\.decoder_dim 30 is not divisible by mae\.decoder_heads 4$"):
         MAEConfig(decoder_dim=30, decoder_heads=4).validate()  # MAE's own section stays its own
+
+
+def test_a_supplied_mask_wins_over_supplied_noise():
+    # make_masking: "mask" takes precedence; the noise would remove another set of patches
+    obj = _objective()
+    x = torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(2, 49)
+    mask[:, 12:] = 1  # keeps the first 12 patches
+    noise = torch.linspace(1, 0, 49).expand(2, -1)  # alone it keeps the last 12
+    out = obj({"image": x, "mask": mask, "mask_noise": noise})
+    assert torch.equal(out["mask"], mask)
+    assert torch.equal(out["loss"], obj({"image": x, "mask": mask})["loss"])
+
+
+def test_reconstruction_figure_maps_predictions_back_with_each_patchs_mean_and_unbiased_std():
+    # MAE's demo: pred * sqrt(var + 1e-6) + mean, var unbiased as in the normalised target
+    obj = _objective().eval()
+    gen = torch.Generator().manual_seed(1)
+    x, noise = torch.randn(2, 3, 28, 28, generator=gen), torch.rand(2, 49, generator=gen)
+    rows = obj.visualizations(x, noise)["mae_reconstruction"]
+    with torch.no_grad():
+        pred = obj({"image": x, "mask_noise": noise})["pred"]  # the same masking
+    target = patchify(x, 4)
+    mean = target.mean(-1, keepdim=True)
+    var = ((target - mean) ** 2).sum(-1, keepdim=True) / (target.shape[-1] - 1)
+    want = unpatchify(pred * (var + 1e-6) ** 0.5 + mean, 4, (7, 7), 3)
+    assert torch.allclose(rows[2], want, atol=1e-5)

@@ -200,3 +200,19 @@ def test_ape_coord_places_masked_tokens_at_their_shifted_grid_positions():
         source = pos[slice(rows.start - int(shift[0]), rows.stop - int(shift[0])),
                      slice(cols.start - int(shift[1]), cols.stop - int(shift[1]))]
         torch.testing.assert_close(source, shifted, atol=1e-6, rtol=0)
+
+
+def test_loss_is_the_mse_averaged_over_masked_patches_only():
+    # the encoder sees every token, visible ones unmasked: their (easy) errors must not dilute the loss
+    obj = _objective()
+    images = torch.randn(2, 2, 3, 28, 28, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    crops = images.flatten(0, 1)
+    from model.objectives.masking import random_masking
+    from model.objectives.patches import normalized_pixels, patchify
+
+    torch.manual_seed(5)
+    mask = random_masking(4, 49, 0.75, crops.device).mask.double()  # what the forward below draws
+    err = ((obj.reconstruct(crops, mask.bool()) - normalized_pixels(patchify(crops, 4))) ** 2).mean(-1)  # (4, 49)
+    want = (err * mask).sum() / mask.sum()
+    assert _loss(obj, images).item() == pytest.approx(want.item(), rel=1e-10)
+    assert abs(err.mean().item() - want.item()) > 1e-3  # averaging every patch would differ

@@ -13,6 +13,9 @@ from model.objectives.masking import (
 def test_keep_count_is_floor():
     assert num_kept(196, 0.75) == 49
     assert num_kept(49, 0.75) == 12  # floor(12.25)
+    # fractional parts above one half still round down, as official MAE's int(L * (1 - ratio))
+    assert num_kept(196, 0.9) == int(196 * (1 - 0.9)) == 19  # 19.6
+    assert num_kept(49, 0.45) == int(49 * (1 - 0.45)) == 26  # 26.95
     m = random_masking(4, 49, 0.75, torch.device("cpu"))
     assert m.ids_keep.shape == (4, 12)
     assert torch.all(m.mask.sum(1) == 37)  # 1 = removed

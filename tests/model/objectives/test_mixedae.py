@@ -7,16 +7,16 @@ from model import create_model
 from model.objectives import build_objective
 from model.objectives.homocon import homologous_contrastive_loss
 from model.objectives.mae import masked_patch_loss
-from model.objectives.masking import masking_from_mask
+from model.objectives.masking import gather_tokens, masking_from_mask, random_masking
 from model.objectives.mixedae import MixedAEConfig
 from model.objectives.mixing import mix_images
 from model.objectives.patches import normalized_pixels, patchify
 from model.pos_embed import sincos_1d
 
 
-def _objective(seed=0, **kw):
+def _objective(seed=0, img_size=32, **kw):
     torch.manual_seed(seed)
-    enc = create_model("vit_debug_patch4", in_chans=1, img_size=32)  # 8x8 patches, 2 blocks
+    enc = create_model("vit_debug_patch4", in_chans=1, img_size=img_size)  # 8x8 patches at 32 px, 2 blocks
     cfg = MixedAEConfig(**{"cell_size": 8, "decoder_dim": 32, "decoder_depth": 1, "decoder_heads": 2,
                            "proj_dim": 16, **kw})
     return build_objective("mixedae", enc, cfg).double()
@@ -26,22 +26,49 @@ def _gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
+def _project(obj, tokens):
+    """The projection head written out: Linear -> GELU -> Linear, l2-normalised (the reference for
+    z, from the head's captured input, so a head that skips a step does not set its own reference)."""
+    head = obj.projector
+    hidden = torch.nn.functional.gelu(tokens @ head.fc1.weight.T + head.fc1.bias)
+    return torch.nn.functional.normalize(hidden @ head.fc2.weight.T + head.fc2.bias, dim=-1)
+
+
+def _identity_blocks(obj):
+    for block in obj.encoder.blocks:  # residual branches output zero: every block passes its input on
+        for lin in (block.attn.proj, block.mlp.fc2):
+            torch.nn.init.zeros_(lin.weight)
+            torch.nn.init.zeros_(lin.bias)
+
+
 def test_homocon_matches_hand_computation():
-    # 4 unit vectors, labels a a b b, tau 0.5. Anchor 0's only positive is 1.
-    z = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.0, 1.0], [-1.0, 0.0]], dtype=torch.float64)
-    labels = torch.tensor([0, 0, 1, 1])
+    # 5 unit vectors, labels a a b b c, tau 0.5. Anchor 0's only positive is 1. Token 4 has no
+    # positive: it is a negative of every other anchor but no anchor itself (skipped, not a 0 term).
+    z = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.0, 1.0], [-1.0, 0.0], [0.8, -0.6]], dtype=torch.float64)
+    labels = torch.tensor([0, 0, 1, 1, 2])
     tau = 0.5
-    total = 0.0
-    for i in range(4):
-        sims = {a: float(z[i] @ z[a]) / tau for a in range(4) if a != i}
+    total, anchors = 0.0, 0
+    for i in range(5):
+        sims = {a: float(z[i] @ z[a]) / tau for a in range(5) if a != i}
         log_den = math.log(sum(math.exp(s) for s in sims.values()))
         pos = [p for p in sims if labels[p] == labels[i]]
-        total += -sum(sims[p] - log_den for p in pos) / len(pos)
+        if pos:
+            total += -sum(sims[p] - log_den for p in pos) / len(pos)
+            anchors += 1
+    assert anchors == 4
     got = homologous_contrastive_loss(z, labels, tau)
-    assert got.item() == pytest.approx(total / 4, rel=1e-12)
-    # Anchor 0 by hand: sims 0.6/.5=1.2, 0, -2 -> -(1.2 - log(e^1.2 + 1 + e^-2))
-    a0 = -(1.2 - math.log(math.exp(1.2) + 1 + math.exp(-2)))
-    assert a0 == pytest.approx(-(float(z[0] @ z[1]) / tau - math.log(sum(math.exp(float(z[0] @ z[a]) / tau) for a in (1, 2, 3)))))
+    assert got.item() == pytest.approx(total / anchors, rel=1e-12)
+    # Anchor 0 by hand: sims 0.6/.5=1.2, 0, -2, 0.8/.5=1.6 -> -(1.2 - log(e^1.2 + 1 + e^-2 + e^1.6))
+    a0 = -(1.2 - math.log(math.exp(1.2) + 1 + math.exp(-2) + math.exp(1.6)))
+    assert a0 == pytest.approx(-(float(z[0] @ z[1]) / tau - math.log(sum(math.exp(float(z[0] @ z[a]) / tau) for a in (1, 2, 3, 4)))))
+
+
+def test_projection_head_is_linear_gelu_linear_with_unit_norm_output():
+    obj = _objective()
+    tokens = torch.randn(2, 5, 32, dtype=torch.float64, generator=_gen(0))
+    z = obj.projector(tokens)
+    assert torch.allclose(z.norm(dim=-1), torch.ones(2, 5, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(z, _project(obj, tokens), atol=1e-12)
 
 
 def test_homocon_of_independent_sets_contrasts_each_set_among_itself():
@@ -56,11 +83,12 @@ def test_without_mixing_contrasts_the_images_of_each_group_of_g():
     (appendix C): each image's visible tokens are contrasted with its group's other images only."""
     obj = _objective(mixing="none", attention="global")
     captured = []
-    obj.projector.register_forward_hook(lambda module, args, out: captured.append(out))
+    obj.projector.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
     torch.manual_seed(3)
     out = obj(dict(image=torch.randn(8, 1, 32, 32, dtype=torch.float64)))
-    z = captured[0]  # (8 images, L visible tokens, proj_dim)
+    z = _project(obj, captured[0])  # (8 images, L visible tokens, proj_dim)
     L = z.shape[1]
+    assert L == int(64 * 0.25)  # MAE masking at ratio 1 - r: r N tokens visible
     labels = torch.arange(4).repeat_interleave(L)  # image index within its group
     groups = [homologous_contrastive_loss(z[i:i + 4].flatten(0, 1), labels, obj.cfg.temperature) for i in (0, 4)]
     assert out["loss_homocon"].item() == pytest.approx((groups[0] + groups[1]).item() / 2, rel=1e-12)
@@ -75,11 +103,11 @@ def test_homocon_of_mixed_images_is_the_reference_loss_over_the_micro_batch(mixi
     of different mixed images positives and passed every other test."""
     obj = _objective(mixing=mixing)
     captured = []
-    obj.projector.register_forward_hook(lambda module, args, out: captured.append(out))
+    obj.projector.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
     images = torch.randn(8, 1, 32, 32, dtype=torch.float64, generator=_gen(1))
     mixing_draw = obj.draw_mixing(8, torch.device("cpu"), _gen(2))
     out = obj.forward_mixed(images, mixing_draw)
-    z = captured[0]  # (mixed images, N, proj_dim)
+    z = _project(obj, captured[0])  # (mixed images, N, proj_dim)
     labels = torch.stack([m * obj.g + mixing_draw.segment[m] for m in range(len(z))])  # (mixed images, N)
     want = homologous_contrastive_loss(z.flatten(0, 1), labels.flatten(), obj.cfg.temperature)
     assert out["loss_homocon"].item() == pytest.approx(want.item(), rel=1e-12)
@@ -107,10 +135,7 @@ def test_masked_self_attention_never_lets_information_cross_images():
 
 def test_segment_embeddings_are_added_to_every_block_input():
     obj = _objective(attention="global")
-    for block in obj.encoder.blocks:  # identity blocks: residual branches output zero
-        for lin in (block.attn.proj, block.mlp.fc2):
-            torch.nn.init.zeros_(lin.weight)
-            torch.nn.init.zeros_(lin.bias)
+    _identity_blocks(obj)
     seen = []
     for block in obj.encoder.blocks:
         block.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
@@ -123,6 +148,51 @@ def test_segment_embeddings_are_added_to_every_block_input():
     for i, block_input in enumerate(seen):
         assert torch.allclose(block_input[:, 0], x0[:, 0])  # cls gets no segment embedding
         assert torch.allclose(block_input[:, 1:], x0[:, 1:] + (i + 1) * se, atol=1e-6)  # fp32 table
+
+
+def test_without_mixing_segment_embeddings_are_each_images_index_in_its_group():
+    obj = _objective(mixing="none", attention="global")
+    _identity_blocks(obj)
+    seen = []
+    for block in obj.encoder.blocks:
+        block.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
+    images = torch.randn(8, 1, 32, 32, dtype=torch.float64, generator=_gen(1))
+    torch.manual_seed(4)
+    obj.forward_unmixed(images)
+    torch.manual_seed(4)
+    masking = random_masking(8, 64, 0.75, torch.device("cpu"))  # the masking the forward drew
+    x0 = obj.encoder.add_cls_token(gather_tokens(obj.encoder.embed_patches(images), masking.ids_keep)).detach()
+    se = sincos_1d(32, torch.arange(4))[torch.arange(8) % 4][:, None]  # (8, 1, D): images 0..3, 0..3
+    assert len(seen) == 2
+    for i, block_input in enumerate(seen):
+        assert torch.allclose(block_input[:, 0], x0[:, 0])  # cls gets no segment embedding
+        assert torch.allclose(block_input[:, 1:], x0[:, 1:] + (i + 1) * se, atol=1e-6)
+
+
+@pytest.mark.parametrize("mixing", ["compose", "none"])
+def test_the_loss_is_the_weighted_sum_of_reconstruction_and_homocon(mixing):
+    # L = recon_weight * L_recon + homocon_weight * L_HomoCon
+    obj = _objective(mixing=mixing, attention="global" if mixing == "none" else "topk",
+                     recon_weight=0.5, homocon_weight=2.0)
+    out = obj(dict(image=torch.randn(8, 1, 32, 32, dtype=torch.float64, generator=_gen(1))))
+    assert out["loss"].item() == pytest.approx(0.5 * out["loss_recon"].item() + 2.0 * out["loss_homocon"].item(),
+                                               rel=1e-12)
+
+
+def test_without_mixing_reconstruction_is_maes_loss_at_ratio_1_minus_r():
+    obj = _objective(mixing="none", attention="global")
+    images = torch.randn(8, 1, 32, 32, dtype=torch.float64, generator=_gen(1))
+    torch.manual_seed(4)
+    out = obj(dict(image=images))
+    torch.manual_seed(4)
+    masking = random_masking(8, 64, 1 - 0.25, torch.device("cpu"))  # keeps int(64 * 0.25) = 16
+    x = obj.encoder.add_cls_token(gather_tokens(obj.encoder.embed_patches(images), masking.ids_keep))
+    seg = torch.zeros(8, 17, 32, dtype=torch.float64)
+    seg[:, 1:] = sincos_1d(32, torch.arange(4)).float()[torch.arange(8) % 4][:, None]  # the fp32 table
+    pred = obj.decoder(obj.encoder.forward_tokens(x, seg), masking.ids_restore)
+    want = masked_patch_loss(pred, normalized_pixels(patchify(images, 4)), masking.mask)
+    assert masking.mask.sum(1).eq(48).all()
+    assert out["loss_recon"].item() == pytest.approx(want.item(), rel=1e-10)
 
 
 def test_unmixing_loss_equals_a_per_source_mae_decoder_loop():
@@ -203,12 +273,37 @@ def test_homologous_topk_attention_learns_to_pick_its_own_source_from_segment_em
 
 
 def test_topk_per_source_gives_each_query_its_own_image_patch_count():
-    obj = _objective(topk_per_source=True, exact_counts=False, cell_size=4)  # 64 cells over 4 images
+    # 49 cells over 4 images: counts 12 or 13, so a per-query K differs from the global round(r N)
+    obj = _objective(img_size=28, topk_per_source=True, exact_counts=False, cell_size=4)
     seg = obj.draw_mixing(4, torch.device("cpu"), _gen(0)).segment
     segments = torch.cat([torch.full((1, 1), -1), seg], 1)
     k = obj.attention_masks(segments)[0].k
     counts = torch.bincount(seg[0], minlength=4)
+    assert sorted(counts.tolist()) == [12, 12, 12, 13]
     assert torch.equal(k[0, 1:], counts[seg[0]])
+    assert k[0, 1:].unique().numel() == 2
+
+
+def test_default_topk_is_r_times_n_rounded_half_up():
+    assert _objective(img_size=28, mix_ratio=0.5, cell_size=4).topk == int(0.5 * 49 + 0.5) == 25  # 24.5
+    assert _objective(img_size=28, mix_ratio=0.2, cell_size=4).topk == 10  # 9.8
+    assert _objective().topk == 16  # 0.25 * 64
+
+
+def test_unmixing_figure_pastes_each_images_own_cells_over_the_denormalised_prediction():
+    obj = _objective().eval()
+    images = torch.randn(4, 1, 32, 32, dtype=torch.float64, generator=_gen(1))
+    rows = obj.visualizations(images, None)["mixedae_unmixing"]
+    mixing = obj.draw_mixing(4, torch.device("cpu"), _gen(0))  # the figure's fixed mixing
+    latent, _ = obj.encode_mixed(mix_images(images, mixing, 4), mixing.segment)
+    pred, keep, _ = obj.unmix_predictions(latent, mixing)  # (1, 4, N, P): one mixed image
+    target = patchify(images, 4)  # (4, N, P)
+    pred = pred[0] * (target.var(-1, keepdim=True) + 1e-6) ** 0.5 + target.mean(-1, keepdim=True)
+    own = (mixing.segment[0] == torch.arange(4)[:, None])[..., None]  # (4, N, 1)
+    assert torch.equal(own, keep[0][..., None])
+    got = patchify(rows[3].double(), 4)
+    assert torch.allclose(got, torch.where(own, target, pred), atol=1e-5)
+    assert torch.allclose(patchify(rows[2].double(), 4), torch.where(own, target, 0.0), atol=1e-6)
 
 
 def test_every_ablation_runs_forward_and_backward():

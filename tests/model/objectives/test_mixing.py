@@ -74,3 +74,13 @@ def test_mixed_pixels_are_the_sum_of_indicator_weighted_sources():
         M = F.interpolate(M, scale_factor=4, mode="nearest")[0, 0]  # (32, 32)
         want = sum((M == i).float() * images[group * 4 + i] for i in range(4))
         assert torch.equal(mixed[group], want)
+
+
+def test_full_mode_mixed_images_are_the_cyclic_shifts_of_one_assignment():
+    # (M + j) mod g, j = 0..g-1: every mixed image of a group holds all g sources in equal shares
+    m = _mixing(B=8, mode="full")
+    seg = m.segment.view(2, 4, 64)  # (group, j, N)
+    for j in range(4):
+        assert torch.equal(seg[:, j], (seg[:, 0] + j) % 4)
+    assert all(len(row.unique()) == 4 for row in m.segment)
+    assert torch.all(F.one_hot(m.segment, 4).sum(1) == 16)
