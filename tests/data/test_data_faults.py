@@ -173,6 +173,19 @@ def test_16bit_grey_is_scaled_to_8_bits_not_clipped(dtype):
 def test_extreme_aspect_ratios_crop_to_the_requested_shape(size, fmt):
     data = encoded(rgb((10, 200, 30), size), fmt)
     opened = lambda: Image.open(io.BytesIO(data))  # noqa: E731
+    # no crop of scale >= 0.2 fits: torchvision's fallback, the central crop of the nearest allowed aspect
+    from torchvision.transforms import RandomResizedCrop
+
+    crop = PretrainTransform(16).crop_params(opened(), 1)
+    with torch.random.fork_rng(devices=[]):  # get_params draws from the global RNG
+        want = RandomResizedCrop.get_params(opened(), [0.2, 1.0], [3 / 4, 4 / 3])
+    assert (crop.i, crop.j, crop.h, crop.w) == want
+    width, height = size
+    side = round(min(size) * 4 / 3)  # the long side of a 4:3 (or 3:4) crop across the whole short side
+    if width > height:
+        assert (crop.i, crop.j, crop.h, crop.w) == (0, (width - side) // 2, height, side)
+    else:
+        assert (crop.i, crop.j, crop.h, crop.w) == ((height - side) // 2, 0, side, width)
     for t in (PretrainTransform(16), PretrainTransform(16, decode="cpu_draft")):
         out = t(opened(), 1, data)
         assert out.shape == (3, 16, 16) and (out.float().mean((1, 2)) - torch.tensor([10.0, 200, 30])).abs().max() < 8

@@ -1,6 +1,7 @@
 """Decode paths for the pretraining crop: reduced-size JPEG decoding (cpu_draft) and decoding on
 the training device (nvjpeg; run here with torchvision's CPU decoder) against the plain path."""
 import io
+import math
 
 import numpy as np
 import pytest
@@ -58,6 +59,45 @@ def test_draft_decodes_smaller_and_gives_nearly_the_same_crop():
     assert a.dtype == b.dtype == torch.uint8 and a.shape == b.shape == (3, 32, 32)
     diff = (a.float() - b.float()).abs()
     assert diff.mean() < 2.0 and not torch.equal(a, b)  # the same region, resampled differently
+
+
+def test_draft_with_the_bytes_passed_crops_the_same_region_as_the_plain_path():
+    """ShardStream passes the encoded bytes too: once libjpeg has been asked for a reduced decode,
+    the crop is in reduced pixels, so the bytes must not be decoded again at full size (the crop
+    divided by the reduction then cut the wrong, top-left part of the picture)."""
+    data = jpeg(photo_like())
+    plain, draft = PretrainTransform(32, decode="cpu"), PretrainTransform(32, decode="cpu_draft")
+    seed = big_crop_seed(plain, data, 150)
+    assert draft_for_crops(opened(data), [plain.crop_params(opened(data), seed)], 32) >= 2
+    a, b = plain(opened(data), seed, data), draft(opened(data), seed, data)
+    assert b.shape == (3, 32, 32)
+    assert (a.float() - b.float()).abs().mean() < 2.0  # the same region, resampled slightly differently
+
+
+def test_crop_draws_follow_torchvisions_random_resized_crop():
+    """MAE's RandomResizedCrop: area fraction uniform in scale (0.2, 1), log aspect uniform in
+    log(3/4, 4/3), 10 tries, flip 50%. 2000 seeded draws on a 500x400 picture against 2000 draws of
+    torchvision's own get_params (seeded too): the quantiles agree, the aspect spans the range."""
+    from torchvision.transforms import RandomResizedCrop
+
+    img = Image.new("RGB", (500, 400))
+    t = PretrainTransform(32)  # scale (0.2, 1), ratio (3/4, 4/3): MAE's pretraining crop
+    crops = [t.crop_params(img, s) for s in range(2000)]
+    with torch.random.fork_rng(devices=[]):  # get_params draws from the global RNG: seeded, then restored
+        torch.manual_seed(0)
+        ref = [RandomResizedCrop.get_params(img, [0.2, 1.0], [3 / 4, 4 / 3]) for _ in range(2000)]  # (i, j, h, w)
+    area = torch.tensor([c.h * c.w / 200_000 for c in crops])
+    ref_area = torch.tensor([h * w / 200_000 for _, _, h, w in ref])
+    log_aspect = torch.tensor([math.log(c.w / c.h) for c in crops])
+    ref_log_aspect = torch.tensor([math.log(w / h) for _, _, h, w in ref])
+    qs = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95])
+    assert area.min() >= 0.2 - 0.01 and area.max() <= 1.0
+    assert (area.quantile(qs) - ref_area.quantile(qs)).abs().max() < 0.04
+    assert (log_aspect.quantile(qs) - ref_log_aspect.quantile(qs)).abs().max() < 0.04
+    bound = math.log(4 / 3)  # 0.288
+    assert log_aspect.min() < -0.9 * bound and log_aspect.max() > 0.9 * bound
+    assert all(0 <= c.i <= 400 - c.h and 0 <= c.j <= 500 - c.w for c in crops)  # inside the picture
+    assert 0.45 < sum(c.flip for c in crops) / 2000 < 0.55
 
 
 def test_draft_changes_nothing_when_the_crop_is_too_small_or_not_a_jpeg():

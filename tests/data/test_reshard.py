@@ -117,6 +117,27 @@ def test_readers_without_workers_continue_on_another_layout(tmp_path, old, new):
     assert sorted(seen) == list(range(48))  # epoch 0: every sample once, none skipped
 
 
+def test_one_reader_to_two_ranks_of_two_workers_skips_each_readers_own_consumed_shards(tmp_path):
+    """Rank r's workers are readers r*W .. r*W+W-1 of the new layout: each must skip what the old
+    reader delivered of its own shards. Rank 1 filtering by readers 1..2 (another reader's shards)
+    delivered the old run's samples again. The old run stops deep into the epoch (26 of 48 read),
+    so every new reader has consumed samples to skip."""
+    shards = make_shards(tmp_path, 48, 6)
+    old = loader(shards, 0, 1, 1)
+    seen = [v for _ in range(26) for v in next_ids(old)]
+    states = [old.state_dict()]
+    for rank in range(2):
+        ld = loader(shards, rank, 2, 2)
+        ld.resume_from(states)
+        for _ in range(30):  # batches of one: past this rank's share of epoch 0 whatever its workers' pace
+            before = list(ld.last)
+            ids = next_ids(ld)
+            [(epoch, _)] = [now for now, then in zip(ld.last, before) if now != then]  # the worker that delivered
+            seen += ids if epoch == 0 else []
+        ld.close()
+    assert sorted(seen) == list(range(48))  # epoch 0: every sample exactly once across both ranks
+
+
 def test_same_readers_continue_their_own_position_bit_identically(tmp_path):
     shards = make_shards(tmp_path, 48, 6)
     straight = loader(shards, 0, 1, 2)
@@ -167,3 +188,31 @@ def test_the_give_up_rule_counts_what_earlier_world_sizes_read(tmp_path):
     same = reader(0, 1, 2)  # and the same world size continues the count
     same.resume_from([one.state_dict()])
     assert same.delivered() == 13
+
+
+def test_delivered_on_rank_0_of_2_counts_both_ranks_batches(tmp_path):
+    """delivered() is what all ranks delivered: each takes as many batches, so this rank's times the world size."""
+    shards = make_shards(tmp_path, 24, 6)
+    ld = ShardLoader(shards, 4, batch_size=2, seed=7, rank=0, world=2, num_workers=0, shuffle_buffer=5,
+                     transform=pixel_id)
+    for _ in range(3):
+        next(ld)
+    assert ld.delivered() == 3 * 2 * 2  # both ranks' 3 batches of 2
+
+
+def test_the_old_runs_counters_carry_over_once_not_on_every_new_rank(tmp_path):
+    """Counters are summed over ranks: after a change of world size rank 0 carries the old totals,
+    the others start at zero (every rank taking them multiplied the old skips by the world size)."""
+    shards = make_shards(tmp_path, 24, 6)
+    old = loader(shards, 0, 1, 1)
+    next_ids(old)
+    state = old.state_dict()
+    state["errors"] = [3] + state["errors"][1:]
+    state["converted"] = [2] + state["converted"][1:]
+    new = [loader(shards, r, 2, 1) for r in range(2)]
+    for ld in new:
+        ld.resume_from([state])
+    counts = [ld.counters() for ld in new]
+    skipped = [sum(v for k, v in c.items() if k.startswith("data_skipped_")) for c in counts]
+    converted = [sum(v for k, v in c.items() if k.startswith("data_converted_")) for c in counts]
+    assert (skipped, converted) == ([3, 0], [2, 0])

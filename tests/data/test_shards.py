@@ -73,6 +73,22 @@ def test_resume_continues_the_same_stream(shard_set, workers):
     assert straight[0]["image"].shape == (4, 3, 16, 16)
 
 
+def test_a_position_recorded_before_per_sample_positions_replays_to_the_same_stream(shard_set):
+    """An old-format position (no `last`) replays decoded samples: with 2 workers and 5 batches taken,
+    worker 0 delivered batches 0, 2, 4 and worker 1 batches 1, 3, so each drops its own count."""
+    make = lambda: ShardLoader(shard_set, 16, batch_size=4, seed=0, rank=0, world=1, num_workers=2,  # noqa: E731
+                               shuffle_buffer=5)
+    straight = _batches(make(), 8)
+    first = make()
+    _batches(first, 5)
+    old = {k: v for k, v in first.state_dict().items() if k != "last"}
+    resumed = make()
+    resumed.load_state_dict(old)
+    assert resumed.start.legacy_skip == [len(range(w, 5, 2)) * 4 for w in range(2)]  # [12, 8]
+    for a, b in zip(_batches(resumed, 3), straight[5:], strict=True):
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
+
+
 def test_resume_refuses_other_worker_count(shard_set):
     a = ShardLoader(shard_set, 16, 4, 0, 0, 1, 0, 5)
     b = ShardLoader(shard_set, 16, 4, 0, 0, 1, 2, 5)
@@ -161,3 +177,60 @@ def test_multicrop_gives_k_distinct_seeded_crops():
     assert len({tuple(v.flatten()[:40].tolist()) for v in views}) == 4  # independent crops
     # crop c is the plain pretraining crop drawn with its derived seed, at scale (0.08, 1)
     assert torch.equal(views[2], PretrainTransform(16, (0.08, 1.0))(img, 7 * 1_000_003 + 2))
+
+
+def test_eval_resizes_to_size_over_crop_pct_then_center_crops():
+    """The evaluation transform: shorter side to size / crop_pct (bicubic, antialiased), then the
+    central size x size crop, normalised. Resizing to size * crop_pct instead left the crop smaller
+    than the image's shorter side: center_crop padded it with black."""
+    import torchvision.transforms.functional as TF
+    from PIL import Image
+    from torchvision.transforms import InterpolationMode
+
+    from data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8))
+    got = EvalTransform(16, crop_pct=0.5)(img)
+    resized = TF.resize(img, 32, InterpolationMode.BICUBIC, antialias=True)  # 16 / 0.5
+    assert resized.size == (42, 32)
+    ref = TF.pil_to_tensor(TF.center_crop(resized, [16, 16])).float() / 255.0
+    assert torch.allclose(got, TF.normalize(ref, IMAGENET_MEAN, IMAGENET_STD), atol=1e-6)
+    black = TF.normalize(torch.zeros(3, 1, 1), IMAGENET_MEAN, IMAGENET_STD)
+    assert not (got[:, 0] == black[:, 0]).all(0).any()  # no padded border row of black pixels
+
+
+def test_the_shuffle_buffer_shuffles_an_epoch_smaller_than_itself():
+    """An epoch that fits in the buffer never reaches the reservoir's swaps: the final pool must be
+    shuffled too, or the samples come in read order."""
+    import random
+
+    from data.shards import shuffled
+
+    runs = [list(shuffled(iter(range(20)), 100, random.Random(s))) for s in range(1000)]
+    assert all(sorted(r) == list(range(20)) for r in runs)  # each sample once
+    assert sum(r != list(range(20)) for r in runs) == 1000
+    first = Counter(r[0] for r in runs)  # ~50 each if uniform
+    assert len(first) == 20 and min(first.values()) > 20 and max(first.values()) < 90
+
+
+def test_each_samples_crop_seed_is_derived_from_seed_epoch_rank_worker_and_position(shard_set):
+    """The transform gets derive_seed(seed, epoch, rank, worker, pos): another epoch or another rank
+    draws other crops for the same position (dropping either repeated every crop each epoch, or on
+    every rank)."""
+    from data.shards import derive_seed
+
+    def seeds(rank):
+        stream = iter(ShardStream(shard_set, lambda img, seed: seed, seed=3, rank=rank, world=2, num_workers=1,
+                                  shuffle_buffer=4))
+        out = {}
+        for _ in range(24):  # 12 samples an epoch on each rank: two epochs
+            s = next(stream)
+            out[(s["epoch"], s["pos"])] = s["image"]
+        return out
+
+    by_rank = [seeds(0), seeds(1)]
+    for rank, got in enumerate(by_rank):
+        assert set(got) == {(e, p) for e in (0, 1) for p in range(12)}
+        assert all(seed == derive_seed(3, e, rank, 0, p) for (e, p), seed in got.items())
+        assert all(got[(0, p)] != got[(1, p)] for p in range(12))
+    assert all(by_rank[0][key] != by_rank[1][key] for key in by_rank[0])

@@ -133,3 +133,27 @@ def test_split_source_attaches_val_batches_and_resumes():
     other = SplitSource(SyntheticImages(2, 8, 1, 3, 0, 0), SyntheticImages(2, 8, 1, 3, 9, 0), val_every=2)
     with pytest.raises(ValueError, match="every 3 micro-batches"):
         other.load_state_dict(state)
+
+
+def test_resuming_on_another_val_every_keeps_the_number_of_mask_cycles():
+    """8 micro-batches at a D_val batch every 4 are 2 finished cycles; continued with one every 3,
+    the position is 2 cycles of 3 = 6 batches, so the next D_val batch closes the third cycle."""
+    def make(val_every):
+        return SplitSource(SyntheticImages(2, 8, 1, 3, seed=0, rank=0), SyntheticImages(2, 8, 1, 3, seed=9, rank=0),
+                           val_every=val_every)
+
+    src = make(4)
+    for _ in range(8):
+        next(src)
+    resumed = make(3)
+    resumed.resume_from([src.state_dict()])
+    assert resumed.batches == 8 // 4 * 3
+    assert [("val_image" in next(resumed)) for _ in range(3)] == [False, False, True]
+
+
+def test_split_counters_sum_both_parts():
+    from types import SimpleNamespace
+
+    train = SimpleNamespace(counters=lambda: {"data_skipped_empty_image": 1, "data_converted_cmyk": 0})
+    val = SimpleNamespace(counters=lambda: {"data_skipped_empty_image": 2, "data_converted_cmyk": 5})
+    assert SplitSource(train, val, 2).counters() == {"data_skipped_empty_image": 3, "data_converted_cmyk": 5}

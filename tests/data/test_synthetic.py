@@ -30,3 +30,21 @@ def test_images_are_smooth_and_normalised():
     diff = (x[..., 1:] - x[..., :-1]).abs().mean()
     assert diff < 0.3 * x.std()
     assert abs(x.mean().item()) < 0.5 and 0.5 < x.std().item() < 2.0
+
+
+def test_a_rank_the_old_run_lacked_continues_from_the_furthest_position():
+    new = _source(rank=2)
+    new.resume_from([{"position": 5}, {"position": 3}])  # a 2-rank checkpoint, resumed on 3 ranks
+    assert new.position == max(5, 3)
+    mine = _source(rank=1)
+    mine.resume_from([{"position": 5}, {"position": 3}])  # an old rank continues its own position
+    assert mine.position == 3
+
+
+def test_images_of_other_channel_counts_are_normalised_with_half_and_a_quarter():
+    """Not RGB: mean 0.5, std 0.25 (data/synthetic.py mean_std). The raw pixels (coarse noise in
+    [0, 1) upsampled bilinearly) come back in [0, 1) with both ends nearly reached."""
+    x = next(_source())["image"]
+    raw = x * 0.25 + 0.5
+    assert raw.min() >= 0 and raw.max() < 1
+    assert raw.min() < 0.1 and raw.max() > 0.9

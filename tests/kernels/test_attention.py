@@ -81,3 +81,20 @@ def test_score_bias_sdpa_matches_reference_and_reaches_the_bias_gradient():
         from kernels import TopKMask
 
         attention(q, k, v, mask=TopKMask(2), bias=bias)
+
+
+def test_topk_on_cpu_takes_the_reference_path_without_a_warning(monkeypatch):
+    """The fallback warning is for a GPU whose fused kernels are refused; on CPU the PyTorch
+    reference path is the only one, and every CPU TopK run warning about it is noise."""
+    import importlib
+    import warnings
+
+    from kernels import TopKMask
+
+    dispatch = importlib.import_module("kernels.attention")  # `kernels.attention` is also the function's name
+    monkeypatch.setattr(dispatch, "_FALLBACKS_WARNED", set())  # nothing warned before this test
+    q, k, v = _qkv()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = attention(q, k, v, mask=TopKMask(2))
+    assert out.shape == q.shape

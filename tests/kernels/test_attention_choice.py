@@ -239,6 +239,32 @@ def test_topk_entries_pick_the_path_of_their_shape_beside_the_dense_entry_of_tha
     assert attention_choice.topk_kernel_for(q) == "fused"
 
 
+def test_a_gpu_that_refuses_the_fused_kernels_says_the_reference_path_for_topk_even_with_a_masked_sdpa_entry(
+        tmp_path):
+    """The table's masked_sdpa choice is a triton path: on an sm_70 GPU, where no triton kernel runs,
+    TopK calls take the PyTorch reference composition, and the description must say so."""
+    import importlib
+
+    dispatch = importlib.import_module("kernels.attention")
+    attention_choice.activate(CPU, table(tmp_path, entry(attention="topk", heads=12, tokens=197, head_dim=64,
+                                                         kernel="masked_sdpa")))
+    assert attention_choice.topk_masked_shapes(torch.float32, 197, 64) == [12]  # the entry is active
+    said = dispatch.describe_paths("sdpa", CPU, torch.float32, 197, 64, capability=(7, 0))["topk"]
+    assert said.startswith("PyTorch reference composition"), said
+
+
+def test_activating_a_table_replaces_the_entries_of_an_earlier_one(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = table(tmp_path / "a", entry(heads=1, kernel="math"))
+    second = table(tmp_path / "b", entry(heads=2, kernel="math"))
+    assert attention_choice.activate(CPU, first) == 1
+    assert attention_choice.kernel_for(torch.empty(3, 1, 17, 16)) == torch.nn.attention.SDPBackend.MATH
+    assert attention_choice.activate(CPU, second) == 1
+    assert attention_choice.kernel_for(torch.empty(3, 2, 17, 16)) == torch.nn.attention.SDPBackend.MATH
+    assert attention_choice.kernel_for(torch.empty(3, 1, 17, 16)) is None  # only in the first table
+
+
 def test_the_dispatch_routes_topk_through_the_path_the_table_chose(tmp_path, monkeypatch):
     """On a GPU the fused kernels would run; here both paths are stand-ins that say which ran."""
     pytest.importorskip("triton")

@@ -53,6 +53,8 @@ def test_flash_attn_gets_only_inputs_it_takes(monkeypatch, dtype, d, capability,
 def test_mixed_dtypes_are_refused_by_name():
     q, k, v = _qkv(torch.bfloat16)
     assert "flash-attn takes fp16 or bf16" in flash_attn_refusal(q, k.float(), v)
+    said = flash_attn_refusal(q, k, v.float())  # v alone in fp32: refused as well, the dtypes named
+    assert "torch.bfloat16/torch.bfloat16/torch.float32" in said and "flash-attn takes fp16 or bf16" in said
 
 
 def test_mlomae_bf16_run_with_flash_attn_survives_its_fp32_level3(monkeypatch):
