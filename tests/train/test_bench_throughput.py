@@ -152,3 +152,21 @@ def test_the_bench_refuses_before_start_what_training_refuses(tmp_path):
     refusals = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
     assert len(refusals) == len(cases) and all(said in line for said, line in zip(cases, refusals)), refusals
     assert "Traceback" not in proc.stderr and not list(out.glob("*.json"))
+
+
+def test_flops_per_step_count_every_accumulated_micro_batch(tmp_path, monkeypatch):
+    """Micro-batch 4 x 2 accumulated: a step trains 8 images, so its FLOPs (and the TFLOP/s and MFU
+    from them) are the per-image count x 8, not x the micro-batch. In process, as a world of 1."""
+    import torch
+
+    import train.bench as bench
+
+    monkeypatch.setattr(bench.distributed, "init", lambda: (0, 1, torch.device("cpu")))
+    ds = {**json.loads(CPU_DS.read_text()), "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    with torch.random.fork_rng():  # the engine's build seeds the global RNG: leave other tests' as it was
+        path = bench.main(["--ds_config", str(tmp_path / "ds.json"), "--config", str(DEBUG_PRESET), "--steps", "1",
+                           "--warmup", "0", "--gpu", "a100", "--out_dir", str(tmp_path / "out")])
+    res = json.loads(path.read_text())["results"]
+    assert res["tflops_per_gpu"] == pytest.approx(res["train_flops_per_image"] * 4 * 2 / res["step_time_s"] / 1e12)
+    assert res["mfu"] == pytest.approx(res["tflops_per_gpu"] / 312)

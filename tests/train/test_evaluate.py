@@ -30,6 +30,49 @@ def test_linear_probe_separates_separable_data_and_not_noise():
     assert linear_probe_top1(x[:300], noise_y[:300], x[300:], noise_y[300:], 2) < 70.0
 
 
+def test_knn_is_cosine_whatever_each_training_features_norm():
+    # by dot product a long training vector would be every sample's nearest: cosine ignores its length
+    far = torch.tensor([[1.0, 0.0], [0.0, 10.0]])
+    assert knn_top1(far, torch.tensor([0, 1]), torch.tensor([[1.0, 0.2]]), torch.tensor([0]), 2, k=1) == 100.0
+    g = torch.Generator().manual_seed(0)
+    train_f, test_f = torch.randn(60, 8, generator=g), torch.randn(40, 8, generator=g)
+    train_y, test_y = torch.randint(0, 4, (60,), generator=g), torch.randint(0, 4, (40,), generator=g)
+    scaled = train_f * torch.rand(60, 1, generator=g).mul(100).add(0.01)  # each row by its own positive factor
+    unit = train_f / train_f.norm(dim=1, keepdim=True)
+    assert knn_top1(scaled, train_y, test_f, test_y, 4, k=5) == knn_top1(unit, train_y, test_f, test_y, 4, k=5)
+
+
+def test_knn_scores_each_chunk_against_its_own_labels():
+    # the training set scored on itself with k=1: each sample is its own nearest, 100% whatever the chunk
+    g = torch.Generator().manual_seed(0)
+    f, y = torch.randn(10, 8, generator=g), torch.arange(10) % 5  # labels differ from chunk to chunk
+    assert knn_top1(f, y, f, y, 5, k=1, chunk=3) == 100.0
+    test_f, test_y = torch.randn(25, 8, generator=g), torch.randint(0, 5, (25,), generator=g)
+    assert knn_top1(f, y, test_f, test_y, 5, k=3, chunk=4) == knn_top1(f, y, test_f, test_y, 5, k=3, chunk=1024)
+
+
+def test_linear_probe_standardises_each_feature_by_its_own_std():
+    """The informative feature on a scale a thousand times below the others: standardised per
+    feature it weighs as much as they do (one std for all would leave it ~0)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 8, generator=g)
+    y = (x[:, 0] > 0).long()
+    x[:, 1:] *= 1000.0
+    assert linear_probe_top1(x[:300], y[:300], x[300:], y[300:], 2) > 90.0
+
+
+def test_linear_probe_weight_decay_pulls_the_head_to_the_class_prior():
+    """Separable data, 3 to 1 imbalanced: with an overwhelming weight decay on the weights (not the
+    bias) the head predicts the training majority class for every sample."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 8, generator=g)
+    y = (x[:, 0] > -0.6745).long()  # the standard normal's lower quartile: ~3/4 class 1
+    majority = int(y[:300].bincount().argmax())
+    assert linear_probe_top1(x[:300], y[:300], x[300:], y[300:], 2, weight_decay=1e-4) > 90.0
+    assert linear_probe_top1(x[:300], y[:300], x[300:], y[300:], 2, weight_decay=1e3) == pytest.approx(
+        100.0 * (y[300:] == majority).float().mean().item())
+
+
 @pytest.fixture
 def shards(image_folder, tmp_path):
     """s/train.json; beside it s/test.json, the same images in shards of their own: a held-out index

@@ -132,3 +132,19 @@ def test_an_augmentation_policy_timm_cannot_build_is_refused_before_start():
         parse_args([*randaug, "--data.randaug", "rand_m9"])
     for policy in ("rand-m7-mstd0.5", "augmix-m5", "original", ""):  # '' is none
         assert parse_args([*randaug, "--data.randaug", policy]).data.randaug == policy
+
+
+@pytest.mark.parametrize("micro, accum, world", [(8, 1, 1), (4, 2, 1), (2, 2, 2)])
+def test_peak_lr_and_schedule_steps_follow_the_global_batch_not_the_micro_batch(micro, accum, world):
+    """The same global batch of 8, however it is split into micro-batches, accumulation and ranks:
+    the same peak lr (blr x 8 / 256) and the same optimizer-step counts (epoch_size // 8 an epoch)."""
+    from train.config.ds_config import BatchPlan
+    from train.config.plan import peak_lr, schedule_steps
+
+    cfg = parse_args(["--ds_config", "ds_configs/cpu_debug.json", "--config", "train/configs/mae/debug.json"])
+    plan = BatchPlan(micro, accum, world)
+    assert plan.global_batch == 8
+    assert peak_lr(cfg, plan) == pytest.approx(cfg.optim.blr * 8 / 256)
+    per_epoch = cfg.data.epoch_size // 8
+    assert per_epoch > 1  # the preset's epoch tells a global batch from a micro-batch
+    assert schedule_steps(cfg, plan) == (per_epoch, per_epoch * cfg.optim.epochs, per_epoch * cfg.optim.warmup_epochs)

@@ -60,6 +60,24 @@ def test_evaluation_and_figure_time_is_left_out_of_throughput(monkeypatch):
     assert [logged[s]["images_per_s"] for s in (4, 8, 12)] == [4.0, 4.0, 4.0]
 
 
+def test_the_last_step_closes_a_short_window_logged_at_its_own_throughput(monkeypatch):
+    """Stop at 10, log every 4: the last step logs the window of steps 9-10, its step time each
+    step's one second and its images per second the global batch of 4 over that second."""
+    clock = [0.0]
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
+    logged = train(Recorded(clock=clock), LoopSettings(10, log_every=4, ckpt_every=100, global_batch=4))
+    assert sorted(logged) == [4, 8, 10]
+    assert [logged[s]["step_time"] for s in (4, 8, 10)] == [1.0, 1.0, 1.0]
+    assert [logged[s]["images_per_s"] for s in (4, 8, 10)] == [4.0, 4.0, 4.0]
+
+
+def test_figures_are_drawn_every_vis_every_steps_and_at_the_last_step():
+    figures = []
+    train(Recorded(), LoopSettings(10, log_every=4, ckpt_every=100, global_batch=4, vis_every=4),
+          on_visualize=figures.append)
+    assert figures == [4, 8, 10]
+
+
 def test_a_window_logs_the_mean_of_its_finite_losses_and_counts_the_others():
     """Two micro-batches a step, log every 2 steps: NaN at micro-batch 3 (step 2) leaves the
     window of steps 1-2 the mean of the other three; steps 3-4 (both NaN) have no finite loss."""
