@@ -3,8 +3,11 @@ import io
 import json
 import os
 import struct
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 # The code runs from the repository root and is not installed (pyproject.toml): pytest puts the
@@ -85,7 +89,7 @@ def run_pretrain(out_dir: Path, *args: str, ranks: int = 1, ds_config: Path = CP
         cmd = [sys.executable, script, *opts]
     else:
         launcher = str(Path(sys.executable).parent / "deepspeed")
-        cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(_free_port()), script, *opts]
+        cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(free_port()), script, *opts]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PRETRAIN_FAULTS": faults}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     if check and proc.returncode != 0:
@@ -116,31 +120,37 @@ def save_module_state(tag: Path, state: dict) -> None:
 def run_ranks(ranks: int, script: Path, *args: str, timeout: int = 600) -> None:
     """`python script args` as `ranks` processes of one gloo process group (the environment
     torchrun and the deepspeed launcher set: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR / PORT),
-    without a launcher's start-up; every rank must exit 0."""
-    port = str(_free_port())
-    procs = []
-    for rank in range(ranks):
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], cwd=REPO, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outputs = []
+    without a launcher's start-up; every rank must exit 0. The first rank that fails ends the
+    others (they would wait for it until the store's timeout), and a failure or a timeout shows
+    every rank's output."""
+    port = str(free_port())
+    procs, logs = [], []
     try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
+        for rank in range(ranks):
+            env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "RANK": str(rank),
+                   "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            logs.append(tempfile.TemporaryFile("w+"))
+            procs.append(subprocess.Popen([sys.executable, str(script), *args], cwd=REPO, env=env, text=True,
+                                          stdout=logs[-1], stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            if None not in codes or any(codes):
+                break
+            time.sleep(0.2)
     finally:
         for p in procs:
             p.kill()
-    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, f"ranks {failed} failed:\n" + "\n".join(o[-4000:] for o in outputs)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            p.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    state = [f"rank {r}: " + ("killed" if p.returncode == -signal.SIGKILL else f"exit {p.returncode}")
+             for r, p in enumerate(procs)]
+    assert all(p.returncode == 0 for p in procs), (f"{'; '.join(state)} (timeout {timeout} s, port {port}):\n"
+                                                   + "\n".join(f"--- rank {r}\n{o[-4000:]}" for r, o in enumerate(outputs)))
 
 
 def png_bytes(value: int, size=(12, 10), mode="L") -> bytes:

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CPU_DS, DEBUG_PRESET, REPO, _free_port
+from conftest import CPU_DS, DEBUG_PRESET, REPO
+from ports import free_port
 
 FOLDERS = ("train", "data", "launchers", "tools", "kernels", "experiments", "benchmarks")
 
@@ -85,7 +86,7 @@ def test_every_entry_point_answers_help_as_a_script_from_anywhere_and_as_a_modul
 def test_deepspeed_runs_the_pretraining_script_on_two_cpu_ranks(tmp_path):
     """The design's command form: `deepspeed train/pretrain.py --ds_config ...`."""
     launcher = str(Path(sys.executable).parent / "deepspeed")
-    cmd = [launcher, "--num_gpus", "2", "--master_port", str(_free_port()), "train/pretrain.py", "--ds_config",
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), "train/pretrain.py", "--ds_config",
            str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(tmp_path / "run"), "--run.max_steps", "2",
            "--run.progress", "false"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=clean_env(), timeout=600)

@@ -13,7 +13,8 @@ import json
 import threading
 
 import pytest
-from conftest import _free_port, fake_fashion_mnist
+from conftest import fake_fashion_mnist
+from ports import free_port
 
 from data import fashion_mnist as fm
 from data.write_shards import main as write_shards
@@ -23,7 +24,7 @@ PUBLISHED_URL = fm.URL  # before the autouse fixture replaces it
 
 
 def closed_port_url() -> str:
-    return f"http://127.0.0.1:{_free_port()}/"  # nothing listens there once the socket is closed
+    return f"http://127.0.0.1:{free_port()}/"  # nothing listens there once the socket is closed
 
 
 @pytest.fixture(autouse=True)

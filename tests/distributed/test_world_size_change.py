@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _free_port, run_pretrain
+from conftest import REPO, run_pretrain
+from ports import free_port
 
 from data.write_shards import main as write_shards
 from train.run.folder import read_metrics
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.distributed
 def deepspeed(ranks: int, *args: str) -> None:
     launcher = str(Path(sys.executable).parent / "deepspeed")
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(_free_port()), *args]
+    cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(free_port()), *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 

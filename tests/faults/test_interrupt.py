@@ -130,9 +130,9 @@ def test_two_ranks_under_the_deepspeed_launcher_stop_on_ctrl_c_with_one_checkpoi
     write one checkpoint together and end; nothing of the job is left."""
     run_dir = tmp_path / "run"
     launcher = str(Path(sys.executable).parent / "deepspeed")
-    from conftest import _free_port
+    from ports import free_port
 
-    proc = start([launcher, "--num_gpus", "2", "--master_port", str(_free_port()), str(REPO / "train" / "pretrain.py"),
+    proc = start([launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "train" / "pretrain.py"),
                   *options(run_dir, "--run.stop_check_every", "1")])
     wait_for_steps(proc, run_dir)
     os.killpg(proc.pid, signal.SIGINT)
@@ -161,9 +161,9 @@ def test_under_a_deepspeed_command_that_ignores_ctrl_c_the_launcher_ends_with_1_
     docs/RELIABILITY.md says so."""
     run_dir = tmp_path / "run"
     launcher = str(Path(sys.executable).parent / "deepspeed")
-    from conftest import _free_port
+    from ports import free_port
 
-    proc = start([launcher, "--num_gpus", "2", "--master_port", str(_free_port()), str(REPO / "train" / "pretrain.py"),
+    proc = start([launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "train" / "pretrain.py"),
                   *options(run_dir, "--run.stop_check_every", "1")],
                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     wait_for_steps(proc, run_dir)

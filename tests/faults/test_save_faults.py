@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CPU_DS, DEBUG_PRESET, REPO, _free_port
+from conftest import CPU_DS, DEBUG_PRESET, REPO
+from ports import free_port
 
 from train.engine.checkpoint import LATEST, PARTIAL, tag_for
 from train.run.folder import read_metrics
@@ -29,7 +30,7 @@ def run_scenarios(tmp_path: Path, scenarios: list[dict], ranks: int = 1) -> list
     per rank, per scenario: {"status", "stderr", "fsynced"}. A rank left waiting fails the test by
     the timeout."""
     (tmp_path / "scenarios.json").write_text(json.dumps(scenarios))
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(ranks):
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}

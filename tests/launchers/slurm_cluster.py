@@ -23,6 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+if __name__ == "__main__":  # run by hand: tests/, where the port helper lies, is not on the path as under pytest
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ports import free_ports  # noqa: E402
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "squeue", "sacct", "scancel")
 SBIN = ("/usr/sbin", "/usr/bin", "/sbin")
@@ -47,17 +51,6 @@ def missing() -> str | None:
     except OSError:
         return f"this host's name {NODE!r} does not resolve (the ranks reach MASTER_ADDR by it): add it to /etc/hosts"
     return None
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def real_memory_mib() -> int:

@@ -8,7 +8,8 @@ import time
 
 import pytest
 import torch
-from conftest import CPU_DS, DEBUG_PRESET, REPO, _free_port
+from conftest import CPU_DS, DEBUG_PRESET, REPO
+from ports import free_port
 
 from launchers.slurm import node_envs
 from train.engine.slurm_env import hostnames, in_task_step, task_env
@@ -116,7 +117,7 @@ def test_requeue_on_sigusr1_writes_a_resumable_checkpoint_node_then_task_mode(tm
     node = subprocess.Popen([sys.executable, "-m", "launchers.slurm", "node", "--ranks", "2", "--",
                              "train/pretrain.py", *args],
                             cwd=REPO, env={**base, **slurm, "SLURM_NODEID": "0", "SLURM_NNODES": "1",
-                                           "MASTER_PORT": str(_free_port())},
+                                           "MASTER_PORT": str(free_port())},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for_steps(run_dir, 2, [node])
     node.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=USR1@180` does ahead of the time limit
@@ -131,7 +132,7 @@ def test_requeue_on_sigusr1_writes_a_resumable_checkpoint_node_then_task_mode(tm
     assert not (run_dir / "encoder.safetensors").exists()  # stopped, not finished: nothing exported
 
     # the requeued job, one task per GPU: each faked task is a rank (RANK etc. from SLURM_*)
-    port = str(_free_port())
+    port = str(free_port())
     tasks = [subprocess.Popen([sys.executable, "train/pretrain.py", *args, "--resume", "auto",
                                "--run.max_steps", str(stopped + 2)], cwd=REPO,
                               env={**base, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r),

@@ -12,10 +12,10 @@ from conftest import (
     CPU_DS,
     DEBUG_PRESET,
     REPO,
-    _free_port,
     run_pretrain,
     run_pretrain_calls,
 )
+from ports import free_port
 
 from data.write_shards import main as write_shards
 from train.run.folder import read_metrics
@@ -109,7 +109,7 @@ def test_masking_network_and_head_stay_identical_across_ranks(tmp_path):
     script = tmp_path / "replication.py"
     script.write_text(REPLICATION)
     launcher = str(Path(sys.executable).parent / "deepspeed")
-    proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(_free_port()), str(script)], cwd=REPO,
+    proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(free_port()), str(script)], cwd=REPO,
                           capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("replicated") == 2

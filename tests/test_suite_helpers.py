@@ -1,0 +1,64 @@
+"""The suite's own helpers for multi-process tests (tests/conftest.py run_ranks, tests/ports.py):
+a failing rank ends the others at once with every rank's output, rather than leaving them waiting
+for it until the timeout; ports for rank 0 come from outside the kernel's ephemeral range."""
+import socket
+import time
+
+import pytest
+from conftest import run_ranks
+
+import ports
+
+RANK_SCRIPT = """import os, sys, time
+rank = int(os.environ["RANK"])
+print(f"rank {rank} of {os.environ['WORLD_SIZE']} at port {os.environ['MASTER_PORT']}", flush=True)
+if rank == int(sys.argv[1]):
+    sys.exit(3)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "rank.py"
+    path.write_text(RANK_SCRIPT)
+    return path
+
+
+def test_a_failing_rank_ends_the_others_and_shows_every_ranks_output(script):
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failure:
+        run_ranks(2, script, "1", "300", timeout=120)
+    assert time.monotonic() - start < 60  # not the waiting rank's 300 s, nor the timeout
+    message = str(failure.value)
+    assert "rank 0: killed; rank 1: exit 3" in message
+    assert "rank 0 of 2 at port" in message and "rank 1 of 2 at port" in message
+
+
+def test_ranks_past_the_timeout_are_killed_and_reported(script):
+    with pytest.raises(AssertionError, match=r"rank 0: killed; rank 1: killed \(timeout 2 s"):
+        run_ranks(2, script, "-1", "300", timeout=2)
+
+
+def test_ranks_that_all_exit_0_pass(script):
+    run_ranks(3, script, "-1", "0")
+
+
+def test_ports_lie_below_the_ephemeral_range_each_free_and_distinct():
+    chosen = ports.free_ports(3) + [ports.free_port() for _ in range(3)]
+    assert len(set(chosen)) == len(chosen)
+    if ports._band().stop <= ports._ephemeral_start():
+        assert all(p in ports._band() for p in chosen) and max(chosen) < ports._ephemeral_start()
+    for port in chosen:
+        with socket.socket() as s:
+            s.bind(("", port))
+
+
+def test_a_port_in_use_is_passed_over():
+    taken = ports.free_port()
+    with socket.socket() as holder:
+        holder.bind(("", taken))
+        holder.listen()
+        band = ports._band()
+        chosen = [ports.free_port() for _ in range(len(band))]  # once round the band
+    assert taken not in chosen
