@@ -1,13 +1,14 @@
 """Run under the deepspeed launcher by test_world_size_change.py (not collected by pytest).
 
-    reshard_engine_check.py OUT_DIR train|resume STAGE
+    reshard_engine_check.py OUT_DIR train|resume NAME=STAGE...
 
 A debug MAE trains on a fixed sequence of global batches (16 images + masking noise per step,
 generated from the step number, so the data do not depend on the world size). `train` (2 ranks,
 micro 8 x accumulation 1) writes a checkpoint after step 3 and records the losses of steps 4-5;
 `resume` (1 rank, micro 8 x accumulation 2, the same global batch, any ZeRO stage) loads that
 checkpoint and trains steps 4-5 on the same batches. Equal losses mean weights, Adam moments,
-step count and schedule all carried over.
+step count and schedule all carried over. Each NAME=STAGE is one case, in OUT_DIR/NAME, all in
+one process group: the launcher and the ranks start once for every case.
 """
 import json
 import sys
@@ -31,6 +32,7 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main(out: Path, phase: str, stage: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     ds_file = out / f"ds_{stage}.json"
     ds_file.write_text(json.dumps({"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": MICRO,
                                    "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}}))
@@ -64,9 +66,11 @@ def main(out: Path, phase: str, stage: int) -> None:
             checkpoint.save(engine, tag.parent, step, {"step": step, "data": [{}] * world}, rank, world, meta)
     if rank == 0:
         (out / f"losses_{phase}.json").write_text(json.dumps(losses))
-    end_rank()
 
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    main(Path(args[0]), args[1], int(args[2]))
+    for case in args[2:]:
+        name, stage = case.split("=")
+        main(Path(args[0]) / name, args[1], int(stage))
+    end_rank()

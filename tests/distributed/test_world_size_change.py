@@ -31,18 +31,29 @@ def write_ds(path: Path, stage: int = 2, **extra) -> Path:
     return path
 
 
-@pytest.mark.parametrize("stages", [(0, 3), (1, 2), (2, 0), (3, 1)])
-def test_weights_moments_and_schedule_carry_over_from_2_ranks_to_1_and_across_zero_stages(tmp_path, stages):
+STAGES = [(0, 3), (1, 2), (2, 0), (3, 1)]  # (trained on 2 ranks, resumed on 1)
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory) -> Path:
+    """Every case of STAGES, trained in one 2-rank launch and resumed in one 1-rank launch."""
+    out = tmp_path_factory.mktemp("reshard")
     script = str(REPO / "tests" / "distributed" / "reshard_engine_check.py")
-    deepspeed(2, script, str(tmp_path), "train", str(stages[0]))
-    deepspeed(1, script, str(tmp_path), "resume", str(stages[1]))
-    want = json.loads((tmp_path / "losses_train.json").read_text())
-    got = json.loads((tmp_path / "losses_resume.json").read_text())
+    deepspeed(2, script, str(out), "train", *(f"{a}to{b}={a}" for a, b in STAGES))
+    deepspeed(1, script, str(out), "resume", *(f"{a}to{b}={b}" for a, b in STAGES))
+    return out
+
+
+@pytest.mark.parametrize("stages", STAGES)
+def test_weights_moments_and_schedule_carry_over_from_2_ranks_to_1_and_across_zero_stages(resharded, stages):
+    case = resharded / f"{stages[0]}to{stages[1]}"
+    want = json.loads((case / "losses_train.json").read_text())
+    got = json.loads((case / "losses_resume.json").read_text())
     assert list(got) == ["4", "5"]
     assert got["4"] == pytest.approx(want["4"], rel=1e-6)  # weights after step 3
     assert got["5"] == pytest.approx(want["5"], rel=1e-5)  # + Adam moments, step count, lr of step 4
     assert got["5"] != pytest.approx(want["4"], rel=1e-3)  # the step changed the loss
-    tag = tmp_path / "run" / "checkpoints" / "step00000003"
+    tag = case / "run" / "checkpoints" / "step00000003"
     # each rank writes its part of the optimizer state (the sharded stages their shards; DDP's replicas
     # are split between the ranks), and rank 0 the weights by name
     assert {p.name for p in (tag / "optim").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
