@@ -9,7 +9,7 @@ is touched. Evaluation: resize the shorter side to size / crop_pct, then center-
 normalised. All convert to 3-channel 8-bit RGB (data/image_modes.py: grayscale replicated, CMYK
 converted, 16-bit grey scaled by >> 8); normalisation uses the ImageNet mean/std.
 
-Decoding (`data.decode`) for the pretraining crops:
+Decoding (`data.decode`, data/transform_settings.py DECODES) for the pretraining crops:
   cpu        RGB / grayscale JPEGs decoded by libjpeg-turbo straight into a uint8 tensor
              (torchvision.io.decode_jpeg; other images through PIL), the crop resized on the
              tensor (antialiased bicubic);
@@ -45,9 +45,6 @@ try:  # deprecated in torchvision 0.29 in favour of TorchCodec; PIL decodes when
     from torchvision.io import ImageReadMode, decode_jpeg
 except ImportError:  # pragma: no cover
     decode_jpeg = None
-
-DECODES = ("cpu", "cpu_draft", "nvjpeg")
-
 
 def to_normalized_tensor(img: Image.Image) -> torch.Tensor:
     """PIL (any mode) -> (3, H, W) float, ImageNet-normalised."""
@@ -190,17 +187,6 @@ class EvalTransform:
     def __call__(self, img: Image.Image, seed: int = 0) -> torch.Tensor:
         img = TF.resize(to_rgb(img), self.resize, InterpolationMode.BICUBIC, antialias=True)
         return to_normalized_tensor(TF.center_crop(img, [self.size, self.size]))
-
-
-def check_augment_policy(policy: str) -> None:
-    """ValueError when timm cannot build `policy` (data.randaug), before any run starts ('' is none)."""
-    from timm.data import create_transform
-
-    try:
-        create_transform(16, is_training=True, auto_augment=policy or None)
-    except (AssertionError, KeyError, ValueError, IndexError) as e:
-        raise ValueError(f"data.randaug {policy!r} is no timm augmentation policy ({e}): give one such as "
-                         f"rand-m9-mstd0.5-inc1 (MAE's fine-tuning), augmix-m5, original, or '' for none") from None
 
 
 class RandAugTransform:

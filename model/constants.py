@@ -1,4 +1,5 @@
-"""Host values (Python numbers) as device tensors, made once per device and dtype.
+"""The ImageNet statistics images are normalised with, and host values (Python numbers) as device
+tensors, made once per device and dtype.
 
 `torch.tensor(values, device=cuda)` copies from pageable host memory and waits for the device's
 stream to reach the copy: a host-device sync wherever it runs inside a training step. Here the
@@ -9,6 +10,12 @@ from __future__ import annotations
 import functools
 
 import torch
+
+# timm's IMAGENET_DEFAULT_MEAN / _STD, which the data pipeline normalises with (data/transforms.py),
+# written out: importing timm loads every timm model and torchvision, seconds of start-up for each
+# command line, and model/ builds every method's objective class to parse one (the test pins them)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,10 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from timm.data.constants import IMAGENET_DEFAULT_MEAN as IMAGENET_MEAN
-from timm.data.constants import IMAGENET_DEFAULT_STD as IMAGENET_STD
-
-from model.constants import device_constant
+from model.constants import IMAGENET_MEAN, IMAGENET_STD, device_constant
 
 Generator = torch.Generator | None
 
@@ -94,8 +91,8 @@ def colorize(x: torch.Tensor, generator: Generator = None) -> torch.Tensor:
     """Grayscale input: 0.299 R + 0.587 G + 0.114 B of the unnormalised pixels, on every channel."""
     if x.shape[1] != 3:
         raise ValueError(f"colorization needs RGB input, got {x.shape[1]} channels")
-    mean = device_constant(tuple(IMAGENET_MEAN), x.device, x.dtype)[:, None, None]
-    std = device_constant(tuple(IMAGENET_STD), x.device, x.dtype)[:, None, None]
+    mean = device_constant(IMAGENET_MEAN, x.device, x.dtype)[:, None, None]
+    std = device_constant(IMAGENET_STD, x.device, x.dtype)[:, None, None]
     rgb = x * std + mean
     luma = (0.299 * rgb[:, 0] + 0.587 * rgb[:, 1] + 0.114 * rgb[:, 2])[:, None]  # (B, 1, H, W)
     return (luma - mean) / std

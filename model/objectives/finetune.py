@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from timm.data import Mixup
-from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import nn
 
 from model.objectives.base import ClassifierConfig, Objective, register_objective
@@ -44,6 +42,11 @@ class FinetuneObjective(Objective):
         encoder.reset_head(cfg.num_classes)
         nn.init.trunc_normal_(encoder.head.weight, std=2e-5)  # MAE's head init for fine-tuning
         nn.init.zeros_(encoder.head.bias)
+        # timm (with the torchvision it imports) loads here, where a fine-tuning run builds its
+        # objective, not where every command line is parsed (model/objectives imports every method)
+        from timm.data import Mixup
+        from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+
         self.mixup = None
         if cfg.mixup > 0 or cfg.cutmix > 0:  # timm draws lam / boxes from numpy's global RNG (checkpointed)
             self.mixup = Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, label_smoothing=cfg.smoothing,

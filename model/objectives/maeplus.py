@@ -26,10 +26,9 @@ import difflib
 from dataclasses import dataclass, field
 
 import torch
-from timm.data.constants import IMAGENET_DEFAULT_STD
 from torch import nn
 
-from model.constants import device_constant
+from model.constants import IMAGENET_STD, device_constant
 from model.irpe import COORD_LOOKUPS, grid_coords
 from model.mae_decoder import MAEDecoder
 from model.objectives.adversary import NORMS, UPDATES, Adversaries, RPEPerturbation, coordinate_corners
@@ -225,5 +224,5 @@ class MAEPlusObjective(Objective):
             loss = masked_patch_loss(self.reconstruct(probe, masked), target, masked.float())
             (grad,) = torch.autograd.grad(loss, probe)
         C = crops.shape[1]
-        std = device_constant(tuple(IMAGENET_DEFAULT_STD) if C == 3 else (1.0,) * C, crops.device, crops.dtype)
+        std = device_constant(IMAGENET_STD if C == 3 else (1.0,) * C, crops.device, crops.dtype)
         return (crops + self.cfg.fgsm_eps * grad.sign() / std[:, None, None]).detach()

@@ -29,3 +29,15 @@ def test_on_a_device_other_than_the_cpu_the_constant_lives_there():
     """The `meta` device stands in for an accelerator: the copy goes to the device asked for."""
     meta = device_constant((1.0, 2.0, 3.0), torch.device("meta"), torch.bfloat16)
     assert meta.device.type == "meta" and meta.shape == (3,) and meta.dtype == torch.bfloat16
+
+
+def test_the_imagenet_statistics_are_timms_and_the_data_pipelines():
+    """model/ writes them out (importing timm costs every command line seconds); the objectives
+    un-normalise with the values the data was normalised with."""
+    from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    from data import transforms
+    from model.constants import IMAGENET_MEAN, IMAGENET_STD
+
+    assert IMAGENET_MEAN == tuple(IMAGENET_DEFAULT_MEAN) == tuple(transforms.IMAGENET_MEAN)
+    assert IMAGENET_STD == tuple(IMAGENET_DEFAULT_STD) == tuple(transforms.IMAGENET_STD)

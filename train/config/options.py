@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from data.labels import LabelKey
-from data.transforms import DECODES, check_augment_policy
+from data.transform_settings import DECODES, check_augment_policy
 from kernels import resolve_backend
 from model.objectives import OBJECTIVES, ObjectiveConfig, list_objectives
 from model.registry import list_models, model_arch

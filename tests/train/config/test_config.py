@@ -148,3 +148,21 @@ def test_peak_lr_and_schedule_steps_follow_the_global_batch_not_the_micro_batch(
     per_epoch = cfg.data.epoch_size // 8
     assert per_epoch > 1  # the preset's epoch tells a global batch from a micro-batch
     assert schedule_steps(cfg, plan) == (per_epoch, per_epoch * cfg.optim.epochs, per_epoch * cfg.optim.warmup_epochs)
+
+
+def test_parsing_a_configuration_loads_neither_timm_nor_torchvision():
+    """The options, their checks and every method's objective class import without timm (which
+    loads all its models) or torchvision (which loads torch._dynamo): seconds of start-up that a
+    command's --help or a bad value would otherwise pay; the data transforms load them where a run
+    builds its data."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import sys; from train.config.parsing import parse_args; from model.objectives import list_objectives; "
+            "parse_args(['--ds_config', 'ds_configs/cpu_debug.json', '--config', 'train/configs/mae/debug.json']); "
+            "print(sorted(m for m in ('timm', 'torchvision', 'torch._dynamo') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
