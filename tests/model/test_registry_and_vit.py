@@ -61,6 +61,7 @@ def test_mae_init():
     w = m.patch_embed.proj.weight  # (D, C, p, p) viewed as (D, C*p*p)
     bound = (6 / (w.shape[0] + w[0].numel())) ** 0.5
     assert w.abs().max() <= bound and w.abs().max() > 0.9 * bound
+    assert torch.all(m.patch_embed.proj.bias == 0)  # zeroed like the Linears' (PyTorch's Conv2d default is uniform)
     big = create_model("vit_small_patch16", img_size=32)
     assert abs(big.cls_token.std().item() - 0.02) < 0.004
 

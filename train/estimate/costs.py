@@ -88,7 +88,8 @@ def _kept_matrix_bytes(attn: nn.Module, mask, rpe: bool, fused_kernels: bool, va
     if isinstance(mask, TopKMask) and not fused_kernels:
         return kept + 5.0  # fp32 probabilities + the boolean keep-mask of the composition
     if isinstance(mask, SegmentMask) and not fused_kernels:
-        return kept + 1.0 / attn.num_heads  # the (B, 1, T, T) boolean mask SDPA gets
+        # SDPA turns the (B, 1, T, T) boolean mask into an additive one of q's dtype, kept for backward
+        return kept + value_bytes / attn.num_heads
     return kept
 
 

@@ -21,7 +21,8 @@ ZeRO 1-3 on several ranks (FSDP2: train/engine/sharded.py): the fp32 shards are 
                    unsynced micro-batches' unsharded sums, in the reduce dtype)
   extra_gradients  (w + r) L: a unit's gradients before and during its reduce-scatter
   optimizer        8 Psi / N
-`buffers` are the module's registered buffers (fixed position tables and the like).
+`buffers` are the module's registered buffers (fixed position tables and the like): floating ones
+in the compute dtype, as the engines cast them, integer ones (iRPE's bucket ids) at their own size.
 `outside` is what an objective trains with its own optimizers beside the engine (MLO-MAE's
 masking network and level-II head: Objective.outside_parameters): 16 bytes per parameter on every
 rank, fp32 weights, their gradients and AdamW's two moments.
@@ -144,7 +145,10 @@ def estimate(cfg, ds: dict, plan: BatchPlan, gpu: GPU) -> MemoryEstimate:
     largest = largest_layer(objective)
     states = model_states(params, trainable, largest, prec, stage, plan.world, plan.accum, reduce_dtype(ds))
     acts = prof.activation_bytes(value_bytes)
-    buffers = sum(b.numel() for b in objective.buffers()) * value_bytes
+    # the engines cast floating buffers to the compute dtype (module.to); integer ones (iRPE's bucket
+    # ids, int64; the drop-path keep bits, int32) keep their own size
+    buffers = sum(b.numel() * (value_bytes if b.is_floating_point() else b.element_size())
+                  for b in objective.buffers())
     outside = sum(p.numel() for p in objective.outside_parameters())
     return MemoryEstimate(params, trainable, largest, states.weights, states.gradients, states.optimizer,
                           states.extra_gradients, buffers, outside, acts, acts / plan.micro, prof)

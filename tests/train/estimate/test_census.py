@@ -122,6 +122,21 @@ def test_the_counter_sees_kernels_collectives_and_syncs_by_phase():
     assert syncs.records[0].where.startswith("test_census.py:")  # outside the library: the file's name
 
 
+def test_a_step_begins_at_every_accum_th_data_phase():
+    """With 2 micro-batches per optimizer step, 4 data phases are 2 steps of 2 forwards each
+    (tools/census.py sets the tally's accum from the subject's)."""
+    tally = Tally()
+    tally.accum = 2
+    steps = []
+    for _ in range(4):
+        with tally("data"):
+            steps.append(tally.step)
+        with tally("forward"):
+            tally.add("launches")
+    assert steps == [1, 1, 2, 2]
+    assert [tally.per_step(s)["forward"]["launches"] for s in (1, 2)] == [2, 2]
+
+
 def test_the_counter_sees_a_compiled_graphs_kernels_and_its_aten_calls_by_phase():
     """mm((x * 2).relu(), w): inductor fuses the mul and the relu into one C++ kernel and calls the
     matmul as an aten op (an extern kernel): 2 launches where eager runs 3, in the phase the graph

@@ -128,6 +128,38 @@ def test_ddp_buckets_every_micro_batch_in_bf16_once_per_step_in_fp32():
     assert small.calls["all_reduce gradients fp32"] == 41  # 4 MB buckets of 160 MB (+ the root's, the last)
 
 
+def test_a_units_forward_is_a_third_of_its_compute_a_quarter_when_checkpointed():
+    """Training is 3 x the forward FLOPs; a checkpointed block runs its forward again in backward,
+    so of the same total the forward takes 1/4 and the backward (with the recompute) 3/4."""
+    flops = 2e11
+    total = 3 * flops / (0.5 * 1000e12)  # at 500 TFLOP/s
+    plain, ckpt = Unit("b", 1, flops), Unit("b", 1, flops, checkpointed=True)
+    assert plain.forward_s(GPU) == pytest.approx(total / 3) and plain.backward_s(GPU) == pytest.approx(2 * total / 3)
+    assert ckpt.forward_s(GPU) == pytest.approx(total / 4) and ckpt.backward_s(GPU) == pytest.approx(3 * total / 4)
+
+
+def test_a_ddp_bucket_that_fills_mid_block_is_issued_then_and_hides_behind_the_rest_of_the_block():
+    """One block of 1M bf16 gradients in buckets of half of them: the first bucket is full halfway
+    through the block's backward (0.2 ms of it left, far more than its all-reduce), so only the
+    second (issued at the block's end) and the root's last bucket stay exposed."""
+    m, world = toy(blocks=1, block_params=1_000_000, root_params=1_000, block_flops=1e11), 8
+    est = estimate("after", m, StepConfig(0, "bf16", "bf16", 1, bucket_elements=500_000), world, NET, GPU)
+    assert est.calls == {"all_reduce gradients bf16": 3}
+    second, root = seconds("all_reduce", 2 * 500_000, world), seconds("all_reduce", 2 * 1_000, world)
+    assert est.exposed_s == pytest.approx(second + root)
+
+
+def test_ddp_buckets_are_counted_in_elements_of_the_reduce_dtype():
+    """reduce_bucket_size is in elements: 1M of them are 2 MB in bf16, 4 MB in fp32, so a bf16
+    backward of half the bytes needs as many buckets as the fp32 one."""
+    assert StepConfig(0, "bf16", "bf16", 1, 1_000_000).bucket_bytes() == 2_000_000
+    assert StepConfig(0, "bf16", "fp32", 1, 1_000_000).bucket_bytes() == 4_000_000
+    m, world = toy(blocks=4, block_params=10_000_000), 8
+    for dtype in ("bf16", "fp32"):
+        est = estimate("after", m, StepConfig(0, dtype, dtype, 1, bucket_elements=1_000_000), world, NET, GPU)
+        assert est.calls == {f"all_reduce gradients {dtype}": 40 + 1}  # 40M elements in 1M-element buckets + the root's
+
+
 def test_after_exposes_less_than_before_across_nodes_at_every_stage():
     """A ViT-B-like model: 20 blocks of 7M parameters, a 1.4M root, 50 ms of compute per step."""
     m = toy(root_params=1_400_000, block_params=7_000_000, blocks=20, root_flops=5e11, block_flops=1.2e12)

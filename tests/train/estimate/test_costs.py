@@ -67,6 +67,64 @@ def test_activation_estimate_matches_what_autograd_keeps(name):
     assert measured == pytest.approx(estimate, rel=0.1)
 
 
+def kept_matrix_bytes(attn, x, mask=None) -> int:
+    """Bytes of the (.., T, T) tensors autograd keeps from one attention call, buffers (the rpe's
+    bucket ids, shared by every call) left out."""
+    T = x.shape[1]
+    buffers = {b.untyped_storage().data_ptr() for b in attn.buffers()}
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if t.shape[-2:] == (T, T) and storage.data_ptr() not in buffers:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attn(x, mask)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("backend,mask,rpe", [("math", None, False), ("math", None, True), ("sdpa", None, False),
+                                              ("sdpa", "topk", False)])
+def test_the_attention_matrices_kept_per_element_are_what_autograd_keeps(backend, mask, rpe):
+    """Per (batch x head x T x T) element, fp32 on CPU (no fused kernels): the math backend keeps
+    fp32 probabilities (4), the relative-position bias adds its value (4), SDPA's flash kernel keeps
+    none, TopK without the fused kernels the reference's probabilities and boolean keep-mask (5).
+    (SDPA with a bias that needs a gradient falls back to math on CPU, unlike GPU kernels: not here.)"""
+    from kernels.masked import TopKMask
+    from model.vit import Attention
+    from train.estimate.costs import _kept_matrix_bytes
+
+    B, T, D, H = 2, 50, 32, 2
+    torch.manual_seed(0)
+    attn = Attention(D, H, backend=backend, rpe_grid=(7, 7) if rpe else None)
+    m = TopKMask(10) if mask == "topk" else None
+    measured = kept_matrix_bytes(attn, torch.randn(B, T, D, requires_grad=True), m)
+    assert _kept_matrix_bytes(attn, m, rpe, False, 4) * B * H * T * T == measured
+
+
+def test_a_segment_mask_is_kept_once_for_all_heads():
+    """MixedAE's segment mask without the fused kernels: SDPA gets one (B, 1, T, T) boolean mask
+    shared by the heads and keeps it as an additive mask of q's dtype, so per (batch x head)
+    element the estimate counts a value's bytes over the heads; with the fused kernels (as TopK's)
+    no T x T matrix is kept."""
+    from kernels.masked import GLOBAL, SegmentMask, TopKMask
+    from model.vit import Attention
+    from train.estimate.costs import _kept_matrix_bytes
+
+    B, T, D, H = 2, 50, 32, 8
+    torch.manual_seed(0)
+    attn = Attention(D, H)
+    segments = torch.randint(0, 2, (B, T))
+    segments[:, 0] = GLOBAL
+    mask = SegmentMask(segments)
+    measured = kept_matrix_bytes(attn, torch.randn(B, T, D, requires_grad=True), mask)  # the (B, 1, T, T) mask
+    estimate = _kept_matrix_bytes(attn, mask, False, False, 4) * B * H * T * T
+    assert estimate == measured == 4 * B * T * T
+    assert _kept_matrix_bytes(attn, mask, False, True, 4) == _kept_matrix_bytes(attn, TopKMask(10), False, True, 4) == 0
+
+
 def test_energy_double_backward_factor_matches_what_autograd_keeps():
     from model.objectives.energy import EnergyConfig
 

@@ -60,6 +60,69 @@ def test_sharded_stages_divide_what_they_shard():
     assert model_states(P, psi, L, "bf16", 3, 1) == z0  # one rank: nothing to shard
 
 
+def test_sharded_stages_hold_one_units_gradients_in_the_compute_and_the_reduce_dtype():
+    """ZeRO 1-3: (w + r) L, a unit's gradients from autograd (w bytes) and in its reduce-scatter (r)."""
+    P, psi, L = 1000, 900, 100
+    for stage in (1, 2, 3):
+        assert model_states(P, psi, L, "bf16", stage, 8).extra_gradients == (2 + 2) * L
+        assert model_states(P, psi, L, "bf16", stage, 8, reduce="fp32").extra_gradients == (2 + 4) * L
+        assert model_states(P, psi, L, "fp32", stage, 8).extra_gradients == (4 + 4) * L
+
+
+def test_the_largest_unit_is_a_block_or_what_sits_outside_the_blocks():
+    """A ViT block: qkv 3 D^2 + 3 D, proj D^2 + D, fc1 4 D^2 + 4 D, fc2 4 D^2 + D, two LayerNorms 4 D.
+    ViT-B's root (patch embedding, cls, norm) is smaller than a block; a big head makes it the largest."""
+    from model.registry import create_model
+
+    with torch.device("meta"):
+        vit_b = create_model("vit_base_patch16")
+    D = 768
+    assert largest_layer(vit_b) == 12 * D * D + 13 * D
+    torch.manual_seed(0)
+    debug = create_model("vit_debug_patch4")  # width 32, depth 2
+    headed = torch.nn.ModuleDict({"encoder": debug, "head": torch.nn.Linear(32, 1000)})
+    D = 32
+    root = sum(p.numel() for p in headed.parameters()) - 2 * (12 * D * D + 13 * D)
+    assert root > 12 * D * D + 13 * D and largest_layer(headed) == root
+
+
+def test_the_largest_micro_batch_fits_beside_everything_that_does_not_grow_with_it():
+    from train.estimate.gpus import GPU
+    from train.estimate.memory import GIB, HEADROOM, OUTSIDE_BYTES, MemoryEstimate
+
+    gpu = GPU("test", 16, bf16=True, sm80=True, peak_tflops=100, capability="8.0")
+    parts = dict(weights=3 * GIB, gradients=GIB, optimizer=2 * GIB, extra_gradients=GIB, buffers=GIB // 2)
+    outside_params, per_sample = 50_000_000, 100 * 2**20
+
+    def mem(micro):
+        return MemoryEstimate(1, 1, 1, **parts, outside_params=outside_params, activations=micro * per_sample,
+                              activations_per_sample=per_sample, profile=None)
+
+    fixed = sum(parts.values()) + OUTSIDE_BYTES * outside_params  # 7.5 GiB + 0.75 GiB, not only the 6 of model states
+    n = mem(1).largest_micro(gpu)
+    assert n == int((HEADROOM * 16 * GIB - fixed) // per_sample) > 0
+    assert mem(n).fits(gpu) and not mem(n + 1).fits(gpu)
+
+
+def test_buffers_are_the_modules_registered_buffers():
+    """MAE+ with AdPE's relative positions (debug ViT: N = 49 patches, T = 50 tokens): each of the 3
+    blocks' rpe holds its (T, T) int64 bucket ids and (N, N, 2) float offsets, the objective its
+    (N, 2) float grid coordinates: the engines cast the float ones to the compute dtype (fp32 and
+    bf16 here), the integer ones keep their size."""
+    from train.estimate.gpus import gpu_named
+    from train.estimate.memory import estimate
+
+    cfg = parse_args(["--ds_config", str(REPO / "ds_configs/cpu_debug.json"),
+                      "--config", str(REPO / "train/configs/maeplus/debug.json"),
+                      "--config", str(REPO / "train/configs/maeplus/variants/rpe_coord.json")])
+    final, plan = resolve(cfg, 1)
+    N, T, blocks = 49, 50, 3  # 2 encoder blocks, 1 decoder block
+    for prec, value_bytes in (("fp32", 4), ("bf16", 2)):
+        ds = {**final, "bf16": {"enabled": prec == "bf16"}}
+        assert estimate(cfg, ds, plan, gpu_named("a100")).buffers == (
+            blocks * (8 * T * T + value_bytes * N * N * 2) + value_bytes * N * 2), prec
+
+
 def test_a_steps_floor_is_what_the_debug_vit_certainly_holds(monkeypatch):
     from train.estimate.memory import check_floor, step_floor
 
