@@ -80,6 +80,8 @@ def make_bad(kind: str, folder: Path) -> Path:
         "offsets beyond the data": _edited_header(raw, lambda h: h["b"].update(shape=[1000],
                                                                                 data_offsets=[64, 4064])),
         "unknown dtype": _edited_header(raw, lambda h: h["a"].update(dtype="F7")),
+        "bytes after the last tensor": raw + bytes(16),
+        "a span other than its shape's": _edited_header(raw, lambda h: h["b"].update(shape=[4])),  # 32 bytes for 16
     }
     if kind in contents:
         st.write_bytes(contents[kind])
@@ -113,6 +115,9 @@ KINDS = {
                            r"\(tensors overlap or leave a gap\)",
     "offsets beyond the data": r"is truncated in its data: its tensors end at byte 4064 of the data, the file holds 96",
     "unknown dtype": r"tensor 'a' has dtype 'F7', which is none of safetensors' torch dtypes",
+    "bytes after the last tensor": r"is not a safetensors file written whole: 16 bytes follow its last tensor",
+    "a span other than its shape's": r"tensor 'b' spans 32 bytes by its data_offsets, but its shape \[4\] of F32 "
+                                     r"takes 16",
     "pth zip without a data record": r"cannot be read as a torch file, it is damaged or truncated \(RuntimeError: "
                                      r".*data/0",
     "pth of random bytes": r"is not a torch file: neither torch.save's zip archive nor its earlier pickle format",
@@ -305,18 +310,24 @@ def test_readers_share_one_judgement(tmp_path):
         assert all(torch.equal(state[k], v) for k, v in GOOD.items())
 
 
-def test_weights_that_are_not_finite_are_refused_in_one_line(shards, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("name", ["diverged.safetensors", "diverged.pth"])  # .pth: official MAE's {"model": state}
+def test_weights_that_are_not_finite_are_refused_in_one_line(name, shards, tmp_path, capsys, monkeypatch):
     """A diverged run's weights loaded without a word: pretraining from them skipped every step
     (NaN losses) and exported NaN weights with exit 0; evaluate ended in L-BFGS's traceback."""
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     state = {k: v.clone().contiguous() for k, v in create_model("vit_debug_patch4", in_chans=1).state_dict().items()}
     state["blocks.1.mlp.fc2.weight"][3, :2] = torch.tensor([float("nan"), float("inf")])
-    save_file(state, str(tmp_path / "diverged.safetensors"))
-    said = r"diverged.safetensors: weight blocks.1.mlp.fc2.weight holds 2 NaN or infinite value\(s\) of 4096"
+    if name.endswith(".pth"):
+        torch.save({"model": state}, tmp_path / name)
+    else:
+        save_file(state, str(tmp_path / name))
+    said = rf"{re.escape(name)}: weight blocks.1.mlp.fc2.weight holds 2 NaN or infinite value\(s\) of 4096"
+    with pytest.raises(WeightsFileError, match=said):  # the reader itself, before any entry point
+        safe_load(tmp_path / name)
     for entry in ("pretrain", "evaluate"):
         module, argv = ENTRIES[entry]
         out = tmp_path / f"{entry}_out"
-        status, err = run_promptly(module, argv(tmp_path / "diverged.safetensors", out, shards), capsys)
+        status, err = run_promptly(module, argv(tmp_path / name, out, shards), capsys)
         assert_refused(status, err, said, "give weights saved before the divergence")
         assert not out.exists()
 

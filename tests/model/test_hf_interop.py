@@ -312,6 +312,14 @@ def test_sizes_are_checked_against_the_model_and_the_decoder(tmp_path):
                                          r"--mae.decoder_dim 16 --mae.decoder_depth 1 --mae.decoder_heads 2"):
         check_folder_fits(tmp_path, "vit_debug_patch4", debug, {"mae.decoder_dim": 16, "mae.decoder_depth": 1,
                                                                 "mae.decoder_heads": 4})
+    # a 2x decoder MLP: our decoder's is 4x, so its fc1/fc2 would not load (found before start, not at load)
+    small_mae(decoder_intermediate_size=32).save_pretrained(tmp_path / "mlp2x")
+    says = r"config.json decoder_intermediate_size 32 is not 4 x decoder_hidden_size 16; the MAE decoder here has a 4x MLP"
+    with pytest.raises(ValueError, match=says):
+        check_folder_fits(tmp_path / "mlp2x", "vit_debug_patch4", debug, {"mae.decoder_dim": 16,
+                                                                           "mae.decoder_depth": 1, "mae.decoder_heads": 2})
+    with pytest.raises(ValueError, match=says):
+        mae_from_transformers(tmp_path / "mlp2x")
 
 
 def test_other_activations_and_unknown_weights_are_refused():

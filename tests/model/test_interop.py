@@ -86,6 +86,17 @@ def test_heads_must_be_given_for_unknown_widths():
     assert encoder_from_state(enc.state_dict(), num_heads=2).arch == enc.arch
 
 
+@pytest.mark.parametrize("name", ["vit_tiny_patch16", "vit_small_patch16", "vit_base_patch16", "vit_large_patch16",
+                                  "vit_huge_patch14"])
+def test_the_head_count_inferred_for_each_standard_width_is_the_papers(name):
+    """Weights do not hold the head count: an official ViT-B read with 16 heads computes other features."""
+    from model.registry import model_arch
+
+    patch = model_arch(name)["patch_size"]
+    enc = create_model(name, img_size=2 * patch, depth=1)  # one block: the width is what sets the heads
+    assert encoder_from_state(enc.state_dict()).arch["num_heads"] == model_arch(name)["num_heads"]
+
+
 def test_official_mae_checkpoint_starts_mlo_mae(mae, tmp_path):
     """Continued pretraining (MLO-MAE section 3.6): encoder and decoder both come from the release."""
     from model.interop import load_into_objective
@@ -151,6 +162,19 @@ def test_a_mean_pooled_encoder_given_to_a_cls_model_is_told_the_option(tmp_path)
     avg = build_objective("linprobe", create_model("vit_debug_patch4", global_pool="avg"), LinearProbeConfig(num_classes=3))
     load_into_objective(avg, tmp_path / "ft.safetensors")
     assert torch.equal(avg.encoder.fc_norm.weight, finetuned.fc_norm.weight)
+
+
+def test_tensors_the_encoder_has_no_place_for_are_refused_not_dropped(tmp_path):
+    """iRPE tables given to an encoder without iRPE: loading the rest would silently lose them."""
+    from model.interop import load_into_objective
+    from model.objectives.linear_probe import LinearProbeConfig
+
+    rpe = create_model("vit_debug_patch4", rpe=True)
+    save_file({k: v.contiguous() for k, v in rpe.state_dict().items()}, str(tmp_path / "rpe.safetensors"))
+    probe = build_objective("linprobe", create_model("vit_debug_patch4"), LinearProbeConfig(num_classes=3))
+    with pytest.raises(ValueError, match=r"does not fit the configured encoder: missing \[\], unexpected "
+                                         r"\['blocks.0.attn.rpe.table', 'blocks.1.attn.rpe.table'\]"):
+        load_into_objective(probe, tmp_path / "rpe.safetensors")
 
 
 @pytest.mark.parametrize("extra, says", [

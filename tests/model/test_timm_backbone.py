@@ -28,3 +28,14 @@ def test_a_model_without_stochastic_depth_builds_unless_asked_for_it():
 def test_patch_size_is_the_patch_embeddings(name, patch):
     with torch.device("meta"):
         assert create_model(f"timm/{name}", img_size=224).patch_size == patch
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to("meta")], ids=["half", "to meta"])
+def test_conversions_keep_the_inner_models_top_level_parameters_ours(convert):
+    """The ViT's cls_token / pos_embed are registered on the adapter too (what the optimiser and the
+    checkpoint see); after .half() or .to() the inner model must still compute with those objects,
+    not with stale copies that training would never update."""
+    m = convert(create_model("timm/vit_tiny_patch16_224", img_size=32))
+    for name in ("cls_token", "pos_embed"):
+        assert getattr(m.inner, name) is getattr(m, name), name
+        assert getattr(m.inner, name).dtype == next(m.inner.blocks.parameters()).dtype

@@ -154,6 +154,21 @@ def test_a_learned_pos_embed_is_interpolated_for_another_resolution_and_sincos_r
     assert torch.equal(ft.encoder.pos_embed[:, :1], small.pos_embed[:, :1]) and ft.encoder.pos_embed.requires_grad
 
 
+def test_a_table_near_sincos_but_fine_tuned_is_interpolated_not_replaced():
+    """Only a table that IS sin-cos (to bf16 rounding) is rebuilt: one fine-tuning moved by ~0.02
+    is learned, and throwing it away for a fresh sin-cos table loses what fine-tuning learned."""
+    from model.interop import resize_pos_embed
+    from model.pos_embed import sincos_2d
+
+    torch.manual_seed(0)
+    learned = sincos_2d(32, (4, 4), cls_token=True)[None] + 0.02 * torch.randn(1, 17, 32)
+    out = resize_pos_embed(learned, (7, 7))
+    grid = learned[:, 1:].reshape(1, 4, 4, 32).permute(0, 3, 1, 2)
+    want = F.interpolate(grid, size=(7, 7), mode="bicubic", align_corners=False).permute(0, 2, 3, 1).reshape(1, 49, 32)
+    assert torch.allclose(out[:, 1:], want, atol=1e-6) and torch.equal(out[:, :1], learned[:, :1])
+    assert not torch.allclose(out, sincos_2d(32, (7, 7), cls_token=True)[None], atol=1e-3)
+
+
 def test_an_odd_micro_batch_with_mixup_is_refused_before_start():
     """It passed every check, wrote the run folder and ended in a traceback at the first forward."""
     from conftest import CPU_DS, DEBUG_PRESET
