@@ -50,6 +50,10 @@ def test_bf16_run_exports_fp32_master_weights(tmp_path):
     w = exported["blocks.0.attn.qkv.weight"]
     assert w.dtype == torch.float32 and torch.equal(module["encoder.blocks.0.attn.qkv.weight"], w)  # the checkpoint's
     assert not torch.equal(w, w.bfloat16().float())  # real fp32 masters, not the rounded bf16 copy
+    # frozen tables (the sin-cos pos_embed) are held in bf16 as the module holds them: exported as fp32 too
+    assert module["encoder.pos_embed"].dtype == torch.bfloat16
+    assert {t.dtype for t in exported.values()} == {torch.float32}
+    assert torch.equal(exported["pos_embed"], module["encoder.pos_embed"].float())
     load_timm_encoder(tmp_path / "run" / "encoder.safetensors")
     from train.engine.checkpoint import verify_safe
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_pretrain
+from PIL import Image
 from safetensors.torch import load_file
 
 from model import create_model
@@ -16,8 +17,8 @@ from train.engine.checkpoint import read_meta
 from train.engine.state_files import read_tensors
 from train.export import main as export_main
 from train.run.folder import read_metrics
-from train.weights.export import export_transformers
-from train.weights.transformers import choose_architecture
+from train.weights.export import export_transformers, pretrained_state
+from train.weights.transformers import build_config, choose_architecture
 
 transformers = pytest.importorskip("transformers")
 
@@ -73,6 +74,8 @@ def test_the_folder_carries_the_image_processor_and_a_model_card(mae_run, tmp_pa
     # the run's normalisation of 1-channel (synthetic) input: (x / 255 - 0.5) / 0.25, at the run's 28 px
     want = (torch.from_numpy(pixels).permute(2, 0, 1).float() / 255 - 0.5) / 0.25
     assert got.shape == (1, 28, 28) and torch.allclose(got, want, atol=1e-6)
+    # images of other sizes are resized as our transforms resize them: bicubic (PIL's code, as transformers records it)
+    assert json.loads((out / "preprocessor_config.json").read_text())["resample"] == Image.Resampling.BICUBIC
     card = (out / "README.md").read_text()
     last = read_metrics(mae_run)[-1]
     assert "`mae`: mask_ratio 0.75, norm_pix_loss true, decoder_dim 32" in card
@@ -144,6 +147,29 @@ def test_a_classifier_exports_with_the_labels_of_its_shards(mae_run, tmp_path):
     with torch.no_grad():
         assert (theirs.eval()(pixel_values=x).logits - ours.eval()(x)).abs().max() <= 1e-6
     assert json.loads((out / "config.json").read_text())["architectures"] == ["ViTForImageClassification"]
+
+
+@pytest.mark.parametrize("names, labels", [
+    (["cat", "dog", "emu"], ["cat", "dog", "emu"]),
+    (["cat", "dog", "emu", "fox"], ["LABEL_0", "LABEL_1", "LABEL_2"]),  # an index of another head: not its labels
+])
+def test_class_names_are_used_only_when_the_index_names_every_class(tmp_path, names, labels):
+    index = tmp_path / "train.json"
+    index.write_text(json.dumps({"shards": [], "classes": names}))
+    meta = {"objective": "finetune", "config": {"data": {"train_index": str(index)}}}
+    arch = {"img_size": 28, "patch_size": 4, "in_chans": 1, "embed_dim": 32, "depth": 2, "num_heads": 2,
+            "mlp_ratio": 4.0}
+    config = build_config(transformers, "ViTForImageClassification", meta, arch, 3)
+    assert config.id2label == dict(enumerate(labels)) and config.label2id == {n: i for i, n in enumerate(labels)}
+
+
+def test_continued_pretraining_starts_from_the_encoder_and_the_mae_decoder(mae_run):
+    """--model.init_from <run>: the tag's fp32 encoder (timm names) and decoder (official MAE names)."""
+    module = read_tensors(_tag(mae_run))
+    state = pretrained_state(_tag(mae_run))
+    want = {k.split(".", 1)[1]: v.float() for k, v in module.items() if k.startswith(("encoder.", "decoder."))}
+    assert any(k.startswith("decoder.") for k in module) and "decoder_embed.weight" in state
+    assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
 
 
 @pytest.mark.parametrize("kwargs, why", [
