@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
 from train.engine.checkpoint import LATEST, find_resume, tag_for
-from train.engine.state_files import read_dcp_metadata, single_process_quiet
+from train.engine.state_files import single_process_quiet
+from train.engine.tag_reader import read_dcp_metadata
 from train.pretrain import main
 from train.run.cli import cli
 

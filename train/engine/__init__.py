@@ -18,7 +18,9 @@ describes it, the process group it runs in, and its state on disk. Imports train
                        derives it from a Slurm task
     state_files.py     the engine's files in a checkpoint tag, by name, the same from every engine,
                        world size and stage; checkpoint.py the tag around them: rank RNGs,
-                       complete.json, atomic save, the checks a tag passes before it is trusted
+                       complete.json, atomic save, the checks a tag passes before it is trusted;
+                       tag_reader.py reads a tag's optimizer metadata and torch.save files
+                       without executing anything
     fault_injection.py faults armed through PRETRAIN_FAULTS at named points of a real run (tests)
 """
 from __future__ import annotations

@@ -59,12 +59,11 @@ from train.engine.state_files import (
     LegacyCheckpointError,
     TagContents,
     check_layout,
-    load_pickle_file,
     read_contents,
-    read_dcp_metadata,
     save_synced,
     sync_folder,
 )
+from train.engine.tag_reader import load_pickle_file, read_dcp_metadata
 
 log = logging.getLogger("checkpoint")
 COMPLETE = "complete.json"
