@@ -295,11 +295,14 @@ def test_every_path_the_job_reads_is_absolute_wherever_it_was_given(tmp_path, mo
         Image.fromarray(np.full((28, 28), 30 * i, dtype=np.uint8), mode="L").save(images / f"{i}.png")
     write_shards(["imagefolder", str(tmp_path / "images"), str(tmp_path / "shards"), "--samples_per_shard", "4"])
     (tmp_path / "preset.json").write_text(json.dumps({"data": {"train_index": "shards/train.json"},
+                                                      "model": {"init_from": "weights/encoder.safetensors"},
                                                       "output_dir": "preset_run"}))
     log = fake_sbatch(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     job = ["--nodes", "1", "--gpus_per_node", "0", "--", "--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET),
            "--config", "preset.json", "--data.source", "shards", "--data.num_workers", "1", "--model.in_chans", "3"]
+    _save_encoder(tmp_path / "weights" / "encoder.safetensors",  # the preset's weights: the job's model
+                  ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--model.in_chans", "3"])
     assert main(["--dry", *job]) == 0
     mkdir, printed = capsys.readouterr().out.strip().splitlines()[-2:]
     assert mkdir == f"mkdir -p {tmp_path / 'preset_run'}"
@@ -307,10 +310,22 @@ def test_every_path_the_job_reads_is_absolute_wherever_it_was_given(tmp_path, mo
     submitted = [c for c in calls(log) if "--test-only" not in c][-1]
     for cmd in (shlex.split(printed), submitted):
         paths = {key: cmd[len(cmd) - 1 - cmd[::-1].index(f"--{key}") + 1]
-                 for key in ("ds_config", "config", "output_dir", "data.train_index")}  # the last of each
-        assert all(Path(v).is_absolute() for v in paths.values()), paths
+                 for key in ("ds_config", "config", "output_dir", "data.train_index", "model.init_from")}
+        assert all(Path(v).is_absolute() for v in paths.values()), paths  # (the last of each)
         assert paths["output_dir"] == str(tmp_path / "preset_run")
         assert paths["data.train_index"] == str(tmp_path / "shards" / "train.json")
+        assert paths["model.init_from"] == str(tmp_path / "weights" / "encoder.safetensors")
+
+
+def _save_encoder(path: Path, pretrain_args: list[str]) -> None:
+    """An encoder.safetensors of the model these options configure (what model.init_from reads)."""
+    from safetensors.torch import save_file
+
+    from train.config.parsing import parse_args
+    from train.config.plan import build_encoder
+
+    path.parent.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in build_encoder(parse_args(pretrain_args)).state_dict().items()}, path)
 
 
 def test_requests_a_job_cannot_start_are_refused_before_anything_is_written(tmp_path, capsys):
@@ -323,3 +338,98 @@ def test_requests_a_job_cannot_start_are_refused_before_anything_is_written(tmp_
     assert main(["--nodes", "1", "--gpus_per_node", "0", "--dry", *cpu_job(tmp_path / "a,b")]) == 2
     assert "holds a comma, which sbatch --export cannot pass" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_the_job_gets_its_mode_its_log_in_the_launch_folder_and_each_preset_as_given(tmp_path, monkeypatch, capsys):
+    """--mode node reaches the job script (LAUNCH_MODE), in the check and the submission; Slurm's log
+    goes into the launch folder; two presets of the same file name are copied apart, each as it was."""
+    log = fake_sbatch(tmp_path, monkeypatch)
+    presets = []
+    for folder, preset in (("a", {"optim": {"weight_decay": 0.1}}), ("b", {"mae": {"mask_ratio": 0.6}})):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "p.json").write_text(json.dumps(preset))
+        presets += ["--config", str(tmp_path / folder / "p.json")]
+    assert main(["--nodes", "1", "--gpus_per_node", "0", "--mode", "node", *cpu_job(tmp_path / "run", *presets)]) == 0
+    test, submit = calls(log)
+    launch = next((tmp_path / "run" / "launch").iterdir())
+    for cmd in (test, submit):
+        assert cmd[cmd.index("--export") + 1].split(",")[-1] == "LAUNCH_MODE=node"
+    assert submit[submit.index("--output") + 1] == str(launch / "slurm-%j.out")
+    copies = [Path(submit[i + 1]) for i, arg in enumerate(submit) if arg == "--config"][1:]  # after the debug preset
+    assert len(set(copies)) == 2 and all(c.parent == launch for c in copies)
+    assert [c.read_text() for c in copies] == [(tmp_path / f / "p.json").read_text() for f in ("a", "b")]
+
+    capsys.readouterr()
+    assert main(["--nodes", "1", "--gpus_per_node", "0", "--mode", "node", "--dry", *cpu_job(tmp_path / "dry")]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert printed[printed.index("--export") + 1].endswith(",LAUNCH_MODE=node")
+
+
+def test_ranks_per_node_up_to_the_gpus_are_asked_for_as_given(tmp_path, capsys):
+    """--ranks_per_node wins over --gpus_per_node (4 ranks on 8 GPUs start 4 tasks), and as many ranks
+    as GPUs is accepted."""
+    for ranks in (4, 8):
+        assert main(["--nodes", "2", "--gpus_per_node", "8", "--gpu", "a100", "--ranks_per_node", str(ranks), "--dry",
+                     *cpu_job(tmp_path / "run", "--data.epoch_size", "100000")]) == 0, capsys.readouterr().err
+        printed = capsys.readouterr().out.strip().splitlines()[-1].split()
+        assert printed[printed.index("--ntasks-per-node") + 1] == str(ranks)
+        assert printed[printed.index("--gpus-per-node") + 1] == "8"
+
+
+def test_cpus_per_task_are_the_rank_and_its_loader_workers(tmp_path, rgb_shards, capsys):
+    """Without --cpus_per_task: data.num_workers + 1 (the rank and each worker), MAX_AUTO_WORKERS + 1
+    for -1 (auto); --cpus_per_task wins."""
+    from data.loader import MAX_AUTO_WORKERS
+
+    shards = ["--data.source", "shards", "--data.train_index", str(rgb_shards), "--model.in_chans", "3"]
+    for workers, extra, cpus in ((2, [], 2 + 1), (-1, [], MAX_AUTO_WORKERS + 1), (2, ["--cpus_per_task", "7"], 7)):
+        assert main(["--nodes", "1", "--gpus_per_node", "0", *extra, "--dry",
+                     *cpu_job(tmp_path / "run", *shards, "--data.num_workers", str(workers))]) == 0, \
+            capsys.readouterr().err
+        printed = capsys.readouterr().out.strip().splitlines()[-1].split()
+        assert printed[printed.index("--cpus-per-task") + 1] == str(cpus), workers
+
+
+@pytest.mark.parametrize("flags, extra, message", [
+    (["--gpu", "a100", "--gres", "gpu:a100:8", "--no_gpus_per_node"], [],
+     "--gres and --no_gpus_per_node contradict each other: give one"),
+    (["--gpus_per_node", "0"], ["--resume", "/x/checkpoints/step00000004"],
+     "--resume /x/checkpoints/step00000004: a submission continues its own run folder only (with --continue)")])
+def test_contradicting_requests_and_another_runs_checkpoint_are_refused_in_one_line(tmp_path, capsys, flags, extra,
+                                                                                      message):
+    assert main(["--nodes", "1", *flags, "--dry", *cpu_job(tmp_path / "run", *extra)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_the_snapshot_holds_the_checkout_as_it_is_and_its_diff(tmp_path, monkeypatch):
+    """snapshot() on a small checkout: tracked files with their uncommitted edits, new files git does
+    not ignore (a module not yet added), no ignored ones; `git diff HEAD` in uncommitted.diff."""
+    import subprocess
+
+    import launchers.submit as submit
+
+    repo = tmp_path / "checkout"
+    (repo / "pkg").mkdir(parents=True)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=repo, check=True,
+                              capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    (repo / "pkg" / "mod.py").write_text("X = 1\n")
+    (repo / ".gitignore").write_text("*.log\n")
+    git("add", "-A")
+    git("commit", "-qm", "start")
+    (repo / "pkg" / "mod.py").write_text("X = 2\n")  # an uncommitted edit
+    (repo / "pkg" / "new.py").write_text("Y = 3\n")  # untracked, not ignored
+    (repo / "pkg" / "run.log").write_text("noise\n")  # ignored
+    monkeypatch.setattr(submit, "REPO", repo)
+    dest = tmp_path / "launch" / "code"
+    dest.mkdir(parents=True)
+    record = submit.snapshot(dest)
+    assert (dest / "pkg" / "mod.py").read_text() == "X = 2\n" and (dest / "pkg" / "new.py").read_text() == "Y = 3\n"
+    assert not (dest / "pkg" / "run.log").exists()
+    diff = (tmp_path / "launch" / "uncommitted.diff").read_text()
+    assert "-X = 1\n+X = 2\n" in diff and diff == git("diff", "HEAD")
+    assert record == {"commit": git("rev-parse", "HEAD").strip(), "dirty": True}
