@@ -7,13 +7,14 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import CPU_DS, DEBUG_PRESET, REPO
 
-from launchers.submit import snapshot
+from launchers.submit import job_script, snapshot
 
 FAKE_SRUN = """#!{python}
-# records its arguments; FAKE_SRUN=run: runs the program after the srun options (one task);
-# FAKE_SRUN=wait: waits for a signal, records it, exits 0
+# records its arguments and exits FAKE_SRUN_EXIT (0); FAKE_SRUN=run: runs the program after the srun
+# options (one task); FAKE_SRUN=wait: waits for a signal, records it, exits 0
 import json, os, signal, subprocess, sys, time
 log = os.environ["FAKE_SRUN_LOG"]
 with open(log, "a") as f:
@@ -32,6 +33,7 @@ if mode == "wait":
     signal.signal(signal.SIGUSR1, record)
     time.sleep(60)
     sys.exit(1)
+sys.exit(int(os.environ.get("FAKE_SRUN_EXIT", "0")))
 """
 
 
@@ -50,11 +52,14 @@ def srun_calls(tmp_path) -> list[list]:
     return [json.loads(line) for line in (tmp_path / "srun.log").read_text().splitlines()]
 
 
+NODE_MODE = {"LAUNCH_MODE": "node", "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2", "SLURM_NTASKS": "16",
+             "SLURM_NTASKS_PER_NODE": "8(x2)", "SLURM_CPUS_ON_NODE": "80", "SLURM_CPUS_PER_TASK": "10"}
+
+
 def test_node_mode_by_hand_asks_for_one_task_per_node(tmp_path):
     """`sbatch --nodes 2 pretrain.sbatch` (8 tasks per node from its #SBATCH line) with
     LAUNCH_MODE=node: one launcher per node, each starting the node's 8 ranks on all its CPUs."""
-    env = template_env(tmp_path, LAUNCH_MODE="node", SLURM_JOB_NUM_NODES="2", SLURM_NNODES="2", SLURM_NTASKS="16",
-                       SLURM_NTASKS_PER_NODE="8(x2)", SLURM_CPUS_ON_NODE="80", SLURM_CPUS_PER_TASK="10")
+    env = template_env(tmp_path, **NODE_MODE)
     proc = subprocess.run(["bash", str(REPO / "launchers" / "pretrain.sbatch"), "--output_dir", "/x"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -63,6 +68,45 @@ def test_node_mode_by_hand_asks_for_one_task_per_node(tmp_path):
     assert {"--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=80"} <= set(opts), opts
     launcher = args[args.index(sys.executable):]
     assert launcher[launcher.index("--ranks") + 1] == "8"
+
+
+@pytest.mark.parametrize("mode", ["task", "node"])
+def test_every_mode_resumes_and_ends_the_step_when_a_task_fails(tmp_path, mode):
+    """--resume auto: a requeued job continues from its checkpoint instead of starting over;
+    --kill-on-bad-exit: a failed rank ends the step instead of leaving the others in a collective."""
+    env = template_env(tmp_path, **(NODE_MODE if mode == "node" else {"LAUNCH_MODE": "task"}))
+    proc = subprocess.run(["bash", str(REPO / "launchers" / "pretrain.sbatch"), "--output_dir", "/x"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    [args] = srun_calls(tmp_path)
+    opts, program = args[:args.index(sys.executable)], args[args.index(sys.executable):]
+    assert "--kill-on-bad-exit=1" in opts, opts
+    pretrain = program[program.index("train.pretrain") + 1:]
+    assert pretrain[pretrain.index("--resume") + 1] == "auto" and pretrain[-2:] == ["--output_dir", "/x"], program
+
+
+def test_the_job_exits_with_the_step_s_exit_code(tmp_path):
+    """A configuration error (exit 2) in the ranks: the job ends FAILED, not COMPLETED."""
+    proc = subprocess.run(["bash", str(REPO / "launchers" / "pretrain.sbatch"), "--output_dir", "/x"],
+                          env=template_env(tmp_path, FAKE_SRUN_EXIT="2"), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+
+
+def sbatch_directives(script: str) -> list[str]:
+    """The #SBATCH options sbatch reads: those before the script's first command."""
+    options = []
+    for line in script.splitlines()[1:]:
+        if line.startswith("#SBATCH"):
+            options += line.split()[1:]
+        elif line.strip() and not line.startswith("#"):
+            break
+    return options
+
+
+def test_the_submitted_script_asks_for_the_warning_signal_and_a_requeue():
+    """Without --signal=USR1@180 Slurm kills the job at its time limit without a checkpoint."""
+    for script in ((REPO / "launchers" / "pretrain.sbatch").read_text(), job_script()):
+        assert {"--signal=USR1@180", "--requeue"} <= set(sbatch_directives(script))
 
 
 def test_a_usr1_to_the_batch_shell_reaches_the_step(tmp_path):

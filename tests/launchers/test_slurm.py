@@ -11,7 +11,7 @@ import torch
 from conftest import CPU_DS, DEBUG_PRESET, REPO
 from ports import free_port
 
-from launchers.slurm import node_envs
+from launchers.slurm import gpus_on_node, node_envs, run_node
 from train.engine.slurm_env import hostnames, in_task_step, task_env
 from train.run.folder import read_metrics
 
@@ -29,24 +29,77 @@ def test_one_task_per_gpu_maps_slurm_to_torch_distributed():
     assert task_env(env) == {"RANK": "13", "LOCAL_RANK": "5", "WORLD_SIZE": "32", "LOCAL_WORLD_SIZE": "8",
                              "MASTER_ADDR": "gpu01", "MASTER_PORT": str(20000 + 123456 % 20000)}
     assert task_env({**env, "MASTER_PORT": "29999"})["MASTER_PORT"] == "29999"
+    assert task_env({**env, "MASTER_ADDR": "head"})["MASTER_ADDR"] == "head"  # an exported address wins too
     # the batch script itself, or a 1-task step, is not a rank of a bigger world
     assert not in_task_step({"SLURM_PROCID": "0", "SLURM_JOB_ID": "1", "SLURM_NTASKS": "32"})
     assert not in_task_step({**env, "SLURM_STEP_NUM_TASKS": "1"})
 
 
+def test_the_port_is_20000_plus_the_job_id_mod_20000():
+    # 13456 mod 20000 and mod 10000 differ: a port range that is not 20000 wide shows
+    env = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "n1", "SLURM_JOB_ID": "13456"}
+    assert task_env(env)["MASTER_PORT"] == str(20000 + 13456 % 20000) == "33456"
+    assert task_env({**env, "SLURM_JOB_ID": "53456"})["MASTER_PORT"] == str(20000 + 53456 % 20000) == "33456"
+
+
+def test_a_step_on_part_of_the_job_uses_the_step_s_nodes():
+    """A 2-node step inside a 4-node job: its rank 0 runs on the step's first node (not the job's),
+    and its world and ranks per node are the step's."""
+    env = {"SLURM_JOB_NODELIST": "gpu[01-04]", "SLURM_NNODES": "4", "SLURM_STEP_NODELIST": "gpu[03-04]",
+           "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1",
+           "SLURM_JOB_ID": "7"}
+    task = task_env(env)
+    assert task["MASTER_ADDR"] == "gpu03" and task["WORLD_SIZE"] == "16"
+    assert task["LOCAL_WORLD_SIZE"] == str(16 // 2)
+    envs = node_envs({**env, "SLURM_NODEID": "1"}, 8)  # the same step, one task per node
+    assert {e["WORLD_SIZE"] for e in envs} == {str(2 * 8)} and {e["MASTER_ADDR"] for e in envs} == {"gpu03"}
+    assert [e["RANK"] for e in envs] == [str(8 + r) for r in range(8)]
+
+
+def test_gpus_on_node_reads_slurm_s_gpu_counts():
+    assert gpus_on_node({"SLURM_GPUS_ON_NODE": "4"}) == 4
+    assert gpus_on_node({"SLURM_GPUS_PER_NODE": "a100:8"}) == 8  # typed request
+    assert gpus_on_node({"SLURM_GPUS_PER_NODE": "8(x2)"}) == 8  # the same count on 2 nodes
+    assert gpus_on_node({"SLURM_GPUS_ON_NODE": "2", "SLURM_GPUS_PER_NODE": "a100:8"}) == 2  # this node's count first
+
+
 def test_the_world_size_before_the_process_group_is_mpirun_s_too(monkeypatch):
     """mpirun's ranks (DeepSpeed's openmpi launcher) planned the batch, lr and schedule for a world
     of 1 while `init` joined them into a world of 8."""
-    from train.engine.distributed import world_size_from_env
+    from train.engine.distributed import rank_from_env, world_size_from_env
 
     for key in [k for k in os.environ if k.startswith(("SLURM_", "OMPI_")) or k in ("WORLD_SIZE", "RANK")]:
         monkeypatch.delenv(key)
-    assert world_size_from_env() == 1
+    assert world_size_from_env() == 1 and rank_from_env() == 0
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")
-    assert world_size_from_env() == 8
+    assert world_size_from_env() == 8 and rank_from_env() == 3
     monkeypatch.setenv("WORLD_SIZE", "4")  # a launcher's own variable wins, as in init()
-    assert world_size_from_env() == 4
+    monkeypatch.setenv("RANK", "2")
+    assert world_size_from_env() == 4 and rank_from_env() == 2
+
+
+def test_mpirun_s_local_rank_becomes_local_rank(monkeypatch):
+    """Rank 11 of 16 is the 4th on its node: it takes cuda:3, not cuda:11."""
+    from train.engine import distributed
+
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "OMPI_")) or k in ("WORLD_SIZE", "RANK")]:
+        monkeypatch.delenv(key)
+    for key, value in (("OMPI_COMM_WORLD_RANK", "11"), ("OMPI_COMM_WORLD_SIZE", "16"),
+                       ("OMPI_COMM_WORLD_LOCAL_RANK", "3"), ("MASTER_ADDR", "head"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(key, value)
+    seen = {}
+
+    def init_process_group(*args, **kwargs):  # what env:// would read
+        seen.update({name: os.environ[name] for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")})
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: int(os.environ["RANK"]))
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: int(os.environ["WORLD_SIZE"]))
+    distributed.init()  # the autouse fixture restores RANK, LOCAL_RANK, WORLD_SIZE afterwards
+    assert seen == {"RANK": "11", "LOCAL_RANK": "3", "WORLD_SIZE": "16"}
 
 
 def test_mpirun_without_a_master_address_is_refused_in_one_line(monkeypatch):
@@ -74,6 +127,36 @@ def test_env_in_the_batch_script_says_it_needs_a_step_in_one_line(monkeypatch, c
     assert main(["env"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "run it inside a job step (srun ... python -m launchers.slurm env)" in err
+    monkeypatch.setenv("SLURM_PROCID", "0")  # the batch script is task 0 of the job, but in no step
+    assert main(["env"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run it inside a job step (srun ... python -m launchers.slurm env)" in err
+
+
+def test_env_in_a_step_prints_shell_exports(monkeypatch, capsys):
+    """`eval "$(srun python -m launchers.slurm env)"`: every line an export."""
+    from launchers.slurm import main
+
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "MASTER_"))]:
+        monkeypatch.delenv(key)
+    for key, value in (("SLURM_JOB_NODELIST", "gpu[01-02]"), ("SLURM_JOB_ID", "7"), ("SLURM_PROCID", "9"),
+                       ("SLURM_LOCALID", "1"), ("SLURM_STEP_NUM_TASKS", "16"), ("SLURM_STEP_NUM_NODES", "2")):
+        monkeypatch.setenv(key, value)
+    assert main(["env"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "export RANK=9", "export LOCAL_RANK=1", "export WORLD_SIZE=16", "export LOCAL_WORLD_SIZE=8",
+        "export MASTER_ADDR=gpu01", f"export MASTER_PORT={20000 + 7}"]
+
+
+def test_hostfile_lists_every_node_of_the_job(tmp_path, monkeypatch):
+    from launchers.slurm import main
+
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[01-02]")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
+    assert main(["hostfile", str(tmp_path / "hosts")]) == 0
+    assert (tmp_path / "hosts").read_text() == "gpu01 slots=8\ngpu02 slots=8\n"
 
 
 def test_one_task_per_node_starts_its_ranks():
@@ -81,7 +164,23 @@ def test_one_task_per_node_starts_its_ranks():
     envs = node_envs(env, 8)
     assert [e["RANK"] for e in envs] == [str(r) for r in range(16, 24)]
     assert {e["WORLD_SIZE"] for e in envs} == {"32"} and [e["LOCAL_RANK"] for e in envs] == [str(r) for r in range(8)]
-    assert {e["MASTER_ADDR"] for e in envs} == {"n1"}
+    assert {e["MASTER_ADDR"] for e in envs} == {"n1"} and {e["LOCAL_WORLD_SIZE"] for e in envs} == {"8"}
+
+
+def test_one_failing_rank_ends_the_node_with_its_exit_code():
+    """Rank 0 fails while rank 1 would wait (for a collective) for a minute: the launcher stops
+    rank 1 and exits with rank 0's code, so srun --kill-on-bad-exit ends the other nodes too."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))},
+           "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "7", "SLURM_NODEID": "0", "SLURM_NNODES": "1"}
+    command = ["-c", "import os, sys, time; sys.exit(3) if os.environ['RANK'] == '0' else time.sleep(60)"]
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+    start = time.time()
+    try:
+        assert run_node(command, 2, env) == 3
+    finally:
+        for sig, handler in handlers.items():  # run_node forwards these to its ranks: pytest's own again
+            signal.signal(sig, handler)
+    assert time.time() - start < 20
 
 
 def fake_slurm_bin(tmp_path):
