@@ -26,7 +26,7 @@ if __name__ == "__main__":  # before the heavy imports below: Ctrl-C / kill in s
 import sys
 from pathlib import Path
 
-from train.run import trainer
+from train.run import command
 from train.run.cli import run_script
 
 # AdamW (0.9, 0.999), blr 5e-4, wd 0.05, layer decay 0.65, 100 epochs with 5 warmup, drop path
@@ -37,7 +37,7 @@ RECIPE = ["--config", str(Path(__file__).resolve().parent / "configs" / "finetun
 
 
 def main(argv: list[str] | None = None) -> Path:
-    return trainer.main(RECIPE + (sys.argv[1:] if argv is None else argv), command="finetune", usage=__doc__)
+    return command.main(RECIPE + (sys.argv[1:] if argv is None else argv), command="finetune", usage=__doc__)
 
 
 if __name__ == "__main__":

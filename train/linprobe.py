@@ -23,7 +23,7 @@ if __name__ == "__main__":  # before the heavy imports below: Ctrl-C / kill in s
 import sys
 from pathlib import Path
 
-from train.run import trainer
+from train.run import command
 from train.run.cli import run_script
 
 # cls feature + BN(no affine) + Linear, LARS (momentum 0.9, trust 0.001), no weight decay,
@@ -33,7 +33,7 @@ RECIPE = ["--config", str(Path(__file__).resolve().parent / "configs" / "linprob
 
 
 def main(argv: list[str] | None = None) -> Path:
-    return trainer.main(RECIPE + (sys.argv[1:] if argv is None else argv), command="linprobe", usage=__doc__)
+    return command.main(RECIPE + (sys.argv[1:] if argv is None else argv), command="linprobe", usage=__doc__)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Pretraining entry point: `python train/pretrain.py --ds_config FILE [--key value ...]` (or
 `python -m train.pretrain`), `deepspeed --num_gpus 8 train/pretrain.py ...` on GPUs; `--help`
-prints the usage (train/run/trainer.py's USAGE) and every option. The run itself is train/run/trainer.py (checks before start, then the
+prints the usage (train/run/command.py's USAGE) and every option. The run itself is train/run/trainer.py (checks before start, then the
 Trainer); its builders are train/run/build.py.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ if __name__ == "__main__":  # before the heavy imports below: a stop signal from
     early_signals.at_script_start()
 
 from train.run.cli import run_script
-from train.run.trainer import main
+from train.run.command import main
 
 if __name__ == "__main__":
     run_script(main)

@@ -42,7 +42,7 @@ def called(main: Callable[[], object]) -> None:  # `main()`
 
 # module -> (its main, the wrapper its __main__ block runs it with, how that block reads)
 ENTRY_POINTS = {
-    "train.pretrain": ("train.run.trainer", cli, "run_script(main)"),
+    "train.pretrain": ("train.run.command", cli, "run_script(main)"),
     "train.finetune": ("train.finetune", cli, "run_script(main)"),
     "train.linprobe": ("train.linprobe", cli, "run_script(main)"),
     "train.evaluate": ("train.evaluate", cli, "cli(main)"),

@@ -30,7 +30,7 @@ from data.shard_index import PipeShard, ShardSet, check_held_out, check_scored_a
 from data.verify import main as verify
 from data.write_shards import main as write_shards
 from train import evaluate, finetune, linprobe
-from train.run import trainer
+from train.run import command, trainer
 from train.run.cli import cli
 from train.run.evaluation import classification_accuracy, eval_summary
 
@@ -264,13 +264,13 @@ def test_a_linear_probe_logs_as_linprobe_and_reports_what_its_evaluation_skipped
 def test_log_lines_name_the_command_and_pretraining_keeps_its_name(caplog):
     caplog.set_level(logging.INFO, logger="pretrain")
     try:
-        for command in ("finetune", "linprobe", "pretrain"):
-            trainer.name_log_lines(command)
+        for name in ("finetune", "linprobe", "pretrain"):
+            command.name_log_lines(name)
             trainer.log.info("a line")
-            assert caplog.records[-1].name == command
+            assert caplog.records[-1].name == name
         assert not trainer.log.filters  # pretraining: the logger as it is
     finally:
-        trainer.name_log_lines("pretrain")
+        command.name_log_lines("pretrain")
 
 
 def test_verify_checks_an_evaluation_index_against_the_training_index(sets, capsys):

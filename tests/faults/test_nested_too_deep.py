@@ -11,7 +11,7 @@ from conftest import CPU_DS, DEBUG_PRESET, run_pretrain
 from train.engine.checkpoint import COMPLETE, LATEST, tag_for
 from train.run.cli import cli
 from train.run.folder import read_metrics
-from train.run.trainer import main as pretrain
+from train.run.command import main as pretrain
 
 DEEP = "[" * 100_000 + "]" * 100_000
 

@@ -34,7 +34,7 @@ from train.engine.config import EngineConfig
 from train.run.cli import cli
 from train.run.folder import read_metrics
 from train.run.prestart import check_before_start
-from train.run.trainer import main as pretrain
+from train.run.command import main as pretrain
 
 PRESETS = REPO / "train" / "configs"
 DS = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0}

@@ -207,7 +207,7 @@ def assert_refused(status: int, err: str, message: str, fix: str) -> str:
 
 
 ENTRIES = {  # entry point -> (module, argv for the weights path W, the output R it would write)
-    "pretrain": ("train.run.trainer", lambda w, r, s: ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET),
+    "pretrain": ("train.run.command", lambda w, r, s: ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET),
                                                    "--model.init_from", str(w), "--output_dir", str(r)]),
     "finetune": ("train.finetune", lambda w, r, s: ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET),
                                                     "--model.init_from", str(w), "--finetune.num_classes", "10",
@@ -285,7 +285,7 @@ def test_a_file_without_encoder_tensors_is_refused_before_start(tmp_path, capsys
     """Sound weights of something else (no name of the model's encoder) are no encoder."""
     save_file({"classifier.weight": torch.zeros(2, 2)}, str(tmp_path / "other.safetensors"))
     argv = ENTRIES["pretrain"][1](tmp_path / "other.safetensors", tmp_path / "run", None)
-    status, err = run_promptly("train.run.trainer", argv, capsys)
+    status, err = run_promptly("train.run.command", argv, capsys)
     assert_refused(status, err, r"holds no encoder tensors: none of its 1 tensor names is one of the model's "
                                 r"\(e.g. \['classifier.weight'\]", INIT_FROM_FIX)
     assert not (tmp_path / "run").exists()

@@ -23,7 +23,7 @@ def run(check: Check, a) -> None:
 
     def pretrain(name: str, ds: Path, n_steps: int, extra: list[str] = ()) -> list[dict]:
         from train.run.folder import read_metrics
-        from train.run.trainer import main as pretrain_main
+        from train.run.command import main as pretrain_main
 
         run = check.work / name
         argv = ["--ds_config", str(ds), *model, "--data.source", "synthetic", "--data.epoch_size",

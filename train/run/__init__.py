@@ -3,8 +3,9 @@ loop, checkpoints and figures on the way, evaluation, stop signals and requeue, 
 the exit statuses of the commands. Imports every other room of train/ (config, engine, weights,
 estimate); the commands at train/'s top import it.
 
-    trainer.py            the command: check_before_start, then the Trainer: process group, engine, resume,
-                          loop, export
+    command.py            the command's front: --help, --dry-run, parsing; the run's machinery loads after
+    trainer.py            one run: check_before_start, then the Trainer: process group, engine, resume, loop,
+                          export
     prestart.py           check_before_start: every check that can reject the input, before anything starts
     build.py              the objective and engine of a run, its data stream, the resume's checks
     loop.py               the one training loop: micro-batches, steps, reads at log steps

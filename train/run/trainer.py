@@ -1,18 +1,16 @@
-"""The pretraining command and one run of it (train/pretrain.py runs it; finetune.py and
+"""One run of the pretraining command (train/run/command.py parses it; finetune.py and
 linprobe.py run it with their recipes as defaults).
 
-`main(argv)`: --help, --dry-run (train/estimate/dry_run.py) or a run. A run is `check_before_start`
-(train/run/prestart.py: every check that can reject the input, before any process group starts),
-then a `Trainer`: process group, engine, seeded RNGs, run folder, data, resume; the loop
-(train/run/loop.py) with the trainer's checkpoint, figure and evaluation callbacks; stop and
-requeue on a signal; export.
+`run(cfg)`: `check_before_start` (train/run/prestart.py: every check that can reject the input,
+before any process group starts), then a `Trainer`: process group, engine, seeded RNGs, run
+folder, data, resume; the loop (train/run/loop.py) with the trainer's checkpoint, figure and
+evaluation callbacks; stop and requeue on a signal; export.
 """
 from __future__ import annotations
 
 import json
 import logging
 import random
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,19 +22,16 @@ from kernels.accelerators import describe as describe_accelerators
 from kernels.attention import describe_paths
 from model.objectives.base import ClassifierConfig
 from model.timm_backbone import TimmBackbone
-from train.config.flags import pop_flags
 from train.config.options import PretrainConfig, section
-from train.config.parsing import defaults_under, help_text, parse_args, to_dict
+from train.config.parsing import to_dict
 from train.config.plan import labeled_split, peak_lr
 from train.engine import checkpoint, distributed
 from train.engine.execution import describe_blocks
 from train.engine.nonfinite import REMEDY, STEADIER, NonFiniteError
-from train.estimate import dry_run
 from train.run import code_version
 from train.run.build import build_engine, training_source
 from train.run.chance_loss import ChanceLoss
 from train.run.compile_watch import CompileWatch, eager_blocks
-from train.run.early_signals import catch_stop_signals
 from train.run.evaluation import classification_accuracy, eval_summary
 from train.run.folder import Reporter, record_resume, write_run_files
 from train.run.loop import LoopSettings, LoopState
@@ -51,53 +46,9 @@ from train.weights.export import export_checkpoint
 log = logging.getLogger("pretrain")  # train/run/build.py and train/run/folder.py log under this name too
 
 
-class CommandName(logging.Filter):
-    """Gives the lines of the "pretrain" logger, which pretraining, fine-tuning and the linear probe
-    share, the name of the command that runs (`[finetune] ...`)."""
-
-    def __init__(self, command: str):
-        super().__init__()
-        self.command = command
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.name = self.command
-        return True
-
-
-def name_log_lines(command: str) -> None:
-    """From here on the trainer's log lines start with [command] (pretrain: the logger's own name)."""
-    for earlier in [f for f in log.filters if isinstance(f, CommandName)]:  # an earlier run in this process
-        log.removeFilter(earlier)
-    if command != log.name:
-        log.addFilter(CommandName(command))
-
-USAGE = """Pretraining entry point.
-
-    deepspeed --num_gpus 8 train/pretrain.py --ds_config ds_configs/<file>.json [--key value ...]
-    python train/pretrain.py --ds_config ds_configs/cpu_debug.json [--key value ...]   (or python -m train.pretrain)
-
-Options: `python train/pretrain.py --help`; `--dry-run [--world_size N] [--gpu a100|cpu]` checks a
-configuration for another world size and GPU and estimates memory (train/estimate/dry_run.py). Everything
-is checked before the process group starts; then: build encoder + objective, the engine
-(train/engine/: one rank or ZeRO-0 replicated, ZeRO-1-3 on FSDP2), resume (also on another world size and ZeRO
-stage), loop (Ctrl-C / kill: a checkpoint, then exit 130 / 143; Slurm's SIGUSR1: a checkpoint and
-requeue), final checkpoint, export.
-"""
-
-
-def main(argv: list[str] | None = None, command: str = "pretrain", usage: str = USAGE) -> Path:
-    """The pretraining command (or `command`, which runs it with its recipe's `--config` first in
-    `argv`: finetune, linprobe, each with its own `usage`): the run folder of a finished (or stopped) run."""
-    catch_stop_signals()  # SIGUSR1 / SIGTERM during start-up: acted on at the loop's first stop check
-    name_log_lines(command)
-    argv = sys.argv[1:] if argv is None else argv
-    flags, rest = pop_flags(argv, {"--help": None, "-h": None, "--dry-run": None})
-    if flags.get("help") or flags.get("h"):  # the defaults shown are the recipe's, where the command has one
-        print(usage.rstrip() + "\n\n" + help_text(defaults_under(rest)))
-        raise SystemExit(0)
-    if flags.get("dry-run"):  # check for a world size and GPU, estimate memory; start nothing
-        raise SystemExit(dry_run.main(argv))
-    cfg = parse_args(argv)
+def run(cfg: PretrainConfig) -> Path:
+    """One run of a parsed configuration: the checks before start, then the Trainer; the run folder
+    of a finished (or stopped) run. The run folder's lock is released however it ends."""
     try:
         return Trainer(cfg, check_before_start(cfg)).run()
     finally:

@@ -86,14 +86,14 @@ def test_a_safetensors_write_the_disk_refuses_is_the_oserror_it_is(tmp_path, mon
 
 FULL_AT_EXPORT = """
 import errno, sys
-from train.run import trainer
+from train.run import command, trainer
 from train.run.cli import cli
 
 def full(tag, out):
     raise OSError(errno.ENOSPC, "No space left on device", str(out))
 
 trainer.export_checkpoint = full
-cli(lambda: trainer.main(sys.argv[1:]))
+cli(lambda: command.main(sys.argv[1:]))
 """
 
 
