@@ -156,14 +156,18 @@ def main(argv: list[str] | None = None) -> list[attention_choice.Choice]:
     topk_shapes = sorted({topk_shape_of(config, model, a.micro) for config in a.topk_config for model in a.model})
     for batch, heads, tokens, head_dim, k in topk_shapes:
         ms = time_topk(batch, heads, tokens, head_dim, k, dtype, device, a.iters)
-        if not any(isinstance(v, float) for v in ms.values()):
+        ran = [name for name, v in ms.items() if isinstance(v, float)]
+        if not ran:
             print(f"TopK {heads}x{tokens}x{head_dim}: {next(iter(ms.values()))}")
             continue
-        kernel = attention_choice.choose(ms, default=attention_choice.TOPK_KERNELS[0])
+        # the fused kernel is the default; where it failed, the path that ran is all a run there can take
+        default = attention_choice.TOPK_KERNELS[0] if attention_choice.TOPK_KERNELS[0] in ran else ran[0]
+        kernel = attention_choice.choose(ms, default=default)
         choices.append(attention_choice.Choice(capability, a.dtype, "topk", heads, tokens, head_dim, kernel,
                                                {**measured, "batch": batch, "k": k, "ms": ms}))
         print(f"TopK {heads}x{tokens}x{head_dim} (batch {batch}, K {k}): "
-              + "  ".join(f"{n} {v:.3f} ms" for n, v in ms.items()) + f"  chosen {kernel}")
+              + "  ".join(f"{n} {v:.3f} ms" if isinstance(v, float) else f"{n} {v}" for n, v in ms.items())
+              + f"  chosen {kernel}")
     table = attention_choice.TABLE if a.write else a.table
     if table is not None:
         old = attention_choice.load(table) if table.exists() else []

@@ -177,6 +177,29 @@ def test_the_tool_times_the_runs_shapes_and_merges_its_entries(tmp_path, capsys)
     assert len(attention_choice.load(path)) == 4
 
 
+@pytest.mark.parametrize("timed, chosen", [
+    ({"fused": 2.4, "masked_sdpa": 2.37}, "fused"),  # within the margin: the fused kernel, the default
+    ({"fused": 2.4, "masked_sdpa": 1.9}, "masked_sdpa"),
+    ({"fused": "not available: a Triton error", "masked_sdpa": 1.9}, "masked_sdpa"),  # the path that ran
+])
+def test_topk_entries_record_the_path_chosen_with_its_shape(tmp_path, monkeypatch, capsys, timed, chosen):
+    """TopK timings stood in for (the kernels run on a GPU only): the entry records the kernel, the
+    MixedAE ViT-B preset's batch of mixed images (micro-batch 8 / g 4 = 2) and K, and the commit;
+    a fused kernel that fails on the GPU leaves the masked-SDPA path, which is recorded, not a crash."""
+    from tools import choose_attention
+
+    seen = []
+    monkeypatch.setattr(choose_attention, "time_topk", lambda *shape: seen.append(shape[:5]) or dict(timed))
+    argv = ["--device", "cpu", "--dtype", "fp32", "--micro", "8", "--iters", "1", "--model", "vit_base_patch16",
+            "--config", "defaults", "--topk_config", "train/configs/mixedae/vit_b.json", "--table",
+            str(tmp_path / "choices.json")]
+    [topk] = [c for c in choose_attention.main(argv) if c.attention == "topk"]
+    assert seen == [(2, 12, 197, 64, topk.measured["k"])]
+    assert (topk.heads, topk.tokens, topk.head_dim, topk.kernel) == (12, 197, 64, chosen)
+    assert topk.measured["batch"] == 2 and topk.measured["ms"] == timed and topk.measured["commit"]
+    assert f"chosen {chosen}" in capsys.readouterr().out
+
+
 def test_the_dry_run_states_each_shapes_kernel(tmp_path, monkeypatch):
     from train.config.parsing import parse_args
     from train.estimate.dry_run import check
