@@ -187,3 +187,104 @@ def test_a_compiled_step_launches_fewer_kernels_than_eager_without_a_sync(ds_con
     for phase in ("data", "step", "hook", "loop"):
         assert counts[phase] == before[phase], phase
     assert counts["total"]["launches"] <= COMPILED_CEILINGS[name], (counts["total"], ours["top_ops"])
+
+
+def test_the_record_reports_the_worst_of_the_reported_steps():
+    """A fake loop whose s-th step launches s kernels: of steps 2 and 3 (1 warms up, 4 logs) the
+    record is step 3's, the most launches of those reported."""
+    from tools.census import Subject, count
+
+    done = [0]
+
+    def run(phase, n):
+        for _ in range(n):
+            done[0] += 1
+            with phase("data"):
+                pass
+            with phase("forward"):
+                x = torch.ones(4)
+                for _ in range(done[0]):
+                    x = x + 1  # one kernel each
+
+    record = count(Subject("fake", run, 1), 4)
+    assert set(record["steps"]) == {2, 3}
+    most = max(s["launches"] for s in record["steps"].values())
+    assert record["step"] == 3 and record["per_phase"]["total"]["launches"] == most
+    assert record["steps"][3]["launches"] > record["steps"][2]["launches"]
+
+
+def debug_mae(*extra: str):
+    from train.bench import NOT_READ
+    from train.config.parsing import parse_args
+
+    return parse_args(["--ds_config", str(REPO / "ds_configs" / "cpu_debug.json"), "--data.source", "synthetic",
+                       "--config", str(CONFIGS / "mae/debug.json"), *extra], NOT_READ)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_baseline_runs_the_adamw_it_is_named_for(monkeypatch, fused):
+    """--baseline fused hands fused=True to the baseline's AdamW; foreach leaves torch's default."""
+    import tools.mae_baseline as mae_baseline
+    from tools.census import baseline_subject
+
+    made = []
+
+    class Spy(mae_baseline.BaselineStep):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self.opt)
+
+    monkeypatch.setattr(mae_baseline, "BaselineStep", Spy)
+    subject = baseline_subject(debug_mae(), {}, 2, torch.float32, torch.device("cpu"), fused=fused)
+    [opt] = made
+    assert opt.defaults["fused"] is (True if fused else None)
+    assert subject.name == f"baseline ({'fused' if fused else 'foreach'} AdamW)"
+
+
+@pytest.mark.parametrize("name", ["mae", "mixedae"])
+def test_a_narrowed_baseline_has_our_narrowed_maes_widths_and_parameters(name):
+    """--width 48 narrows the baseline's decoder with its encoder, as narrowed() does our MAE's:
+    the same decoder width and the same trained parameter count as our MAE at that width; also
+    beside another objective, whose narrowing leaves the mae section's decoder_dim (512) as it was."""
+    from model.objectives import build_objective
+    from tools.census import baseline_model, narrowed
+    from train.config.options import section
+    from train.config.plan import build_encoder
+
+    def config(preset):
+        return narrowed(["--ds_config", str(REPO / "ds_configs" / "cpu_debug.json"), "--data.source", "synthetic",
+                         *PRESETS[preset]], WIDTH)
+
+    cfg, arch = config(name)
+    baseline, _ = baseline_model(cfg, arch, 1, torch.device("cpu"))
+    mae_cfg, mae_arch = config("mae")
+    ours = build_objective("mae", build_encoder(mae_cfg, mae_arch), section(mae_cfg))
+    assert baseline.decoder_embed.out_features == WIDTH == mae_cfg.mae.decoder_dim
+    # ours keeps its fixed positions as frozen parameters, the baseline as buffers: trained ones compared
+    trained = sum(p.numel() for p in ours.parameters() if p.requires_grad)
+    assert sum(p.numel() for p in baseline.parameters()) == trained
+
+
+def test_host_time_is_the_median_ms_per_step_over_rounds(monkeypatch):
+    """A stood-in clock: each round of 10 steps takes the seconds listed (one slow round, a
+    hiccup); the figure is the median of the per-step milliseconds, not the mean."""
+    import tools.census as census_module
+
+    seconds = {"a": [5.0, 0.1, 0.2], "b": [0.3, 0.3, 0.9]}
+    now = [0.0]
+
+    def subject(name):
+        rounds = iter(seconds[name])
+
+        def run(phase, n):
+            assert n == census_module.HOST_TIME_STEPS
+            now[0] += next(rounds)
+
+        return census_module.Subject(name, run, 1)
+
+    monkeypatch.setattr(census_module.time, "perf_counter", lambda: now[0])
+    times = census_module.host_time([subject("a"), subject("b")], 3)
+    per_step = {n: [s / census_module.HOST_TIME_STEPS * 1e3 for s in v] for n, v in seconds.items()}
+    assert times["rounds"] == 3
+    for name, ms in per_step.items():
+        assert times[name] == pytest.approx(sorted(ms)[1])  # the middle of three

@@ -7,7 +7,7 @@ from tools.method_costs import costs, markdown
 from train.config.ds_config import resolve
 from train.config.parsing import parse_args
 from train.estimate.costs import profile_config
-from train.estimate.step_flops import FlopCount
+from train.estimate.step_flops import PHASES, FlopCount
 
 DS = "ds_configs/vit_b_8xh100_bf16_zero1.json"
 
@@ -54,3 +54,13 @@ def test_each_method_costs_what_its_extra_passes_add(rows):
     assert rows["energy"]["forward"] > 3 * rows["mae"]["forward"] and rows["energy"]["after_step"] == 0
     table = markdown(rows)
     assert table.count("\n") == len(rows) + 1 and "| adpe |" in table and "x maeplus |" in table
+
+
+def test_a_methods_total_is_every_phase_and_its_ratio_is_to_its_baseline(rows):
+    """The total adds the after-step hook (MLO-MAE's levels II and III) to the forward and the
+    backward; the ratio divides by MAE's total, AdPE's by MAE+'s."""
+    for method, row in rows.items():
+        assert row["total"] == pytest.approx(sum(row[p] for p in PHASES)), method
+        baseline = rows["maeplus" if method == "adpe" else "mae"]
+        assert row["over_baseline"] == pytest.approx(row["total"] / sum(baseline[p] for p in PHASES)), method
+    assert rows["mlomae"]["over_baseline"] > 5  # its hook is most of its step
