@@ -50,3 +50,47 @@ def test_float8_curves_compare_float8_with_bf16s_own_noise():
     assert out["float8_gap"] == pytest.approx(abs(curves["float8_seed0"][-1] - curves["bf16_seed0"][-1]))
     assert out["seed_gap"] == pytest.approx(abs(curves["bf16_seed1"][-1] - curves["bf16_seed0"][-1]))
     assert out["within_bf16_noise"] == (out["float8_gap"] <= out["seed_gap"])
+
+
+def test_with_accumulation_each_step_s_loss_is_the_mean_of_its_micro_batches(monkeypatch):
+    """The engine is wrapped to record each micro-batch's loss as it comes out; a step's value is
+    their mean, not their sum."""
+    seen = []
+
+    class Recording:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def __call__(self, batch):
+            out = self.engine(batch)
+            seen.append(out["loss"].item())
+            return out
+
+    real = compile_probe.engine_for
+
+    def recording_engine_for(*a, **k):
+        engine, cfg = real(*a, **k)
+        return Recording(engine), cfg
+
+    monkeypatch.setattr(compile_probe, "engine_for", recording_engine_for)
+    curve = compile_probe.loss_curve("eager", "", 4, 2, "fp32", 2, torch.device("cpu"), DEBUG)
+    assert len(seen) == 4 and seen[0] != seen[1]
+    assert curve == pytest.approx([(seen[0] + seen[1]) / 2, (seen[2] + seen[3]) / 2], rel=1e-6)
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_the_engine_runs_in_the_precision_asked(precision, dtype):
+    engine, _ = compile_probe.engine_for("eager", "", 4, precision, 1, torch.device("cpu"), DEBUG)
+    assert engine.dtype == dtype
+
+
+@pytest.mark.parametrize("precision, tolerance, equal", [("fp32", 1e-3, False), ("bf16", 2e-2, True)])
+def test_equality_judges_the_worst_step_against_the_precision_s_tolerance(monkeypatch, precision, tolerance, equal):
+    curves = {"eager": [1.0, 1.0, 1.0], "compiled": [1.0, 1.001, 1.015]}  # the worst step is 1.5 % off
+    monkeypatch.setattr(compile_probe, "loss_curve", lambda variant, *a: curves[variant])
+    out = compile_probe.equality("m", 4, 3, precision, 1)
+    assert out["max_relative_difference"] == pytest.approx(0.015)
+    assert out["tolerance"] == tolerance and out["equal"] is equal

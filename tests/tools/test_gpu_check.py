@@ -486,3 +486,48 @@ def test_the_attention_table_records_the_kit_s_commit_on_a_copy_without_git(monk
     assert kernels.bench.commit() == "unknown"
     monkeypatch.setenv("GPU_CHECK_COMMIT", "abc1234")
     assert kernels.bench.commit() == "abc1234"
+
+
+def test_a_phase_s_share_never_outlasts_the_call_s_budget(tmp_path, monkeypatch):
+    """methods:600 under --budget_s 30: the phase gets what is left of the call (30 s), not its cap."""
+    from tools import gpu_check
+    from tools.phases import methods
+
+    left = {}
+    monkeypatch.setattr(methods, "run", lambda check, a: left.setdefault("methods", check.remaining()))
+    gpu_check.main(["methods:600", "--smoke", "--budget_s", "30", "--out", str(tmp_path)])
+    assert 0 < left["methods"] <= 30
+
+
+def test_an_item_that_no_longer_fits_the_budget_is_skipped_without_running(tmp_path):
+    import time
+
+    from tools.gpu_check import Check
+
+    check = Check("bench", tmp_path, smoke=False, deadline=time.monotonic() + 10, work=tmp_path, log=tmp_path / "log")
+    ran = []
+    assert check.item("big", 300, lambda: ran.append(1) or {"ran": True}) is None
+    assert ran == [] and "budget" in check.record["items"]["big"]["skipped"]
+    assert "skipped" in json.loads(check.path.read_text())["items"]["big"]
+
+
+def test_each_item_is_on_disk_as_soon_as_it_is_measured(tmp_path):
+    """A phase cut short (timeout, crash) keeps what it measured: the JSON is written after each item."""
+    import time
+
+    from tools.gpu_check import Check
+
+    check = Check("bench", tmp_path, smoke=True, deadline=time.monotonic() + 10, work=tmp_path, log=tmp_path / "log")
+    check.item("first", 0, lambda: {"images_per_s": 1.0})
+    assert json.loads(check.path.read_text())["items"]["first"]["images_per_s"] == 1.0
+
+
+def test_the_record_s_commit_says_when_the_tree_was_dirty(monkeypatch):
+    import train.run.folder
+    from tools import gpu_check
+
+    monkeypatch.delenv("GPU_CHECK_COMMIT", raising=False)
+    monkeypatch.setattr(train.run.folder, "git_commit", lambda: {"commit": "0123abc", "dirty": True})
+    assert gpu_check.commit() == "0123abc+dirty"
+    monkeypatch.setattr(train.run.folder, "git_commit", lambda: {"commit": "0123abc", "dirty": False})
+    assert gpu_check.commit() == "0123abc"

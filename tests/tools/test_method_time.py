@@ -61,3 +61,38 @@ def test_refusals_name_the_fix(capsys):
         with pytest.raises(SystemExit) as e:
             method_time.main(argv)
         assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def _stand_in_step(monkeypatch, per_step_flops):
+    """phase_times with the model, the step and the FLOP count stood in: each timed phase takes 10 ms
+    of a fake clock, and step i (warm-up included) counts `per_step_flops(i)` FLOPs in each phase."""
+    import itertools
+    import types
+
+    from train.estimate.step_flops import PHASES
+
+    ticks = itertools.count()  # the module's own clock only (not the process's): start/end pairs 10 ms apart
+    monkeypatch.setattr(method_time, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 0.010))
+
+    def run_step(objective, batch, phase, optimizer=None):
+        for name in method_time.TIMED:
+            phase(name, lambda: None)
+
+    monkeypatch.setattr(method_time, "build_step", lambda *a: (torch.nn.Linear(1, 1), {}))
+    monkeypatch.setattr(method_time, "run_step", run_step)
+    monkeypatch.setattr(method_time, "flops_by_step",
+                        lambda cfg, micro, steps, dtype: [dict.fromkeys(PHASES, per_step_flops(i)) for i in range(steps)])
+
+
+def test_phase_times_report_milliseconds_per_step_not_totals(monkeypatch):
+    _stand_in_step(monkeypatch, lambda i: 1e9)
+    row = phase_times(None, micro=4, steps=4, warmup=1, dtype=torch.float32, device=torch.device("cpu"))
+    assert row["ms"] == pytest.approx(dict.fromkeys(method_time.TIMED, 10.0))  # 4 steps of 10 ms each: 10 ms a step
+    assert row["step_ms"] == pytest.approx(40.0)
+
+
+def test_phase_times_count_the_flops_of_the_timed_steps_not_the_warmup(monkeypatch):
+    # step i counts (i + 1) GFLOP: warm-up steps 0, 1 and timed steps 2, 3, 4 average to 4 GFLOP
+    _stand_in_step(monkeypatch, lambda i: (i + 1) * 1e9)
+    row = phase_times(None, micro=4, steps=3, warmup=2, dtype=torch.float32, device=torch.device("cpu"))
+    assert row["gflop_per_image"] == pytest.approx({"forward": 4.0, "backward": 4.0, "after_step": 4.0})

@@ -18,3 +18,37 @@ def test_only_sync_warnings_count_each_with_its_line():
         warnings.warn("an unrelated warning about synchronizing clocks")
         warnings.warn_explicit(SYNC, UserWarning, "/elsewhere/lib.py", 7)
     assert sync_sites(caught) == ["train/run/loop.py:149", "/elsewhere/lib.py:7"]
+
+
+def test_merge_gives_the_union_of_nested_overlapping_and_touching_intervals():
+    import random
+
+    from tools.profile_step import _merge
+
+    assert _merge([(0, 10), (2, 3), (5, 12)]) == [(0, 12)]  # (2, 3) inside (0, 10) must not cut it short
+    assert _merge([(4, 6), (0, 1), (1, 2)]) == [(0, 2), (4, 6)]
+    rng = random.Random(0)
+    for _ in range(50):  # against a brute-force union on a grid of unit cells
+        intervals = [(a, a + rng.randint(1, 8)) for a in (rng.randint(0, 30) for _ in range(rng.randint(1, 8)))]
+        cells = {c for a, b in intervals for c in range(a, b)}
+        merged = _merge(intervals)
+        assert {c for a, b in merged for c in range(a, b)} == cells
+        assert all(b1 < a2 for (_, b1), (a2, _) in zip(merged, merged[1:]))  # disjoint, apart, in order
+
+
+def test_on_cpu_kernels_per_step_counts_one_step_s_top_level_ops():
+    import torch
+
+    from tools.profile_step import attribution
+
+    class TwoOpsAStep:  # a stand-in for a census Subject: two top-level aten ops per step
+        x = torch.ones(4)
+
+        def run(self, phase, steps):
+            for _ in range(steps):
+                with phase("forward"):
+                    torch.mul(torch.add(self.x, 1), 2)
+
+    out = attribution(TwoOpsAStep(), 3, torch.device("cpu"))
+    assert out["kernels_per_step"] == 2
+    assert {k["name"]: k["count"] for k in out["top_kernels"]} == {"aten::add": 3, "aten::mul": 3}

@@ -86,3 +86,24 @@ def test_bad_values_are_refused(flag, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--ds_config", str(REPO / "ds_configs/cpu_debug.json"), *flag])
     assert e.value.code == 2
+
+
+def test_the_gpu_a_file_names_sets_its_peak(capsys):
+    """vit_b_8xa100_... and vit_b_8xh100_... hold the same settings: the a100 file is modelled on the
+    A100's dense peak, the h100 file on the H100's (the debug model: the arithmetic is the same)."""
+    from train.estimate.comm_model import Compute
+    from train.estimate.gpus import gpu_named
+
+    gpus = gpu_named("a100"), gpu_named("h100")
+    files = [str(REPO / f"ds_configs/vit_b_8x{g}_bf16_zero1.json") for g in ("a100", "h100")]
+    assert main(["--ds_config", *files, "--world_size", "8", "--config", str(REPO / "train/configs/mae/debug.json"),
+                 "--model.name", "vit_debug_patch4"]) == 0
+    out = capsys.readouterr().out
+    headers = [line for line in out.splitlines() if " with " in line and ": ZeRO" in line]
+    assert [h.split(": ZeRO")[0].endswith(f"on {g.name}") for h, g in zip(headers, gpus)] == [True, True]
+    gflop = [float(x) for x in re.findall(r"([\d.e+-]+) training GFLOPs per sample", out)]
+    batch = [int(m) * int(k) for m, k in re.findall(r"micro-batch (\d+) x accumulation (\d+)", out)]
+    computed = [float(x) for x in re.findall(r"compute ([\d.e+-]+) ms per step", out)]
+    for g, f, b, ms in zip(gpus, gflop, batch, computed):  # FLOPs / (MFU x the file's GPU's peak)
+        assert ms == pytest.approx(f * 1e9 * b / (Compute.mfu * g.peak_tflops * 1e12) * 1e3, rel=1e-2), g.name
+    assert len(computed) == 2
