@@ -15,6 +15,8 @@ print(f"rank {rank} of {os.environ['WORLD_SIZE']} at port {os.environ['MASTER_PO
 if rank == int(sys.argv[1]):
     sys.exit(3)
 time.sleep(float(sys.argv[2]))
+if len(sys.argv) > 3:  # a folder: each rank that got this far says who it was
+    open(os.path.join(sys.argv[3], f"rank{rank}"), "w").write(os.environ["WORLD_SIZE"])
 """
 
 
@@ -40,8 +42,11 @@ def test_ranks_past_the_timeout_are_killed_and_reported(script):
         run_ranks(2, script, "-1", "300", timeout=2)
 
 
-def test_ranks_that_all_exit_0_pass(script):
-    run_ranks(3, script, "-1", "0")
+def test_ranks_that_all_exit_0_pass_and_each_ran_with_its_rank(script, tmp_path):
+    said = tmp_path / "said"
+    said.mkdir()
+    run_ranks(3, script, "-1", "0", str(said))
+    assert {p.name: p.read_text() for p in said.iterdir()} == {"rank0": "3", "rank1": "3", "rank2": "3"}
 
 
 def test_ports_lie_below_the_ephemeral_range_each_free_and_distinct():
