@@ -70,12 +70,18 @@ def test_an_update_that_overflows_the_weights_ends_the_run_before_a_checkpoint_k
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({**json.loads(CPU_DS.read_text()), "zero_optimization": {"stage": stage}}))
     proc = run_pretrain(tmp_path / "run", "--run.max_steps", "4", "--run.ckpt_every", "2", "--optim.blr", "1e300",
-                        ranks=ranks, ds_config=ds, check=False)
+                        "--run.log_every", "1", ranks=ranks, ds_config=ds, check=False)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert proc.stderr.count("the weights hold non-finite values after step 2") == ranks  # one line a rank
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     root = tmp_path / "run" / "checkpoints"
     assert not list(root.glob("step*")) and not (tmp_path / "run" / "encoder.safetensors").exists()
+    # what the run logged before it stopped is kept: TensorBoard's buffered events were written out
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
 
 
 class Diverging(torch.nn.Module):

@@ -21,24 +21,42 @@ describes it, the process group it runs in, and its state on disk. Imports train
                        complete.json, atomic save, the checks a tag passes before it is trusted;
                        tag_reader.py reads a tag's optimizer metadata and torch.save files
                        without executing anything
+    errors.py          the two failures that stop a run on every rank (exit 3): diverged weights,
+                       a checkpoint that could not be written; light, for the commands' front
     fault_injection.py faults armed through PRETRAIN_FAULTS at named points of a real run (tests)
 """
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-from torch import nn
+from typing import TYPE_CHECKING
 
 from train.engine.config import DTYPES, EngineConfig
-from train.engine.core import EngineCore, adamw_state
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from train.engine.core import EngineCore, adamw_state
 
 __all__ = ["DTYPES", "EngineConfig", "EngineCore", "adamw_state", "build"]
+
+
+def __getattr__(name: str):
+    """EngineCore and adamw_state load train/engine/core.py (and with it torch.distributed.checkpoint)
+    when first asked for: a command's --help, its bad value and its error classes (errors.py) need
+    the package without them."""
+    if name in ("EngineCore", "adamw_state"):
+        from train.engine import core
+
+        return getattr(core, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build(module: nn.Module, groups: list[dict], make_optimizer, make_schedule, cfg: EngineConfig,
           device: torch.device) -> EngineCore:
     """The engine for this world size and ZeRO stage: one rank or ZeRO-0 -> replicated (no
     wrapper / DDP); ZeRO-1-3 on several ranks -> FSDP2."""
+    import torch.distributed as dist
+
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world > 1 and cfg.stage >= 1:
         from train.engine.sharded import ShardedEngine

@@ -54,6 +54,7 @@ from data.cli import one_line
 from data.folders import is_file_named
 from train.engine import fault_injection
 from train.engine.distributed import all_gather_object, barrier
+from train.engine.errors import CheckpointWriteError
 from train.engine.state_files import (
     OPTIM_DIR,
     LegacyCheckpointError,
@@ -72,11 +73,6 @@ TAG_RE = re.compile(r"^step(\d{8})$")
 PARTIAL = ".partial"  # suffix of a tag being written
 MAX_COMPLETE_BYTES = 16 << 20  # complete.json holds a config and a file list: a few kB to a few hundred
 RNG_KEYS = ("torch", "numpy_keys", "numpy_pos", "numpy_gauss", "python")
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written on some rank (a full disk, a quota, a lost mount): the run
-    stops on every rank (exit 3), the previous checkpoint kept."""
 
 
 def tag_for(step: int) -> str:

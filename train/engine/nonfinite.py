@@ -20,6 +20,7 @@ import dataclasses
 import torch
 
 from model.objectives import OBJECTIVES, Objective
+from train.engine.errors import NonFiniteError
 
 STEADIER = "lower optim.blr, set gradient_clipping in the ds_config (e.g. 1.0), or train in bf16/fp32"
 REMEDY = f"{STEADIER}; then continue from the last checkpoint with --resume auto"
@@ -35,10 +36,6 @@ def describe_objective(module: torch.nn.Module) -> str:
     changed = [f"{name}.{f.name} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
                if getattr(cfg, f.name) != getattr(default, f.name)]
     return f"objective {name} ({', '.join(changed) + ' set' if changed else 'every option at its default'})"
-
-
-class NonFiniteError(RuntimeError):
-    """Training diverged: the run ends and keeps its last checkpoint."""
 
 
 def nan_if_not_finite(loss: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,13 @@ import errno
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
 
 from data.cli import InputError, one_line
 from data.faults import CorruptDataError, ShardIndexError
 from train.config.errors import ConfigError
-from train.engine.checkpoint import CheckpointWriteError
-from train.engine.nonfinite import NonFiniteError
+from train.engine.errors import CheckpointWriteError, NonFiniteError
 from train.run import early_signals
 from train.run.preemption import Interrupted
 
@@ -110,8 +110,61 @@ def run_script(main_fn) -> None:
     """`cli(main_fn)` for a training command run as a script, whose first line was
     `early_signals.at_script_start()`: ending with its own status, the process then ignores Slurm's
     stop signals, so a SIGTERM during Python's shutdown (srun --kill-on-bad-exit, after another rank
-    failed) cannot turn exit 2 into 143."""
+    failed) cannot turn exit 2 into 143. A run that fails with its process group still alive
+    (`end_process_group` is for runs that ended well) leaves through `leave_with_group_alive`."""
     try:
         cli(main_fn)
+    except (SystemExit, Exception) as e:
+        early_signals.ignore_stop_signals()
+        status = exit_status(e)
+        if status != 0 and group_alive():
+            print_as_the_interpreter(e)
+            leave_with_group_alive(status)
+        raise
     finally:
         early_signals.ignore_stop_signals()
+
+
+def exit_status(e: SystemExit | Exception) -> int:
+    """The status the interpreter ends with once `e` has left the script."""
+    if isinstance(e, SystemExit) and (e.code is None or isinstance(e.code, int)):
+        return e.code or 0
+    return 1  # an exception, or sys.exit("message")
+
+
+def print_as_the_interpreter(e: SystemExit | Exception) -> None:
+    """What the interpreter writes for `e` leaving the script: an exception's traceback, the
+    message of sys.exit("message"), nothing for an exit status."""
+    if not isinstance(e, SystemExit):
+        traceback.print_exception(e)
+    elif e.code is not None and not isinstance(e.code, int):
+        print(e.code, file=sys.stderr)
+
+
+def group_alive() -> bool:
+    """Whether this process is in a process group that nothing has ended (a failed run's)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def leave_with_group_alive(status: int) -> None:
+    """End the process now with `status`, after what Python's exit does for the program (standard
+    output and error flushed, atexit: the loader's worker processes, logging's handlers), without
+    the interpreter's teardown of native objects. There, the live gloo process group's threads and
+    the store have been seen to abort the process ("terminate called without an active exception"):
+    a rank that reported exit 3 then ended with SIGABRT, and the launcher reported 250. Threads
+    still running (one blocked in a collective for a peer that ended) are not waited for."""
+    import atexit
+
+    flush_standard_streams()
+    atexit._run_exitfuncs()
+    flush_standard_streams()
+    os._exit(status)
+
+
+def flush_standard_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away, a closed stream: nothing more to write
+            pass

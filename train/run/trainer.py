@@ -268,8 +268,8 @@ class Trainer:
                                self.on_evaluate if self.eval_shards is not None else None, stop.should_stop)
         finally:
             stop.close()
-        if self.reporter is not None:
-            self.reporter.close()
+            if self.reporter is not None:  # a run that failed keeps what it logged (TensorBoard buffers)
+                self.reporter.close()
         if self.rank == 0 and (said := summary.line(self.state.step)):  # also where no bar showed the loss
             log.info(said)
         if self.rank == 0 and self.chance is not None and self.chance.last is not None and not stopped:

@@ -1,5 +1,10 @@
 """train/run/cli.py: an entry point that ended well ends its process group before the interpreter's
-shutdown; one that failed leaves it (its other ranks may still be inside a collective)."""
+shutdown; one that failed leaves it (its other ranks may still be inside a collective), and a
+command run as a script then ends without the interpreter's teardown, with its own status."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch.distributed as dist
 
@@ -48,3 +53,69 @@ def test_help_into_a_closed_pipe_ends_quietly(command):
     proc = subprocess.run(f"{sys.executable} {command} --help | true", shell=True, cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.stderr == "", proc.stderr[-2000:]
+
+
+# A command run as a script (train/pretrain.py's shape) whose run starts a process group, writes to
+# standard output without a newline, then ends as argv[1] says. An object of __main__ reports the
+# interpreter's teardown from its finalizer; an atexit handler reports that Python's exit ran.
+SCRIPT = r"""
+import atexit, os, sys
+from train.run.cli import run_script
+
+class Teardown:
+    def __del__(self, write=os.write):
+        write(2, b"interpreter teardown\n")
+
+witness = Teardown()
+atexit.register(lambda: print("atexit handlers ran", file=sys.stderr))
+
+def main():
+    from train.engine import distributed
+    distributed.init()
+    sys.stdout.write("written, not yet flushed")
+    if sys.argv[1] == "config":
+        from train.config.errors import ConfigError
+        raise ConfigError("--run.max_steps must be positive")
+    if sys.argv[1] == "bug":
+        raise ValueError("an unforeseen bug")
+    if sys.argv[1] == "message":
+        sys.exit("stopped with a message")
+
+run_script(main)
+"""
+
+
+@pytest.mark.parametrize("how, status, says", [
+    ("config", 2, "config error: --run.max_steps must be positive"),
+    ("bug", 1, "ValueError: an unforeseen bug"),
+    ("message", 1, "stopped with a message"),
+])
+def test_a_failed_script_with_its_group_alive_ends_with_its_status_before_the_teardown(how, status, says):
+    """The teardown of a live gloo process group can abort the process (SIGABRT: a launcher then
+    reports 250 where the run said 3); a failed run skips it, after its message, the flush of its
+    output and the atexit handlers (the loader's workers, logging)."""
+    from conftest import REPO
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, how], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert says in proc.stderr and "atexit handlers ran" in proc.stderr, proc.stderr[-3000:]
+    assert ("Traceback" in proc.stderr) == (how == "bug")
+    assert "interpreter teardown" not in proc.stderr
+    assert proc.stdout == "written, not yet flushed"
+
+
+def test_a_script_that_ended_well_ends_through_the_interpreter():
+    """The witness of the test above: a run that ended well ended its group, and the interpreter's
+    teardown runs (its finalizers print)."""
+    from conftest import REPO
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, "well"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "atexit handlers ran" in proc.stderr and "interpreter teardown" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout == "written, not yet flushed"

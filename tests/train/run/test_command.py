@@ -1,6 +1,7 @@
 """train/run/command.py: the training commands' --help and a bad value answer before the run's
-machinery (train/run/trainer.py: the data pipeline with torchvision and timm, the engines) is
-imported; a configuration that parses is handed to a run."""
+machinery (train/run/trainer.py: the data pipeline with torchvision and timm, the engines with
+torch.distributed.checkpoint) is imported, also beside the exit statuses' module the commands
+import first (train/run/cli.py); a configuration that parses is handed to a run."""
 import json
 import subprocess
 import sys
@@ -10,8 +11,9 @@ from conftest import CPU_DS, REPO
 CHILD = """
 import json, sys
 from train.config.errors import ConfigError
+from train.run.cli import run_script  # what the commands import first
 from train.run.command import main
-heavy = ("train.run.trainer", "torchvision", "timm")
+heavy = ("train.run.trainer", "torchvision", "timm", "train.engine.core", "torch.distributed.checkpoint")
 seen = {}
 try:
     main(["--help"])
