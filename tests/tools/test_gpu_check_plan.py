@@ -1,0 +1,329 @@
+"""tools/gpu_check.py's plan for one call on a GPU: each phase's share of the call's budget, items
+skipped once they no longer fit, each item on disk as soon as it is measured, the phases' GPU
+branches run in their order on this CPU (the measurements stood in), refusals before any phase,
+and the commit the records name."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+
+def test_a_phase_can_be_given_its_share_of_the_call(tmp_path, monkeypatch):
+    """PHASE:SECONDS caps one phase inside --budget_s, so one call runs several phases each with its share."""
+    import argparse
+
+    from tools import gpu_check
+    from tools.phases import loader, methods
+
+    assert gpu_check.phase_and_cap("methods") == ("methods", None)
+    assert gpu_check.phase_and_cap("methods:150") == ("methods", 150.0)
+    for bad, said in (("method:10", "unknown phase 'method'"), ("loader:ten", "must be seconds"),
+                      ("loader:0", "must be > 0")):
+        with pytest.raises(argparse.ArgumentTypeError, match=said):
+            gpu_check.phase_and_cap(bad)
+    left = {}
+    monkeypatch.setattr(methods, "run", lambda check, a: left.setdefault("methods", check.remaining()))
+    monkeypatch.setattr(loader, "run", lambda check, a: left.setdefault("loader", check.remaining()))
+    gpu_check.main(["methods:30", "loader", "--smoke", "--budget_s", "300", "--out", str(tmp_path)])
+    assert 0 < left["methods"] <= 30 < left["loader"] <= 300  # capped; the rest of the call's budget
+
+
+def _gpu_branch_check(tmp_path, phase: str):
+    """A Check that takes the phase's GPU branch (check.cuda) on this CPU, with a budget that never
+    runs out: with the measurements stood in, what runs is the phase's own order, names and sums."""
+    from tools.gpu_check import Check
+
+    check = Check(phase, tmp_path, smoke=False, deadline=float("inf"), work=tmp_path / "work", log=tmp_path / "log")
+    check.work.mkdir()
+    check.cuda = True
+    return check
+
+
+def test_methods_phase_gpu_branch_runs_its_items_in_order_and_sums_them(tmp_path, monkeypatch):
+    """The GPU branch is what a GPU run executes: its order, its arguments (micro-batch 128,
+    the ViT-B presets) and its summary, with train/bench.py, kernels/bench.py and
+    tools/method_time.py stood in by made-up timings."""
+    import json
+    import types
+
+    import kernels.bench
+    from tools import method_time
+    from tools.phases import methods
+
+    seen = []
+    step = {"mae": 0.040, "mixedae": 0.042, "maeplus": 0.090, "mlomae": 0.400, "energy": 0.300}
+
+    def bench(check, argv, torch_topk=False):
+        ds = json.loads(open(argv[argv.index("--ds_config") + 1]).read())
+        name = next((m for m in ("mixedae", "mlomae", "energy") if any(f"{m}/" in a for a in argv)), None)
+        name = name or ("maeplus" if any("maeplus/" in a for a in argv) else "mae")
+        adpe = any("rpe_coord" in a for a in argv)
+        seen.append((name, ds["train_micro_batch_size_per_gpu"], torch_topk))
+        return {"step_time_s": step[name] * (1.01 if adpe else 1.0) * (2 if torch_topk else 1), "objective": name}
+
+    def kbench(argv):
+        path = tmp_path / f"kernels_{argv[argv.index('--dtype') + 1]}.json"
+        shape = {"results": {"dense_sdpa": {"ms": 0.4}, "topk_fused": {"ms": 2.4}, "topk_masked_sdpa": {"ms": 1.9}},
+                 "ratios": {"topk_fused_over_dense": 6.0, "topk_masked_sdpa_speedup_vs_topk_fused": 2.4 / 1.9}}
+        path.write_text(json.dumps({"dtype": "bf16", "triton": "3.6", "shapes": {"vit_b": shape}}))
+        return str(path)
+
+    def times(argv):
+        assert argv[:2] == ["--micro", "64"] and "--device" not in argv  # the GPU's default device
+        ms = {"forward": 10.0, "backward": 20.0, "optimizer": 2.0, "after_step": 0.0}
+        rows = {m: {"ms": dict(ms, after_step=300.0 if m == "mlomae" else 0.0), "micro_batch": 64,
+                    "step_ms": 32.0 + (300.0 if m == "mlomae" else 0.0),
+                    "gflop_per_image": {"forward": 20.0, "backward": 40.0, "after_step": 390.0 if m == "mlomae" else 0.0},
+                    "step_gflop_per_image": 450.0 if m == "mlomae" else 60.0}
+                for m in argv[argv.index("--methods") + 1:]}
+        return method_time.with_floors(rows, 989.0)
+
+    monkeypatch.setattr(methods, "our_bench", bench)
+    monkeypatch.setattr(kernels.bench, "main", kbench)
+    monkeypatch.setattr(method_time, "main", times)
+    check = _gpu_branch_check(tmp_path, "methods")
+    methods.run(check, types.SimpleNamespace())
+    items, summary = check.record["items"], check.record["summary"]
+    assert not [k for k, v in items.items() if "error" in v or "skipped" in v], items
+    order = ["mae", "mixedae", "mixedae_torch_topk", "maeplus", "adpe", "mlomae", "energy"]
+    assert list(items) == (["phase_times"] + [f"{m}_r0" for m in order] + ["kernels_bf16"]
+                           + [f"{m}_r1" for m in order[::-1]] + ["kernels_fp16"])
+    assert {micro for _, micro, _ in seen} == {128} and sum(t for _, _, t in seen) == 2  # the composition: one per round
+    ratios = summary["step_ratios"]
+    assert ratios["mixedae_over_mae"] == pytest.approx(1.05) and ratios["adpe_over_maeplus"] == pytest.approx(1.01)
+    assert ratios["mixedae_torch_topk_over_mixedae"] == pytest.approx(2.0)
+    assert summary["kernels_bf16"]["vit_b"]["topk_masked_sdpa_speedup_vs_topk_fused"] == pytest.approx(2.4 / 1.9)
+    assert set(summary["phase_times"]) == set(method_time.METHODS)
+    assert summary["phase_times"]["mlomae"]["over_mae_measured"] == pytest.approx(332 / 32)
+    assert summary["phase_times"]["mlomae"]["over_mae_counted"] == pytest.approx(7.5)
+
+
+def test_compile_phase_gpu_branch_runs_every_item_in_its_order(tmp_path, monkeypatch):
+    """The compile phase's GPU items, in the order a short call should learn them, with the
+    measurements stood in: names, arguments (micro-batches, models, compile and float8 switches)
+    and the summary."""
+    import json
+    import types
+
+    from kernels import attention_choice
+    from tools import choose_attention, compile_probe
+    from tools.phases import compile as phase
+
+    runs = []
+
+    def bench(check, argv):
+        micro = json.loads(open(argv[argv.index("--ds_config") + 1]).read())["train_micro_batch_size_per_gpu"]
+        compiled, float8 = "--run.compile" in argv, "--run.float8" in argv
+        runs.append((micro, compiled, float8))
+        rate = 3000.0 * (1.3 if compiled else 1.0) * (1.2 if float8 else 1.0)
+        return {"images_per_s": rate, "step_time_s": micro / rate, "mfu": rate / 16800}
+
+    def choose(argv):
+        assert "--write" in argv and "--device" not in argv
+        return [attention_choice.Choice("9.0", "bf16", "dense", 12, 50, 64, "cudnn", {"ms": {"cudnn": 0.1}})]
+
+    monkeypatch.setattr(phase, "our_bench", bench)
+    monkeypatch.setattr(choose_attention, "main", choose)
+    monkeypatch.setattr(compile_probe, "equality", lambda *a: {"max_relative_difference": 1e-3, "tolerance": 2e-2,
+                                                               "equal": True})
+    monkeypatch.setattr(compile_probe, "float8_curves", lambda *a: {"float8_gap": 0.01, "seed_gap": 0.02,
+                                                                    "within_bf16_noise": True})
+    check = _gpu_branch_check(tmp_path, "compile")
+    phase.run(check, types.SimpleNamespace())
+    items, summary = check.record["items"], check.record["summary"]
+    assert not [k for k, v in items.items() if "error" in v or "skipped" in v], items
+    names = list(items)
+    assert names[:2] == ["equality_bf16_micro64", "attention_choice"] and names[-1] == "float8_curves_vit_l_micro64"
+    assert names.index("vit_b_128_eager_r0") < names.index("method_mae_compiled_r0") < names.index("vit_l_128_eager_r0")
+    assert {(m, c) for m, c, _ in runs} >= {(128, False), (128, True), (64, True), (512, True)}
+    assert sum(f for _, _, f in runs) == 1 and items["attention_choice"]["entries"][0]["kernel"] == "cudnn"
+    assert summary["ratios"]["compile_over_eager_vit_b_128"] == pytest.approx(1.3)
+    assert summary["ratios"]["float8_over_compiled_vit_l_128"] == pytest.approx(1.2)
+    assert summary["equality_bf16_micro64"]["equal"] and summary["float8_curves_vit_l_micro64"]["within_bf16_noise"]
+
+
+def _documented_shares() -> dict[str, float]:
+    """docs/GPU.md's one call: each phase's share of it in seconds."""
+    import re
+
+    call = re.search(r"gpu_check ((?:\w+:\d+ )+)--budget_s\s+(\d+)", (REPO / "docs" / "GPU.md").read_text())
+    shares = {name: float(s) for name, s in (p.split(":") for p in call.group(1).split())}
+    assert sum(shares.values()) <= float(call.group(2)) <= 540  # a call of under 10 minutes, with its start
+    return shares
+
+
+def _planned_check(tmp_path, phase: str, share: float):
+    """The phase's GPU branch on this CPU within `share` seconds, each item taking its whole estimate
+    on a clock of its own."""
+    from tools.gpu_check import Check
+
+    class Planned(Check):
+        spent = 0.0
+
+        def remaining(self) -> float:
+            return share - 5 - self.spent  # 5 s: the phase's own start (imports, versions)
+
+        def item(self, name, estimate_s, fn):
+            result = super().item(name, estimate_s, fn)
+            self.spent += estimate_s if result is not None else 0
+            return result
+
+    check = Planned(phase, tmp_path, smoke=False, deadline=float("inf"), work=tmp_path / "work", log=tmp_path / "log")
+    check.work.mkdir()
+    check.cuda = True
+    return check
+
+
+def test_the_documented_one_call_plan_measures_the_loader_s_targets_within_its_share(tmp_path, monkeypatch):
+    """docs/GPU.md's one call gives each phase a share; with every item taking its whole estimate,
+    the loader's share reaches its targets' items (the shards, nvjpeg, the first end-to-end round).
+    Its shard making alone was estimated above its share (90 s against 80), so the phase stopped there."""
+    import types
+
+    import benchmarks.photo_shards
+    import tools.phases.common
+    import tools.photos
+    from tools.phases import loader
+
+    shares = _documented_shares()
+
+    def shards(argv):
+        images = benchmarks.photo_shards.images_folder(Path(argv[1]))
+        (images / "c0").mkdir(parents=True)
+        (images / "c0" / "0.jpg").write_bytes(b"jpeg")
+        Path(argv[1]).mkdir()
+        Path(argv[1], "train-000000.tar").write_bytes(b"tar")
+
+    monkeypatch.setattr(tools.photos, "write_photos", lambda *a: [])
+    monkeypatch.setattr(benchmarks.photo_shards, "main", shards)
+    monkeypatch.setattr(loader, "device_loader", lambda *a: {"images_per_s": 6000.0})
+    monkeypatch.setattr(tools.phases.common, "our_bench", lambda check, argv: {"images_per_s": 3000.0})
+    check = _planned_check(tmp_path, "loader", shares["loader"])
+    loader.run(check, types.SimpleNamespace())
+    ran = [k for k, v in check.record["items"].items() if "skipped" not in v]
+    assert ran[:4] == ["make_shards", "decode_nvjpeg", "end_to_end_synthetic_r0", "end_to_end_shards_r0"], \
+        check.record["items"]
+    assert check.record["summary"]["end_to_end"]["shards_over_synthetic"] == 1.0
+
+
+def test_the_documented_one_call_plan_measures_where_each_method_s_step_goes_within_its_share(tmp_path, monkeypatch):
+    """The methods phase's share of docs/GPU.md's one call, every item taking its whole estimate: the
+    phase-by-phase times (tools/method_time.py), which no record holds yet, are measured. After a
+    round of every method at micro-batch 128 and the bf16 kernels, the share had no room for them."""
+    import json
+    import types
+
+    import kernels.bench
+    from tools import method_time
+    from tools.phases import methods
+
+    def kbench(argv):
+        path = tmp_path / "kernels.json"
+        path.write_text(json.dumps({"dtype": "bf16", "shapes": {"vit_b": {"results": {"dense_sdpa": {"ms": 1.0}},
+                                                                          "ratios": {}}}}))
+        return str(path)
+
+    row = {"ms": {}, "step_ms": 1.0, "micro_batch": 64, "over_mae_measured": 1.0, "over_mae_counted": 1.0}
+    monkeypatch.setattr(methods, "our_bench", lambda check, argv, torch_topk=False: {"step_time_s": 0.1})
+    monkeypatch.setattr(kernels.bench, "main", kbench)
+    monkeypatch.setattr(method_time, "main", lambda argv: {m: dict(row) for m in method_time.METHODS})
+    monkeypatch.setattr(method_time, "markdown", lambda rows: "")
+    check = _planned_check(tmp_path, "methods", _documented_shares()["methods"])
+    methods.run(check, types.SimpleNamespace())
+    items = check.record["items"]
+    assert "skipped" not in items["phase_times"], items
+    assert set(check.record["summary"]["phase_times"]) == set(method_time.METHODS)
+
+
+def test_an_entry_point_s_refusal_inside_a_phase_is_recorded_and_the_next_phase_runs(tmp_path, monkeypatch):
+    """A refusal exits (SystemExit), which passed the handlers of Exception and ended the call:
+    the later phases never ran and the phase's JSON held no word of it."""
+    from tools import gpu_check
+    from tools.phases import loader, methods
+
+    def refusing(check, a):
+        check.item("refused_item", 0, lambda: sys.exit("error: --pretrain_samples 200: give whole epochs"))
+        raise SystemExit(2)
+
+    monkeypatch.setattr(methods, "run", refusing)
+    monkeypatch.setattr(loader, "run", lambda check, a: check.item("after", 0, lambda: {"ran": True}))
+    paths = gpu_check.main(["methods", "loader", "--smoke", "--budget_s", "60", "--out", str(tmp_path)])
+    first, second = (json.loads(p.read_text()) for p in paths)
+    assert first["items"]["refused_item"]["error"] == "SystemExit: error: --pretrain_samples 200: give whole epochs"
+    assert "SystemExit: 2" in first["phase_error"]
+    assert second["items"]["after"]["ran"] is True
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["methods:30", "methods:30"], "a phase is named twice (methods methods)"),
+    (["study", "--study_pretrain_samples", "0"], "--study_pretrain_samples must be >= 1, got 0"),
+])
+def test_a_call_that_cannot_run_as_asked_is_refused_before_any_phase(tmp_path, capsys, argv, says):
+    from tools import gpu_check
+
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main([*argv, "--smoke", "--out", str(tmp_path)])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_attention_table_records_the_kit_s_commit_on_a_copy_without_git(monkeypatch):
+    import subprocess as sp
+
+    import kernels.bench
+
+    def no_git(*a, **k):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(sp, "run", no_git)
+    monkeypatch.delenv("GPU_CHECK_COMMIT", raising=False)
+    assert kernels.bench.commit() == "unknown"
+    monkeypatch.setenv("GPU_CHECK_COMMIT", "abc1234")
+    assert kernels.bench.commit() == "abc1234"
+
+
+def test_a_phase_s_share_never_outlasts_the_call_s_budget(tmp_path, monkeypatch):
+    """methods:600 under --budget_s 30: the phase gets what is left of the call (30 s), not its cap."""
+    from tools import gpu_check
+    from tools.phases import methods
+
+    left = {}
+    monkeypatch.setattr(methods, "run", lambda check, a: left.setdefault("methods", check.remaining()))
+    gpu_check.main(["methods:600", "--smoke", "--budget_s", "30", "--out", str(tmp_path)])
+    assert 0 < left["methods"] <= 30
+
+
+def test_an_item_that_no_longer_fits_the_budget_is_skipped_without_running(tmp_path):
+    import time
+
+    from tools.gpu_check import Check
+
+    check = Check("bench", tmp_path, smoke=False, deadline=time.monotonic() + 10, work=tmp_path, log=tmp_path / "log")
+    ran = []
+    assert check.item("big", 300, lambda: ran.append(1) or {"ran": True}) is None
+    assert ran == [] and "budget" in check.record["items"]["big"]["skipped"]
+    assert "skipped" in json.loads(check.path.read_text())["items"]["big"]
+
+
+def test_each_item_is_on_disk_as_soon_as_it_is_measured(tmp_path):
+    """A phase cut short (timeout, crash) keeps what it measured: the JSON is written after each item."""
+    import time
+
+    from tools.gpu_check import Check
+
+    check = Check("bench", tmp_path, smoke=True, deadline=time.monotonic() + 10, work=tmp_path, log=tmp_path / "log")
+    check.item("first", 0, lambda: {"images_per_s": 1.0})
+    assert json.loads(check.path.read_text())["items"]["first"]["images_per_s"] == 1.0
+
+
+def test_the_record_s_commit_says_when_the_tree_was_dirty(monkeypatch):
+    import train.run.folder
+    from tools import gpu_check
+
+    monkeypatch.delenv("GPU_CHECK_COMMIT", raising=False)
+    monkeypatch.setattr(train.run.folder, "git_commit", lambda: {"commit": "0123abc", "dirty": True})
+    assert gpu_check.commit() == "0123abc+dirty"
+    monkeypatch.setattr(train.run.folder, "git_commit", lambda: {"commit": "0123abc", "dirty": False})
+    assert gpu_check.commit() == "0123abc"
