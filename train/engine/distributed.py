@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 
@@ -40,12 +39,6 @@ def rank_from_env() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init() -> tuple[int, int, torch.device]:
     """Start the process group (NCCL on GPUs, gloo on CPU); a plain `python` run becomes rank 0 of
     a world of 1. Returns (rank, world_size, device)."""
@@ -60,8 +53,7 @@ def init() -> tuple[int, int, torch.device]:
                               "passes it on), or launch with deepspeed's default pdsh launcher, torchrun or Slurm")
         os.environ.update({k: os.environ[v] for k, v in MPI_ENV.items() if v in os.environ})
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -69,8 +61,14 @@ def init() -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                             device_id=device if device.type == "cuda" else None)
+        backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
+        if os.environ.get("WORLD_SIZE") == "1":
+            # a world of one: its store lives in this process and binds no port, so runs side by side
+            # on one machine (or under an exported MASTER_PORT another run holds) cannot collide
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                                 device_id=device_id)
+        else:
+            torch.distributed.init_process_group(backend, device_id=device_id)
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 
 
