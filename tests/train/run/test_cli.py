@@ -85,6 +85,15 @@ run_script(main)
 """
 
 
+def run_as_a_script(how: str) -> subprocess.CompletedProcess:
+    """SCRIPT in a process of its own, a plain run (no launcher's rank variables)."""
+    from conftest import PROCESS_GROUP_ENV, REPO
+
+    env = {k: v for k, v in os.environ.items() if k not in PROCESS_GROUP_ENV}
+    return subprocess.run([sys.executable, "-c", SCRIPT, how], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
 @pytest.mark.parametrize("how, status, says", [
     ("config", 2, "config error: --run.max_steps must be positive"),
     ("bug", 1, "ValueError: an unforeseen bug"),
@@ -94,12 +103,7 @@ def test_a_failed_script_with_its_group_alive_ends_with_its_status_before_the_te
     """The teardown of a live gloo process group can abort the process (SIGABRT: a launcher then
     reports 250 where the run said 3); a failed run skips it, after its message, the flush of its
     output and the atexit handlers (the loader's workers, logging)."""
-    from conftest import REPO
-
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, how], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = run_as_a_script(how)
     assert proc.returncode == status, proc.stderr[-3000:]
     assert says in proc.stderr and "atexit handlers ran" in proc.stderr, proc.stderr[-3000:]
     assert ("Traceback" in proc.stderr) == (how == "bug")
@@ -110,12 +114,7 @@ def test_a_failed_script_with_its_group_alive_ends_with_its_status_before_the_te
 def test_a_script_that_ended_well_ends_through_the_interpreter():
     """The witness of the test above: a run that ended well ended its group, and the interpreter's
     teardown runs (its finalizers print)."""
-    from conftest import REPO
-
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, "well"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = run_as_a_script("well")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "atexit handlers ran" in proc.stderr and "interpreter teardown" in proc.stderr, proc.stderr[-3000:]
     assert proc.stdout == "written, not yet flushed"
