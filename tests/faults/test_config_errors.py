@@ -121,9 +121,12 @@ def _old_run(folder, config_changes: dict, checkpoint: bool):
 
 def test_run_folder_holding_another_config_is_refused(tmp_path, capsys, monkeypatch):
     _old_run(tmp_path / "run", {"optim.blr": 0.5}, checkpoint=False)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     err = _reject(tmp_path / "x", capsys, monkeypatch, "--output_dir", str(tmp_path / "run"))
     assert "holds a run with another config (sections differing: optim)" in err and "--run.overwrite true" in err
     assert (tmp_path / "run" / "metrics.jsonl").read_text().startswith('{"step": 1, "loss": 9.0}')  # untouched
+    # nothing added either: the run.lock the refused start made in the folder is gone with it
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
 def test_run_folder_holding_checkpoints_is_refused_without_resume(tmp_path, capsys, monkeypatch):

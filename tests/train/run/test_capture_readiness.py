@@ -52,7 +52,7 @@ def test_the_step_of_every_objective_could_be_captured(name, monkeypatch):
 
 @dataclass
 class HazardConfig(ObjectiveConfig):
-    hazard: str = "item"  # item | nonzero | cpu | cpu_scalar
+    hazard: str = "item"  # item | nonzero | cpu | cpu_scalar | cpu_in_list
 
 
 class Hazard(Objective):
@@ -61,6 +61,7 @@ class Hazard(Objective):
     def __init__(self, encoder, cfg: HazardConfig):
         super().__init__(encoder, cfg)
         self.out = torch.nn.Linear(encoder.embed_dim, 1)
+        self.calls = torch.zeros(())  # not a buffer: stays on the CPU when the model moves
 
     def forward(self, batch):
         pred = self.out(self.encoder(batch["image"]))  # (B, 1)
@@ -68,6 +69,8 @@ class Hazard(Objective):
             pred = pred * pred.abs().max().item()  # a host read
         elif self.cfg.hazard == "nonzero":
             pred = pred[pred > 0]  # a value-dependent shape
+        elif self.cfg.hazard == "cpu_in_list":
+            torch._foreach_add_([self.calls], 1)  # a CPU tensor inside a list argument (a foreach op's)
         elif self.cfg.hazard == "cpu":
             pred = pred + torch.ones(1)  # a CPU tensor
         else:
@@ -81,6 +84,7 @@ class Hazard(Objective):
     ("cpu", r"RuntimeError: Tensor on device cpu is not on the expected device meta! at "
             r"tests/train/run/test_capture_readiness.py:\d+"),
     ("cpu_scalar", r"aten::add.Tensor at tests/train/run/test_capture_readiness.py:\d+"),
+    ("cpu_in_list", r"aten::_foreach_add_.Scalar at tests/train/run/test_capture_readiness.py:\d+"),
 ])
 def test_each_kind_of_hazard_is_found_where_it_is(hazard, said, monkeypatch):
     monkeypatch.chdir(REPO)

@@ -13,3 +13,10 @@ def test_at_chance_only_after_a_quarter_and_within_two_percent():
     assert "2.280 at step 25 is within 2% of chance (ln 10 = 2.303)" in watch.message()
     assert not watch.at_chance(50, 0.97 * math.log(10)) and watch.last is None  # learning now: cleared
     assert watch.at_chance(100, 2.34)  # above chance counts too (the probe of the report: 2.34)
+
+
+def test_a_quarter_of_a_run_rounds_up():
+    """10 steps: a quarter is 2.5 steps, so step 2 is still too early and step 3 is past it."""
+    watch = ChanceLoss(num_classes=10, stop_step=10)
+    assert not watch.at_chance(2, math.log(10))
+    assert watch.at_chance(3, math.log(10))

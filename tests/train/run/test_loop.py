@@ -31,15 +31,21 @@ class Recorded(torch.nn.Module):
         return {}
 
 
+def engine_of(module: Recorded, accum: int = 1):
+    return build(module, [{"params": [module.w], "weight_decay": 0.0}],
+                 lambda groups: torch.optim.AdamW(groups, lr=0.0, fused=True),
+                 lambda opt: WarmupCosineSchedule(opt, 0.1, 0.0, 0, 100),
+                 EngineConfig(0, "fp32", accum, 0.0), torch.device("cpu"))
+
+
+def images():
+    return iter({"image": torch.full((2,), float(i))} for i in range(1, 1000))
+
+
 def train(module: Recorded, settings: LoopSettings, accum: int = 1, **callbacks) -> dict[int, dict]:
     """`module` trained through the loop on images 1, 2, 3, ...: the metrics of each logged step."""
-    engine = build(module, [{"params": [module.w], "weight_decay": 0.0}],
-                   lambda groups: torch.optim.AdamW(groups, lr=0.0, fused=True),
-                   lambda opt: WarmupCosineSchedule(opt, 0.1, 0.0, 0, 100),
-                   EngineConfig(0, "fp32", accum, 0.0), torch.device("cpu"))
-    images = iter({"image": torch.full((2,), float(i))} for i in range(1, 1000))
     logged = {}
-    run(engine, images, settings, LoopState(0), torch.device("cpu"), torch.float32,
+    run(engine_of(module, accum), images(), settings, LoopState(0), torch.device("cpu"), torch.float32,
         lambda step, metrics: logged.update({step: metrics}), callbacks.pop("on_checkpoint", lambda step: None),
         **callbacks)
     return logged
@@ -105,3 +111,16 @@ def test_on_a_gpu_the_queued_training_work_is_finished_before_a_callback_is_time
     loop._seconds(lambda step: order.append(f"evaluate {step}"), 7, torch.device("cuda", 0))
     loop._seconds(lambda step: order.append(f"evaluate {step}"), 8, torch.device("cpu"))
     assert order == ["synchronize", "evaluate 7", "evaluate 8"]
+
+
+@pytest.mark.parametrize("signal_at, stopped, saved_at", [
+    (4, False, [4]),  # in the last step: the run is finished (exported, exit 0), not interrupted
+    (3, True, [3]),  # before it: a checkpoint of the step reached, and the run reports the stop
+])
+def test_a_stop_signal_interrupts_only_a_run_with_steps_left(signal_at, stopped, saved_at):
+    state, saved = LoopState(0), []
+    result = run(engine_of(Recorded()), images(), LoopSettings(4, log_every=2, ckpt_every=100, global_batch=4), state,
+                 torch.device("cpu"), torch.float32, lambda step, metrics: None, saved.append,
+                 should_stop=lambda step: step == signal_at)
+    assert result is stopped
+    assert saved == saved_at and state.step == signal_at

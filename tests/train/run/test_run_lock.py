@@ -124,3 +124,23 @@ def test_a_lock_file_a_refused_run_removed_is_not_held_twice(tmp_path):
         release_run_lock(run_dir)
         waiter.kill()
         waiter.wait()
+
+
+@pytest.mark.parametrize("resume", [["--resume", "auto"], []])
+def test_only_a_resume_waits_for_an_existing_folder_s_lock(tmp_path, monkeypatch, resume):
+    """A requeued job resumes (--resume auto) and may find a dead node's lock not yet expired: it
+    waits RESUME_WAIT_S for it; a fresh start into a folder in use is refused at once."""
+    from conftest import CPU_DS, DEBUG_PRESET
+
+    import train.run.prestart as prestart
+    from train.config.parsing import parse_args
+    from train.run.run_lock import RESUME_WAIT_S
+
+    waits = []
+    monkeypatch.setattr(prestart, "hold_run_lock", lambda run_dir, wait_s=0.0: waits.append(wait_s))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(run_dir), *resume])
+    prestart.check_before_start(cfg)
+    assert waits == [RESUME_WAIT_S if resume else 0.0]
