@@ -16,7 +16,7 @@ from PIL import Image
 from wds_shards import write_tar as write_members
 
 from data.device_decode import DeviceDecoder, EncodedCropTransform
-from data.faults import ERROR_KINDS, BadSampleBudget, CorruptDataError, SampleError, ShardIndexError
+from data.faults import ERROR_KINDS, BadSampleBudget, CorruptDataError, SampleError, ShardIndexError, Tally
 from data.loader import ShardLoader
 from data.shard_index import PipeShard, ShardSet
 from data.shards import ShardStream, open_sample, raw_samples
@@ -309,6 +309,29 @@ def test_budget_rule():
     never.lose("c.tar", 10)
     never.seen("c.tar")
     never.skip("c.tar", "empty_image")  # everything bad: 1.0 never gives up
+
+
+def test_a_reader_of_exactly_min_total_samples_gives_up_at_its_last():
+    # a reader whose whole stream is min_total samples, all bad: the rule applies from min_total on,
+    # else such a reader would never give up
+    budget = BadSampleBudget(0.1, min_total=10, reader="rank 0")
+    for _ in range(9):
+        budget.seen("s.tar")
+        budget.skip("s.tar", "undecodable_image")
+    assert (budget.total, budget.bad) == (9, 9)
+    with pytest.raises(CorruptDataError):
+        budget.seen("s.tar")
+        budget.skip("s.tar", "undecodable_image")
+
+
+def test_merged_tallies_count_past_the_examples_kept():
+    shard = Tally()
+    for i in range(25):
+        shard.add(f"f{i}", "bad")
+    total = Tally()
+    total.merge(Tally())
+    total.merge(shard)
+    assert total.count == 25 and total.examples == [f"f{i}: bad" for i in range(Tally.MAX_EXAMPLES)]
 
 
 @pytest.fixture

@@ -146,6 +146,19 @@ def test_files_put_in_the_cache_by_hand_are_used_gzipped_or_not(server):
     assert requests == []
 
 
+def test_only_the_files_missing_from_the_cache_are_downloaded(server):
+    _, served, requests = server
+    fm.CACHE.mkdir()
+    placed = {NAMES[0]: (served / NAMES[0]).read_bytes(),  # as published
+              NAMES[1].removesuffix(".gz"): gzip.decompress((served / NAMES[1]).read_bytes())}  # unpacked by hand
+    for name, data in placed.items():
+        (fm.CACHE / name).write_bytes(data)
+    assert fm.find_or_download() == fm.CACHE
+    assert sorted(requests) == sorted(f"/{n}" for n in NAMES[2:])
+    assert sorted(p.name for p in fm.CACHE.iterdir()) == sorted([*placed, *NAMES[2:]])
+    assert all((fm.CACHE / name).read_bytes() == data for name, data in placed.items())
+
+
 def test_a_mirror_from_the_environment_or_the_cli(server, monkeypatch, tmp_path, capsys):
     url, _, requests = server
     monkeypatch.setattr(fm, "URL", closed_port_url())  # the default answers nothing: only the mirror can

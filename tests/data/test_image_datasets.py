@@ -25,6 +25,16 @@ def test_imagefolder_classes_are_sorted_folder_names_and_files_sorted_within(ima
     assert [f.label for f in files] == [0, 0] + [1] * 8 + [2] * 8 + [3] * 8
 
 
+def test_images_in_sub_folders_of_a_class_folder_take_that_class(image_folder):
+    (image_folder / "dog" / "sub" / "deeper").mkdir(parents=True)
+    (image_folder / "dog" / "sub" / "x.png").write_bytes(b"checked later, by the shard's writer")
+    (image_folder / "dog" / "sub" / "deeper" / "y.png").write_bytes(b"")
+    classes, files = list_imagefolder(image_folder)
+    assert classes == ["cat", "dog", "eel"] and len(files) == 26
+    assert ImageFile(image_folder / "dog" / "sub" / "x.png", 1) in files
+    assert ImageFile(image_folder / "dog" / "sub" / "deeper" / "y.png", 1) in files
+
+
 def test_a_given_class_list_fixes_indices_and_refuses_folders_outside_it(image_folder):
     classes, files = list_imagefolder(image_folder, ["zebra", "eel", "dog", "cat"])
     assert classes == ["zebra", "eel", "dog", "cat"] and {f.path.parent.name: f.label for f in files} == {

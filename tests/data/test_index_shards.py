@@ -176,6 +176,19 @@ def test_label_from_a_json_field_with_class_names(tmp_path, capsys):
     assert idx["unlabeled"]["examples"][0] == "j-000000.tar/k0: missing_cls: the json member has no field 'class'"
 
 
+def test_a_label_equal_to_the_number_of_class_names_is_refused(tmp_path, capsys):
+    # labels 0..2 need 3 names: with 2, label 2 would index past the list
+    shardwriter(tmp_path, "c", labeled(6), 6)
+    (tmp_path / "names.txt").write_text("cat\ndog\n")
+    assert main([str(tmp_path / "c-000000.tar"), "--out", str(tmp_path / "c.json"),
+                 "--classes", str(tmp_path / "names.txt")]) == 2
+    assert "label 2 does not fit the 2 names" in capsys.readouterr().err and not (tmp_path / "c.json").exists()
+    (tmp_path / "names.txt").write_text("cat\ndog\nbird\n")
+    rc, idx = index(str(tmp_path / "c-000000.tar"), "--out", str(tmp_path / "c.json"),
+                    "--classes", str(tmp_path / "names.txt"))
+    assert rc == 0 and idx["classes"] == ["cat", "dog", "bird"] and idx["labels_seen"] == [0, 1, 2]
+
+
 def test_labels_that_are_not_integers_leave_the_index_unlabeled(tmp_path, capsys):
     write_tar(tmp_path / "l.tar", [("a.jpg", image("JPEG", 1)), ("a.cls", b"3"), ("b.jpg", image("JPEG", 2)),
                                    ("b.cls", b"dog"), ("c.jpg", image("JPEG", 3)), ("c.cls", b"-1")])

@@ -2,6 +2,7 @@
 import io
 import tarfile
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,6 +50,16 @@ def test_every_sample_once_per_epoch_across_2_ranks_x_2_workers(shard_set):
 def test_too_few_shards_for_readers_is_an_error(shard_set):
     with pytest.raises(ValueError, match="8 shards cannot feed 2 ranks x 8 workers = 16 readers"):
         check_split(shard_set, world=2, num_workers=8)
+
+
+def test_one_shard_per_reader_is_enough():
+    def shards(n):
+        return ShardSet(tuple(Path(f"s{i}.tar") for i in range(n)), (10,) * n, ("a",))
+
+    check_split(shards(4), world=2, num_workers=2)  # 2 ranks x 2 workers: each reads one whole shard
+    check_split(shards(2), world=2, num_workers=0)  # each rank's own process is its one reader
+    with pytest.raises(ValueError, match="3 shards cannot feed 2 ranks x 2 workers = 4 readers"):
+        check_split(shards(3), world=2, num_workers=2)
 
 
 def _batches(loader, n):

@@ -1,5 +1,7 @@
 """MLO-MAE's labeled split: D_tr and D_val partition the training shards, deterministically,
 and no test sample is ever read."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -83,6 +85,33 @@ def test_split_is_a_function_of_the_key_only(train_and_test):
     assert [a.is_val(k) for k in keys] != [LabeledSplit(0.2, seed=1).is_val(k) for k in keys]
     # the same key set in any order / shard layout gives the same D_val
     assert {k for k in reversed(keys) if a.is_val(k)} == {k for k in keys if a.is_val(k)}
+
+
+def test_the_nominal_epoch_of_a_split_run_is_the_training_part(train_and_test, tmp_path):
+    from data.source import nominal_epoch_size
+    from train.config.options import DataConfig
+
+    shards, _, _ = train_and_test
+    cfg = DataConfig(train_index=str(tmp_path / "s" / "train.json"))
+    assert nominal_epoch_size(cfg) == shards.num_samples
+    # D_val's samples are held out of every epoch of D_tr
+    assert nominal_epoch_size(cfg, LabeledSplit(0.2, seed=0)) == int(shards.num_samples * (1 - 0.2))
+
+
+def test_build_source_reads_d_tr_and_d_val_as_disjoint_parts_of_the_shards(train_and_test, tmp_path, monkeypatch):
+    import data.source as source_module
+    from train.config.options import DataConfig
+
+    shards, _, _ = train_and_test
+    # each stream's loader, with the keep function that picks its samples, not the loader itself
+    monkeypatch.setattr(source_module, "ShardLoader", lambda *a, keep=None, **k: SimpleNamespace(keep=keep))
+    cfg = DataConfig(train_index=str(tmp_path / "s" / "train.json"), num_workers=0)
+    source = source_module.build_source(cfg, 6, 3, 2, 0, 0, 1, torch.device("cpu"), split=LabeledSplit(0.2, seed=0))
+    keys = set(shard_keys(shards))
+    tr = {k for k in keys if source.train.keep(k)}
+    val = {k for k in keys if source.val.keep(k)}
+    assert not tr & val and tr | val == keys
+    assert 0 < len(val) < len(tr)  # D_val is the 20%
 
 
 def test_fraction_is_as_configured():

@@ -7,7 +7,7 @@ import pytest
 from test_data_faults import image_shards, write_index, write_tar
 
 from data.shard_index import ShardSet
-from data.verify import main, verify_shard, verify_shards
+from data.verify import main, verify_before_start, verify_shard, verify_shards
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,6 +43,15 @@ def test_a_shard_cut_at_a_member_boundary_is_found(tmp_path):
     assert "truncated_shard" in report.problems and "end-of-archive" in report.reason()
 
 
+def test_a_shard_cut_at_a_member_boundary_with_garbage_after_it_is_found(tmp_path):
+    # the end-of-archive marker is two zero blocks: two blocks of anything else are no end
+    image_shards(tmp_path, 1, 4)
+    path = tmp_path / "ok-0.tar"
+    path.write_bytes(path.read_bytes()[:2048] + b"\xff" * 2048)
+    report = verify_shard(path, 1)
+    assert "truncated_shard" in report.problems and "end-of-archive" in report.reason()
+
+
 def test_only_headers_are_read(shard_dir, monkeypatch):
     from PIL import Image
 
@@ -63,6 +72,21 @@ def test_the_command_lists_bad_shards_in_parallel_and_exits_nonzero(shard_dir):
     assert "4 of 7 shards good, 3 bad" in proc.stdout
     assert main([str(shard_dir / "good.json"), "--workers", "2"]) == 0
     assert main([str(shard_dir / "nowhere.json")]) == 2
+
+
+def test_verify_shards_checks_the_evaluation_index_too(tmp_path):
+    from train.config.options import DataConfig
+
+    write_index(tmp_path, image_shards(tmp_path, 2, 4), name="train")
+    (tmp_path / "garbage.tar").write_bytes(b"this is not a tar file" * 100)
+    write_index(tmp_path, {"garbage.tar": 4}, name="val")
+    cfg = DataConfig(train_index=str(tmp_path / "train.json"), verify_shards=True)
+    verify_before_start(cfg)  # the training shards are good
+    cfg = DataConfig(train_index=str(tmp_path / "train.json"), eval_index=str(tmp_path / "val.json"),
+                     verify_shards=True)
+    with pytest.raises(ValueError, match="garbage.tar") as e:
+        verify_before_start(cfg)
+    assert "ok-0.tar" not in str(e.value)
 
 
 def test_verify_shards_refuses_the_run_before_start(shard_dir, tmp_path):

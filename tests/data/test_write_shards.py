@@ -188,6 +188,19 @@ def test_shards_left_empty_by_skipped_files_are_dropped(image_folder, tmp_path):
     assert len(samples) == shards.num_samples == 24
 
 
+def test_a_shard_whose_only_file_was_rejected_is_not_listed(image_folder, tmp_path):
+    # an image name holding garbage is a sample until its shard is written; with one file a shard,
+    # its shard ends empty, and an index listing "samples": 0 would not load
+    (image_folder / "eel" / "broken.png").write_bytes(b"not a png at all")
+    out = tmp_path / "out"
+    [index] = write_shards(["imagefolder", str(image_folder), str(out), "--samples_per_shard", "1", "--skip_bad",
+                            "--workers", "1"])
+    assert index["rejected"]["count"] == 1
+    assert all(s["samples"] > 0 for s in index["shards"]) and len(index["shards"]) == 24
+    samples, shards = _read_back(out / "train.json")
+    assert len(samples) == shards.num_samples == 24
+
+
 SORTED = sorted(WNIDS)  # timm / torchvision's class order
 
 
