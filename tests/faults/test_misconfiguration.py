@@ -124,6 +124,15 @@ def test_an_option_nothing_would_read_is_refused(argv, message):
         parse_args(["--ds_config", str(CPU_DS), *argv])
 
 
+def test_a_preset_setting_num_crops_without_multicrop_is_refused_as_the_command_line_is(tmp_path):
+    """data.num_crops belongs to the multicrop transform, not to a data source: unread whoever sets it."""
+    crops = tmp_path / "crops.json"
+    crops.write_text(json.dumps({"data": {"num_crops": 2}}))
+    with pytest.raises(ConfigError, match=r"--data.num_crops \(set by the preset .*crops.json\) is read only with "
+                                          r"--data.train_transform multicrop"):
+        parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--config", str(crops)])
+
+
 def test_presets_keep_working_and_if_objective_sections_apply_to_their_objective_only():
     for preset in sorted(PRESETS.glob("*/*.json")):
         cfg = parse_args(["--ds_config", str(CPU_DS), "--config", str(preset), "--data.source", "synthetic"])

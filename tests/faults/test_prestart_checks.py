@@ -120,3 +120,47 @@ def test_a_classifier_of_another_class_count_than_the_labels_is_refused(tmp_path
     with pytest.raises(ConfigError, match=rf"its other 2 outputs would be classes no sample has; set "
                                           rf"--{objective}.num_classes 10"):
         check_objective_fits(wider, micro_batch=8)
+
+
+def _debug(*options: str):
+    return parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), *options])
+
+
+def test_a_floor_just_above_the_peak_lr_is_refused_and_one_at_the_peak_accepted():
+    from train.config.ds_config import BatchPlan
+    from train.config.plan import schedule_steps
+
+    cfg, plan = _debug(), BatchPlan(8, 1, 1)
+    peak = cfg.optim.blr * plan.global_batch / 256  # the MAE recipe's scaling rule
+    cfg.optim.min_lr = peak  # a flat cosine: nothing rises
+    schedule_steps(cfg, plan)
+    cfg.optim.min_lr = peak * (1 + 1e-6)
+    with pytest.raises(ConfigError, match="is above the peak lr"):
+        schedule_steps(cfg, plan)
+
+
+def test_a_warmup_longer_than_the_schedule_is_refused_and_one_as_long_accepted():
+    epochs = _debug().optim.epochs
+    assert _debug("--optim.warmup_epochs", str(epochs)).optim.warmup_epochs == epochs
+    with pytest.raises(ConfigError, match=rf"optim.warmup_epochs \({epochs + 0.5}\) exceeds optim.epochs \({epochs}\)"):
+        _debug("--optim.warmup_epochs", str(epochs + 0.5))
+
+
+def test_overwrite_and_resume_together_are_refused():
+    assert _debug("--run.overwrite", "true").run.overwrite and _debug("--resume", "auto").resume == "auto"
+    with pytest.raises(ConfigError, match="run.overwrite starts afresh and --resume continues: give one of them"):
+        _debug("--run.overwrite", "true", "--resume", "auto")
+
+
+@pytest.mark.parametrize("accum, fits", [(1, False), (2, True)])
+def test_mlomae_level2_steps_may_use_every_micro_batch_of_a_cycle_accumulation_included(accum, fits):
+    """level2_steps head steps run on the cycle's latest D_tr micro-batches: level1_steps x accumulation of them."""
+    cfg = parse_args(["--ds_config", str(CPU_DS), "--config", str(CONFIGS / "mlomae" / "debug.json"),
+                      "--mlomae.level2_steps", "2"])
+    assert (cfg.mlomae.level1_steps, cfg.mlomae.level2_steps) == (1, 2)
+    if fits:
+        check_objective_fits(cfg, micro_batch=8, accum=accum)
+    else:
+        with pytest.raises(ConfigError, match=r"level2_steps 2 exceeds the micro-batches of one cycle \(level1_steps 1 "
+                                              r"x gradient_accumulation_steps 1\)"):
+            check_objective_fits(cfg, micro_batch=8, accum=accum)

@@ -166,3 +166,24 @@ def test_parsing_a_configuration_loads_neither_timm_nor_torchvision():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"
+
+
+def test_the_encoder_built_from_a_config_has_its_drop_path_rate_and_in_chans():
+    """--model.drop_path_rate and --model.in_chans reach the encoder: stochastic depth rising
+    linearly from 0 to the rate over the blocks (MAE fine-tuning's 0.1 ... 0.3), the patch
+    projection reading that many channels."""
+    from model.registry import create_model
+    from train.config.plan import build_encoder
+
+    cfg = parse_args(["--ds_config", "ds_configs/cpu_debug.json", "--config", "train/configs/mae/debug.json",
+                      "--model.drop_path_rate", "0.3", "--model.in_chans", "2"])
+    encoder = build_encoder(cfg)
+    depth = len(encoder.blocks)
+    assert depth > 1
+    want = [0.3 * i / (depth - 1) for i in range(depth)]
+    got = [float(getattr(b.drop_path, "drop_prob", 0.0)) for b in encoder.blocks]
+    assert got == pytest.approx(want) and got[-1] == pytest.approx(0.3)
+    reference = create_model(cfg.model.name, drop_path_rate=0.3, in_chans=2)
+    assert got == [float(getattr(b.drop_path, "drop_prob", 0.0)) for b in reference.blocks]
+    assert encoder.patch_embed.proj.weight.shape == reference.patch_embed.proj.weight.shape
+    assert encoder.patch_embed.proj.weight.shape[1] == 2  # neither the preset's 1 nor the registry's 3

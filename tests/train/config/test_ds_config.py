@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from fake_gpu import CU126_ARCHS, fake_gpu
 
-from train.config.ds_config import resolve, resolve_batch
+from train.config.ds_config import float8_refusal, resolve, resolve_batch, zero_stage
 from train.config.ds_keys import ENGINE_READS, ENGINE_VALUES
 from train.config.errors import ConfigError
 from train.config.options import PretrainConfig
@@ -74,6 +74,70 @@ def test_batch_derivation_and_contradiction():
         resolve_batch({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, 2)
     with pytest.raises(ConfigError, match="two of"):
         resolve_batch({"train_batch_size": 30}, 2)
+
+
+@pytest.mark.parametrize("ds,world", [
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, 2),
+    ({"train_batch_size": 64, "gradient_accumulation_steps": 4}, 2),
+    ({"train_batch_size": 48, "gradient_accumulation_steps": 2}, 4),
+    ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3}, 4),
+])
+def test_a_derived_batch_plan_keeps_the_global_batch_the_file_gives(ds, world):
+    plan = resolve_batch(ds, world)
+    assert plan.global_batch == plan.micro * plan.accum * world == ds["train_batch_size"]
+
+
+@pytest.mark.parametrize("ds,world,message", [
+    # 12 = 2 x 6 but not 2 x 4 ranks x a whole micro batch: DeepSpeed's rule needs tb % (ga x world) == 0
+    ({"train_batch_size": 12, "gradient_accumulation_steps": 2}, 4, "not divisible by accumulation 2 x 4 ranks"),
+    # 12 = 4 x 3 but not 4 x 2 ranks x whole steps
+    ({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 4}, 2, "not divisible by micro batch 4 x 2 ranks"),
+])
+def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused_not_shrunk(ds, world, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_batch(ds, world)
+
+
+def test_a_ds_config_without_zero_optimization_is_zero_stage_0_as_in_deepspeed(tmp_path):
+    assert zero_stage(BASE) == 0 and zero_stage({**BASE, "zero_optimization": {}}) == 0
+    # and so LARS (whole tensors) is accepted by a file that says nothing of ZeRO
+    cfg = _cfg(tmp_path, BASE)
+    cfg.optim.name = "lars"
+    assert resolve(cfg, world=1, cuda=False)[1].global_batch == 8
+
+
+@pytest.mark.parametrize("stage,prec,refused", [
+    (0, "fp32", False), (0, "fp16", False), (0, "bf16", True), (1, "fp32", True), (2, "fp32", True), (3, "fp32", True),
+])
+def test_lars_runs_only_on_whole_tensors_zero_stage_0_not_in_bf16(tmp_path, stage, prec, refused):
+    ds = {**BASE, "zero_optimization": {"stage": stage}, **({prec: {"enabled": True}} if prec != "fp32" else {})}
+    cfg = _cfg(tmp_path, ds)
+    cfg.optim.name = "lars"
+    if refused:
+        with pytest.raises(ConfigError, match="optim.name lars needs whole per-layer tensors"):
+            resolve(cfg, world=1, cuda=True, bf16_ok=True)
+    else:
+        resolve(cfg, world=1, cuda=True, bf16_ok=True)
+
+
+@pytest.mark.parametrize("section,named", [
+    ({"number_checkpoints": 4}, "number_checkpoints"),
+    ({"partition_activations": True}, "partition_activations"),
+])
+def test_megatron_checkpointing_options_are_refused_not_ignored(tmp_path, section, named):
+    with pytest.raises(ConfigError, match=f"activation_checkpointing sets .*{named}"):
+        resolve(_cfg(tmp_path, {**BASE, "activation_checkpointing": section}), world=1, cuda=False)
+    assert resolve(_cfg(tmp_path, {**BASE, "activation_checkpointing": {}}), world=1, cuda=False)  # the plain switch
+
+
+@pytest.mark.parametrize("capability,runs", [((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True),
+                                              ((10, 0), True)])
+def test_float8_runs_from_ada_compute_capability_8_9_on(capability, runs):
+    """Ada (L40S, 8.9) has float8 tensor cores, as the refusal's own message says."""
+    refusal = float8_refusal("some GPU", capability)
+    assert (refusal is None) == runs
+    if not runs:
+        assert f"compute capability {capability[0]}.{capability[1]}; set run.float8 false" in refusal
 
 
 @pytest.mark.parametrize("ds,model,cuda,message", [

@@ -13,6 +13,7 @@ from conftest import CPU_DS, DEBUG_PRESET, REPO
 
 from experiments.fashion_mnist.common import demo_methods, presets, variants
 from train.config.errors import ConfigError
+from train.config.options import PretrainConfig
 from train.config.parsing import parse_args, to_dict
 from train.finetune import RECIPE as FINETUNE
 from train.linprobe import RECIPE as LINPROBE
@@ -124,6 +125,16 @@ def test_if_objective_options_apply_to_their_objective_and_compose_as_the_preset
         assert "set mae.decoder_dim to " in run_of(*[x for p in order for x in ("--config", p)])
     settled = run_of("--config", str(DEBUG_PRESET), "--config", wider, "--mae.decoder_dim", "128")
     assert settled["mae"]["decoder_dim"] == 128
+
+
+def test_if_objective_options_apply_when_the_command_line_names_their_objective():
+    """--objective mae given again on the command line picks the same if_objective section as the
+    preset's default objective does."""
+    decoder = json.loads(DEBUG_PRESET.read_text())["if_objective"]["mae"]
+    assert decoder["decoder_dim"] != PretrainConfig().mae.decoder_dim  # the preset changes it
+    run = run_of("--config", str(DEBUG_PRESET), "--objective", "mae")
+    assert isinstance(run, dict), run
+    assert {k: run["mae"][k] for k in decoder} == decoder
 
 
 def test_a_runs_own_config_is_a_preset_that_gives_the_same_run(tmp_path):
