@@ -412,17 +412,21 @@ def test_transformers_export_replaces_a_folder_only_with_overwrite(run_dir, tmp_
 def test_evaluate_never_writes_its_result_over_an_input(run_dir, shards, held_out, tmp_path, capsys):
     index, tag = shards / "train.json", run_dir / "checkpoints" / "step00000001"
     source = ["--train_index", str(index), "--test_index", str(held_out)]
-    before = snapshot(shards, run_dir)
+    before = snapshot(shards, run_dir, held_out.parent)
     for encoder, out, message in (
             (["--random_init", "vit_debug_patch4"], index, r"--out .*train.json is the input .*train.json"),
             (["--random_init", "vit_debug_patch4"], shards / "train-000001.tar", r"--out .*train-000001.tar is the "
                                                                                  r"input"),
+            # the held-out split's index and shards are inputs too (held_out: test.json + test-000000.tar)
+            (["--random_init", "vit_debug_patch4"], held_out, r"--out .*test.json is the input .*test.json"),
+            (["--random_init", "vit_debug_patch4"], held_out.parent / "test-000000.tar",
+             r"--out .*test-000000.tar is the input"),
             (["--encoder", str(run_dir / "encoder.safetensors")], run_dir / "encoder.json",
              r"--out .*encoder.json is the input .*encoder.json"),
             (["--checkpoint", str(run_dir)], tag / "eval.json", r"--out .*eval.json lies inside the input "
                                                                  r".*step00000001")):
         refused("train.evaluate", [*source, *encoder, "--out", str(out), "--overwrite"], message, capsys)
-        assert snapshot(shards, run_dir) == before
+        assert snapshot(shards, run_dir, held_out.parent) == before
 
 
 def test_evaluate_replaces_a_result_only_with_overwrite(shards, held_out, tmp_path, capsys, monkeypatch):

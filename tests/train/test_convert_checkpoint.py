@@ -209,3 +209,28 @@ def test_optimizer_state_the_pieces_do_not_cover_exactly_is_refused(tmp_path, ca
     assert status.value.code == 2 and err.count("\n") == 1, err
     assert f"{tag}: the optim_rank*.pt files hold 0 of the 3 values of b's exp_avg" in err, err
     assert {f.name: f.read_bytes() for f in tag.iterdir()} == before
+
+
+def test_overlapping_pieces_that_add_up_to_the_tensor_are_refused(tmp_path, capsys):
+    """Pieces [0, 5) and [3, 8) of w's 10 values add up to 10 but give 3..4 twice and 8..9 never:
+    the count alone would pass and 8..9 would convert into zeros."""
+    pieces = [{"start": lo, "end": hi, "state": {"exp_avg": torch.ones(hi - lo)}} for lo, hi in ((0, 5), (3, 8))]
+    tag = _tag_of(tmp_path, _model(), _optim(layout=[("w", 0, 10)], pieces=pieces))
+    before = {f.name: f.read_bytes() for f in tag.iterdir()}
+    with pytest.raises(SystemExit) as status:
+        cli(lambda: convert([str(tag)]))
+    err = capsys.readouterr().err
+    assert status.value.code == 2 and err.count("\n") == 1, err
+    assert f"{tag}: the optim_rank*.pt files hold 10 of the 10 values of w's exp_avg, some more than once" in err, err
+    assert {f.name: f.read_bytes() for f in tag.iterdir()} == before
+
+
+def test_a_run_folder_converts_only_its_tags_of_the_earlier_layout(tmp_path, capsys):
+    """A run converted in part (a tag converted, a later one still legacy): the run folder names only the legacy one."""
+    converted = _tag_of(tmp_path, _model(), _optim())
+    assert convert([str(converted)]) == [converted]
+    done = {f.relative_to(converted): f.read_bytes() for f in converted.rglob("*") if f.is_file()}
+    legacy = _tag_of(tmp_path / "later", _model(), _optim()).rename(converted.with_name("step00000002"))
+    assert convert([str(tmp_path)]) == [legacy]
+    # the converted tag left as it was
+    assert {f.relative_to(converted): f.read_bytes() for f in converted.rglob("*") if f.is_file()} == done

@@ -344,3 +344,21 @@ def test_a_subset_of_an_index_claiming_a_trillion_samples_draws_only_the_subset(
     start = {Path("a.tar"): 0, Path("b.tar"): 30}
     chosen = sorted(start[f] + p for f, keep in zip(sub.files, sub.keep, strict=True) for p in keep)
     assert chosen == sorted(torch.randperm(42, generator=torch.Generator().manual_seed(5))[:7].tolist())
+
+
+def _shard_set(name, shards):
+    return ShardSet(files=tuple(Path(f"{name}-{i:06d}.tar") for i in range(shards)), counts=(10,) * shards,
+                    classes=("a",))
+
+
+def test_evaluate_workers_are_capped_by_the_larger_splits_shards():
+    """Each worker reads whole shards of one split at a time: the split with more shards sets how many
+    workers can be fed; as many workers as shards is fine."""
+    from train.config.errors import ConfigError
+    from train.evaluate import checked_workers
+
+    assert checked_workers(1, _shard_set("train", 1), _shard_set("test", 1)) == 1  # the default, one shard each
+    assert checked_workers(2, _shard_set("train", 5), _shard_set("test", 1)) == 2  # train's 5 shards feed 2
+    assert checked_workers(5, _shard_set("train", 5), _shard_set("test", 1)) == 5
+    with pytest.raises(ConfigError, match="5 shards cannot feed 6 workers"):
+        checked_workers(6, _shard_set("train", 1), _shard_set("test", 5))

@@ -91,3 +91,32 @@ def test_topk_accuracy_rises_and_adversary_reach():
     # the offset in its own units, then its share of eps (not "2 of eps")
     assert adversary_reach([_r("adpe", 0, metrics=adv)], 20.0) == "2 (eps 20): 0.100 of eps"
     assert adversary_reach([_r("adpe", 0, metrics=rising)], 20.0) == "not measured"
+
+
+def test_a_gap_exactly_the_spread_is_within_it_in_both_directions():
+    # mae 85/87 (mean 86, spread 2), mixedae 88/88 (mean 88): the gap 88 - 86 equals the spread 2
+    s = summarize([_r("mae", 0, finetune_top1=85.0), _r("mae", 1, finetune_top1=87.0),
+                   _r("mixedae", 0, finetune_top1=88.0), _r("mixedae", 1, finetune_top1=88.0)])
+    assert judge(s, Comparison("", "mixedae", "mae", "finetune_top1")) == \
+        "within the spread (88.00 vs 86.00: +2.00, spread 2.00)"  # not "holds": the gap must exceed it
+    assert judge(s, Comparison("", "mae", "mixedae", "finetune_top1")) == \
+        "within the spread (86.00 vs 88.00: -2.00, spread 2.00)"  # not "contradicted"
+    # "about equal" holds up to and including the spread
+    assert judge(s, Comparison("", "mixedae", "mae", "finetune_top1", equal=True)) == \
+        "holds (88.00 vs 86.00: +2.00, spread 2.00)"
+
+
+def test_one_seed_on_either_side_makes_the_verdict_provisional():
+    # mae has one seed, mixedae two: no spread on mae's side, so the test set's noise is the margin
+    s = summarize([_r("mae", 0, finetune_top1=85.0),
+                   _r("mixedae", 0, finetune_top1=88.0), _r("mixedae", 1, finetune_top1=88.0)])
+    noise = 2 * (88.0 * 12.0 / 10000 + 85.0 * 15.0 / 10000) ** 0.5
+    verdict = judge(s, Comparison("", "mixedae", "mae", "finetune_top1"))
+    assert verdict == f"provisional, one seed: holds (88.00 vs 85.00: +3.00, test-set noise {noise:.2f})"
+    assert noise == pytest.approx(sampling_noise(88.0, 85.0))
+
+
+def test_restoration_curve_orders_ten_or_more_steps_numerically():
+    # loss_step10 sorts between loss_step1 and loss_step2 as text; the curve is N = 0, 1, 2, ..., 10
+    row = {"corrupted_l1": 1.0, **{f"loss_step{n}": 1.0 / (n + 1) for n in range(1, 11)}}
+    assert restoration_curve([row]) == [1.0 / (n + 1) for n in range(11)]

@@ -303,3 +303,26 @@ def test_a_result_cut_short_is_refused_in_one_line_and_nothing_is_collected(tmp_
     assert status.value.code == 2 and len(err.splitlines()) == 1
     assert f"{cut} is not readable JSON (a write cut short): delete it and the entry reruns from its checkpoints" in err
     assert not (docs / "study").exists() and not (docs / "RESULTS.md").exists()
+
+
+def test_summary_of_seeds_in_any_order_is_their_mean_min_and_max():
+    # seeds 0, 1, 2 score 87, 85, 86: the range is not the first and last run, the centre is the mean
+    runs = [_result("mae", 0, 70.0, 78.0, 87.0), _result("mae", 1, 70.0, 78.0, 85.0),
+            _result("mae", 2, 70.0, 78.0, 86.0)]
+    assert summarize(runs)["mae"]["finetune_top1"] == ((87.0 + 85.0 + 86.0) / 3, 85.0, 87.0, 3)
+    skewed = [_result("mae", s, 70.0, 78.0, v) for s, v in enumerate((80.0, 86.0, 86.0))]
+    assert summarize(skewed)["mae"]["finetune_top1"][0] == pytest.approx((80.0 + 86.0 + 86.0) / 3)  # not the median 86
+
+
+def test_the_topk_claim_is_judged_on_this_studys_runs_before_the_ablation_presets(tmp_path):
+    # mixedae in both: rising TopK accuracy here, flat (at chance) in the ablation preset's runs
+    rising = [{"step": i, "topk_acc": 0.3 + 0.01 * i} for i in range(20)]
+    flat = [{"step": i, "topk_acc": 0.24 + 0.02 * (i % 2)} for i in range(20)]
+    full_budget = dict(BUDGET, pretrain_samples=600000)
+    full = [dict(_result("mixedae", 0, 71.0, 79.0, 90.0, metrics=rising), budget=full_budget)]
+    ablation = [_result("mixedae", 0, 60.0, 70.0, 80.0, metrics=flat)]
+    report = tmp_path / "RESULTS.md"
+    write_report(full, report, tmp_path / "figures", ablation=ablation, expected=["mixedae"])
+    topk = [line for line in report.read_text().splitlines() if "TopK sampling accuracy rises" in line]
+    # first / last 5 of the rising curve: means 0.32 and 0.47 (test_claims: noise 0.020)
+    assert len(topk) == 1 and "provisional, one seed: holds (0.320 -> 0.470" in topk[0]
