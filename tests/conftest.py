@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 from ports import free_port
+import report_text
 
 REPO = Path(__file__).resolve().parent.parent
 # The code runs from the repository root and is not installed (pyproject.toml): pytest puts the
@@ -65,6 +66,9 @@ LONGEST_FILES = [
     "train/run/test_resume_changes.py", "faults/test_misconfiguration.py", "model/objectives/test_energy.py",
     "train/test_linprobe_cpu_recipe.py", "faults/test_rank_crash_resume.py", "launchers/test_slurm.py",
 ]
+
+
+pytest_runtest_makereport = report_text.pytest_runtest_makereport  # a hook: reports that xdist can send
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,11 +1,14 @@
 """The suite's own helpers for multi-process tests (tests/conftest.py run_ranks, tests/ports.py):
 a failing rank ends the others at once with every rank's output, rather than leaving them waiting
 for it until the timeout; ports for rank 0 come from outside the kernel's ephemeral range."""
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
-from conftest import run_ranks
+from conftest import REPO, run_ranks
 
 import ports
 
@@ -67,3 +70,27 @@ def test_a_port_in_use_is_passed_over():
         band = ports._band()
         chosen = [ports.free_port() for _ in range(len(band))]  # once round the band
     assert taken not in chosen
+
+
+SURROGATE_LOG_TEST = '''
+import logging
+
+def test_names_a_hostile_file():
+    logging.getLogger("x").warning("passed over step1: /run/\\ud800.tar is missing")
+'''
+
+
+@pytest.mark.parametrize("with_hook", [True, False], ids=["with the hook", "without it"])
+def test_a_captured_lone_surrogate_reaches_xdist_s_controller_escaped(tmp_path, with_hook):
+    """tests/report_text.py: a passing test whose captured log holds a lone surrogate; under xdist
+    the run passes with the hook, and without it ends in the INTERNALERROR the hook prevents."""
+    (tmp_path / "test_hostile.py").write_text(SURROGATE_LOG_TEST)
+    hook = f"import sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\nfrom report_text import pytest_runtest_makereport\n"
+    (tmp_path / "conftest.py").write_text(hook if with_hook else "")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "1", "-p", "no:cacheprovider", "--rootdir",
+                           str(tmp_path), "-c", os.devnull, str(tmp_path / "test_hostile.py")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    if with_hook:
+        assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    else:
+        assert "INTERNALERROR" in proc.stdout + proc.stderr and "1 passed" not in proc.stdout, proc.stdout[-3000:]

@@ -233,10 +233,12 @@ def test_a_garbled_complete_json_gets_a_documented_outcome(trained_run, tmp_path
     @given(data=complete_jsons(json.loads(good)))
     @example(data=json.dumps({**json.loads(good), "files": {**json.loads(good)["files"], "a" * 300: 1}}).encode())
     @example(data=json.dumps({**json.loads(good), "files": {**json.loads(good)["files"], "a/" * 2100: 1}}).encode())
+    @example(data=json.dumps({**json.loads(good), "files": {**json.loads(good)["files"], "\ud800.tar": 1}}).encode())
     def garbled(data: bytes) -> None:
         (tag / COMPLETE).write_bytes(data)
         problem = tag_problem(tag)
         assert problem is None or (isinstance(problem, str) and problem)
+        assert problem is None or problem.encode("utf-8")  # a message any log or terminal can write
         try:
             meta = read_meta(tag)
         except ValueError:

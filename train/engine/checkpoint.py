@@ -296,10 +296,16 @@ def check_files(tag_dir: Path) -> str | None:
     for name, size in meta.get("files", {}).items():
         f = tag_dir / name
         if not is_file_named(f):
-            return f"{f} is missing"
+            return f"{printable(f)} is missing"
         if f.stat().st_size != size:
             return f"{f} has {f.stat().st_size} bytes, {size} were written"
     return None
+
+
+def printable(path: Path) -> str:
+    """`path` as a message shows it: a name from a file someone else wrote may hold what no UTF-8
+    text can (a lone surrogate, "\ud800"), shown escaped so that the message can be written anywhere."""
+    return str(path).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def tag_problem(tag_dir: Path) -> str | None:
