@@ -21,7 +21,9 @@ def deepspeed(ranks: int, *args: str) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(free_port()), *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # a rank's traceback can end up anywhere in the interleaved output: every error line first
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line or "error" in line]
+    assert proc.returncode == 0, "\n".join(errors[:40]) + "\n...\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def write_ds(path: Path, stage: int = 2, **extra) -> Path:
