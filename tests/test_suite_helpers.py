@@ -85,7 +85,8 @@ def test_a_captured_lone_surrogate_reaches_xdist_s_controller_escaped(tmp_path, 
     """tests/report_text.py: a passing test whose captured log holds a lone surrogate; under xdist
     the run passes with the hook, and without it ends in the INTERNALERROR the hook prevents."""
     (tmp_path / "test_hostile.py").write_text(SURROGATE_LOG_TEST)
-    hook = f"import sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\nfrom report_text import pytest_runtest_makereport\n"
+    tests = str(REPO / "tests")
+    hook = f"import sys\nsys.path.insert(0, {tests!r})\nfrom report_text import pytest_runtest_makereport\n"
     (tmp_path / "conftest.py").write_text(hook if with_hook else "")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "1", "-p", "no:cacheprovider", "--rootdir",
                            str(tmp_path), "-c", os.devnull, str(tmp_path / "test_hostile.py")], cwd=tmp_path,

@@ -88,7 +88,7 @@ def peer_lost(e: RuntimeError) -> int | None:
     (in a process group of several ranks), else None."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not (group_alive() and dist.get_world_size() > 1):
         return None
     gone = isinstance(e, dist.DistNetworkError) or any(s in str(e) for s in PEER_GONE)
     return dist.get_rank() if gone else None
