@@ -114,6 +114,35 @@ def reduce_dtype(ds: dict) -> str:
     return value.lower()
 
 
+# DeepSpeed's spellings of a data_types dtype (its DtypeEnum), by our name
+ACCUM_SPELLINGS = {"fp32": ("fp32", "float32", "float", "torch.float32"),
+                   "bf16": ("bf16", "bfloat16", "torch.bfloat16"),
+                   "fp16": ("fp16", "float16", "half", "torch.float16")}
+
+
+def grad_accum_dtype(ds: dict) -> str:
+    """The dtype a step's micro-batch gradients are summed in before they are reduced:
+    `data_types.grad_accum_dtype`, by default the compute dtype, as DeepSpeed's. It matters under
+    ZeRO-1 with accumulation, whose earlier micro-batches add up unsharded before the one
+    reduce-scatter: `"fp32"` sums them in fp32 and still communicates in `communication_data_type`
+    (DeepSpeed's BF16_Optimizer for bf16 ZeRO-1). The other engines sum micro-batches in fp32
+    whatever it says (train/engine/config.py describe)."""
+    section = ds.get("data_types") or {}
+    value = section.get("grad_accum_dtype") if isinstance(section, dict) else None
+    compute = precision(ds)
+    if value is None:
+        return compute
+    name = next((n for n, spellings in ACCUM_SPELLINGS.items() if value in spellings), None)
+    if name is None:
+        raise ConfigError(f"ds_config data_types.grad_accum_dtype {value!r} is not a dtype gradients can be summed in: "
+                          f"use \"fp32\" (or leave it out to sum in the compute dtype, {compute}, as DeepSpeed does)")
+    if name not in (compute, "fp32"):
+        raise ConfigError(f"ds_config data_types.grad_accum_dtype {value!r} is neither fp32 nor the compute dtype "
+                          f"({compute}): gradients computed in {compute} are summed in {compute} or in fp32; set "
+                          f"\"fp32\" or leave it out")
+    return name
+
+
 # DeepSpeed's activation_checkpointing section is the switch for recomputing every transformer
 # block in backward (torch.utils.checkpoint on our blocks; model/ stays free of deepspeed). Its
 # options belong to Megatron-style deepspeed.checkpointing, which our models do not call.
@@ -174,6 +203,7 @@ def resolve(cfg: PretrainConfig, world: int, cuda: bool | None = None,
     stage = zero_stage(ds)
     prec = precision(ds)
     reduce_dtype(ds)  # refuses a communication_data_type the engine has no dtype for
+    grad_accum_dtype(ds)  # refuses a data_types.grad_accum_dtype no engine sums in
     here = this_device() if cuda is None else None
     if here is not None:
         check_kernels(here)  # nothing else matters on a GPU the torch build cannot launch a kernel on

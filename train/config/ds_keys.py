@@ -11,7 +11,8 @@ A ds_config is a DeepSpeed JSON; the engine (train/engine/) reads part of it. `c
      holds the value the engine behaves as anyway (AS_THE_ENGINE_DOES: contiguous_gradients
      true, the throughput timer off, ...).
 Honoured the DeepSpeed way: `communication_data_type` (the gradient reduce dtype, default the
-compute dtype as DeepSpeed's), `zero_optimization.overlap_comm` (either value: DDP and FSDP2 always
+compute dtype as DeepSpeed's), `data_types.grad_accum_dtype` (the dtype ZeRO-1's micro-batches are
+summed in before their reduction), `zero_optimization.overlap_comm` (either value: DDP and FSDP2 always
 reduce inside the backward), `zero_optimization.reduce_bucket_size` (DDP's bucket size, ZeRO-0).
 """
 from __future__ import annotations
@@ -44,6 +45,8 @@ ENGINE_VALUES: dict[str, Setting] = {
     "gradient_clipping": Setting(float, "[0, inf)", "the largest global l2 norm of the gradients; 0 = no clipping",
                                  1.0),
     "communication_data_type": Setting(str, "", "the dtype gradients are reduced in: fp32, bf16 or fp16", "fp32"),
+    "data_types.grad_accum_dtype": Setting(str, "", "the dtype micro-batch gradients are summed in: fp32 or the "
+                                                    "compute dtype", "fp32"),
     "zero_optimization.stage": Setting(int, "[0, 3]", "the ZeRO stage", 1),
     "zero_optimization.overlap_comm": Setting(bool, "", "", True),
     "zero_optimization.reduce_bucket_size": Setting(int, "[1, inf)", "elements per DDP bucket under ZeRO stage 0",
@@ -215,8 +218,8 @@ def _refuse(key: str, value: Any) -> None:
     why = WHY.get(key, "the engine (train/engine/) does not implement it")
     raise ConfigError(f"ds_config {key} = {value!r} would not take effect: {why}. Remove it from the JSON (the "
                       f"engine reads the batch sizes, gradient_clipping, communication_data_type, "
-                      f"zero_optimization.stage / overlap_comm / reduce_bucket_size, bf16 / fp16 with fp16's "
-                      f"loss-scale keys and activation_checkpointing: docs/TRAINING.md)")
+                      f"data_types.grad_accum_dtype, zero_optimization.stage / overlap_comm / reduce_bucket_size, "
+                      f"bf16 / fp16 with fp16's loss-scale keys and activation_checkpointing: docs/TRAINING.md)")
 
 
 def check_keys(ds: dict) -> None:

@@ -8,6 +8,7 @@ import torch
 from train.engine.loss_scale import LossScaleConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 DDP_BUCKET_MB = 25.0  # DDP's own default bucket size, used when the ds_config gives no reduce_bucket_size
 
 
@@ -20,15 +21,17 @@ class EngineConfig:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     reduce: str = ""  # the dtype gradients are reduced in over ranks ("" = the compute dtype)
     bucket_elements: int = 0  # zero_optimization.reduce_bucket_size (DDP's buckets); 0 = DDP's default
+    accumulate: str = ""  # data_types.grad_accum_dtype: ZeRO-1's micro-batches summed in ("" = the compute dtype)
 
     @classmethod
     def from_ds_config(cls, ds: dict) -> EngineConfig:
-        from train.config.ds_config import precision, reduce_dtype, zero_stage
+        from train.config.ds_config import grad_accum_dtype, precision, reduce_dtype, zero_stage
 
         prec = precision(ds)
         return cls(zero_stage(ds), prec, ds["gradient_accumulation_steps"], float(ds.get("gradient_clipping", 0.0)),
                    LossScaleConfig.from_section(ds.get("fp16", {})) if prec == "fp16" else LossScaleConfig(),
-                   reduce_dtype(ds), int(ds.get("zero_optimization", {}).get("reduce_bucket_size", 0) or 0))
+                   reduce_dtype(ds), int(ds.get("zero_optimization", {}).get("reduce_bucket_size", 0) or 0),
+                   grad_accum_dtype(ds))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -37,6 +40,14 @@ class EngineConfig:
     @property
     def reduce_dtype(self) -> torch.dtype:
         return DTYPES[self.reduce or self.precision]
+
+    @property
+    def unsynced_dtype(self) -> torch.dtype:
+        """The dtype ZeRO-1 sums a step's unsynced micro-batch gradients in: FSDP2 sums them in its
+        reduce dtype, so the wider of the reduce dtype and data_types.grad_accum_dtype (fp32 there
+        means: sum in fp32, still communicate in the reduce dtype)."""
+        wanted = DTYPES[self.accumulate or self.precision]
+        return torch.float32 if torch.float32 in (wanted, self.reduce_dtype) else self.reduce_dtype
 
     def describe(self, world: int) -> str:
         """Which engine trains on `world` ranks and what its communication overlaps (the start
@@ -50,7 +61,9 @@ class EngineConfig:
                     if self.precision != "fp32" and self.accum > 1 else "on the step's last micro-batch")
             return (f"ZeRO-0 on DDP ({world} ranks): gradients all-reduced in {reduce}, {self.bucket_mb():g} MiB "
                     f"buckets issued inside the backward as they fill, {when}")
-        reduced = {1: "on the step's last micro-batch" if self.accum > 1 else "once per step",
+        reduced = {1: f"on the step's last micro-batch (the earlier ones summed in "
+                      f"{DTYPE_NAMES[self.unsynced_dtype]})" if self.accum > 1
+                   else "once per step",
                    2: "every micro-batch", 3: "every micro-batch"}[self.stage]
         gathered = ("before each block's forward and again for its backward" if self.stage == 3
                     else "once per step, in the forward, the next block's while one computes")

@@ -8,7 +8,9 @@ gradients in the reduce dtype as soon as the backward has produced them, into sh
 `.grad`s averaged over ranks. The stages differ in when (DeepSpeed's meaning of each stage):
     ZeRO-1  weights gathered once per optimizer step and kept through its micro-batches;
             gradients reduced once, in the last micro-batch's backward (the earlier ones add up
-            unsharded, in the reduce dtype: FSDP2's gradient sync off)
+            unsharded, FSDP2's gradient sync off, in FSDP2's reduce dtype: the communication
+            dtype, or fp32 with data_types.grad_accum_dtype fp32, the reduce-scatter then casting
+            to the communication dtype: `ReduceScatterIn`)
     ZeRO-2  weights gathered once per optimizer step; gradients reduce-scattered in every
             micro-batch's backward (only the shard is kept, summed in fp32)
     ZeRO-3  weights gathered before each unit's forward and again for its backward, freed after
@@ -49,6 +51,36 @@ def prefetch_in_order(blocks: list[FSDPModule]) -> None:
         later.set_modules_to_backward_prefetch([earlier])
 
 
+class ReduceScatterIn:
+    """FSDP2's reduce-scatter (`FSDPModule.set_custom_reduce_scatter`: an object with FSDP2's
+    ReduceScatter's `allocate` and call), communicated in `dtype` while FSDP2 holds the gradients
+    in a wider one (ZeRO-1's fp32 micro-batch sums): the flat input [n] is cast to `dtype`,
+    reduce-scattered, and the shard [n / world] cast back into FSDP2's output. In fp16, whose sum
+    over ranks can overflow where their mean would not, an average is divided in two parts,
+    before the sum and after it (FSDP2's own rule for an fp16 reduce dtype)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False):
+        before, after = 1, 1
+        if self.dtype == torch.float16 and op == dist.ReduceOp.AVG:
+            op, before = dist.ReduceOp.SUM, 1
+            world = group.size()
+            while world % (before * 2) == 0 and world / before > before:
+                before *= 2
+            after = world // before
+        narrow = (input_tensor / before if before > 1 else input_tensor).to(self.dtype)
+        shard = torch.empty(output_tensor.shape, dtype=self.dtype, device=output_tensor.device)
+        dist.reduce_scatter_tensor(shard, narrow, op=op, group=group)
+        output_tensor.copy_(shard / after if after > 1 else shard)
+        return None  # finished: FSDP2 records its event after the call, on the stream it runs the call on
+
+
 class ShardedEngine(EngineCore):
     """See the module docstring; the constructor's arguments are ReplicatedEngine's."""
 
@@ -68,13 +100,23 @@ class ShardedEngine(EngineCore):
                     sub._buffers[key] = buf.to(cfg.dtype)
         mesh = init_device_mesh(device.type, (self.world,))
         # inputs are left as the loop made them (MAE's fp32 masking noise must stay fp32), as the replicated engine does
-        policy = MixedPrecisionPolicy(param_dtype=cfg.dtype, reduce_dtype=cfg.reduce_dtype, cast_forward_inputs=False)
+        # ZeRO-1's unsynced micro-batches add up in FSDP2's reduce dtype
+        held = cfg.unsynced_dtype if cfg.stage == 1 and cfg.accum > 1 else cfg.reduce_dtype
+        policy = MixedPrecisionPolicy(param_dtype=cfg.dtype, reduce_dtype=held, cast_forward_inputs=False)
         blocks = units_of(module)
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.stage == 3)
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)  # the backward starts there
         prefetch_in_order(blocks)
         self.units: list[FSDPModule] = [*blocks, module]
+        if held != cfg.reduce_dtype:
+            if not hasattr(module, "set_custom_reduce_scatter"):
+                raise RuntimeError(f"data_types.grad_accum_dtype fp32 under ZeRO-1 sums in fp32 and communicates in "
+                                   f"{cfg.reduce or cfg.precision} through FSDPModule.set_custom_reduce_scatter, which "
+                                   f"torch {torch.__version__} lacks: upgrade torch, or set communication_data_type "
+                                   f"fp32 (sums and reduces in fp32) or leave grad_accum_dtype out")
+            for unit in self.units:
+                unit.set_custom_reduce_scatter(ReduceScatterIn(cfg.reduce_dtype))
         # energy: the restoration's inner backward must not reshard the weights its outer backward uses
         self.double_backward = bool(getattr(module, "double_backward", False))
         if self.double_backward:  # the inner backward runs inside the forward, before backward() is called

@@ -17,9 +17,11 @@ Whole weights on every rank (one rank, any stage; ZeRO-0 on DDP: train/engine/re
 ZeRO 1-3 on several ranks (FSDP2: train/engine/sharded.py): the fp32 shards are the masters
   weights          4 P / N + w P for ZeRO 1-2 (every unit stays gathered through the step's
                    forward and backward), + 2 w L for ZeRO-3 (a gathered unit and the next one)
-  gradients        4 Psi / N, the sharded fp32 sums; + r Psi for ZeRO-1 with accumulation (the
-                   unsynced micro-batches' unsharded sums, in the reduce dtype)
-  extra_gradients  (w + r) L: a unit's gradients before and during its reduce-scatter
+  gradients        4 Psi / N, the sharded fp32 sums; + s Psi for ZeRO-1 with accumulation (the
+                   unsynced micro-batches' unsharded sums, s bytes per value: 4 when the reduce
+                   dtype or data_types.grad_accum_dtype is fp32, else r)
+  extra_gradients  (w + r) L: a unit's gradients before and during its reduce-scatter; (w + 4 + r) L
+                   when ZeRO-1 sums in fp32 and reduces in 16 bits (the cast copy it communicates)
   optimizer        8 Psi / N
 `buffers` are the module's registered buffers (fixed position tables and the like): floating ones
 in the compute dtype, as the engines cast them, integer ones (iRPE's bucket ids) at their own size.
@@ -41,7 +43,7 @@ import torch
 
 from model.registry import model_arch
 from model.timm_backbone import is_timm_name
-from train.config.ds_config import BatchPlan, precision, reduce_dtype, zero_stage
+from train.config.ds_config import BatchPlan, grad_accum_dtype, precision, reduce_dtype, zero_stage
 from train.config.errors import ConfigError
 from train.config.options import PretrainConfig, encoder_img_size
 from train.estimate.costs import Profile, profile_config
@@ -110,10 +112,11 @@ class ModelStates:
 
 
 def model_states(params: int, trainable: int, largest_layer: int, prec: str, stage: int, world: int,
-                 accum: int = 1, reduce: str = "") -> ModelStates:
+                 accum: int = 1, reduce: str = "", accumulate: str = "") -> ModelStates:
     """Per-GPU model states of `params` parameters (`trainable` of them trained; `largest_layer`
     in the largest FSDP2 unit) in precision `prec` under ZeRO `stage` on `world` ranks, with
-    `accum` micro-batches per step and gradients reduced in `reduce` (default: `prec`)."""
+    `accum` micro-batches per step, gradients reduced in `reduce` and ZeRO-1's micro-batches
+    summed in `accumulate` (defaults: `prec`)."""
     half = prec in ("fp16", "bf16")
     w = 2 if half else 4
     r = 4 if (reduce or prec) == "fp32" else 2
@@ -121,8 +124,11 @@ def model_states(params: int, trainable: int, largest_layer: int, prec: str, sta
         return ModelStates(w * params + (4 * trainable if half else 0), 4 * trainable, 8 * trainable,
                            w * trainable if half else 0.0)
     weights = 4 * params / world + (2 * w * largest_layer if stage == 3 else w * params)
-    gradients = 4 * trainable / world + (r * trainable if stage == 1 and accum > 1 else 0)
-    return ModelStates(weights, gradients, 8 * trainable / world, (w + r) * largest_layer)
+    unsynced = stage == 1 and accum > 1
+    s = 4 if "fp32" in (reduce or prec, accumulate or prec) else r  # train/engine/config.py unsynced_dtype
+    gradients = 4 * trainable / world + (s * trainable if unsynced else 0)
+    reduce_scatter = s + r if unsynced and s != r else r  # FSDP2's input, and the copy ReduceScatterIn sends
+    return ModelStates(weights, gradients, 8 * trainable / world, (w + reduce_scatter) * largest_layer)
 
 
 def largest_layer(module: torch.nn.Module) -> int:
@@ -143,7 +149,8 @@ def estimate(cfg, ds: dict, plan: BatchPlan, gpu: GPU) -> MemoryEstimate:
     params = sum(p.numel() for p in objective.parameters())
     trainable = sum(p.numel() for p in objective.parameters() if p.requires_grad)
     largest = largest_layer(objective)
-    states = model_states(params, trainable, largest, prec, stage, plan.world, plan.accum, reduce_dtype(ds))
+    states = model_states(params, trainable, largest, prec, stage, plan.world, plan.accum, reduce_dtype(ds),
+                          grad_accum_dtype(ds))
     acts = prof.activation_bytes(value_bytes)
     # the engines cast floating buffers to the compute dtype (module.to); integer ones (iRPE's bucket
     # ids, int64; the drop-path keep bits, int32) keep their own size

@@ -254,3 +254,35 @@ def test_the_fp16_sections_scaler_settings_reach_the_engine():
     engine = build(module, [{"params": list(module.parameters())}], lambda g: torch.optim.AdamW(g, lr=0.0, fused=True),
                    lambda o: WarmupCosineSchedule(o, 0.0, 0.0, 0, 1), cfg, torch.device("cpu"))
     assert engine.device_state()["loss_scale"].item() == 2.0 ** 8
+
+
+@pytest.mark.parametrize("precision,given,summed", [
+    ("bf16", None, "bf16"), ("bf16", "fp32", "fp32"), ("bf16", "float32", "fp32"), ("bf16", "torch.float32", "fp32"),
+    ("bf16", "bfloat16", "bf16"), ("fp16", "half", "fp16"), ("fp16", "float", "fp32"), ("fp32", None, "fp32"),
+])
+def test_grad_accum_dtype_takes_deepspeeds_spellings_and_defaults_to_the_compute_dtype(tmp_path, precision, given,
+                                                                                        summed):
+    from train.engine import EngineConfig
+
+    ds = {**BASE, "bf16": {"enabled": precision == "bf16"}, "fp16": {"enabled": precision == "fp16"},
+          "zero_optimization": {"stage": 1}, **({"data_types": {"grad_accum_dtype": given}} if given else {})}
+    final, _ = resolve(_cfg(tmp_path, ds), world=2, cuda=True, bf16_ok=True)
+    assert EngineConfig.from_ds_config(final).accumulate == summed
+
+
+@pytest.mark.parametrize("precision,given,message", [
+    ("bf16", "fp16", "'fp16' is neither fp32 nor the compute dtype \\(bf16\\)"),
+    ("fp32", "bf16", "'bf16' is neither fp32 nor the compute dtype \\(fp32\\)"),  # DeepSpeed: an unsupported mix
+    ("bf16", "int8", "'int8' is not a dtype gradients can be summed in"),
+    ("bf16", "FP32", "'FP32' is not a dtype"),  # DeepSpeed's names are case-sensitive
+])
+def test_a_grad_accum_dtype_no_engine_sums_in_is_refused(tmp_path, precision, given, message):
+    ds = {**BASE, "bf16": {"enabled": precision == "bf16"}, "data_types": {"grad_accum_dtype": given}}
+    with pytest.raises(ConfigError, match=f"^ds_config data_types.grad_accum_dtype {message}"):
+        resolve(_cfg(tmp_path, ds), world=2, cuda=True, bf16_ok=True)
+
+
+def test_data_types_other_than_grad_accum_dtype_are_refused(tmp_path):
+    ds = {**BASE, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32", "param_dtype": "fp32"}}
+    with pytest.raises(ConfigError, match="^ds_config data_types.param_dtype = 'fp32' would not take effect"):
+        resolve(_cfg(tmp_path, ds), world=2, cuda=True, bf16_ok=True)

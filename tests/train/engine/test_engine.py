@@ -424,3 +424,19 @@ def test_the_optimizer_step_runs_no_autograd_on_sharded_gradients(monkeypatch):
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("precision,reduce,accumulate,unsynced", [
+    ("bf16", "", "", torch.bfloat16),  # DeepSpeed's default: the compute dtype
+    ("bf16", "", "fp32", torch.float32),
+    ("bf16", "fp32", "", torch.float32),  # FSDP2 sums in its reduce dtype: never narrower than it
+    ("fp16", "bf16", "", torch.bfloat16),
+    ("fp32", "", "", torch.float32),
+])
+def test_zero1_sums_unsynced_micro_batches_in_the_wider_of_the_reduce_and_accumulation_dtypes(precision, reduce,
+                                                                                               accumulate, unsynced):
+    cfg = EngineConfig(1, precision, 4, 0.0, reduce=reduce, accumulate=accumulate)
+    assert cfg.unsynced_dtype == unsynced
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[unsynced]
+    assert f"on the step's last micro-batch (the earlier ones summed in {name})" in cfg.describe(8)
+    assert "summed in" not in EngineConfig(1, precision, 1, 0.0, reduce=reduce, accumulate=accumulate).describe(8)

@@ -57,6 +57,10 @@ def test_sharded_stages_divide_what_they_shard():
     assert z1.gradients == z2.gradients == 4 * psi / 8
     assert model_states(P, psi, L, "bf16", 1, 8, accum=2).gradients == 4 * psi / 8 + 2 * psi  # unsynced sums, bf16
     assert model_states(P, psi, L, "bf16", 1, 8, accum=2, reduce="fp32").gradients == 4 * psi / 8 + 4 * psi
+    summed_in_fp32 = model_states(P, psi, L, "bf16", 1, 8, accum=2, accumulate="fp32")
+    assert summed_in_fp32.gradients == 4 * psi / 8 + 4 * psi  # data_types.grad_accum_dtype fp32
+    assert summed_in_fp32.extra_gradients == (2 + 4 + 2) * L  # FSDP2's fp32 input and the bf16 copy it sends
+    assert model_states(P, psi, L, "bf16", 2, 8, accum=2, accumulate="fp32") == z2  # ZeRO-2 sums shards in fp32
     assert model_states(P, psi, L, "bf16", 3, 1) == z0  # one rank: nothing to shard
 
 
