@@ -154,19 +154,89 @@ def test_the_bench_refuses_before_start_what_training_refuses(tmp_path):
     assert "Traceback" not in proc.stderr and not list(out.glob("*.json"))
 
 
-def test_flops_per_step_count_every_accumulated_micro_batch(tmp_path, monkeypatch):
-    """Micro-batch 4 x 2 accumulated: a step trains 8 images, so its FLOPs (and the TFLOP/s and MFU
-    from them) are the per-image count x 8, not x the micro-batch. In process, as a world of 1."""
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory):
+    """One bench in process, as rank 0 of a world of 2 (the engine itself trains as one rank): micro-batch
+    4 x 2 accumulated, 1 warm-up + 1 timed step, a ds_config holding activation checkpointing that
+    --activation_checkpointing off takes out. Returns the record and the metrics of every logged window."""
     import torch
 
     import train.bench as bench
 
-    monkeypatch.setattr(bench.distributed, "init", lambda: (0, 1, torch.device("cpu")))
-    ds = {**json.loads(CPU_DS.read_text()), "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
-    (tmp_path / "ds.json").write_text(json.dumps(ds))
-    with torch.random.fork_rng():  # the engine's build seeds the global RNG: leave other tests' as it was
-        path = bench.main(["--ds_config", str(tmp_path / "ds.json"), "--config", str(DEBUG_PRESET), "--steps", "1",
-                           "--warmup", "0", "--gpu", "a100", "--out_dir", str(tmp_path / "out")])
-    res = json.loads(path.read_text())["results"]
+    tmp = tmp_path_factory.mktemp("accumulated")
+    ds = {**json.loads(CPU_DS.read_text()), "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+          "activation_checkpointing": {}}
+    (tmp / "ds.json").write_text(json.dumps(ds))
+    windows = []
+    real = bench.run
+
+    def run(engine, data, settings, state, device, dtype, on_log, *a, **k):
+        return real(engine, data, settings, state, device, dtype, lambda step, m: (windows.append(m), on_log(step, m)),
+                    *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp, torch.random.fork_rng():  # the engine's build seeds the global RNG
+        mp.setattr(bench.distributed, "init", lambda: (0, 2, torch.device("cpu")))
+        mp.setattr(bench.distributed, "world_size_from_env", lambda: 2)
+        mp.setattr(bench, "run", run)
+        path = bench.main(["--ds_config", str(tmp / "ds.json"), "--config", str(DEBUG_PRESET), "--steps", "1",
+                           "--warmup", "1", "--activation_checkpointing", "off", "--gpu", "a100",
+                           "--out_dir", str(tmp / "out")])
+    return json.loads(path.read_text()), windows
+
+
+def test_flops_per_step_count_every_accumulated_micro_batch(accumulated):
+    """Micro-batch 4 x 2 accumulated: a step trains 8 images, so its FLOPs (and the TFLOP/s and MFU
+    from them) are the per-image count x 8, not x the micro-batch."""
+    res = accumulated[0]["results"]
     assert res["tflops_per_gpu"] == pytest.approx(res["train_flops_per_image"] * 4 * 2 / res["step_time_s"] / 1e12)
     assert res["mfu"] == pytest.approx(res["tflops_per_gpu"] / 312)
+
+
+def test_the_record_holds_the_timed_window_not_the_warm_up(accumulated):
+    record, windows = accumulated
+    assert len(windows) == 2  # the warm-up's window, then the timed steps'
+    res, timed = record["results"], windows[-1]
+    assert (res["step_time_s"], res["images_per_s"]) == (timed["step_time"], timed["images_per_s"])
+    assert res["loss"] == timed["loss"] != windows[0]["loss"]  # another step, another loss: the window is told apart
+
+
+def test_block_tokens_are_counted_per_image_not_per_micro_batch(accumulated):
+    # the debug MAE's hand count: 2 encoder blocks of cls + 12 visible patches, 1 decoder block of cls + 49
+    assert accumulated[0]["results"]["block_tokens_per_image"] == 2 * 13 + 50
+
+
+def test_per_gpu_throughput_divides_by_the_world(accumulated):
+    record = accumulated[0]
+    res = record["results"]
+    assert record["world_size"] == 2 and record["batch"]["global"] == 4 * 2 * 2
+    assert res["images_per_s"] == pytest.approx(16 / res["step_time_s"])  # the global batch per step
+    assert res["images_per_s_per_gpu"] == pytest.approx(res["images_per_s"] / 2)
+
+
+def test_activation_checkpointing_off_takes_the_section_out_of_the_ds_config(accumulated):
+    assert "activation_checkpointing" not in accumulated[0]["ds_config"]
+
+
+def test_peak_rss_is_read_in_gib_from_the_kernels_kib():
+    import resource
+
+    import torch
+
+    from train.bench import peak_memory_gib
+
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB; the peak only grows
+    assert peak_memory_gib(torch.device("cpu"))["peak_rss_gib"] == pytest.approx(kib * 1024 / 2**30, rel=0.05)
+
+
+def test_loader_throughput_counts_every_image_of_the_timed_batches(monkeypatch):
+    """Images / s of the source alone: timed batches x micro-batch over the time between the clock's two reads."""
+    from types import SimpleNamespace
+
+    import train.bench as bench
+    from train.config.parsing import parse_args
+
+    cfg = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET)])
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=iter([10.0, 12.0]).__next__))  # 2 s
+    r = bench.loader_throughput(cfg, {"warmup": 1, "steps": 4}, 28, 0, 1)
+    assert r["micro_batch"] == 8 and r["batches"] == 4
+    assert r["images_per_s"] == pytest.approx(4 * 8 / 2) and r["images_per_s_per_worker"] == pytest.approx(4 * 8 / 2)

@@ -30,9 +30,11 @@ def test_head_init_and_plain_label_smoothing():
     assert torch.allclose(loss, want, atol=1e-6)
 
 
-def test_mixup_loss_is_soft_target_ce_of_timm_mixup():
-    ft = _ft().train()
-    assert ft.mixup.label_smoothing == 0.1  # the config's smoothing goes into the soft targets
+@pytest.mark.parametrize("mixup, cutmix", [(0.8, 1.0), (0.8, 0.0), (0.0, 1.0)])
+def test_mixup_loss_is_soft_target_ce_of_timm_mixup(mixup, cutmix):
+    """Either alpha alone turns mixing on (mixup only, or cutmix only, is a valid recipe)."""
+    ft = _ft(mixup=mixup, cutmix=cutmix).train()
+    assert ft.mixup is not None and ft.mixup.label_smoothing == 0.1  # the config's smoothing goes into the soft targets
     with torch.no_grad():  # logits away from 0, where the soft-target CE no longer ignores the targets
         ft.encoder.head.weight.normal_()
     images, labels = torch.randn(4, 3, 28, 28), torch.tensor([0, 1, 2, 3])
@@ -40,7 +42,8 @@ def test_mixup_loss_is_soft_target_ce_of_timm_mixup():
     torch.manual_seed(5)
     loss = ft({"image": images.clone(), "label": labels})["loss"]  # timm's Mixup mixes its input in place
     np.random.seed(3)
-    mixed, soft = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=4)(images.clone(), labels)
+    mixed, soft = Mixup(mixup_alpha=mixup, cutmix_alpha=cutmix, label_smoothing=0.1, num_classes=4)(images.clone(),
+                                                                                                    labels)
     assert torch.allclose(soft.sum(1), torch.ones(4)) and (soft.max(1).values < 1).all()
     torch.manual_seed(5)
     want = (-soft * F.log_softmax(ft.predict(mixed), -1)).sum(-1).mean()
@@ -184,5 +187,18 @@ def test_an_odd_micro_batch_with_mixup_is_refused_before_start():
                                           r"0 --finetune.cutmix 0"):
         check_objective_fits(cfg, micro_batch=7)
     check_objective_fits(cfg, micro_batch=8)
+    for mixup, cutmix in ((0.8, 0.0), (0.0, 1.0)):  # either one alone mixes: refused too
+        cfg.finetune.mixup, cfg.finetune.cutmix = mixup, cutmix
+        with pytest.raises(ConfigError, match="need an even micro-batch, the ds_config gives 7"):
+            check_objective_fits(cfg, micro_batch=7)
     cfg.finetune.mixup = cfg.finetune.cutmix = 0.0
     check_objective_fits(cfg, micro_batch=7)
+
+
+@pytest.mark.parametrize("mix", [0.0, 0.8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_loss_is_fp32_when_the_model_is_cast_to_16_bits(dtype, mix):
+    """The engine multiplies the loss by the fp16 loss scale (2**16 by default, inf in fp16)."""
+    ft = _ft(mixup=mix, cutmix=mix).to(dtype).train()
+    loss = ft({"image": torch.randn(4, 3, 28, 28, dtype=dtype), "label": torch.tensor([0, 1, 2, 3])})["loss"]
+    assert loss.dtype == torch.float32 and torch.isfinite(loss * 2**16)

@@ -36,6 +36,14 @@ def test_loss_is_cross_entropy_of_bn_linear_on_cls_features():
     assert all(p.grad is None for p in probe.encoder.parameters())
 
 
+def test_train_top1_is_the_percentage_of_the_batch_the_probe_gets_right():
+    probe = _probe().train()
+    images = torch.randn(6, 3, 28, 28)
+    labels = probe.predict(images).argmax(1)  # all right (batch statistics: the same in the forward below)
+    labels[:2] = (labels[:2] + 1) % 5  # then 2 of the 6 wrong
+    assert probe({"image": images, "label": labels})["train_top1"].item() == pytest.approx(100 * 4 / 6)
+
+
 def test_avg_pool_option_uses_patch_tokens():
     a, b = _probe(), _probe(pool="avg")
     x = torch.randn(2, 3, 28, 28)
