@@ -31,6 +31,10 @@ def load_fused(optimizer: torch.optim.Optimizer, state: dict) -> None:
     for group in optimizer.param_groups:
         group.update(fused=True, foreach=None)
         for p in group["params"]:
-            if p in optimizer.state and "step" in optimizer.state[p]:
-                # a copy: a step tensor shared with the caller's state dict would count twice
-                optimizer.state[p]["step"] = optimizer.state[p]["step"].to(p.device, torch.float32, copy=True)
+            # copies: load_state_dict keeps a tensor of the right dtype and device as given, and one
+            # shared with the caller's state dict would be stepped by both optimizers (a step count
+            # counting twice, moments updated twice)
+            for key, value in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value):
+                    dtype = torch.float32 if key == "step" else value.dtype
+                    optimizer.state[p][key] = value.to(p.device, dtype, copy=True)

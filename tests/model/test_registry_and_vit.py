@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from model import create_model, list_models
+from model.registry import model_arch
 from model.init import mae_init_
 
 TINY = ["vit_debug_patch4", "vit_mini_patch4"]
@@ -35,15 +36,18 @@ def test_sweep_forward_backward(name):
     assert m.pos_embed.grad is None  # the sin-cos table is fixed
 
 
-@pytest.mark.parametrize("name,dim,depth,heads,patch", [
-    ("vit_tiny_patch16", 192, 12, 3, 16), ("vit_small_patch16", 384, 12, 6, 16),
-    ("vit_base_patch16", 768, 12, 12, 16), ("vit_large_patch16", 1024, 24, 16, 16),
-    ("vit_huge_patch14", 1280, 32, 16, 14),
+@pytest.mark.parametrize("name,dim,depth,heads,patch,img", [
+    ("vit_tiny_patch16", 192, 12, 3, 16, 224), ("vit_small_patch16", 384, 12, 6, 16, 224),
+    ("vit_base_patch16", 768, 12, 12, 16, 224), ("vit_large_patch16", 1024, 24, 16, 16, 224),
+    ("vit_huge_patch14", 1280, 32, 16, 14, 224),
+    # the tiny ones: tests (28 px, a 7x7 grid) and the Fashion-MNIST demo (32 px, an 8x8 grid)
+    ("vit_mini_patch4", 128, 4, 4, 4, 32), ("vit_debug_patch4", 32, 2, 2, 4, 28),
 ])
-def test_standard_sizes(name, dim, depth, heads, patch):
+def test_standard_sizes(name, dim, depth, heads, patch, img):
     with torch.device("meta"):
         m = create_model(name)
     assert (m.embed_dim, len(m.blocks), m.blocks[0].attn.num_heads, m.patch_embed.patch_size) == (dim, depth, heads, patch)
+    assert m.patch_embed.img_size == img
     assert m.blocks[0].mlp.fc1.out_features == 4 * dim
     assert m.norm.eps == 1e-6 and m.blocks[0].norm1.eps == 1e-6
 
@@ -110,3 +114,12 @@ def test_stochastic_depth_rate_grows_linearly_from_zero_to_the_rate_at_the_last_
     assert [b.drop_path.drop_prob if i else 0.0 for i, b in enumerate(m.blocks)] == pytest.approx(want)
     keeps = [b.drop_path.keep_bits.view(torch.float32).item() for b in m.blocks[1:]]  # what forward reads
     assert keeps == pytest.approx([1 - p for p in want[1:]], abs=1e-7)
+
+
+@pytest.mark.parametrize("name, img_size", [("vit_mini_patch4", 16), ("timm/convnext_atto", 32)])
+def test_model_arch_reports_the_img_size_asked_for(name, img_size):
+    """An override wins over the registered size (mini: 32) and a timm model's default (224), as
+    create_model builds it: the configs' checks (a cell, a crop that fits) read model_arch."""
+    assert model_arch(name, img_size=img_size)["img_size"] == img_size
+    with torch.device("meta"):
+        assert create_model(name, img_size=img_size).img_size == img_size

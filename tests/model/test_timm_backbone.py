@@ -20,7 +20,10 @@ def test_a_model_without_stochastic_depth_builds_unless_asked_for_it():
     assert create_model("timm/vgg11", img_size=32, in_chans=1).in_chans == 1
     with pytest.raises(ValueError, match="'vgg11' has no stochastic depth: set model.drop_path_rate 0"):
         create_model("timm/vgg11", img_size=32, in_chans=1, drop_path_rate=0.1)
-    assert create_model("timm/convnext_atto", img_size=32, drop_path_rate=0.1).inner.stages[0].blocks[0].drop_path
+    # timm's stochastic depth rises linearly over the blocks, to the full rate at the last one (the
+    # first block's is 0: an Identity)
+    convnext = create_model("timm/convnext_atto", img_size=32, drop_path_rate=0.1).inner
+    assert convnext.stages[-1].blocks[-1].drop_path.drop_prob == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("name, patch", [("vit_tiny_patch16_224", 16), ("swin_tiny_patch4_window7_224", 4),
@@ -39,3 +42,10 @@ def test_conversions_keep_the_inner_models_top_level_parameters_ours(convert):
     for name in ("cls_token", "pos_embed"):
         assert getattr(m.inner, name) is getattr(m, name), name
         assert getattr(m.inner, name).dtype == next(m.inner.blocks.parameters()).dtype
+
+
+def test_no_weight_decay_names_are_the_timm_models_own():
+    """A timm ViT keeps its cls token and position table out of weight decay, as timm's own recipes
+    do; a model without the method (ConvNeXt) names none."""
+    assert {"cls_token", "pos_embed"} <= create_model("timm/vit_tiny_patch16_224", img_size=32).no_weight_decay()
+    assert create_model("timm/convnext_atto", img_size=32).no_weight_decay() == set()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 from conftest import fake_fashion_mnist
 
@@ -70,3 +71,50 @@ def test_a_stopped_pretraining_ends_the_demo_in_one_line_naming_how_to_continue(
         err = capsys.readouterr().err
         assert ("run the same command again (make demo) to continue it and evaluate" in err) == (status != 1)
     demo.run_pretraining([sys.executable, "-c", "pass"])  # a pretraining that ended well: the demo goes on
+
+
+def _stubbed_demo(monkeypatch, tmp_path, objective_config, losses):
+    """demo.main with shards, pretraining, decoding and evaluation stubbed (the flow and the record
+    only): the fake pretraining writes config.json and metrics.jsonl into the --output_dir it is
+    given; returns the list of (encoder, pool) each evaluation received and of run folders."""
+    import types
+
+    split = types.SimpleNamespace(num_samples=100, files=["shard0"])
+    monkeypatch.setattr(demo, "REPO", tmp_path)  # runs/<name> under tmp_path
+    monkeypatch.setattr(demo, "fashion_mnist_shards", lambda: ("train.json", "test.json"))
+    monkeypatch.setattr(demo, "ShardSet", types.SimpleNamespace(from_index=lambda index: split))
+    monkeypatch.setattr(demo, "subsample", lambda s, n, seed: s)
+    monkeypatch.setattr(demo, "decode_all", lambda *a: "decoded")
+    monkeypatch.setattr(demo, "load_encoder", lambda **k: "random init" if "random_init" in k else "pretrained")
+    evaluated, runs = [], []
+    monkeypatch.setattr(demo, "evaluate", lambda enc, train, test, pool: evaluated.append((enc, pool))
+                        or {"knn_top1": 50.0, "linear_probe_top1": 60.0})
+
+    def fake_pretraining(cmd):
+        run = Path(cmd[cmd.index("--output_dir") + 1])
+        runs.append(run)
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "config.json").write_text(json.dumps({**objective_config, "model": {"name": "vit_mini_patch4"}}))
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in losses))
+
+    monkeypatch.setattr(demo, "run_pretraining", fake_pretraining)
+    return evaluated, runs
+
+
+def test_demo_records_the_last_logged_losses_and_evaluates_both_encoders_on_the_objectives_pool(tmp_path,
+                                                                                                monkeypatch):
+    losses = [{"step": 25, "loss": 3.0, "lr": 1e-3}, {"step": 30, "grad_norm": 1.0},
+              {"step": 50, "loss": 1.0, "lr": 1e-4}]
+    evaluated, _ = _stubbed_demo(monkeypatch, tmp_path, {"objective": "energy", "energy": {"pool": "avg"}}, losses)
+    result = demo.main(["--method", "energy", "--out", str(tmp_path / "run"), "--eval_train", "0"])
+    assert result["final_train_metrics"] == {"loss": 1.0}  # the last row with a loss, its loss keys only
+    # energy's cls token is never trained: both encoders are read average-pooled
+    assert evaluated == [("pretrained", "avg"), ("random init", "avg")] and result["features"] == "avg"
+
+
+def test_demo_run_folder_is_named_by_method_variant_and_epochs(tmp_path, monkeypatch):
+    _, runs = _stubbed_demo(monkeypatch, tmp_path, {"objective": "mae"}, [{"step": 1, "loss": 1.0}])
+    for argv in ([], ["--epochs", "1"], ["--method", "energy"], ["--method", "energy", "--epochs", "0.5"]):
+        demo.main([*argv, "--skip_control"])
+    assert [r.relative_to(tmp_path / "runs").as_posix() for r in runs] == \
+        ["demo", "demo_mae_1ep", "demo_energy", "demo_energy_0.5ep"]  # runs/demo: MAE at its preset's epochs only

@@ -95,3 +95,20 @@ def test_a_run_of_another_objective_is_refused(tmp_path):
     shutil.copy(CPU_DS, run / "ds_config.json")
     with pytest.raises(ValueError, match="trained objective 'mae'; this tool reads 'mlomae' runs"):
         learned_masks([str(run), "--index", "unused.json"])
+
+
+def test_always_masked_counts_the_patches_masked_in_every_image():
+    import types
+
+    from experiments.fashion_mnist.learned_masks import mask_report
+
+    # T's probabilities for 3 images of 4 patches, ratio 0.5: the top two are masked in each image,
+    # {0, 1}, {0, 2}, {0, 3}: patch 0 in all three (every patch in some image)
+    probs = torch.tensor([[0.9, 0.8, 0.1, 0.2], [0.9, 0.1, 0.8, 0.2], [0.9, 0.2, 0.1, 0.8]])
+    mask = torch.zeros(3, 4)
+    mask.scatter_(1, probs.topk(2, dim=1).indices, 1.0)
+    obj = types.SimpleNamespace(cfg=types.SimpleNamespace(mask_ratio=0.5),
+                                mask_probabilities=lambda images: (None, probs[images.long()]))
+    report = mask_report(obj, torch.arange(3), batch_size=2)  # "images" 0, 1, 2, in two batches
+    assert report["always_masked"] == int(mask.all(0).sum()) == 1
+    assert (report["images"], report["patches"], report["distinct_masks"]) == (3, 4, 3)

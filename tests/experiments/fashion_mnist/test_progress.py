@@ -86,3 +86,21 @@ def test_a_result_cut_short_is_refused_in_one_line_naming_it(tmp_path, capsys):
     err = capsys.readouterr().err
     assert status.value.code == 2 and len(err.splitlines()) == 1
     assert f"{cut} is not readable JSON (a write cut short): delete it and the entry reruns" in err
+
+
+def test_the_step_time_is_the_median_of_the_last_logged_steps_not_the_first(tmp_path):
+    # five slow warm-up steps (compilation), then five at 2 s: the rate now is the last five's median
+    times = [10, 10, 10, 10, 10, 2, 2, 2, 2, 2]
+    _stage_folder(tmp_path / "mae" / "seed0" / "pretrain", 1000, times)
+    s = progress.entry_status(tmp_path, "mae", 0, FULL, now=NOW)
+    assert s.seconds_per_step == sorted(times[-progress.RECENT_STEPS:])[2] == 2
+    assert s.seconds_left == (1000 - 250) * 2
+
+
+def test_a_pretrained_entry_that_started_fine_tuning_is_fine_tuning_not_evaluating(tmp_path):
+    # study.run_entry: pretrain/encoder.safetensors stays once fine-tuning has begun
+    (tmp_path / "mae" / "seed0" / "pretrain").mkdir(parents=True)
+    (tmp_path / "mae" / "seed0" / "pretrain" / "encoder.safetensors").write_bytes(b"")
+    _stage_folder(tmp_path / "mae" / "seed0" / "finetune", 500, [0.5, 0.5])
+    s = progress.entry_status(tmp_path, "mae", 0, FULL, now=NOW)
+    assert (s.stage, s.step, s.total_steps) == ("fine-tuning", 50, 500)

@@ -54,3 +54,69 @@ def test_the_last_tag_by_default_and_a_run_without_segments_refused(tmp_path, ca
     with pytest.raises(SystemExit):
         segment_features([str(run), *index])
     assert "pretrained without segment embeddings (mixedae.segment_embed false)" in capsys.readouterr().err
+
+
+def test_the_probes_fit_on_the_train_subset_and_score_on_the_test_subset(tmp_path, monkeypatch):
+    from experiments.fashion_mnist import segment_features as tool
+
+    run, test = mixedae_run(tmp_path)  # 20 train and 40 test images
+    sizes = []  # (train features, train labels, test features, test labels) of each kNN / probe fit
+
+    def record(train_f, train_y, test_f, test_y, classes):
+        sizes.append((len(train_f), len(train_y), len(test_f), len(test_y)))
+        return 50.0
+
+    monkeypatch.setattr(tool, "knn_top1", record)
+    monkeypatch.setattr(tool, "linear_probe_top1", record)
+    index = ["--train_index", str(test.parent / "train.json"), "--test_index", str(test)]
+    segment_features([str(run), *index, "--max_train", "12", "--max_test", "7"])
+    assert sizes == [(12, 12, 7, 7)] * 4  # kNN and probe, without and with source 0
+    sizes.clear()
+    segment_features([str(run), *index, "--max_test", "30"])  # --max_train 0: the whole train split
+    assert sizes == [(20, 20, 30, 30)] * 4
+
+
+def test_a_tag_missing_encoder_weights_is_refused_and_one_without_decoder_is_read(tmp_path):
+    from conftest import save_module_state
+
+    from experiments.fashion_mnist.run_checkpoints import load_tag
+
+    obj, _ = mixedae_objective()
+    state = obj.state_dict()
+    no_block = tmp_path / "no_block"
+    no_block.mkdir()
+    save_module_state(no_block, {k: v for k, v in state.items() if not k.startswith("encoder.blocks.1.")})
+    with pytest.raises(ValueError, match="does not match the run's config: missing"):
+        load_tag(obj, no_block)  # block 1 would keep whatever weights obj had
+    no_decoder = tmp_path / "no_decoder"
+    no_decoder.mkdir()
+    save_module_state(no_decoder, {k: v for k, v in state.items() if not k.startswith("decoder.")})
+    obj.train()
+    assert load_tag(obj, no_decoder) is obj and not obj.training  # in eval mode, as the probes read it
+
+
+def test_named_tags_must_all_be_complete(tmp_path):
+    import argparse
+
+    from experiments.fashion_mnist.run_checkpoints import chosen_tags
+
+    for step, complete in ((1, True), (2, False)):  # step 2: written, never marked complete (a crash)
+        tag = tmp_path / "checkpoints" / f"step{step:08d}"
+        tag.mkdir(parents=True)
+        if complete:
+            (tag / "complete.json").write_text('{"step": 1}')
+    p = argparse.ArgumentParser()
+    assert chosen_tags(p, tmp_path, "") == [tmp_path / "checkpoints" / "step00000001"]
+    assert chosen_tags(p, tmp_path, "step00000001") == [tmp_path / "checkpoints" / "step00000001"]
+    with pytest.raises(SystemExit):
+        chosen_tags(p, tmp_path, "step00000001,step00000002")
+
+
+def test_the_probe_subset_follows_its_seed(tmp_path):
+    from experiments.fashion_mnist.run_checkpoints import probe_set
+
+    _, test = mixedae_run(tmp_path)  # 40 test images
+    one, again, seven = (probe_set(test, 10, 32, seed).images for seed in (1, 1, 7))
+    assert one.shape == (10, 3, 32, 32) and torch.equal(one, again)
+    assert not torch.equal(one, seven)  # another seed, another 10 of the 40
+    assert len(probe_set(test, 0, 32, 7).images) == 40

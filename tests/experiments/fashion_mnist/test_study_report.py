@@ -326,3 +326,88 @@ def test_the_topk_claim_is_judged_on_this_studys_runs_before_the_ablation_preset
     topk = [line for line in report.read_text().splitlines() if "TopK sampling accuracy rises" in line]
     # first / last 5 of the rising curve: means 0.32 and 0.47 (test_claims: noise 0.020)
     assert len(topk) == 1 and "provisional, one seed: holds (0.320 -> 0.470" in topk[0]
+
+
+class _Ax:
+    """An Axes that records what each figure draws: plot's x and y, bar's heights and yerr."""
+
+    def __init__(self, drawn):
+        self.drawn = drawn
+
+    def plot(self, x, y, **kwargs):
+        self.drawn.append(("plot", kwargs.get("label"), list(x), list(y)))
+
+    def bar(self, x, heights, width, yerr=None, **kwargs):
+        self.drawn.append(("bar", kwargs.get("label"), list(heights), yerr))
+
+    def __getattr__(self, name):  # set, legend, axhline, set_xticks: nothing the tests read
+        return lambda *args, **kwargs: None
+
+
+class _Fig:
+    def tight_layout(self):
+        pass
+
+    def savefig(self, *args, **kwargs):
+        pass
+
+
+class _Plt:
+    """pyplot without matplotlib (not part of the test install): plots.py's calls, recorded."""
+
+    def __init__(self):
+        self.drawn = []
+
+    def subplots(self, *args, **kwargs):
+        return _Fig(), ([_Ax(self.drawn), _Ax(self.drawn)] if args[:2] == (1, 2) else _Ax(self.drawn))
+
+    def close(self, fig):
+        pass
+
+
+@pytest.fixture
+def fake_plt(monkeypatch):
+    from experiments.fashion_mnist import plots
+
+    plt = _Plt()
+    monkeypatch.setattr(plots, "pyplot", lambda: plt)  # _save closes each figure through pyplot()
+    return plt
+
+
+def test_loss_curves_draw_each_entrys_first_seed(tmp_path, fake_plt):
+    from experiments.fashion_mnist import plots
+
+    # seed 1 listed first; the figure draws seed 0, the lowest (plots.py: "Seed: the first")
+    runs = [_result("mae", s, 70.0, 78.0, 85.0, loss_curve=[(1, 2.0 + s), (2, 1.0 + s)]) for s in (1, 0, 2)]
+    assert plots.loss_curves(fake_plt, runs, tmp_path) == "loss_curves.png"
+    assert fake_plt.drawn == [("plot", "MAE", [1, 2], [2.0, 1.0])]
+
+
+def test_accuracy_bars_are_the_mean_with_the_seed_range_as_error_bars(tmp_path, fake_plt):
+    from experiments.fashion_mnist import plots
+
+    # (mean, min, max, seeds), the range lopsided about the mean: below 1, above 4
+    summary = {"mae": {"label": "MAE", "knn_top1": (71.0, 70.0, 75.0, 2), "linear_probe_top1": (80.0, 78.0, 81.0, 2)}}
+    assert plots.accuracy_bars(fake_plt, summary, tmp_path) == "accuracy.png"
+    knn, linear, finetune = fake_plt.drawn
+    assert knn == ("bar", "kNN", [71.0], [[71.0 - 70.0], [75.0 - 71.0]])  # yerr: [below], [above]
+    assert linear == ("bar", "linear", [80.0], [[80.0 - 78.0], [81.0 - 80.0]])
+    assert finetune == ("bar", "fine-tune", [0.0], [[0.0], [0.0]])  # not measured: no bar
+
+
+def test_accuracy_against_pretraining_is_drawn_from_random_init_at_zero_images(tmp_path, fake_plt):
+    from experiments.fashion_mnist import plots
+
+    curves = epoch_curves(summarize(RESULTS))
+    assert plots.accuracy_vs_images(fake_plt, curves, tmp_path) == "accuracy_vs_images.png"
+    for (_, label, x, y), key in zip(fake_plt.drawn, ("knn_top1", "linear_probe_top1")):
+        assert label == "MAE" and list(zip(x, y)) == curves["MAE"][key] and x[0] == 0
+
+
+def test_an_adversarys_offsets_are_drawn_as_a_fraction_of_its_epsilon(tmp_path, fake_plt):
+    from experiments.fashion_mnist import plots
+
+    adv = [{"step": s, "adv_rpe_0": v} for s, v in ((1, 0.5), (2, 1.5))]
+    runs = [_result("adpe", 0, 70.0, 78.0, 85.0, metrics=adv)]
+    assert plots.over_training(fake_plt, runs, tmp_path, r"adv_.*", "offset / eps", "a.png", {"adpe": 2.0}) == "a.png"
+    assert fake_plt.drawn == [("plot", "ADPE", [1, 2], [0.5 / 2.0, 1.5 / 2.0])]
