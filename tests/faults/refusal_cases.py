@@ -104,6 +104,8 @@ CASES = [
      r"pairs on vit_base_patch16, batch 128, .* it is sized for a GPU; .*--allow_cpu", None),
     ("kernels.bench", "unwritable output", ["--device", "cpu", "--out_dir", "{d}/a_file"],
      r"--out_dir .*a_file is a file", None),
+    ("kernels.bench", "bad value", ["--device", "cpu", "--shapes", "1,1,5,8", "--iters", "0", "--out_dir", "{d}/bench"],
+     r"--iters must be >= 1", None),
     ("tools.census", "missing preset", ["--ds_config", CPU_DS, "--config", "train/configs/mae/dbug.json"],
      r"nearest: train/configs/mae/debug.json", None),
     ("tools.census", "unwritable output", ["--ds_config", CPU_DS, "--config", DEBUG, "--json", "{d}/a_file/c.json"],

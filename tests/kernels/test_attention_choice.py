@@ -85,6 +85,7 @@ def test_a_compiled_block_traces_the_choice_without_a_break(tmp_path):
     ({"capability": "sm90"}, "capability 'sm90' is neither"),
     ({"dtype": "float32"}, "dtype 'float32' is not one of"),
     ({"heads": 0}, "heads 0 is not an integer"),
+    ({"heads": 2**21}, "heads 2097152 is not an integer in [1, 2^20]"),  # past the upper bound
     ({"tokens": 50.0}, "tokens 50.0 is not an integer"),
     ({"head_dim": True}, "head_dim True is not an integer"),
     ({"measured": []}, "measured must be an object"),
@@ -138,6 +139,10 @@ def test_any_json_either_loads_or_is_refused_as_a_value_error(tmp_path_factory, 
         assert str(path) in str(e)
     else:
         assert all(c.kernel in attention_choice.ATTENTIONS[c.attention] for c in choices)
+
+
+def test_the_shape_bounds_are_inclusive(tmp_path):
+    assert [c.heads for c in attention_choice.load(table(tmp_path, entry(heads=1), entry(heads=2**20)))] == [1, 2**20]
 
 
 def test_the_committed_table_loads():
@@ -380,3 +385,34 @@ def test_a_kernel_that_fails_otherwise_than_pytorchs_refusal_is_recorded_and_the
     ms = attention_choice.time_kernels(2, 2, 17, 16, torch.float32, CPU, iters=1, warmup=1)
     assert ms["flash_attn4"] == "not available: AssertionError: head_dim 16 is not supported"
     assert isinstance(ms["pytorch"], float) and isinstance(ms["math"], float)
+
+
+def choice(**over) -> attention_choice.Choice:
+    return attention_choice.Choice(**entry(**over))
+
+
+def test_merging_replaces_an_old_entry_with_the_new_one_of_its_key_and_keeps_the_rest():
+    """The tool's fresh measurement must win over the table's stale one of the same key."""
+    old = [choice(kernel="math"), choice(heads=3, kernel="efficient")]
+    got = attention_choice.merged(old, [choice(kernel="flash"), choice(heads=4, kernel="cudnn")])
+    assert [(e["heads"], e["kernel"]) for e in got["entries"]] == [(2, "flash"), (3, "efficient"), (4, "cudnn")]
+
+
+def test_choices_for_reads_only_the_asked_dtype(tmp_path):
+    path = table(tmp_path, entry(capability="9.0", dtype="fp16", heads=12, tokens=50, head_dim=64, kernel="cudnn"))
+    assert attention_choice.choices_for("9.0", torch.float16, path) == {(12, 50, 64): "cudnn"}
+    assert attention_choice.choices_for("9.0", torch.bfloat16, path) == {}  # the fp16 entry says nothing of bf16
+    assert attention_choice.choices_for("8.0", torch.float16, path) == {}
+
+
+def test_masked_topk_shapes_are_those_of_the_asked_dtype(tmp_path):
+    attention_choice.activate(CPU, table(tmp_path, entry(dtype="bf16", attention="topk", heads=12, tokens=197,
+                                                         head_dim=64, kernel="masked_sdpa")))
+    assert attention_choice.topk_masked_shapes(torch.bfloat16, 197, 64) == [12]
+    assert attention_choice.topk_masked_shapes(torch.float32, 197, 64) == []  # fp32 TopK runs the fused kernels
+    assert attention_choice.topk_kernel_for(torch.empty(2, 12, 197, 64)) == "fused"
+
+
+def test_a_shape_where_pytorchs_pick_was_measured_fastest_is_said_so():
+    said = attention_choice.describe({(12, 50, 64): "pytorch"}, [(12, 50, 64), (16, 197, 32)])
+    assert said == "12x50x64 PyTorch's pick (measured fastest); 16x197x32 PyTorch's pick (not measured)"

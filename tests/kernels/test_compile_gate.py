@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 from kernels import compile_check as cc  # noqa: E402
+from kernels import restricted_triton as rt  # noqa: E402
 from kernels.restricted_triton import supports  # noqa: E402
 
 VIT_BL = cc.Shape("ViT-B/16 and ViT-L/16 at 224 px (MixedAE, MAE)", 197, 64)
@@ -74,3 +75,60 @@ def test_dispatch_admits_every_compiled_shape(capability):
         for dtype in cc.DTYPES.values():
             probe = torch.empty(1, 1, shape.tokens, shape.head_dim, dtype=dtype, device="meta")
             assert supports(probe, capability) is None, (shape, dtype, capability)
+
+
+def _build(mode="topk", kernel="forward", shared=50_000, registers=100, spills=0, bound=200_000) -> cc.Build:
+    return cc.Build(VIT_BL.source, 197, 64, "bf16", mode, kernel, 80, 4, "64x64x64/64", shared,
+                    cc.ARCHS[80][1], bound, registers, spills, 0, 1.0)
+
+
+class _Compiled(Exception):
+    """Raised in place of triton.compile: the gate's constants are captured, nothing is compiled."""
+
+
+def _constexprs(monkeypatch, mode: str, kernel: str) -> dict:
+    import triton
+    import triton.compiler
+
+    monkeypatch.setattr(triton.compiler, "ASTSource", lambda **source: source)
+
+    def compile(source, **_):
+        raise _Compiled(source["constexprs"])
+
+    monkeypatch.setattr(triton, "compile", compile)
+    with pytest.raises(_Compiled) as e:
+        cc.compile_one(VIT_BL, "bf16", mode, kernel, 90)
+    return e.value.args[0]
+
+
+@pytest.mark.parametrize("mode, kernel, flags", [
+    # as kernels/restricted_triton.py launches them: TopK forward with the same-source stats (MixedAE),
+    # segment without; the threshold kernel alone, and writing the kept set with the stats for SDPA
+    ("topk", "forward", {"MODE": rt.MODE_TOPK, "WITH_STATS": True}),
+    ("segment", "forward", {"MODE": rt.MODE_SEGMENT, "WITH_STATS": False}),
+    ("topk", "threshold", {"WRITE_MASK": False, "WITH_STATS": False}),
+    ("topk", "threshold_mask", {"WRITE_MASK": True, "WITH_STATS": True}),
+])
+def test_the_gate_compiles_each_kernel_with_the_launchers_flags(monkeypatch, mode, kernel, flags):
+    constexprs = _constexprs(monkeypatch, mode, kernel)
+    assert {k: constexprs[k] for k in flags} == flags
+
+
+def test_the_summary_shows_each_kernels_worst_over_the_modes():
+    builds = [_build("topk", shared=90_000, registers=120, spills=0),
+              _build("segment", shared=50_000, registers=168, spills=8)]
+    row = cc.summary(builds).splitlines()[-1]
+    worst = (max(b.shared for b in builds), max(b.registers for b in builds), max(b.spills for b in builds))
+    assert "| {:,} / {} / {} |".format(*worst) in row  # 90,000 / 168 / 8: each the max of its column
+    assert row.startswith("| 197 | 64 | bf16 | sm_80 |")
+
+
+@pytest.mark.parametrize("shared, bound, status", [
+    (100_000, 200_000, 0),
+    (100_000, 90_000, 1),  # within the device's limit, but over the bound supports() admits shapes by
+    (170_000, 200_000, 1),  # over sm_80's limit
+])
+def test_the_sweep_fails_on_a_kernel_over_the_limit_or_the_plans_bound(monkeypatch, capsys, shared, bound, status):
+    monkeypatch.setattr(cc, "compile_all", lambda jobs, workers: [_build(shared=shared, bound=bound)])
+    assert cc.main(["--sweep", "presets", "--workers", "1"]) == status
+    assert f"{status} over the shared-memory limit or the plan's bound" in capsys.readouterr().err

@@ -260,3 +260,26 @@ def test_the_real_kernels_match_the_math_reference_forward_and_backward(dtype, t
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ops_fake_rules_agree_with_what_they_return(fake_fa4, dtype):
+    """Compiled blocks trace the ops by their fake rules alone: each fake output's shape, dtype and
+    strides must be the real one's (lse (B, H, N) fp32 whatever the inputs' dtype)."""
+    _, (q, k, v) = projection_views(dtype=dtype)
+    q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))  # (B, N, H, d), the ops' layout
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")  # not aot_dispatch: seconds, and
+    torch.library.opcheck(flash_attn4.forward, (q, k, v), test_utils=checks)  # the compiled-block test traces it
+    out, lse = flash_attn4.forward(q, k, v)
+    assert lse.shape == (3, 2, 17) and lse.dtype == torch.float32  # the reference says what the real one returns
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    torch.library.opcheck(flash_attn4.backward, tuple(t.detach() for t in (q, k, v, out, grad_out, lse)),
+                          test_utils=checks)
+
+
+def test_mixed_dtypes_are_refused_by_name(fake_fa4):
+    q = torch.empty(2, 4, 10, 64, dtype=torch.bfloat16)
+    for k, v in ((q.half(), q), (q, q.half()), (q.float(), q)):
+        said = flash_attn4.refusal(q, k, v, (9, 0))
+        assert said == f"{q.dtype}/{k.dtype}/{v.dtype} inputs (flash-attn-4 takes fp16 or bf16)"
+    assert flash_attn4.refusal(q, q, q, (9, 0)) is None

@@ -50,6 +50,10 @@ def test_blank_aspect_ratios_are_symmetric_in_log():
     taller, wider = (rows > cols).float().mean().item(), (rows < cols).float().mean().item()
     assert 0.4 < taller / (taller + wider) < 0.6, (taller, wider)
     assert (rows > 1.5 * cols).float().mean() > 0.1 and (cols > 1.5 * rows).float().mean() > 0.1
+    # and none beyond 2:1: an h x w blank (h, w <= 2 x the other) covers fewer than h + 1 rows and more
+    # than w - 1 columns (the image holds it unclipped at 5% of its area), so rows < 2 (cols + 1) + 1
+    long, short = torch.maximum(rows, cols), torch.minimum(rows, cols)
+    assert bool((long <= 2 * short + 2).all()), (long / short).max()
 
 
 def test_grid_blanks_the_rounded_share_of_cells():
