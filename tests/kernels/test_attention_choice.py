@@ -219,6 +219,20 @@ def test_the_dry_run_states_each_shapes_kernel(tmp_path, monkeypatch):
                     "16x197x32 PyTorch's pick (not measured)")
 
 
+def test_the_dry_run_looks_up_an_fp16_run_in_the_fp16_entries(tmp_path, monkeypatch):
+    """A V100 run in fp16 takes the table's fp16 entry for its shape, not a bf16 one of the same shape."""
+    from train.config.parsing import parse_args
+    from train.estimate.dry_run import check
+    from train.estimate.gpus import gpu_named
+
+    monkeypatch.setattr(attention_choice, "TABLE", table(
+        tmp_path, entry(capability="7.0", dtype="fp16", heads=12, tokens=50, head_dim=64, kernel="cudnn"),
+        entry(capability="7.0", dtype="bf16", heads=12, tokens=50, head_dim=64, kernel="efficient")))
+    cfg = parse_args(["--ds_config", "ds_configs/vit_b_8xv100_fp16_zero1.json", "--data.source", "synthetic"])
+    line, = [x for x in check(cfg, 8, gpu_named("v100")).lines if x.startswith("attention kernels")]
+    assert line.startswith("attention kernels (fp16 on sm70; heads x tokens x head dim): 12x50x64 cudnn (measured "
+                           "fastest); ")
+
 @pytest.mark.parametrize("preset, gpu, said", [
     ("energy/vit_b.json", "h100", "12x197x64 math reference"),  # twice differentiable: never a table kernel
     ("mixedae/vit_b.json", "h100", "12x197x64 topk: triton fused kernel"),

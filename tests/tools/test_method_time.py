@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from tools import method_time
-from tools.method_time import PhaseClock, config_of, markdown, phase_times, with_floors
+from tools.method_costs import DEBUG_METHODS
+from tools.method_time import DEBUG_DS, PhaseClock, config_of, markdown, phase_times, with_floors
+from train.config.parsing import parse_args
 from train.estimate.step_flops import flops_by_step, step_flops
 
 
@@ -26,6 +28,15 @@ def test_flops_by_step_averages_to_step_flops():
     for phase, value in mean.items():
         assert value == pytest.approx((each[0][phase] + each[1][phase]) / 2)
 
+
+def test_step_flops_spreads_a_hook_that_works_every_other_step_over_its_period():
+    """MLO-MAE's levels II and III run every level1_steps-th step: with 2, the first step's hook counts
+    nothing and the second's everything, and the per-step figure is their mean, not the last step."""
+    cfg = parse_args(["--ds_config", str(DEBUG_DS), "--data.source", "synthetic", *DEBUG_METHODS["mlomae"],
+                      "--mlomae.level1_steps", "2"])
+    each = flops_by_step(cfg, 4, steps=2)
+    assert each[0]["after_step"] == 0 < each[1]["after_step"]
+    assert step_flops(cfg, 4, steps=2)["after_step"] == pytest.approx(each[1]["after_step"] / 2)
 
 def test_phase_times_measure_the_steps_they_count():
     cfg = config_of("mae", debug=True)

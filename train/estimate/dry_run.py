@@ -184,13 +184,13 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
     parts = ", ".join(f"{k} {v}" for k, v in mem.table().items())
     limit = HEADROOM * gpu.memory_gib
     run.lines.append(attention_line(prof, gpu, prec))
-    run.lines.append(f"memory per GPU, estimate (GiB): {parts} of {gpu.memory_gib:g} (limit {limit:.0f}); "
+    run.lines.append(f"memory per GPU, estimate (GiB): {parts} of {gpu.memory_gib:g} (limit {limit:.1f}); "
                      f"largest micro-batch that fits: {mem.largest_micro(gpu)}")
     run.lines.append(f"model states {mem.model_states / GIB:.2f} GiB: weights + gradient buffers + optimizer, as the "
                      f"engine lays them out (extra gradients: autograd's in the compute dtype, or one block's before "
                      f"its reduce-scatter; train/estimate/memory.py)")
     if not mem.fits(gpu):
-        run.problems.append(f"the estimate {mem.total / GIB:.1f} GiB exceeds {limit:.0f} GiB of {gpu.name}: set "
+        run.problems.append(f"the estimate {mem.total / GIB:.1f} GiB exceeds {limit:.1f} GiB of {gpu.name}: set "
                             f"train_micro_batch_size_per_gpu to at most {mem.largest_micro(gpu)} (with "
                             f"train_batch_size given, the accumulation follows), or use a higher ZeRO stage or "
                             f"activation checkpointing")

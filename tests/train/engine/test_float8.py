@@ -121,3 +121,5 @@ def test_the_dry_run_says_float8_and_refuses_it_for_an_a100():
     assert h100.ok and any(line.startswith("float8: the transformer blocks' linear layers") for line in h100.lines)
     a100 = check(cfg, 8, gpu_named("a100"))
     assert any("run.float8 needs float8 tensor cores" in p and "8.0" in p for p in a100.problems)
+    # a configuration refused before start has no memory to estimate; the H100 one has
+    assert a100.memory is None and h100.memory is not None

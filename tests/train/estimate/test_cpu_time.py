@@ -20,3 +20,21 @@ def test_the_estimate_is_said_first_and_a_gpu_sized_run_is_refused_unless_allowe
 def test_the_measured_rate_is_a_plausible_cpu_rate():
     rate = cpu_time.matmul_flops_per_s(size=256, repeats=2)
     assert 1e8 < rate < 1e14  # between a slow core and far more than any CPU
+
+
+def test_the_rate_is_two_flops_per_multiply_add_over_the_fastest_repeat(monkeypatch):
+    """A product of two n x n matrices is n^3 multiply-adds, 2 n^3 FLOPs; the rate takes the best of
+    the repeats (the others were slowed by something else). A fake clock: the products take 0.5, 0.25
+    and 0.4 s."""
+    import itertools
+    import types
+
+    durations, now, calls = iter([0.5, 0.25, 0.4]), [0.0], itertools.count()
+
+    def perf_counter():  # start, end, start, end, ...: each end one product later
+        if next(calls) % 2 == 1:
+            now[0] += next(durations)
+        return now[0]
+
+    monkeypatch.setattr(cpu_time, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    assert cpu_time.matmul_flops_per_s(size=64, repeats=3) == pytest.approx(2 * 64**3 / 0.25)

@@ -55,6 +55,9 @@ def test_every_shipped_ds_config_passes_the_dry_run_for_its_methods(path):
         run = check(cfg, world, gpu)
         assert run.ok, f"{path.name} {options}: {run.problems}"
         assert run.memory is not None and run.memory.fits(gpu)
+        # the file's activation_checkpointing section (its presence) switches recomputation on
+        said = "on" if "activation_checkpointing" in json.loads(path.read_text()) else "off"
+        assert run.lines[0].endswith(f"activation checkpointing {said}"), run.lines[0]
 
 
 def test_shipped_micro_batches_are_the_largest_the_memory_estimate_allows_with_a_margin(tmp_path):
@@ -238,3 +241,111 @@ def test_the_dry_run_says_how_the_blocks_execute_and_where_compile_loses_its_gra
         "(no CUDA graphs off the GPU)")
     assert replicated_weights({"zero_optimization": {"stage": 0}}, 8)
     assert not replicated_weights({"zero_optimization": {"stage": 2}}, 2) and replicated_weights({}, 1)
+
+
+def test_the_printed_numbers_follow_from_the_ds_config_the_built_objective_and_the_estimate(capsys, monkeypatch):
+    """ViT-B MAE on 8 A100s (ds_configs/vit_b_8xa100_bf16_zero1.json), each printed number against
+    its source: the file's batch numbers, the objective built for one sample, MAE's lr scaling rule
+    (blr x global batch / 256), ZeRO-1's per-rank model states (train/estimate/memory.py's docstring)
+    and 90% of the GPU's 80 GiB; the step's communication is printed for several ranks only."""
+    from train.estimate.costs import profile_config
+    from train.estimate.memory import GIB
+    from train.pretrain import main
+
+    path = DS / "vit_b_8xa100_bf16_zero1.json"
+    ds = json.loads(path.read_text())
+    tb, micro = ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"]
+    options = ["--ds_config", str(path), "--data.source", "synthetic", "--model.name", "vit_base_patch16"]
+    cfg = parse_args(options)
+    run = check(cfg, 8, gpu_named("a100"))
+    assert run.ok, run.problems
+    lines, mem = run.lines, run.memory
+
+    assert lines[0] == (f"8 x A100 SXM4 80GB: global batch {tb} = micro {micro} x accumulation {tb // (micro * 8)} x 8 "
+                        f"ranks; bf16; ZeRO 1; offload none; activation checkpointing off")
+    schedule, = [x for x in lines if x.startswith("schedule:")]
+    peak, blr, batch = re.search(r"peak lr ([\d.e-]+) \(blr ([\d.e-]+) x (\d+) / 256\)$", schedule).groups()
+    assert float(blr) == cfg.optim.blr and int(batch) == tb
+    assert float(peak) == pytest.approx(cfg.optim.blr * tb / 256, rel=1e-3)
+
+    objective, one = profile_config(cfg, ds, 1, True)  # one sample
+    params = sum(p.numel() for p in objective.parameters())
+    trained = sum(p.numel() for p in objective.parameters() if p.requires_grad)
+    assert trained < params  # the fixed position tables: the two counts differ
+    counts, = [x for x in lines if x.startswith("parameters:")]
+    assert counts.startswith(f"parameters: {params / 1e6:.1f}M ({trained / 1e6:.1f}M trained); per sample: "
+                             f"{one.tokens()} block tokens, ") and "outside" not in counts
+    gflops = float(re.search(r", ([\d.]+) training GFLOPs", counts).group(1))
+    assert gflops == pytest.approx(one.train_flops / 1e9, abs=0.1)
+
+    # ZeRO-1, bf16, 8 ranks, 2 micro-batches: fp32 master shards + whole bf16 weights; fp32 gradient
+    # shards + the unsynced bf16 sum; Adam's two fp32 moments sharded
+    assert (mem.params, mem.trainable) == (params, trained)
+    assert mem.weights == pytest.approx(4 * params / 8 + 2 * params)
+    assert mem.gradients == pytest.approx(4 * trained / 8 + 2 * trained)
+    assert mem.optimizer == pytest.approx(8 * trained / 8)
+    memory, = [x for x in lines if x.startswith("memory per GPU")]
+    assert f"total {round(mem.total / GIB, 2)} of 80 (limit {0.9 * 80:.1f}); " in memory
+    states = (mem.weights + mem.gradients + mem.optimizer) / GIB
+    assert any(x.startswith(f"model states {states:.2f} GiB: weights + gradient buffers + optimizer") for x in lines)
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def printed(world):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--dry-run", *options, "--world_size", str(world)])
+        out = capsys.readouterr().out
+        assert exit_.value.code == 0, out
+        return out
+
+    assert "communication per step on paper" in printed(8)
+    assert "communication per step" not in printed(1)  # one rank sends nothing
+
+
+def test_mlomaes_networks_trained_outside_the_engine_are_counted_apart():
+    from train.estimate.costs import profile_config
+
+    path = DS / "mlomae_vit_b_8xa100_bf16_zero1.json"
+    cfg = parse_args(["--ds_config", str(path), "--data.source", "synthetic", "--config",
+                      str(PRESETS / "mlomae/vit_b.json")])
+    objective, _ = profile_config(cfg, json.loads(path.read_text()), 1, True)
+    outside = sum(p.numel() for p in objective.outside_parameters())
+    assert outside > 0
+    counts, = [x for x in check(cfg, 8, gpu_named("a100")).lines if x.startswith("parameters:")]
+    assert f"trained) + {outside / 1e6:.1f}M trained outside the engine; per sample" in counts
+
+
+def test_the_world_size_a_ds_config_implies_counts_its_accumulation(tmp_path, monkeypatch):
+    from train.estimate.dry_run import default_world
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    linprobe = DS / "linprobe_8xa100_fp32_zero0.json"
+    ds = json.loads(linprobe.read_text())
+    world, why = default_world(str(linprobe), gpu_named("a100"))
+    assert world == ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"])
+    assert why == "train_batch_size / (micro-batch x accumulation) of the ds_config"
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4,
+                                                  "gradient_accumulation_steps": 2}))
+    assert default_world(str(tmp_path / "ds.json"), gpu_named("a100"))[0] == 64 // (4 * 2)
+
+
+def test_a_micro_batch_one_past_the_largest_that_fits_is_refused_against_90_percent_of_the_gpu(tmp_path):
+    """ViT-H on 8 V100s (32 GiB), fp16, ZeRO-1: the largest micro-batch the estimate allows passes, one
+    more exceeds 90% of the GPU's memory (though not all of it) and is refused, naming that limit."""
+    from train.estimate.memory import GIB
+
+    base = json.loads((DS / "vit_h_8xv100_fp16_zero1.json").read_text())
+    v100 = gpu_named("v100")
+
+    def run(micro):
+        (tmp_path / "ds.json").write_text(json.dumps({**base, "train_micro_batch_size_per_gpu": micro,
+                                                      "train_batch_size": micro * 8}))
+        return check(parse_args(["--ds_config", str(tmp_path / "ds.json"), "--data.source", "synthetic",
+                                 "--model.name", "vit_huge_patch14"]), 8, v100)
+
+    largest = run(8).memory.largest_micro(v100)
+    fits, over = run(largest), run(largest + 1)
+    limit = 0.9 * 32 * GIB
+    assert fits.memory.total <= limit and fits.ok, fits.problems
+    assert limit < over.memory.total < 32 * GIB
+    assert not over.ok and f"exceeds {0.9 * 32:.1f} GiB of V100 SXM2 32GB" in over.problems[0], over.problems
