@@ -137,11 +137,49 @@ def test_compile_phase_gpu_branch_runs_every_item_in_its_order(tmp_path, monkeyp
     names = list(items)
     assert names[:2] == ["equality_bf16_micro64", "attention_choice"] and names[-1] == "float8_curves_vit_l_micro64"
     assert names.index("vit_b_128_eager_r0") < names.index("method_mae_compiled_r0") < names.index("vit_l_128_eager_r0")
+    # the second round runs in the reverse order of the first (a drift in the device's pace favours neither)
+    assert names.index("vit_b_128_eager_r0") < names.index("vit_b_128_compiled_r0")
+    assert names.index("vit_b_128_compiled_r1") < names.index("vit_b_128_eager_r1")
+    methods_r = [[n.split("_")[1] for n in names if n.startswith("method_") and n.endswith(f"_r{r}")] for r in (0, 1)]
+    assert methods_r[0] == ["mae", "mixedae", "maeplus", "adpe"] and methods_r[1] == methods_r[0][::-1]
     assert {(m, c) for m, c, _ in runs} >= {(128, False), (128, True), (64, True), (512, True)}
     assert sum(f for _, _, f in runs) == 1 and items["attention_choice"]["entries"][0]["kernel"] == "cudnn"
     assert summary["ratios"]["compile_over_eager_vit_b_128"] == pytest.approx(1.3)
     assert summary["ratios"]["float8_over_compiled_vit_l_128"] == pytest.approx(1.2)
     assert summary["equality_bf16_micro64"]["equal"] and summary["float8_curves_vit_l_micro64"]["within_bf16_noise"]
+
+
+def test_study_phase_gpu_branch_runs_one_entry_per_item_and_summarises_the_entries(tmp_path, monkeypatch):
+    """Each study entry its own item (the budget can stop between them), summarised without the
+    shards item; the study's runs stood in."""
+    import types
+
+    import data.write_shards
+    import experiments.fashion_mnist.study as study_module
+    import tools.gpu_check
+    from tools.phases import study
+
+    def shards(argv):
+        Path(argv[1]).mkdir()
+        Path(argv[1], "train.json").write_text(json.dumps({"num_samples": 60000}))
+
+    def entry(argv):
+        e = argv[argv.index("--only") + 1]
+        return [{"entry": e, "knn_top1": float(len(e)), "loss_curve": [2.0, 1.5, 1.0]}]
+
+    monkeypatch.setattr(data.write_shards, "main", shards)
+    monkeypatch.setattr(study_module, "main", entry)
+    monkeypatch.setattr(tools.gpu_check, "free_memory", lambda: None)  # its gc.collect per item: slow, nothing to free
+    (tmp_path / "fmnist").mkdir()
+    (tmp_path / "fmnist" / "train-images-idx3-ubyte.gz").write_bytes(b"")
+    check = _gpu_branch_check(tmp_path, "study")
+    study.run(check, types.SimpleNamespace(fashion_mnist=tmp_path / "fmnist", study_pretrain_samples=60000))
+    entries = ["mae", "mixedae", "maeplus", "adpe", "mlomae", "energy", "random_init"]
+    items, summary = check.record["items"], check.record["summary"]
+    assert list(items) == ["shards", *entries] and items["shards"]["train"] == 60000
+    assert items["mae"]["loss_first_last"] == [2.0, 1.0] and "loss_curve" not in items["mae"]
+    assert list(summary["entries"]) == entries and summary["pretrain_samples"] == 60000
+    assert all(summary["entries"][e]["knn_top1"] == len(e) for e in entries)
 
 
 def _documented_shares() -> dict[str, float]:

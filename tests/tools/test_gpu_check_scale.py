@@ -71,3 +71,86 @@ def test_the_gpu_counts_are_those_present():
 
     assert gpu_counts(1) == [1] and gpu_counts(2) == [1, 2] and gpu_counts(6) == [1, 2, 4]
     assert gpu_counts(16) == [1, 2, 4, 8]
+
+
+def test_a_stage_s_ds_config_keeps_micro_batch_and_accumulation_and_lets_the_global_batch_follow_the_ranks(tmp_path):
+    from tools.phases.scale import SHIPPED, stage_config
+
+    ds = json.loads(stage_config(tmp_path, 3, 256, 2, SHIPPED).read_text())
+    assert ds["train_micro_batch_size_per_gpu"] == 256 and ds["gradient_accumulation_steps"] == 2
+    assert ds["zero_optimization"]["stage"] == 3 and "train_batch_size" not in ds and ds["bf16"]["enabled"]
+
+
+def test_the_model_s_prediction_computes_at_the_mfu_measured_on_one_gpu_and_the_gpu_s_peak(tmp_path):
+    """Compute faster (a higher MFU, a higher peak) leaves the same communication less to hide
+    behind: the predicted efficiency on 4 nodes falls below the defaults' (40% of an H100's 989)."""
+    from train.estimate.comm_model import Compute
+    from tools.phases.scale import SHIPPED, predicted, stage_config
+
+    argv = ["--model.name", "vit_base_patch16", "--data.source", "synthetic"]
+    configs = [stage_config(tmp_path, 1, 256, 2, SHIPPED)]
+
+    def zero1(measured, peak):
+        row = predicted(argv, configs, measured, peak)["zero1"]
+        return row, row["by_world_size"]["32"]["after"]["efficiency"]
+
+    default, default_eff = zero1({}, None)
+    assert (default["mfu"], default["peak_tflops"]) == (Compute.mfu, Compute.peak_tflops)
+    measured, measured_eff = zero1({"zero1": {"mfu": 0.6}}, 2250.0)
+    assert (measured["mfu"], measured["peak_tflops"]) == (0.6, 2250.0) and measured_eff < default_eff
+
+
+def test_a_stage_whose_run_raises_is_reported_and_the_next_still_runs(tmp_path, monkeypatch, capsys):
+    import train.bench
+    import train.run.cli
+    from tools.phases import scale_ranks
+
+    ran, ended = [], []
+
+    def bench(argv):
+        ran.append(argv[argv.index("--out_dir") + 1])
+        if argv[argv.index("--ds_config") + 1] == "a.json":
+            raise ValueError("bad ds_config")
+
+    monkeypatch.setattr(train.bench, "main", bench)
+    monkeypatch.setattr(train.run.cli, "end_process_group", lambda: ended.append(1))
+    out = tmp_path / "o"
+    assert scale_ranks.main([str(out), "a.json", "b.json", "--", "--steps", "1"]) == 1
+    assert ran == [str(out / "a"), str(out / "b")]
+    printed = capsys.readouterr().out
+    assert "[scale_ranks] a.json failed" in printed and "ValueError: bad ds_config" in printed
+    assert scale_ranks.main([str(out), "b.json", "--", "--steps", "1"]) == 0 and ended == [1]
+
+
+def test_with_one_gpu_the_phase_measures_it_and_says_multi_gpu_is_absent(tmp_path, monkeypatch):
+    import types
+
+    import tools.gpu_check
+    import train.estimate.gpus
+    from tools.gpu_check import Check
+    from tools.phases import scale
+
+    seen = {}
+
+    def launch(check, gpus, configs, bench_args, timeout):
+        return {"gpus": gpus, **{p.stem: {"images_per_s_per_gpu": 1000.0, "mfu": 0.5} for p in configs}}
+
+    check = Check("scale", tmp_path, smoke=False, deadline=float("inf"), work=tmp_path / "work", log=tmp_path / "log")
+    check.work.mkdir()
+    check.cuda = True
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # after the Check: is_available() may ask it
+    monkeypatch.setattr(scale, "launch", launch)
+    monkeypatch.setattr(scale, "predicted", lambda argv, configs, measured, peak: seen.update(
+        measured=measured, peak=peak) or {})
+    monkeypatch.setattr(tools.gpu_check, "free_memory", lambda: None)  # its gc.collect: slow, nothing to free
+    monkeypatch.setattr(train.estimate.gpus, "current_gpu", lambda: types.SimpleNamespace(peak_tflops=989.0))
+    scale.run(check, types.SimpleNamespace())
+    items, summary = check.record["items"], check.record["summary"]
+    assert summary["multi_gpu"].startswith("absent: 1 GPU present")
+    assert summary["config"]["gpus_present"] == 1 and items["gpus1"]["gpus"] == 1
+    for k in (2, 4, 8):
+        assert "1 GPU present" in items[f"gpus{k}"]["skipped"]
+    for stage in STAGES:
+        assert summary[stage]["images_per_s_per_gpu"] == {"1": 1000.0} and summary[stage]["efficiency"] == {}
+    # the model computes at the MFU measured on the one GPU, at the GPU's peak
+    assert seen == {"measured": items["gpus1"], "peak": 989.0} and seen["measured"]["zero1"]["mfu"] == 0.5

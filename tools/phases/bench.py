@@ -80,7 +80,10 @@ def run(check: Check, a) -> None:
         if ours:
             row.update(ours_images_per_s=statistics.fmean(v["images_per_s"] for v in ours),
                        tflops_per_gpu=statistics.fmean(v["tflops_per_gpu"] for v in ours),
-                       mfu=ours[-1]["mfu"], peak_gib=max(v.get("peak_allocated_gib", 0.0) for v in ours) or None)
+                       # the mean, as the compile phase's summary; None where the GPU's peak is unknown (CPU)
+                       mfu=statistics.fmean(v["mfu"] for v in ours) if all(v.get("mfu") is not None for v in ours)
+                       else None,
+                       peak_gib=max(v.get("peak_allocated_gib", 0.0) for v in ours) or None)
             if check.cuda and gpu is not None:
                 cfg = parse_args(argv)
                 est_mem = dry_run(cfg, 1, gpu).memory
