@@ -205,33 +205,27 @@ def test_topk_entries_record_the_path_chosen_with_its_shape(tmp_path, monkeypatc
     assert f"chosen {chosen}" in capsys.readouterr().out
 
 
-def test_the_dry_run_states_each_shapes_kernel(tmp_path, monkeypatch):
+@pytest.mark.parametrize("gpu,ds_config,entries,kernels", [
+    ("h100", "vit_b_8xh100_bf16_zero1.json",
+     [dict(capability="9.0", dtype="bf16", heads=12, tokens=50, head_dim=64, kernel="cudnn"),
+      dict(capability="8.0", dtype="bf16", heads=16, tokens=197, head_dim=32, kernel="flash")],
+     "bf16 on sm90; heads x tokens x head dim): 12x50x64 cudnn (measured fastest)"),
+    # a V100 run in fp16 takes the table's fp16 entry for its shape, not a bf16 one of the same shape
+    ("v100", "vit_b_8xv100_fp16_zero1.json",
+     [dict(capability="7.0", dtype="fp16", heads=12, tokens=50, head_dim=64, kernel="cudnn"),
+      dict(capability="7.0", dtype="bf16", heads=12, tokens=50, head_dim=64, kernel="efficient")],
+     "fp16 on sm70; heads x tokens x head dim): 12x50x64 cudnn (measured fastest)"),
+])
+def test_the_dry_run_states_each_shapes_kernel_from_its_gpus_and_dtypes_entries(tmp_path, monkeypatch, gpu, ds_config,
+                                                                                  entries, kernels):
     from train.config.parsing import parse_args
     from train.estimate.dry_run import check
     from train.estimate.gpus import gpu_named
 
-    monkeypatch.setattr(attention_choice, "TABLE", table(
-        tmp_path, entry(capability="9.0", dtype="bf16", heads=12, tokens=50, head_dim=64, kernel="cudnn"),
-        entry(capability="8.0", dtype="bf16", heads=16, tokens=197, head_dim=32, kernel="flash")))
-    cfg = parse_args(["--ds_config", "ds_configs/vit_b_8xh100_bf16_zero1.json", "--data.source", "synthetic"])
-    line, = [x for x in check(cfg, 8, gpu_named("h100")).lines if x.startswith("attention kernels")]
-    assert line == ("attention kernels (bf16 on sm90; heads x tokens x head dim): 12x50x64 cudnn (measured fastest); "
-                    "16x197x32 PyTorch's pick (not measured)")
-
-
-def test_the_dry_run_looks_up_an_fp16_run_in_the_fp16_entries(tmp_path, monkeypatch):
-    """A V100 run in fp16 takes the table's fp16 entry for its shape, not a bf16 one of the same shape."""
-    from train.config.parsing import parse_args
-    from train.estimate.dry_run import check
-    from train.estimate.gpus import gpu_named
-
-    monkeypatch.setattr(attention_choice, "TABLE", table(
-        tmp_path, entry(capability="7.0", dtype="fp16", heads=12, tokens=50, head_dim=64, kernel="cudnn"),
-        entry(capability="7.0", dtype="bf16", heads=12, tokens=50, head_dim=64, kernel="efficient")))
-    cfg = parse_args(["--ds_config", "ds_configs/vit_b_8xv100_fp16_zero1.json", "--data.source", "synthetic"])
-    line, = [x for x in check(cfg, 8, gpu_named("v100")).lines if x.startswith("attention kernels")]
-    assert line.startswith("attention kernels (fp16 on sm70; heads x tokens x head dim): 12x50x64 cudnn (measured "
-                           "fastest); ")
+    monkeypatch.setattr(attention_choice, "TABLE", table(tmp_path, *(entry(**e) for e in entries)))
+    cfg = parse_args(["--ds_config", f"ds_configs/{ds_config}", "--data.source", "synthetic"])
+    line, = [x for x in check(cfg, 8, gpu_named(gpu)).lines if x.startswith("attention kernels")]
+    assert line == f"attention kernels ({kernels}; 16x197x32 PyTorch's pick (not measured)"
 
 @pytest.mark.parametrize("preset, gpu, said", [
     ("energy/vit_b.json", "h100", "12x197x64 math reference"),  # twice differentiable: never a table kernel

@@ -69,8 +69,7 @@ class ReduceScatterIn:
                  op, async_op: bool = False):
         before, after = 1, 1
         if self.dtype == torch.float16 and op == dist.ReduceOp.AVG:
-            op, before = dist.ReduceOp.SUM, 1
-            world = group.size()
+            op, world = dist.ReduceOp.SUM, group.size()
             while world % (before * 2) == 0 and world / before > before:
                 before *= 2
             after = world // before
