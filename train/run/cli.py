@@ -6,6 +6,7 @@ import errno
 import os
 import shutil
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -27,8 +28,9 @@ def cli(main_fn) -> None:
     data/faults.py; a checkpoint that could not be written: train/engine/checkpoint.py) with status 3, its
     last checkpoint kept; a run stopped by Ctrl-C or kill outside Slurm (train/run/preemption.py) with
     130 / 143 and one line naming its checkpoint and how to resume. On several ranks, a rank whose
-    collective fails because another rank ended first says so in one line and exits 1: the first
-    rank's status and message are the run's (the launchers report the first failure, srun the highest)."""
+    collective fails because another rank ended first says so in one line and exits 1 (`PeerGone`):
+    the first rank's status and message are the run's (the launchers report the first failure, srun
+    the highest)."""
     try:
         main_fn()
         end_process_group()
@@ -60,7 +62,17 @@ def cli(main_fn) -> None:
         # the rank that ended first (its data, a kill) said why; this one only lost it mid-collective
         print(f"rank {rank} stopped: another rank ended the run and its connection closed (that rank's message "
               f"says why)", file=sys.stderr)
-        raise SystemExit(1) from None
+        raise PeerGone(1) from None
+
+
+class PeerGone(SystemExit):
+    """Exit 1 of a rank whose collective failed because another rank's process had ended."""
+
+
+# The deepspeed launcher polls its ranks once a second and reports the first failed one it meets, in
+# no set order when two have ended since its last look: a rank that only lost its peer (which sees
+# that within milliseconds) ends this much later, so the rank that failed first is the one reported
+PEER_GONE_GRACE_S = 3.0
 
 
 # A file system that takes no more writes: the command stops with one line (checkpoint saves say their own)
@@ -117,6 +129,10 @@ def run_script(main_fn) -> None:
     except (SystemExit, Exception) as e:
         early_signals.ignore_stop_signals()
         status = exit_status(e)
+        if isinstance(e, PeerGone):
+            # Slurm's SIGTERM (srun --kill-on-bad-exit) is ignored by now: the status stays 1; outside
+            # Slurm the launcher's SIGTERM ends the wait, once it holds the first rank's status
+            time.sleep(PEER_GONE_GRACE_S)
         if status != 0 and group_alive():
             print_as_the_interpreter(e)
             leave_with_group_alive(status)

@@ -4,6 +4,7 @@ command run as a script then ends without the interpreter's teardown, with its o
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch.distributed as dist
@@ -118,3 +119,53 @@ def test_a_script_that_ended_well_ends_through_the_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "atexit handlers ran" in proc.stderr and "interpreter teardown" in proc.stderr, proc.stderr[-3000:]
     assert proc.stdout == "written, not yet flushed"
+
+
+# Two ranks of one gloo group: rank 1 meets a configuration error while rank 0 waits for it in a
+# collective, which then fails because rank 1's process ended
+TWO_RANKS = r"""
+import sys, time
+from train.run.cli import run_script
+
+def main():
+    import torch.distributed as dist
+    from train.engine import distributed
+    distributed.init()
+    if dist.get_rank() == 1:
+        time.sleep(1.0)  # rank 0 is inside the barrier by then
+        from train.config.errors import ConfigError
+        raise ConfigError("--data.train_index: no such file")
+    dist.barrier()
+
+run_script(main)
+"""
+
+
+def test_a_rank_that_lost_its_peer_ends_after_the_launchers_next_look():
+    """The deepspeed launcher looks at its ranks once a second and reports the first failed one it
+    meets, in no set order when both have ended by then: a run stopped by a configuration error on
+    rank 1 was once reported as exit 1, rank 0's. Rank 0 now ends more than a look later."""
+    from conftest import REPO
+    from ports import free_port
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS], cwd=REPO, text=True, stderr=subprocess.PIPE,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    ended = [None, None]
+    try:
+        deadline = time.monotonic() + 120
+        while None in ended and time.monotonic() < deadline:
+            for r, p in enumerate(procs):
+                if ended[r] is None and p.poll() is not None:
+                    ended[r] = time.monotonic()
+            time.sleep(0.01)
+    finally:
+        for p in procs:
+            p.kill()
+    errors = [p.stderr.read() for p in procs]
+    assert [p.wait() for p in procs] == [1, 2], errors
+    assert "config error: --data.train_index: no such file" in errors[1]
+    assert errors[0].strip() == "rank 0 stopped: another rank ended the run and its connection closed (that rank's " \
+                                "message says why)", errors[0]
+    assert ended[0] - ended[1] > 2.0, ended
