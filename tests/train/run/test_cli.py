@@ -4,7 +4,6 @@ command run as a script then ends without the interpreter's teardown, with its o
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch.distributed as dist
@@ -122,10 +121,13 @@ def test_a_script_that_ended_well_ends_through_the_interpreter():
 
 
 # Two ranks of one gloo group: rank 1 meets a configuration error while rank 0 waits for it in a
-# collective, which then fails because rank 1's process ended
+# collective, which then fails because rank 1's process ended. Each rank's last atexit handler
+# (run just before the process ends) prints when it ran.
 TWO_RANKS = r"""
-import sys, time
+import atexit, sys, time
 from train.run.cli import run_script
+
+atexit.register(lambda: print(f"ended at {time.monotonic()}", file=sys.stderr))
 
 def main():
     import torch.distributed as dist
@@ -152,20 +154,14 @@ def test_a_rank_that_lost_its_peer_ends_after_the_launchers_next_look():
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS], cwd=REPO, text=True, stderr=subprocess.PIPE,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
-    ended = [None, None]
     try:
-        deadline = time.monotonic() + 120
-        while None in ended and time.monotonic() < deadline:
-            for r, p in enumerate(procs):
-                if ended[r] is None and p.poll() is not None:
-                    ended[r] = time.monotonic()
-            time.sleep(0.01)
+        errors = [p.communicate(timeout=120)[1] for p in procs]
     finally:
         for p in procs:
             p.kill()
-    errors = [p.stderr.read() for p in procs]
-    assert [p.wait() for p in procs] == [1, 2], errors
+    assert [p.returncode for p in procs] == [1, 2], errors
     assert "config error: --data.train_index: no such file" in errors[1]
-    assert errors[0].strip() == "rank 0 stopped: another rank ended the run and its connection closed (that rank's " \
-                                "message says why)", errors[0]
-    assert ended[0] - ended[1] > 2.0, ended
+    said, ended = errors[0].strip().splitlines()
+    assert said == "rank 0 stopped: another rank ended the run and its connection closed (that rank's message says why)"
+    ended_at = [float(e.strip().splitlines()[-1].removeprefix("ended at ")) for e in (ended, errors[1])]
+    assert ended_at[0] - ended_at[1] > 2.0, errors
