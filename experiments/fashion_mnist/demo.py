@@ -84,8 +84,8 @@ def run_pretraining(cmd: list[str]) -> None:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if status in (130, 143):  # stopped by a person: its checkpoint is kept
-        print(f"[demo] stopped during pretraining; run the same command again (make demo) to continue it and "
-              f"evaluate", file=sys.stderr)
+        print("[demo] stopped during pretraining; run the same command again (make demo) to continue it and "
+              "evaluate", file=sys.stderr)
     if status:
         raise SystemExit(status)
 

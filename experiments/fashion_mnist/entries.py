@@ -34,6 +34,9 @@ EXTRA = {
     "mlomae_unit": Entry("MLO-MAE, unit unroll rates", "mlomae", "unit_unroll_lr"),
 }
 ENTRIES = STUDY | EXTRA
+# The rows of the reports' tables: the methods and variants, then the controls (random init,
+# supervised), whichever command (study.py, report.py) writes the report
+REPORT_ORDER = sorted(ENTRIES, key=lambda name: not ENTRIES[name].method)
 # Entries of the deciding study run at the ablation preset's budget (3 epochs) instead of 10, and judged
 # there against the random-init control. Energy steps about 10x slower than MAE (one thread, 128
 # images, median: 4.3-4.9 s against MAE's 0.44 s on the 2-core AMD EPYC dev machine, 3.18 s against

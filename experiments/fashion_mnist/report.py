@@ -32,7 +32,7 @@ from pathlib import Path
 from data.cli import Parser, refuse
 from experiments.fashion_mnist import claims, plots
 from experiments.fashion_mnist.common import FINETUNE_BLR, RAW_PIXEL_BASELINES, REPO, TRAIN_IMAGES, read_result
-from experiments.fashion_mnist.entries import AT_ABLATION_BUDGET, ENTRIES, PRESETS
+from experiments.fashion_mnist.entries import AT_ABLATION_BUDGET, PRESETS, REPORT_ORDER
 from experiments.fashion_mnist.homologous_attention import has_topk, topk_reports
 from experiments.fashion_mnist.learned_masks import mask_reports
 from experiments.fashion_mnist.run_checkpoints import complete_tags
@@ -481,8 +481,7 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--docs", type=Path, default=REPO / "docs",
                    help="the folder of the report, its figures and run summaries (default: docs/, the committed ones)")
     a = p.parse_args(argv)
-    controls_last = sorted(ENTRIES, key=lambda name: not ENTRIES[name].method)  # random init, supervised
-    return publish(a.preset, a.runs, controls_last, PRESETS[a.preset]["entries"], a.docs)
+    return publish(a.preset, a.runs, REPORT_ORDER, PRESETS[a.preset]["entries"], a.docs)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ from experiments.fashion_mnist.common import (
     presets,
     read_result,
 )
-from experiments.fashion_mnist.entries import ENTRIES, PRESETS, Entry
+from experiments.fashion_mnist.entries import ENTRIES, PRESETS, REPORT_ORDER, Entry
 from experiments.fashion_mnist.plots import pyplot
 from experiments.fashion_mnist.report import NO_FIGURES, check_figures, publish, write_report
 from train.engine.checkpoint import tag_for
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"[study] {figures} figure(s) in {a.report.parent / 'figures'}" + ("" if pyplot() else f" ({NO_FIGURES})"))
         report = a.report
     else:
-        report = publish(a.preset, a.out, list(ENTRIES), preset["entries"])
+        report = publish(a.preset, a.out, REPORT_ORDER, preset["entries"])
     print(f"[study] wrote {report}")
     return results
 
