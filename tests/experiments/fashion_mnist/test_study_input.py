@@ -47,6 +47,23 @@ def _fake_shards(tmp_path, monkeypatch, images=60000):
     return shards
 
 
+@pytest.mark.parametrize("argv, said", [
+    # 10 epochs: epoch 10 is the last one, already evaluated as the final encoder
+    (["--preset", "full", "--eval_epochs", "10"], "--eval_epochs [10]: give whole epochs before the last"),
+    # 1.5 epochs: the shard stream has no half-epoch past the first
+    (["--preset", "quick", "--pretrain_samples", "90000"],
+     "--pretrain_samples 90000: give fewer than one epoch (60000) or whole epochs"),
+])
+def test_budgets_the_training_set_cannot_give_are_refused_before_any_entry_runs(tmp_path, monkeypatch, capsys,
+                                                                                  argv, said):
+    # these need the training set's size: checked past --status, so the shards are faked and no entry may run
+    shards, ran = _fake_shards(tmp_path, monkeypatch), []
+    monkeypatch.setattr(study, "run_entry", lambda name, seed, *args: ran.append((name, seed)))
+    assert said in _refused(capsys, [*argv, "--shards", str(shards), "--only", "mae", "--no_report"],
+                            tmp_path / "runs")
+    assert ran == []
+
+
 def _result(entry, seed):
     return {"entry": entry, "label": entry.upper(), "seed": seed, "knn_top1": 70.0, "linear_probe_top1": 78.0,
             "finetune_top1": 85.0, "device": "cpu", "torch_threads": 1, "budget": BUDGET}
