@@ -39,6 +39,9 @@ def test_comparisons_against_the_spread():
         "holds (86.25 vs 86.00: +0.25, spread 2.00)"
     assert judge(s, Comparison("", "mixedae", "mae", "finetune_top1", equal=True)) == \
         "contradicted (90.50 vs 86.00: +4.50, spread 2.00)"
+    # and outside it below as well: |gap| is what counts, a negative gap is no closer to equal
+    assert judge(s, Comparison("", "mae", "mixedae", "finetune_top1", equal=True)) == \
+        "contradicted (86.00 vs 90.50: -4.50, spread 2.00)"
     one = summarize(TWO_SEEDS[::2])
     # one seed: judged provisionally against the test set's sampling noise (2 SE of the difference)
     assert sampling_noise(90.0, 85.0) == pytest.approx(0.9327, abs=1e-4)  # 2 sqrt((900 + 1275) / 10000)
@@ -120,3 +123,13 @@ def test_restoration_curve_orders_ten_or_more_steps_numerically():
     # loss_step10 sorts between loss_step1 and loss_step2 as text; the curve is N = 0, 1, 2, ..., 10
     row = {"corrupted_l1": 1.0, **{f"loss_step{n}": 1.0 / (n + 1) for n in range(1, 11)}}
     assert restoration_curve([row]) == [1.0 / (n + 1) for n in range(11)]
+
+
+def test_topk_rises_is_judged_from_exactly_two_windows_of_logged_steps():
+    # 10 logged steps fill the first and last window of 5 (no overlap): judged, not "not measured";
+    # first 0.30..0.34 (mean 0.32), last 0.35..0.39 (mean 0.37), sample variance 0.00025 each:
+    # noise 2 sqrt(0.0005 / 5) = 0.02 < the gain 0.05
+    ten = [{"step": i, "topk_acc": 0.3 + 0.01 * i} for i in range(10)]
+    assert topk_rises([_r("m", 0, metrics=ten)]) == \
+        "provisional, one seed: holds (0.320 -> 0.370, a rise beyond noise 0.020)"
+    assert topk_rises([_r("m", 0, metrics=ten[:9])]) == "not measured"  # the windows would overlap

@@ -30,6 +30,20 @@ def test_shares_are_the_ones_training_logs_and_segments_come_back_on():
     assert without["topk_acc"] == pytest.approx(sum(off) / 2, abs=1e-4) and without != shares
 
 
+def test_a_smaller_last_batch_weighs_by_its_number_of_mixed_images():
+    # 12 images in batches of 8 and 4: 2 mixed images (g = 4) in the first, 1 in the second, so the
+    # share over all 3 mixed images is (2 a0 + a1) / 3, not the mean of the two batches' shares
+    obj, _ = mixedae_objective()
+    torch.manual_seed(0)
+    images = torch.randn(12, 1, 32, 32)
+    shares = topk_shares(obj, images, segments=True, batch_size=8)
+    with torch.no_grad():
+        a0, a1 = (obj.forward_mixed(c, obj.draw_mixing(len(c), c.device, torch.Generator().manual_seed(i)))["topk_acc"]
+                  .item() for i, c in enumerate(images.split(8)))
+    assert abs(a0 - a1) / 6 > 1e-3  # the two weightings differ by (a0 - a1) / 6: well beyond the tolerance
+    assert shares["topk_acc"] == pytest.approx((2 * a0 + 1 * a1) / 3, abs=1e-4)
+
+
 def test_chance_and_refusals():
     obj, _ = mixedae_objective()
     report = topk_report(obj, torch.randn(8, 1, 32, 32))

@@ -82,7 +82,10 @@ def test_the_report_collects_the_masks_of_kept_epochs_and_the_last_checkpoint(tm
     assert masks[0]["images"] == 40  # the whole (fake) test split: fewer than 1000 images
     lines = mask_lines([summary])
     assert lines[-2].startswith("| MLO-MAE seed 0 | 0.5 | ") and lines[-1].startswith("| MLO-MAE seed 0 | 1.5 | 1 | ")
-    assert f"| {round(n * cfg.mlomae.mask_ratio)} of {n} |" in lines[-1] and lines[-1].endswith("| 1.000 | 0.0000 |")
+    masked = round(n * cfg.mlomae.mask_ratio)
+    # the collapsed T: p = 1 on the first quarter of the patches, 0 elsewhere; those all among the masked
+    assert lines[-1] == (f"| MLO-MAE seed 0 | 1.5 | 1 | {masked} of {n} | {(n // 4) / n:.3f} | "
+                         f"{(n // 4) / masked:.3f} | 1.000 | 0.0000 |")
     assert mask_lines([{"label": "MAE", "seed": 0}]) == []
 
 
