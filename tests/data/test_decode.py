@@ -49,6 +49,26 @@ def test_cpu_path_decodes_jpeg_bytes_with_libjpeg_like_pil():
         assert (from_bytes.int() - from_pil.int()).abs().max() <= 1
 
 
+def test_cpu_path_decodes_a_grayscale_jpeg_to_three_equal_channels():
+    """An L-mode JPEG through libjpeg (the bytes passed) comes out RGB like every other image: three
+    equal channels, within a level of PIL's RGB conversion cropped, resized and flipped by hand."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2 import functional as F2
+
+    t = PretrainTransform(32)
+    for k in range(3):
+        data = jpeg(photo_like(seed=k).convert("L"))
+        assert opened(data).mode == "L"
+        out = t(opened(data), k, data)
+        c = t.crop_params(opened(data), k)
+        rgb = torch.from_numpy(np.array(opened(data).convert("RGB"))).permute(2, 0, 1)
+        want = F2.resize(rgb[:, c.i:c.i + c.h, c.j:c.j + c.w], [32, 32], interpolation=InterpolationMode.BICUBIC,
+                         antialias=True)
+        want = want.flip(-1) if c.flip else want
+        assert out.shape == (3, 32, 32) and torch.equal(out[0], out[1]) and torch.equal(out[1], out[2])
+        assert (out.int() - want.int()).abs().max() <= 1
+
+
 def test_draft_decodes_smaller_and_gives_nearly_the_same_crop():
     data = jpeg(photo_like())
     plain, draft = PretrainTransform(32, decode="cpu"), PretrainTransform(32, decode="cpu_draft")
@@ -98,6 +118,81 @@ def test_crop_draws_follow_torchvisions_random_resized_crop():
     assert log_aspect.min() < -0.9 * bound and log_aspect.max() > 0.9 * bound
     assert all(0 <= c.i <= 400 - c.h and 0 <= c.j <= 500 - c.w for c in crops)  # inside the picture
     assert 0.45 < sum(c.flip for c in crops) / 2000 < 0.55
+
+
+def test_crop_position_is_uniform_over_the_picture_like_torchvisions():
+    """The crop's offset is uniform over every position that keeps it inside the picture
+    (torchvision: i ~ randint(0, H - h + 1)), not centred. 4000 seeded draws on a 500x400 picture
+    against 4000 of torchvision's get_params: the quantiles of the offsets as a fraction of their
+    room, i / (H - h) and j / (W - w) (uniform on [0, 1]), agree within 0.05. A quantile of 4000
+    uniform draws has sd <= 0.008, the difference of two <= 0.012: 0.05 is > 4 sd at every quantile,
+    while a centred crop puts all offsets near 0.5 (its 10% quantile is off by ~0.4)."""
+    from torchvision.transforms import RandomResizedCrop
+
+    img, n = Image.new("RGB", (500, 400)), 4000
+    t = PretrainTransform(32)
+    crops = [(c.i, c.j, c.h, c.w) for c in (t.crop_params(img, s) for s in range(n))]
+    with torch.random.fork_rng(devices=[]):  # get_params draws from the global RNG: seeded, then restored
+        torch.manual_seed(0)
+        ref = [RandomResizedCrop.get_params(img, [0.2, 1.0], [3 / 4, 4 / 3]) for _ in range(n)]  # (i, j, h, w)
+
+    def room_fractions(draws):  # (rows, cols) offsets / room, leaving out crops with no room to move
+        rows = torch.tensor([i / (400 - h) for i, _, h, _ in draws if h < 400])
+        cols = torch.tensor([j / (500 - w) for _, j, _, w in draws if w < 500])
+        return rows, cols
+
+    qs = torch.tensor([0.1, 0.25, 0.5, 0.75, 0.9])
+    for got, want in zip(room_fractions(crops), room_fractions(ref)):
+        assert len(got) > 0.9 * n and len(want) > 0.9 * n
+        assert (got.quantile(qs) - want.quantile(qs)).abs().max() < 0.05
+        assert (got.quantile(qs) - qs).abs().max() < 0.05  # and both are uniform on [0, 1]
+
+
+def test_device_decode_draws_the_cpu_paths_crops_with_the_configured_scale():
+    """EncodedCropTransform(size, scale) draws PretrainTransform(size, scale)'s crop and flip for the
+    same seed; with scale (0.5, 1) no crop covers less than half the picture (up to rounding)."""
+    img, data = photo_like(), jpeg(photo_like())
+    encoded, plain = EncodedCropTransform(16, (0.5, 1.0)), PretrainTransform(16, (0.5, 1.0))
+    for seed in range(50):
+        got = encoded(opened(data), seed, data)["crop"].tolist()
+        c = plain.crop_params(img, seed)
+        assert got == [c.i, c.j, c.h, c.w, int(c.flip)]
+        assert got[2] * got[3] >= 0.49 * 320 * 240
+
+
+@pytest.mark.parametrize("transform, decode", [("crop_flip", "cpu"), ("crop_flip", "cpu_draft"), ("crop_flip", "nvjpeg"),
+                                               ("multicrop", "cpu"), ("multicrop", "cpu_draft")])
+def test_the_shard_loaders_crop_uses_the_configured_scale_and_decode(monkeypatch, transform, decode):
+    """build_source hands data.crop_scale_min and data.decode to the transform it builds (a value
+    dropped there fell back to the transform's default: scale 0.2 or 0.08, decode cpu)."""
+    import data.source as source_module
+    from train.config.options import DataConfig
+
+    monkeypatch.setattr(source_module, "ShardLoader", lambda *a, transform=None, **k: transform)
+    monkeypatch.setattr(source_module, "train_shards", lambda cfg: None)
+    cfg = DataConfig(train_transform=transform, decode=decode, crop_scale_min=0.5, num_crops=2)
+    built = source_module.build_source(cfg, 16, 3, 4, 0, 0, 1, torch.device("cpu"))
+    crop = built if isinstance(built, PretrainTransform) else built.crop
+    assert isinstance(crop, PretrainTransform) and crop.scale == [0.5, 1.0]
+    assert crop.draft == (decode == "cpu_draft")
+    assert isinstance(built, EncodedCropTransform) == (decode == "nvjpeg")
+
+
+@pytest.mark.parametrize("reprob", [0.0, 0.6])
+def test_the_randaug_transform_uses_the_configured_scale_and_erasing_probability(monkeypatch, reprob):
+    """train_transform randaug: timm's RandomResizedCrop with scale (crop_scale_min, 1) and random
+    erasing with probability data.reprob, none at 0 (it was always timm's default 0.25)."""
+    import data.source as source_module
+    from train.config.options import DataConfig
+
+    monkeypatch.setattr(source_module, "ShardLoader", lambda *a, transform=None, **k: transform)
+    monkeypatch.setattr(source_module, "train_shards", lambda cfg: None)
+    cfg = DataConfig(train_transform="randaug", crop_scale_min=0.5, reprob=reprob)
+    steps = source_module.build_source(cfg, 16, 3, 4, 0, 0, 1, torch.device("cpu")).transform.transforms
+    crops = [s for s in steps if type(s).__name__.endswith("RandomResizedCropAndInterpolation")]
+    assert len(crops) == 1 and tuple(crops[0].scale) == (0.5, 1.0)
+    erasing = [s.probability for s in steps if type(s).__name__ == "RandomErasing"]
+    assert erasing == ([reprob] if reprob else [])
 
 
 def test_draft_changes_nothing_when_the_crop_is_too_small_or_not_a_jpeg():

@@ -114,6 +114,27 @@ def test_build_source_reads_d_tr_and_d_val_as_disjoint_parts_of_the_shards(train
     assert 0 < len(val) < len(tr)  # D_val is the 20%
 
 
+def test_d_val_draws_its_own_order_and_augmentation_not_d_trs(monkeypatch):
+    """build_source seeds the D_val stream apart from D_tr's: with D_tr's seed, each synthetic D_val
+    batch was a copy of the D_tr batch it came with, and D_val's shard loader repeated D_tr's
+    shuffle and crop draws."""
+    import inspect
+
+    import data.source as source_module
+    from train.config.options import DataConfig
+
+    split, cpu = LabeledSplit(0.2, seed=0), torch.device("cpu")
+    batch = next(source_module.build_source(DataConfig(source="synthetic", num_classes=10), 8, 3, 4, 5, 0, 1, cpu,
+                                            split=split))
+    assert not torch.equal(batch["image"], batch["val_image"])
+    # shards: the seed each stream's loader is given
+    seed_of = lambda *a, **k: SimpleNamespace(seed=inspect.signature(ShardLoader).bind(*a, **k).arguments["seed"])
+    monkeypatch.setattr(source_module, "ShardLoader", seed_of)
+    monkeypatch.setattr(source_module, "train_shards", lambda cfg: None)
+    source = source_module.build_source(DataConfig(num_workers=0), 8, 3, 4, 5, 0, 1, cpu, split=split)
+    assert source.train.seed == 5 and source.val.seed != 5
+
+
 def test_fraction_is_as_configured():
     split = LabeledSplit(0.2, seed=0)
     share = np.mean([split.is_val(f"sample_{i:06d}") for i in range(20000)])
@@ -146,13 +167,18 @@ def test_the_give_up_rule_at_a_runs_end_counts_both_parts(train_and_test):
 
 
 def test_split_source_attaches_val_batches_and_resumes():
-    def make():
-        return SplitSource(SyntheticImages(2, 8, 1, 3, seed=0, rank=0), SyntheticImages(2, 8, 1, 3, seed=9, rank=0),
-                           val_every=3)
+    def make():  # 1000 classes: D_tr's labels cannot pass for D_val's by chance (with 3 they did here)
+        return SplitSource(SyntheticImages(2, 8, 1, 1000, seed=0, rank=0),
+                           SyntheticImages(2, 8, 1, 1000, seed=9, rank=0), val_every=3)
 
     src = make()
-    got = [("val_image" in next(src)) for _ in range(6)]
-    assert got == [False, False, True, False, False, True]
+    batches = [next(src) for _ in range(6)]
+    assert [("val_image" in b) for b in batches] == [False, False, True, False, False, True]
+    # each D_val batch, images and labels, is the D_val stream's next one (not D_tr's labels)
+    val_stream = SyntheticImages(2, 8, 1, 1000, seed=9, rank=0)
+    for b in (batches[2], batches[5]):
+        want = next(val_stream)
+        assert torch.equal(b["val_image"], want["image"]) and torch.equal(b["val_label"], want["label"])
     state = src.state_dict()
     nxt = [next(src) for _ in range(3)]
     resumed = make()

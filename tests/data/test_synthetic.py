@@ -48,3 +48,12 @@ def test_images_of_other_channel_counts_are_normalised_with_half_and_a_quarter()
     raw = x * 0.25 + 0.5
     assert raw.min() >= 0 and raw.max() < 1
     assert raw.min() < 0.1 and raw.max() > 0.9
+
+
+def test_labels_are_drawn_from_every_class():
+    """Labels uniform over range(num_classes), the top class included: 3 classes, 600 labels,
+    each class's share near 1/3 (binomial sd 0.019; the margin is 5 sd)."""
+    labels = next(SyntheticImages(batch_size=600, img_size=8, in_chans=3, num_classes=3, seed=0, rank=0))["label"]
+    assert set(labels.tolist()) == set(range(3))
+    shares = torch.bincount(labels, minlength=3).float() / 600
+    assert (shares - 1 / 3).abs().max() < 0.1
