@@ -103,7 +103,8 @@ class BaselineMAE(nn.Module):
 
 
 def optimizer(model: nn.Module, lr: float, weight_decay: float = 0.05, fused: bool | None = None) -> torch.optim.AdamW:
-    """AdamW with weight decay on weight matrices only (not on biases, norms, tokens); `fused` None
+    """AdamW with weight decay on every tensor of two or more dimensions: weight matrices and the
+    cls and mask tokens (as MAE's pretraining code decays them), not biases and norms; `fused` None
     is torch's default (foreach on CUDA), True the fused kernel."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
