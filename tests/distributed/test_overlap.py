@@ -1,8 +1,8 @@
 """Gradient communication hides behind the backward, on every ZeRO stage (the census of
 tests/distributed/census_check.py on 2 gloo ranks: MAE at ViT-B depth and heads, width 48, the
 A100 bf16 file's settings): every gradient reduction is issued while autograd's backward runs
-(DDP's bucket all-reduces, FSDP2's reduce-scatter of each block), at most one after it returns,
-of no more than one element (the norm's sum of squares, sharded stages); and the step stays lean:
+(DDP's bucket all-reduces, FSDP2's reduce-scatter of each block), none after it returns but, on
+sharded stages, the norm's 1-element sum of squares in the step; and the step stays lean:
 no host sync, and fewer kernel launches than the plain PyTorch loop (tools/mae_baseline.py, fused
 AdamW) on every rank."""
 import json
@@ -26,7 +26,10 @@ def test_gradient_reductions_are_issued_inside_the_backward(census, stage):
     for rank, counts in enumerate(census[stage]["ranks"]):
         o = counts["overlap"]
         assert o["reductions_in_backward"] >= (1 if stage == "0" else BLOCKS + 1), (rank, o)
-        assert o["reductions_after_backward"] <= 1 and o["elements_reduced_after_backward"] <= 1, (rank, o)
+        if stage == "0":  # DDP: every bucket's all-reduce inside the backward, none after it
+            assert o["reductions_after_backward"] == 0, (rank, o)
+        else:  # the step's all-reduce of the norm's 1-element sum of squares (train/engine/sharded.py)
+            assert (o["reductions_after_backward"], o["elements_reduced_after_backward"]) == (1, 1), (rank, o)
         collectives = o["collectives"]
         reduce_scatters = [c for c in collectives if "reduce_scatter" in c["op"]]
         assert all(c["in_backward"] for c in reduce_scatters), rank  # FSDP2: every unit's, inside the backward

@@ -355,23 +355,30 @@ def test_topk_timing_says_why_not_without_a_gpu():
 
 def test_a_topk_path_that_fails_keeps_the_other_paths_time(monkeypatch):
     """On a GPU the fused kernel may fail on a shape (Triton's resources, an assert): its reason is
-    recorded and the masked-SDPA path is still timed. Run here with the GPU's calls stood in for."""
+    recorded and the masked-SDPA path is still timed, per call. Run here with the GPU's calls stood
+    in for, and a stand-in clock that advances 2 ms a masked-SDPA call."""
+    from types import SimpleNamespace
+
     import kernels.restricted_triton as restricted
     import tools.choose_attention as tool
+
+    clock = [0.0]
 
     def fused(*args):
         raise AssertionError("BLOCK_N 128 exceeds shared memory")
 
     def masked_sdpa(q, k, v, k_rows, scale, segments):
+        clock[0] += 0.002
         return q * k * v, None
 
     monkeypatch.setattr(tool, "_fused_reason", lambda probe: None)
+    monkeypatch.setattr(tool, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(restricted, "topk_attention", fused)
     monkeypatch.setattr(restricted, "topk_attention_masked_sdpa", masked_sdpa)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    ms = tool.time_topk(2, 2, 17, 8, 4, torch.float32, CPU, iters=1, warmup=1)
+    ms = tool.time_topk(2, 2, 17, 8, 4, torch.float32, CPU, iters=5, warmup=1)
     assert ms["fused"] == "not available: AssertionError: BLOCK_N 128 exceeds shared memory"
-    assert isinstance(ms["masked_sdpa"], float)
+    assert ms["masked_sdpa"] == pytest.approx(2.0)  # ms per call, the warmup call outside the window
 
 
 def test_the_tools_topk_shape_is_mixedaes_encoder_at_its_preset():

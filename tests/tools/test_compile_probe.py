@@ -39,11 +39,21 @@ def test_bad_counts_are_refused_in_one_line(capsys):
     assert refused.value.code == 2 and err.count("\n") == 1 and "--accum and --steps must be >= 1" in err
 
 
-def test_float8_curves_compare_float8_with_bf16s_own_noise():
+def test_float8_curves_compare_float8_with_bf16s_own_noise(monkeypatch):
     """On CPU with the debug model (eager): three curves, two gaps over the last quarter, and the
-    verdict that compares them; the seed changes the curve, float8 changes it too."""
+    verdict that compares them; the seed changes the curve, float8 changes it too. float8's run is
+    configured with bf16's first seed, so its gap is float8's alone, not seed noise on top."""
     pytest.importorskip("torchao")
+    configured, real = [], compile_probe.engine_for
+
+    def spy(*a, **k):
+        engine, cfg = real(*a, **k)
+        configured.append((cfg.seed, cfg.run.float8))
+        return engine, cfg
+
+    monkeypatch.setattr(compile_probe, "engine_for", spy)
     out = compile_probe.float8_curves("", 4, 4, "eager", torch.device("cpu"), DEBUG)
+    assert configured == [(0, False), (1, False), (0, True)]  # bf16_seed0, bf16_seed1, float8_seed0
     curves = out["losses"]
     assert set(curves) == {"bf16_seed0", "bf16_seed1", "float8_seed0"} and all(len(c) == 4 for c in curves.values())
     assert curves["bf16_seed1"] != curves["bf16_seed0"] != curves["float8_seed0"]

@@ -193,6 +193,54 @@ def test_without_cuda_a_gpu_phase_refuses_to_start(monkeypatch, tmp_path, capsys
     assert e.value.code == 2 and "--smoke" in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 
+def test_without_out_the_records_go_to_runs_and_with_record_to_benchmarks_results(monkeypatch, tmp_path):
+    """A smoke call must not land in the committed benchmarks/results/: only --record writes there
+    (the repository stood in by tmp_path, the phase by a no-op)."""
+    from tools import gpu_check
+    from tools.phases import loader
+
+    monkeypatch.setattr(gpu_check, "REPO", tmp_path)
+    monkeypatch.setattr(gpu_check, "cutlass_dsl_on_path", lambda: None)
+    monkeypatch.setattr(loader, "run", lambda check, a: None)
+    monkeypatch.setenv("GPU_CHECK_COMMIT", "abc1234")
+    [path] = gpu_check.main(["loader", "--smoke"])
+    assert path.parent == tmp_path / "runs" / "gpu_check" and path.is_file()
+    [path] = gpu_check.main(["loader", "--smoke", "--record"])
+    assert path.parent == tmp_path / "benchmarks" / "results" and path.is_file()
+
+
+def test_the_call_puts_the_cutlass_dsl_on_the_path_before_any_phase(monkeypatch, tmp_path, capsys):
+    """A `pip --target` install of flash-attn-4 imports only once its DSL folder is on the path
+    (tests/tools/test_gpu_check_cutlass_path.py); the phases and their subprocesses need it first."""
+    from tools import gpu_check
+    from tools.phases import loader
+
+    calls = []
+    monkeypatch.setattr(gpu_check, "cutlass_dsl_on_path", lambda: calls.append("dsl") or tmp_path / "dsl_packages")
+    monkeypatch.setattr(loader, "run", lambda check, a: calls.append("loader"))
+    monkeypatch.setenv("GPU_CHECK_COMMIT", "abc1234")
+    gpu_check.main(["loader", "--smoke", "--out", str(tmp_path)])
+    assert calls == ["dsl", "loader"]
+    assert f"put on the path from {tmp_path / 'dsl_packages'}" in capsys.readouterr().out
+
+
+def test_a_command_the_kit_runs_does_not_inherit_an_in_process_run_s_process_group(monkeypatch, tmp_path):
+    """An in-process train/bench.py run leaves RANK ... MASTER_PORT set; a child (`pytest -m gpu`)
+    inheriting them would join that world of one and bind its port."""
+    import time
+
+    from conftest import PROCESS_GROUP_ENV
+
+    from tools.gpu_check import Check
+
+    for key in PROCESS_GROUP_ENV:
+        monkeypatch.setenv(key, "1")
+    check = Check("tests", tmp_path, smoke=True, deadline=time.monotonic() + 60, work=tmp_path, log=tmp_path / "log")
+    names = ", ".join(repr(k) for k in PROCESS_GROUP_ENV)
+    proc = check.run([sys.executable, "-c", f"import os; print(sorted(set(({names})) & set(os.environ)))"], 30)
+    assert proc.returncode == 0 and check.log.read_text().splitlines()[-1] == "[]"
+
+
 def test_the_baseline_is_the_same_model_as_ours_and_learns():
     from model.objectives import build_objective
     from model.objectives.mae import MAEConfig

@@ -297,14 +297,20 @@ def test_an_entry_point_s_refusal_inside_a_phase_is_recorded_and_the_next_phase_
 @pytest.mark.parametrize("argv, says", [
     (["methods:30", "methods:30"], "a phase is named twice (methods methods)"),
     (["study", "--study_pretrain_samples", "0"], "--study_pretrain_samples must be >= 1, got 0"),
+    # --out beside --record: which folder was meant (the committed records or not) is not guessed
+    (["loader", "--record"], "give --out or --record, not both"),
 ])
-def test_a_call_that_cannot_run_as_asked_is_refused_before_any_phase(tmp_path, capsys, argv, says):
+def test_a_call_that_cannot_run_as_asked_is_refused_before_any_phase(tmp_path, monkeypatch, capsys, argv, says):
     from tools import gpu_check
+    from tools.phases import loader, methods, study
 
+    ran = []
+    for phase in (loader, methods, study):  # a call let through runs a stand-in, never the phase
+        monkeypatch.setattr(phase, "run", lambda check, a: ran.append(check.phase))
     with pytest.raises(SystemExit) as e:
         gpu_check.main([*argv, "--smoke", "--out", str(tmp_path)])
     assert e.value.code == 2 and says in capsys.readouterr().err
-    assert not list(tmp_path.iterdir())
+    assert not list(tmp_path.iterdir()) and ran == []
 
 
 def test_the_attention_table_records_the_kit_s_commit_on_a_copy_without_git(monkeypatch):
@@ -345,6 +351,19 @@ def test_an_item_that_no_longer_fits_the_budget_is_skipped_without_running(tmp_p
     assert "skipped" in json.loads(check.path.read_text())["items"]["big"]
 
 
+def test_smoke_mode_runs_every_item_whatever_its_gpu_estimate(tmp_path):
+    """The estimates are seconds on the GPU: in smoke mode (the test suite's) they say nothing of the
+    CPU's tiny runs, so `--smoke --budget_s 10` still runs an item estimated at 300 s."""
+    import time
+
+    from tools.gpu_check import Check
+
+    check = Check("bench", tmp_path, smoke=True, deadline=time.monotonic() + 10, work=tmp_path, log=tmp_path / "log")
+    ran = []
+    assert check.item("big", 300, lambda: ran.append(1) or {"ran": True})["ran"] is True
+    assert ran == [1] and "skipped" not in json.loads(check.path.read_text())["items"]["big"]
+
+
 def test_each_item_is_on_disk_as_soon_as_it_is_measured(tmp_path):
     """A phase cut short (timeout, crash) keeps what it measured: the JSON is written after each item."""
     import time
@@ -365,3 +384,24 @@ def test_the_record_s_commit_says_when_the_tree_was_dirty(monkeypatch):
     assert gpu_check.commit() == "0123abc+dirty"
     monkeypatch.setattr(train.run.folder, "git_commit", lambda: {"commit": "0123abc", "dirty": False})
     assert gpu_check.commit() == "0123abc"
+
+
+def test_the_kit_s_commit_variable_names_the_commit_on_a_copy_without_git(monkeypatch):
+    """The device machine gets a copy of the tree without .git: the commit comes from $GPU_CHECK_COMMIT."""
+    import train.run.folder
+    from tools import gpu_check
+
+    monkeypatch.setattr(train.run.folder, "git_commit", lambda: {"commit": "unknown"})  # what no git gives
+    monkeypatch.setenv("GPU_CHECK_COMMIT", "abc1234")
+    assert gpu_check.commit() == "abc1234"
+    monkeypatch.setenv("GPU_CHECK_COMMIT", "")  # set but empty: git's answer
+    assert gpu_check.commit() == "unknown"
+
+
+def test_the_record_says_whether_it_was_measured_on_the_gpu_or_in_smoke_mode(tmp_path, monkeypatch):
+    from tools.gpu_check import Check
+
+    monkeypatch.setenv("GPU_CHECK_COMMIT", "abc1234")
+    for smoke, mode in ((False, "gpu"), (True, "smoke")):
+        check = Check("bench", tmp_path, smoke=smoke, deadline=0.0, work=tmp_path, log=tmp_path / "log")
+        assert check.record["mode"] == mode

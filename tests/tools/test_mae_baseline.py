@@ -1,10 +1,13 @@
 """tools/mae_baseline.py, the plain-PyTorch MAE our engine is measured against: its loss is the
 paper's (He et al. 2022: argsort-of-noise masking, per-patch normalised pixels, MSE over the
 removed patches only) and its AdamW the reference's (betas 0.9/0.95, weight decay on matrices only)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from tools.mae_baseline import BaselineMAE, optimizer
+from tools import mae_baseline
+from tools.mae_baseline import BaselineMAE, BaselineStep, optimizer, time_training
 
 P, GRID, C = 4, 4, 3  # 16 patches of 4 x 4 x 3 pixels
 
@@ -66,6 +69,50 @@ def test_adamw_decays_matrices_only_with_the_references_betas(model):
     decay = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
     assert len(decay) == len(list(model.parameters()))
     for name, p in model.named_parameters():
-        assert decay[id(p)] == (0.05 if p.ndim >= 2 else 0.0), name  # not biases, norms, tokens
+        assert decay[id(p)] == (0.05 if p.ndim >= 2 else 0.0), name  # the tokens (ndim 3) too; not biases, norms
     assert all(g["betas"] == (0.9, 0.95) for g in opt.param_groups)
     assert opt.defaults["fused"] is None
+
+
+CPU = torch.device("cpu")
+
+
+class Batches:
+    """Two random images a batch, as time_training reads them."""
+    batch_size = 2
+
+    def __init__(self):
+        self.gen = torch.Generator().manual_seed(0)
+
+    def __next__(self):
+        return {"image": torch.randn(self.batch_size, C, P * GRID, P * GRID, generator=self.gen)}
+
+
+def test_time_training_times_only_the_steps_after_the_warmup(model, monkeypatch):
+    """The first step is the cold one (allocator, lazy init): the warmup must take it out of the
+    timed window. A stand-in clock charges the first step 10 s and every later one 1 s."""
+    clock, calls = [0.0], []
+    real = BaselineStep.__call__
+
+    def charged(self, *a):
+        real(self, *a)
+        calls.append(1)
+        clock[0] += 10.0 if len(calls) == 1 else 1.0
+
+    monkeypatch.setattr(BaselineStep, "__call__", charged)
+    monkeypatch.setattr(mae_baseline, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    out = time_training(model, Batches(), steps=3, warmup=2, dtype=torch.float32, device=CPU)
+    assert len(calls) == 2 + 3
+    assert out["step_time_s"] == 1.0 and out["images_per_s"] == Batches.batch_size / 1.0
+
+
+@pytest.mark.parametrize("fused, said", [(None, "foreach"), (True, "fused")])
+def test_the_record_names_the_adamw_that_ran(model, fused, said):
+    out = time_training(model, Batches(), steps=1, warmup=0, dtype=torch.float32, device=CPU, fused=fused)
+    assert out["optimizer"] == said
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_only_fp16_scales_the_loss(model, dtype):
+    step = BaselineStep(model, Batches(), dtype, CPU)
+    assert step.scaler.is_enabled() == (dtype == torch.float16)

@@ -3,6 +3,8 @@ with the line that issued it; the debug mode's notice that it is a prototype is 
 kit once counted it as one: "2 syncs in 5 steps" were that notice and the loop's one log read)."""
 import warnings
 
+import pytest
+
 from tools.profile_step import sync_sites
 
 PROTOTYPE = ("Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
@@ -52,3 +54,50 @@ def test_on_cpu_kernels_per_step_counts_one_step_s_top_level_ops():
     out = attribution(TwoOpsAStep(), 3, torch.device("cpu"))
     assert out["kernels_per_step"] == 2
     assert {k["name"]: k["count"] for k in out["top_kernels"]} == {"aten::add": 3, "aten::mul": 3}
+
+
+class TwoPhasesAStep:
+    """A stand-in census Subject: a forward and a backward phase per step, each a small matmul;
+    `tick` is called once per step (a stand-in clock's advance)."""
+
+    def __init__(self, tick=lambda: None):
+        import torch
+
+        self.x, self.tick = torch.ones(32, 32), tick
+
+    def run(self, phase, steps):
+        for _ in range(steps):
+            with phase("forward"):
+                self.x @ self.x
+            with phase("backward"):
+                self.x @ self.x
+            self.tick()
+
+
+def test_the_phases_host_times_are_per_step_and_add_up_to_the_steps():
+    import torch
+
+    from tools.profile_step import attribution
+
+    out = attribution(TwoPhasesAStep(), 3, torch.device("cpu"))
+    assert set(out["host_ms_per_phase"]) == {"forward", "backward"}
+    assert out["host_ms_per_step"] > 0
+    assert sum(out["host_ms_per_phase"].values()) == pytest.approx(out["host_ms_per_step"], rel=1e-9)
+
+
+def test_wall_time_is_per_step(monkeypatch):
+    """A stand-in clock that advances 2 ms a step: 4 steps are 2 ms each, not 8 ms."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import tools.profile_step as tool
+
+    clock = [0.0]
+
+    def tick():
+        clock[0] += 0.002
+
+    monkeypatch.setattr(tool, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    out = tool.attribution(TwoPhasesAStep(tick), 4, torch.device("cpu"))
+    assert out["wall_ms_per_step"] == pytest.approx(2.0)

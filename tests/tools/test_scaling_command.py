@@ -107,3 +107,22 @@ def test_the_gpu_a_file_names_sets_its_peak(capsys):
     for g, f, b, ms in zip(gpus, gflop, batch, computed):  # FLOPs / (MFU x the file's GPU's peak)
         assert ms == pytest.approx(f * 1e9 * b / (Compute.mfu * g.peak_tflops * 1e12) * 1e3, rel=1e-2), g.name
     assert len(computed) == 2
+
+
+def test_gpu_given_wins_over_the_gpu_the_file_names(capsys):
+    """--gpu a100 on the h100 file: the run is modelled on the A100's peak (the file's name is the
+    default, not an override of what was asked)."""
+    from train.estimate.comm_model import Compute
+    from train.estimate.gpus import gpu_named
+
+    a100 = gpu_named("a100")
+    assert main(["--ds_config", str(REPO / "ds_configs/vit_b_8xh100_bf16_zero1.json"), "--gpu", "a100",
+                 "--world_size", "8", "--config", str(REPO / "train/configs/mae/debug.json"),
+                 "--model.name", "vit_debug_patch4"]) == 0
+    out = capsys.readouterr().out
+    (header,) = [line for line in out.splitlines() if " with " in line and ": ZeRO" in line]
+    assert header.split(": ZeRO")[0].endswith(f"on {a100.name}")
+    (gflop,) = [float(x) for x in re.findall(r"([\d.e+-]+) training GFLOPs per sample", out)]
+    ((m, k),) = re.findall(r"micro-batch (\d+) x accumulation (\d+)", out)
+    (ms,) = [float(x) for x in re.findall(r"compute ([\d.e+-]+) ms per step", out)]
+    assert ms == pytest.approx(gflop * 1e9 * int(m) * int(k) / (Compute.mfu * a100.peak_tflops * 1e12) * 1e3, rel=1e-2)

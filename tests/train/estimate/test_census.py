@@ -288,3 +288,78 @@ def test_host_time_is_the_median_ms_per_step_over_rounds(monkeypatch):
     assert times["rounds"] == 3
     for name, ms in per_step.items():
         assert times[name] == pytest.approx(sorted(ms)[1])  # the middle of three
+
+
+def test_a_gpu_only_fp16_file_is_counted_on_cpu_as_on_its_gpu(tmp_path):
+    """On a CPU the census counts a GPU's configuration as if the machine had one: the V100 file's
+    fp16 (which training refuses without CUDA) builds a float16 engine here."""
+    from tools.census import narrowed, our_subject, split_argv
+
+    ds = json.loads((REPO / "ds_configs" / "vit_b_8xv100_fp16_zero1.json").read_text())
+    assert ds["fp16"]["enabled"] and not ds["bf16"]["enabled"]
+    ds.update(train_batch_size=2, train_micro_batch_size_per_gpu=2)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    _, rest = split_argv(["--ds_config", str(path), "--config", str(CONFIGS / "mae/debug.json")])
+    _, run_info = our_subject(*narrowed(rest, 0))
+    assert run_info["dtype"] == "float16" and run_info["ds_config"]["fp16"]["enabled"]
+
+
+def test_overlap_counts_the_step_phases_reduction_after_the_backward():
+    """Stand-in collectives of one step: a forward all-gather (not a reduction), a reduce-scatter
+    inside the backward, and the step's 1-element all-reduce of the gradient norm's sum of squares
+    (sharded stages) after the backward returned; another step's reduction is not this step's."""
+    from tools.census import overlap
+    from train.estimate.counting import Collective
+
+    tally = Tally()
+    tally.collectives = [Collective(2, "forward", "c10d::_allgather_base_", 100, False),
+                         Collective(2, "backward", "c10d::_reduce_scatter_base_", 200, True),
+                         Collective(2, "step", "c10d::allreduce_", 1, False),
+                         Collective(3, "step", "c10d::allreduce_", 1, False)]
+    o = overlap(tally, 2)
+    assert {k: v for k, v in o.items() if k != "collectives"} == \
+        {"reductions_in_backward": 1, "reductions_after_backward": 1, "elements_reduced_after_backward": 1}
+    assert [c["op"] for c in o["collectives"]] == [c.op for c in tally.collectives[:3]]
+
+
+def written(argv: list[str]) -> dict:
+    """The ds_config file an argv's --ds_config points at."""
+    return json.loads(open(argv[argv.index("--ds_config") + 1]).read())
+
+
+def test_micro_drops_the_files_accumulation_for_micro_x_ranks(tmp_path, monkeypatch):
+    """--micro 4 on a file that accumulates (the linear probe's, 512 x 4 per rank): the copy's
+    micro-batch is 4 and its global batch 4 x ranks, with no accumulation left to contradict them."""
+    import tempfile
+
+    from tools.census import with_micro
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    given = REPO / "ds_configs" / "linprobe_8xa100_fp32_zero0.json"
+    assert json.loads(given.read_text())["gradient_accumulation_steps"] == 4
+    argv = with_micro(["--x", "1", "--ds_config", str(given), "--y", "2"], 4)
+    ds = written(argv)
+    assert "gradient_accumulation_steps" not in ds
+    assert (ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"]) == (4, 4 * 2)
+    assert ds["zero_optimization"] == {"stage": 0}  # the stage as given
+    assert argv[:3] == ["--x", "1", "--ds_config"] and argv[4:] == ["--y", "2"]
+
+
+@pytest.mark.parametrize("extra,stage,micro", [(["--zero_stage", "0", "--micro", "4"], 0, 4),
+                                               (["--zero_stage", "2"], 2, 256)])
+def test_zero_stage_sets_the_files_stage_with_or_without_micro(tmp_path, monkeypatch, extra, stage, micro):
+    """--zero_stage 0 on the ZeRO-1 A100 file is stage 0 (not "as given"), and --zero_stage alone
+    changes the stage and leaves the file's batch (256 per rank) as it was."""
+    import tempfile
+
+    from tools.census import split_argv
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    given = REPO / "ds_configs" / "vit_b_8xa100_bf16_zero1.json"
+    assert json.loads(given.read_text())["zero_optimization"]["stage"] == 1
+    opts, rest = split_argv(["--ds_config", str(given), *extra])
+    ds = written(rest)
+    assert opts["zero_stage"] == stage and ds["zero_optimization"]["stage"] == stage
+    assert ds["train_micro_batch_size_per_gpu"] == micro
