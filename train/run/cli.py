@@ -69,9 +69,10 @@ class PeerGone(SystemExit):
     """Exit 1 of a rank whose collective failed because another rank's process had ended."""
 
 
-# The deepspeed launcher polls its ranks once a second and reports the first failed one it meets, in
-# no set order when two have ended since its last look: a rank that only lost its peer (which sees
-# that within milliseconds) ends this much later, so the rank that failed first is the one reported
+# The deepspeed launcher polls its ranks once a second (launchers/slurm.py's node mode waits up to a
+# second on each in turn) and reports the first failed one it meets, in no set order when two have
+# ended since its last look: a rank that only lost its peer (which sees that within milliseconds)
+# ends this much later, so the rank that failed first is the one reported
 PEER_GONE_GRACE_S = 3.0
 
 
