@@ -1,8 +1,7 @@
 """entries.py: the reports' row order, the same whichever command writes the report."""
-import types
-
 from experiments.fashion_mnist import report, study
 from experiments.fashion_mnist.entries import ENTRIES, REPORT_ORDER, STUDY
+from study_shards import fake_shards
 
 
 def test_the_reports_list_every_entry_with_the_controls_last_in_the_designs_order():
@@ -17,12 +16,7 @@ def test_study_and_report_publish_in_the_same_order(tmp_path, monkeypatch):
     orders = {}
     monkeypatch.setattr(report, "publish", lambda preset, runs, order, *rest: orders.setdefault("report", order))
     report.main(["--preset", "ablation", "--docs", str(tmp_path)])
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    for name in ("train.json", "test.json"):
-        (shards / name).write_text("{}")
-    monkeypatch.setattr(study.ShardSet, "from_index", staticmethod(lambda index: types.SimpleNamespace(
-        num_samples=60000)))
+    shards = fake_shards(tmp_path, monkeypatch)
     monkeypatch.setattr(study, "check_figures", lambda docs: None)  # docs/ is not written: publish is stubbed
     monkeypatch.setattr(study, "run_entry", lambda name, seed, *args: {"entry": name, "seed": seed})
     monkeypatch.setattr(study, "publish", lambda preset, runs, order, *rest: orders.setdefault("study", order) and

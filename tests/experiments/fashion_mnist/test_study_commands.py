@@ -13,6 +13,7 @@ import pytest
 
 from experiments.fashion_mnist import study
 from experiments.fashion_mnist.entries import STUDY
+from study_shards import fake_shards
 from train.config.parsing import parse_args
 from train.finetune import RECIPE
 
@@ -143,12 +144,7 @@ def test_the_budget_a_result_records_names_its_evaluated_epochs(tmp_path):
 
 
 def test_a_jobs_child_runs_with_the_parents_budget(tmp_path, monkeypatch):
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    for name in ("train.json", "test.json"):
-        (shards / name).write_text("{}")
-    monkeypatch.setattr(study.ShardSet, "from_index", staticmethod(lambda index: types.SimpleNamespace(
-        num_samples=60000)))
+    shards = fake_shards(tmp_path, monkeypatch)
     children = []
 
     def child(cmd, **kwargs):  # the child process, run here: the budget its own option parsing arrives at

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from experiments.fashion_mnist import study
+from study_shards import fake_shards
 
 BUDGET = {"pretrain_samples": 180000, "finetune_epochs": 1.0, "finetune_samples": 60000, "eval_epochs": [1]}
 
@@ -36,17 +37,6 @@ def test_options_that_cannot_give_a_run_are_refused_up_front(tmp_path, capsys, a
     assert said in _refused(capsys, ["--preset", "ablation", *argv, "--status"], tmp_path / "runs")
 
 
-def _fake_shards(tmp_path, monkeypatch, images=60000):
-    """A --shards folder whose sets hold `images` training images (nothing is decoded before an entry runs)."""
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    for name in ("train.json", "test.json"):
-        (shards / name).write_text("{}")
-    monkeypatch.setattr(study.ShardSet, "from_index", staticmethod(lambda index: types.SimpleNamespace(
-        num_samples=images)))
-    return shards
-
-
 @pytest.mark.parametrize("argv, said", [
     # 10 epochs: epoch 10 is the last one, already evaluated as the final encoder
     (["--preset", "full", "--eval_epochs", "10"], "--eval_epochs [10]: give whole epochs before the last"),
@@ -57,7 +47,7 @@ def _fake_shards(tmp_path, monkeypatch, images=60000):
 def test_budgets_the_training_set_cannot_give_are_refused_before_any_entry_runs(tmp_path, monkeypatch, capsys,
                                                                                   argv, said):
     # these need the training set's size: checked past --status, so the shards are faked and no entry may run
-    shards, ran = _fake_shards(tmp_path, monkeypatch), []
+    shards, ran = fake_shards(tmp_path, monkeypatch), []
     monkeypatch.setattr(study, "run_entry", lambda name, seed, *args: ran.append((name, seed)))
     assert said in _refused(capsys, [*argv, "--shards", str(shards), "--only", "mae", "--no_report"],
                             tmp_path / "runs")
@@ -70,7 +60,7 @@ def _result(entry, seed):
 
 
 def test_a_result_cut_short_is_refused_before_any_entry_runs(tmp_path, monkeypatch, capsys):
-    shards, out = _fake_shards(tmp_path, monkeypatch), tmp_path / "runs"
+    shards, out = fake_shards(tmp_path, monkeypatch), tmp_path / "runs"
     cut = out / "mae" / "seed1" / "result.json"
     cut.parent.mkdir(parents=True)
     cut.write_text(json.dumps(_result("mae", 1))[:30])
@@ -112,7 +102,7 @@ def test_result_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
 
 
 def test_the_report_of_report_file_names_its_own_preset(tmp_path, monkeypatch):
-    shards = _fake_shards(tmp_path, monkeypatch)
+    shards = fake_shards(tmp_path, monkeypatch)
     monkeypatch.setattr(study, "run_entry", lambda name, seed, *args: _result(name, seed))
     report = tmp_path / "RESULTS_mine.md"
     study.main(["--preset", "ablation", "--shards", str(shards), "--seeds", "0", "--only", "mae,random_init",
