@@ -422,6 +422,7 @@ def real_metrics(trained_run) -> bytes:
 @given(lines=LINES, byte_lines=BYTE_LINES, resume_step=st.integers(0, 3))
 @example(lines=['{"step": 3, "note": "a\u2028b"}', '{"step": 4, "note": "\x85"}'], byte_lines=[], resume_step=5)
 @example(lines=['{"step": 0, "loss": Infinity}', '{"step": 1, "note": [NaN]}'], byte_lines=[], resume_step=1)
+@example(lines=['{"step": null}', '{"step": 2.0}', '{"step": true}'], byte_lines=[], resume_step=1)  # no int step
 def test_metrics_lines_of_any_content_are_records_or_counted(real_metrics, lines, byte_lines, resume_step):
     appended = [line.encode("utf-8", "surrogatepass") for line in lines] + byte_lines
     texts = [b.decode("utf-8", "replace") for b in appended]

@@ -122,6 +122,7 @@ def test_kill_exits_143_with_a_checkpoint_and_a_second_ctrl_c_ends_the_run_at_on
     _, err = killed.communicate(timeout=60)
     assert killed.returncode == 143, err[-3000:]
     checkpoint_named(the_stop_line(err), tmp_path / "killed", world=1)
+    assert not (tmp_path / "killed" / "encoder.safetensors").exists()  # a stopped run is continued, not exported
 
 
 def test_two_ranks_under_the_deepspeed_launcher_stop_on_ctrl_c_with_one_checkpoint_and_no_process_left(tmp_path):

@@ -42,6 +42,21 @@ def test_another_global_batch_on_the_same_ranks_is_refused():
         check_resume_compatible(meta, cfg, BatchPlan(micro=16, accum=2, world=1))
 
 
+def test_a_resume_with_another_option_of_the_objective_is_refused():
+    """The objective's own section (here mae) is compared like the model's: another mask ratio
+    trains another objective."""
+    from train.config.ds_config import BatchPlan
+    from train.config.parsing import to_dict
+    from train.run.build import check_resume_compatible
+
+    base = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET)]
+    meta = {"world_size": 1, "global_batch": 8, "config": json.loads(json.dumps(to_dict(parse_args(base))))}
+    plan = BatchPlan(micro=8, accum=1, world=1)
+    check_resume_compatible(meta, parse_args(base), plan)  # the same options: fine
+    with pytest.raises(ConfigError, match=r"trained with mae.mask_ratio 0.75, this run has 0.5"):
+        check_resume_compatible(meta, parse_args([*base, "--mae.mask_ratio", "0.5"]), plan)
+
+
 def test_a_resume_may_change_the_attention_kernel_and_needs_no_init_weights(tmp_path):
     """A run started from --model.init_from resumes after that file is gone (a requeue after a
     clean-up) and without the option; the attention kernel (same function) may change: said and

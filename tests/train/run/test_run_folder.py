@@ -48,3 +48,26 @@ def test_a_nonfinite_value_is_written_as_null_and_old_lines_are_rewritten_so(tmp
     assert rows == [{"step": 1, "loss": None, "lr": 0.1},
                     {"step": 2, "loss": None, "images_per_s": None, "nonfinite_losses": 4, "lr": 0.1},
                     {"step": 2, "eval_top1": 50.0}]
+
+
+def test_tensorboard_holds_each_step_once_after_a_resume_and_evaluations_under_eval(tmp_path):
+    """The interrupted run logged steps 1-5, its checkpoint is step 3: the resumed run's steps 4 and 5
+    replace the old ones in TensorBoard too (purge_step), as in metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = Reporter(tmp_path, start_step=0, stop_step=10, tensorboard=True, progress=False)
+    for step in range(1, 6):
+        first.log(step, {"loss": float(step), "images_per_s": 1.0})
+    first.log_eval(2, {"eval_top1": 20.0})
+    first.close()
+    resumed = Reporter(tmp_path, start_step=3, stop_step=10, tensorboard=True, progress=False)
+    for step in (4, 5):
+        resumed.log(step, {"loss": 10.0 + step, "images_per_s": 1.0})
+    resumed.log_eval(5, {"eval_top1": 50.0})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["eval/eval_top1", "train/images_per_s", "train/loss"]
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0),
+                                                                        (5, 15.0)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/eval_top1")] == [(2, 20.0), (5, 50.0)]

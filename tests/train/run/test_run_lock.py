@@ -1,5 +1,8 @@
 """One run per run folder (train/run/run_lock.py): a second run into a folder another is using is
 refused before it reads or writes anything there."""
+import os
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -144,3 +147,30 @@ def test_only_a_resume_waits_for_an_existing_folder_s_lock(tmp_path, monkeypatch
     cfg = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--output_dir", str(run_dir), *resume])
     prestart.check_before_start(cfg)
     assert waits == [RESUME_WAIT_S if resume else 0.0]
+
+
+def test_signing_replaces_a_longer_signature_of_an_earlier_run(tmp_path):
+    """The file stays after a run: the next run's shorter stamp must not leave the tail of the old one."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / LOCK_NAME).write_text("pid 4194301 on a-very-long-node-name.cluster.example.org since 2024-01-01 "
+                                     "00:00:00\n")
+    hold_run_lock(run_dir)
+    try:
+        sign_run_lock(run_dir)
+        text = (run_dir / LOCK_NAME).read_text()
+    finally:
+        release_run_lock(run_dir)
+    stamp = rf"pid {os.getpid()} on {re.escape(socket.gethostname())} since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\n"
+    assert re.fullmatch(stamp, text), repr(text)
+
+
+def test_a_refused_run_keeps_a_lock_file_it_did_not_make(tmp_path):
+    """A run refused before start leaves the folder as it found it: the last run's run.lock (its
+    signature) stays, unchanged; only a lock file the refused run made is removed."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / LOCK_NAME).write_text("pid 7 on node since 2024-01-01 00:00:00\n")  # the last run's signature
+    hold_run_lock(run_dir)
+    release_run_lock(run_dir, refused=True)
+    assert (run_dir / LOCK_NAME).read_text() == "pid 7 on node since 2024-01-01 00:00:00\n"

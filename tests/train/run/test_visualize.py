@@ -68,3 +68,30 @@ def test_a_timm_vit_backbone_gets_its_objective_figures_without_the_cls_map(tmp_
                           torch.rand(2, 4), tmp_path, step=1)
     names = sorted(p.name.rsplit("_step", 1)[0] for p in paths)
     assert names and "cls_attention" not in names
+
+
+def test_cls_attention_is_the_last_block_s_softmax_of_the_cls_query_over_patch_keys():
+    """Plain reference: the last attention's input (norm1 of the block input, captured by a hook),
+    q and k per head from its qkv weights, softmax(q k^T / sqrt(d)) of the cls query, the patch keys'
+    columns (not the cls key's), mean over heads."""
+    enc = _mae().encoder
+    attn = enc.blocks[-1].attn
+    with torch.no_grad():  # larger projections than the init's: attention far from uniform
+        attn.qkv.weight.mul_(5)
+    images = torch.randn(2, 3, 32, 32)
+    seen = []
+    hook = attn.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    with torch.no_grad():
+        enc.forward_features(images)
+    hook.remove()
+    a = seen[0]  # (B, T, D)
+    B, T, D = a.shape
+    H = attn.num_heads
+    d = D // H
+    W, b = attn.qkv.weight.detach(), attn.qkv.bias.detach()
+    q = (a @ W[:D].T + b[:D]).reshape(B, T, H, d).transpose(1, 2)  # (B, H, T, d)
+    k = (a @ W[D : 2 * D].T + b[D : 2 * D]).reshape(B, T, H, d).transpose(1, 2)
+    weights = torch.softmax(q[:, :, :1] @ k.transpose(-2, -1) / d ** 0.5, dim=-1)  # (B, H, 1, T)
+    expected = weights[:, :, 0, 1:].mean(1).reshape(B, 8, 8)
+    att = cls_attention(enc, images)
+    torch.testing.assert_close(att, expected, atol=1e-6, rtol=0)
