@@ -9,8 +9,9 @@ bits: each later one is under half a unit in the last place of the running sum i
 dtype, so a sum kept there ends where it started, and a sum kept in fp32 does not. For each
 setting (precision, data_types.grad_accum_dtype, communication_data_type) rank 0 writes the
 sharded gradients of two optimizer steps and the dtypes the reduce-scatters of ReduceScatterIn
-communicated in, to OUT_DIR/accumulation.json; and ReduceScatterIn's fp16 mean of two values
-whose sum fp16 cannot hold.
+communicated in, to OUT_DIR/accumulation.json; ReduceScatterIn's fp16 mean of two values whose
+sum fp16 cannot hold; and, for ZeRO-0 (DDP), how many gradient buckets each micro-batch's
+backward all-reduced and the gradient the step ends with.
 """
 import json
 import sys
@@ -24,6 +25,7 @@ from torch import nn
 from train.engine import distributed
 from train.engine.config import EngineConfig
 from train.engine.loss_scale import LossScaleConfig
+from train.engine.replicated import ReplicatedEngine
 from train.engine.sharded import ReduceScatterIn, ShardedEngine
 
 ACCUM = 8
@@ -61,6 +63,36 @@ def gradients(precision: str, accumulate: str, reduce: str, rank: int) -> list[l
     return shards
 
 
+DDP_ACCUM = 3
+
+
+def ddp_reductions(precision: str, rank: int) -> dict:
+    """ZeRO-0 with DDP_ACCUM micro-batches: the buckets each micro-batch's backward all-reduced
+    (a counting comm hook around DDP's own all-reduce), and the step's gradient. Rank r's
+    micro-batch m holds (r + 1) * (m + 1)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    cfg = EngineConfig(stage=0, precision=precision, accum=DDP_ACCUM, clip=0.0,
+                       loss_scale=LossScaleConfig(loss_scale=1.0))
+    module = Scale()
+    adamw = lambda groups: torch.optim.AdamW(groups, lr=0.0, fused=True)  # noqa: E731 (the engine's fused step)
+    constant = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # noqa: E731
+    engine = ReplicatedEngine(module, [{"params": [module.weight]}], adamw, constant, cfg, torch.device("cpu"))
+    buckets = []
+
+    def counting(state, bucket):
+        buckets[-1] += 1
+        return allreduce_hook(state, bucket)
+
+    engine.ddp.register_comm_hook(None, counting)
+    for m in range(DDP_ACCUM):
+        buckets.append(0)
+        engine.backward(engine({"x": torch.full((WIDTH,), float((rank + 1) * (m + 1)))})["loss"])
+    grad = (engine.master_grads[0] if engine.low_precision else module.weight.grad).tolist()
+    engine.step()
+    return {"buckets": buckets, "grad": grad}
+
+
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     rank, _, _ = distributed.init()
@@ -81,6 +113,8 @@ def main(out: Path) -> None:
     shard = torch.empty(WIDTH // 2)
     ReduceScatterIn(torch.float16)(shard, torch.full((WIDTH,), 40000.0), dist.group.WORLD, dist.ReduceOp.AVG)
     result["fp16 mean of 40000"] = shard.tolist()
+    for precision in ("fp32", "bf16"):
+        result[f"ddp {precision}"] = ddp_reductions(precision, rank)
     if rank == 0:
         (out / "accumulation.json").write_text(json.dumps(result))
     end_rank()

@@ -2,12 +2,13 @@
 DeepSpeed's default sums a step's micro-batches in the compute dtype, where gradients under half a
 unit in the last place of the sum are lost; data_types.grad_accum_dtype fp32 sums them in fp32
 and still communicates in the compute dtype (one cast before the reduce-scatter), as DeepSpeed's
-BF16_Optimizer does; communication_data_type fp32 sums and reduces in fp32."""
+BF16_Optimizer does; communication_data_type fp32 sums and reduces in fp32. ZeRO-0 (DDP) reduces
+fp32 gradients once per step, on its last micro-batch, and bf16 ones every micro-batch."""
 import json
 
 import pytest
 import torch
-from accumulation_check import ACCUM, MANTISSA  # beside this file: pytest puts its folder on sys.path
+from accumulation_check import ACCUM, DDP_ACCUM, MANTISSA, WIDTH  # beside this file: pytest puts its folder on sys.path
 from conftest import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -80,3 +81,15 @@ def test_an_fp16_mean_is_divided_before_the_sum_so_it_does_not_overflow(records)
     40000, though their sum is past fp16's largest value."""
     assert torch.isinf(torch.tensor(40000.0, dtype=torch.float16) * 2)  # the sum alone would overflow
     assert records["fp16 mean of 40000"] == [40000.0] * 4
+
+
+@pytest.mark.parametrize("precision, buckets", [("fp32", [0] * (DDP_ACCUM - 1) + [1]), ("bf16", [1] * DDP_ACCUM)])
+def test_ddp_reduces_fp32_gradients_once_per_step_and_16_bit_ones_every_micro_batch(records, precision, buckets):
+    """fp32 sums a step's micro-batches in `.grad` and all-reduces the sum in the last one's
+    backward (DDP's no_sync, which DDP reads in the forward); bf16 reduces each micro-batch into
+    the fp32 masters. Either way the step's gradient is the mean over ranks of the micro-batches'
+    sum: rank r's micro-batch m gives (r + 1) * (m + 1) / DDP_ACCUM."""
+    record = records[f"ddp {precision}"]
+    assert record["buckets"] == buckets  # the module is one bucket
+    expected = sum((r + 1) * (m + 1) / DDP_ACCUM for r in (0, 1) for m in range(DDP_ACCUM)) / 2
+    assert record["grad"] == [pytest.approx(expected, rel=1e-6)] * WIDTH

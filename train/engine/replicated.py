@@ -89,14 +89,16 @@ class ReplicatedEngine(EngineCore):
         self._setup_step(make_optimizer(opt_groups), make_schedule, cfg, device, top_scale)
 
     def __call__(self, batch):
-        return (self.ddp or self.module)(batch)
+        if self.ddp is None:
+            return self.module(batch)
+        # DDP decides in the forward whether the backward that follows reduces: no_sync must hold it
+        with contextlib.nullcontext() if self.low_precision or self.last_micro else self.ddp.no_sync():
+            return self.ddp(batch)
 
     def backward(self, loss: torch.Tensor) -> None:
         """This micro-batch's gradients added to the step's (reduced over ranks inside the backward
-        where several hold the weights)."""
-        reduce_now = self.ddp is not None and (self.low_precision or self.last_micro)
-        with self.ddp.no_sync() if self.ddp is not None and not reduce_now else contextlib.nullcontext():
-            self._scaled(loss).backward()
+        where several hold the weights, when its forward said so)."""
+        self._scaled(loss).backward()
         if self.low_precision:  # into the fp32 sums: the first micro-batch replaces, the others add
             grads = [p.grad for p in self.params]
             for p in self.params:
