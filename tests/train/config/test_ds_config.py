@@ -286,3 +286,20 @@ def test_data_types_other_than_grad_accum_dtype_are_refused(tmp_path):
     ds = {**BASE, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32", "param_dtype": "fp32"}}
     with pytest.raises(ConfigError, match="^ds_config data_types.param_dtype = 'fp32' would not take effect"):
         resolve(_cfg(tmp_path, ds), world=2, cuda=True, bf16_ok=True)
+
+
+@pytest.mark.parametrize("clip", [0.7, 0.0])
+def test_the_engine_takes_clipping_reduce_dtype_and_bucket_size_from_the_final_ds_config(tmp_path, clip):
+    """The final ds_config is all the engine is told: gradient_clipping, communication_data_type and
+    zero_optimization.reduce_bucket_size (elements) must arrive as the file states them."""
+    from train.engine import EngineConfig
+
+    ds = {**BASE, "gradient_clipping": clip, "communication_data_type": "bf16",
+          "zero_optimization": {"stage": 0, "reduce_bucket_size": 1000}}  # DDP's buckets: ZeRO-0's
+    final, _ = resolve(_cfg(tmp_path, ds), world=1, cuda=False)
+    cfg = EngineConfig.from_ds_config(final)
+    assert (cfg.stage, cfg.precision, cfg.accum, cfg.clip) == (0, "fp32", 2, clip)
+    assert (cfg.reduce, cfg.bucket_elements, cfg.bucket_mb()) == ("bf16", 1000, 1000 * 4 / 2**20)  # fp32 buckets
+    # left out: the compute dtype (DeepSpeed's default) and DDP's own buckets
+    plain = EngineConfig.from_ds_config(resolve(_cfg(tmp_path, {**BASE, "gradient_clipping": clip}), world=1)[0])
+    assert (plain.clip, plain.reduce, plain.bucket_elements, plain.bucket_mb()) == (clip, "fp32", 0, 25.0)

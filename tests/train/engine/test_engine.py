@@ -2,6 +2,7 @@
 clipping, parameter groups with lr scales, fp32 master weights under bf16 / fp16), a skipped step
 that changes nothing, the fp16 scale following DeepSpeed's dynamic loss scaler, and checkpoints
 that carry over to another layout."""
+import contextlib
 import copy
 from types import SimpleNamespace
 
@@ -129,6 +130,45 @@ def test_the_logged_lr_is_the_largest_any_group_takes(stage):
     assert engine.get_lr() == pytest.approx(want, rel=1e-12) and want > 0
 
 
+@contextlib.contextmanager
+def world_of_one():
+    """A gloo process group of one process, the sharded engine's ranks in miniature (left as found
+    when one is already up)."""
+    import socket
+
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_sharded_engines_logged_lr_is_the_largest_any_group_takes(stage):
+    """The same on FSDP2 (ZeRO-1/2/3; on one rank `build` picks the replicated engine, so the
+    sharded one is built directly in a world of one process)."""
+    from train.engine.sharded import ShardedEngine
+
+    with world_of_one():
+        torch.manual_seed(0)
+        module = Tiny()
+        engine = ShardedEngine(module, groups_of(module), adamw, schedule, EngineConfig(stage, "fp32", 1, 0.0),
+                               torch.device("cpu"))
+        engine.backward(engine(batches(1)[0])["loss"])
+        engine.step()
+        assert [g.get("lr_scale", 1.0) for g in engine.optimizer.param_groups] == [0.5, 1.0]
+        want = engine.schedule.lr_at(engine.schedule.last_step)
+        assert engine.get_lr() == pytest.approx(want, rel=1e-12) and want > 0
+
+
 # (fp32, 1, 100.0): a clip far above the norm leaves the gradients as they are (never scales them up);
 # (fp32, 2, 4.0): a clip between the micro-batches' mean's norm (2.5-3.2 here) and their sum's: only the mean is kept
 @pytest.mark.parametrize("precision,accum,clip", [("fp32", 1, 0.0), ("fp32", 3, 0.5), ("bf16", 2, 0.0),
@@ -152,6 +192,25 @@ def test_steps_equal_a_textbook_adamw_loop(precision, accum, clip):
         assert precision == "fp32" or p.grad is None, name  # 16-bit gradients moved into the fp32 sums
     assert engine.module.shift.dtype == dtype  # buffers are cast too, as DeepSpeed's engine does
     assert engine.steps == 6 // accum and engine.device_state()["skipped_steps"].item() == 0
+
+
+def test_the_ds_configs_gradient_clipping_clips_the_engines_steps():
+    """An engine built from a ds_config clips at its gradient_clipping (0.5 here, below this model's
+    norm of 2.5-3.2): its steps are the textbook loop's with that clip, not the unclipped loop's."""
+    torch.manual_seed(0)
+    module, data = Tiny(), batches(3)
+    cfg = EngineConfig.from_ds_config({"gradient_accumulation_steps": 1, "gradient_clipping": 0.5,
+                                       "zero_optimization": {"stage": 0}})
+    trained = copy.deepcopy(module)
+    engine = build(trained, groups_of(trained), adamw, schedule, cfg, torch.device("cpu"))
+    for batch in data:
+        engine.backward(engine(batch)["loss"])
+        engine.step()
+    clipped = dict(reference_steps(module, data, 1, 0.5, torch.float32).named_parameters())
+    unclipped = dict(reference_steps(module, data, 1, 0.0, torch.float32).named_parameters())
+    assert not torch.allclose(clipped["a.weight"], unclipped["a.weight"], rtol=1e-4, atol=1e-4)  # the clip matters
+    for name, value in master_weights(engine).items():
+        torch.testing.assert_close(value, clipped[name].detach(), rtol=1e-6, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.5, 100.0])
@@ -223,6 +282,33 @@ def test_the_comm_hook_averages_over_ranks_in_its_dtype_and_casts_back(monkeypat
     out = reduce_in(torch.float32)(object(), SimpleNamespace(buffer=lambda: buffer)).wait()
     assert reduced == [torch.float32]
     assert out is buffer and out.dtype == torch.bfloat16 and torch.equal(out, grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_sharded_reduce_scatter_gives_the_mean_over_ranks_in_its_dtype(monkeypatch, dtype):
+    """ZeRO-1/2/3's reduce-scatter in a narrower dtype than FSDP2 holds (ReduceScatterIn): the shard
+    that comes back is the ranks' mean. fp16 sums (op SUM) between a division before and one after,
+    whose product is the world size; every rank here holds the same gradients, so the mean is the
+    input's own shard. 1e4 summed over 8 or 16 ranks (8e4, 1.6e5) is past fp16's 65504: only the
+    division before the sum keeps it finite."""
+    import torch.distributed as dist
+
+    from train.engine.sharded import ReduceScatterIn
+
+    def reduce_scatter_tensor(output, input, op=None, group=None):  # `world` equal contributions, rank 0's shard
+        assert input.dtype == output.dtype == dtype
+        mine = input[:output.numel()].view_as(output)
+        output.copy_(mine * group.size() if op == dist.ReduceOp.SUM else mine)  # (AVG: their mean is one of them)
+
+    monkeypatch.setattr(dist, "reduce_scatter_tensor", reduce_scatter_tensor)
+    grads = torch.randn(32, generator=torch.Generator().manual_seed(0))
+    for world in (2, 4, 8, 16):
+        group = SimpleNamespace(size=lambda world=world: world)
+        for given in (grads, torch.full((32,), 1e4)):
+            out = torch.empty(32 // world)  # FSDP2's fp32 output shard
+            ReduceScatterIn(dtype)(out, given, group, dist.ReduceOp.AVG)
+            want = given[:32 // world].to(dtype).float()  # the mean, rounded once to the reduce dtype
+            torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-3, msg=f"world {world}")
 
 
 def optimizer_state(engine: ReplicatedEngine) -> list[torch.Tensor]:
@@ -338,6 +424,20 @@ def test_the_fp16_scale_follows_deepspeeds_dynamic_loss_scaler(monkeypatch):
     assert dynamic.scale.item() == 128.0
 
 
+def test_the_fp16_collapse_flag_stays_raised_after_later_finite_steps():
+    """The loop reads `collapsed` only at its log steps: an overflow at the minimum scale followed
+    by finite steps before that read must still stop the run, as DeepSpeed raises at once."""
+    scaler = DeviceLossScale(LossScaleConfig(initial_scale_power=1, hysteresis=1, min_loss_scale=1),
+                             torch.device("cpu"))
+    scaler.update(torch.tensor(1.0))  # 2 -> 1, the minimum: no collapse yet
+    assert scaler.scale.item() == 1.0 and scaler.collapsed.item() == 0.0
+    scaler.update(torch.tensor(1.0))  # an overflow at the minimum
+    assert scaler.collapsed.item() == 1.0
+    for _ in range(3):  # finite steps, the scale grows back: the flag stays
+        scaler.update(torch.tensor(0.0))
+    assert scaler.collapsed.item() == 1.0
+
+
 @pytest.mark.parametrize("stages", [(0, 2), (2, 0), (1, 1)])
 def test_a_checkpoint_resumes_exactly_on_the_same_or_another_stage(tmp_path, stages):
     torch.manual_seed(0)
@@ -394,19 +494,9 @@ def test_the_optimizer_step_runs_no_autograd_on_sharded_gradients(monkeypatch):
     """FSDP2's gradients are DTensors: reading a shard with `to_local()` while grad mode is on runs
     an autograd Function per parameter (252 at ViT-B MAE, about 1 ms of host time a step). The
     step runs under no_grad, so none runs. A world of one process stands in for the ranks."""
-    import socket
-
-    import torch.distributed as dist
-
     from train.engine.sharded import ShardedEngine
 
-    owned = not dist.is_initialized()
-    if owned:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with world_of_one():
         torch.manual_seed(0)
         module = Tiny()
         engine = ShardedEngine(module, groups_of(module), adamw, schedule, EngineConfig(1, "fp32", 1, 0.5),
@@ -421,9 +511,6 @@ def test_the_optimizer_step_runs_no_autograd_on_sharded_gradients(monkeypatch):
         engine.step()
         assert engine.steps == 1 and torch.isfinite(engine.grad_norm) and engine.grad_norm > 0
         assert applied == []
-    finally:
-        if owned:
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("precision,reduce,accumulate,unsynced", [

@@ -70,6 +70,9 @@ def test_layer_ids_and_decay_groups():
     opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "names"} for g in groups])
     WarmupCosineSchedule(opt, 1.0, 0.0, 0, 10)
     assert sorted({g["lr"] for g in opt.param_groups}) == [0.125, 0.25, 0.5, 1.0]
+    # group by group, the no-decay groups (biases, norms, cls token) too: each layer's lr is peak x its lr_scale
+    assert {g["weight_decay"] for g in groups} == {0.0, 0.05}
+    assert [g["lr"] for g in opt.param_groups] == [1.0 * g["lr_scale"] for g in groups]
 
 
 def test_lars_step_hand_computed():
