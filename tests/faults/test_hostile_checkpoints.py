@@ -271,6 +271,21 @@ def _replaced(md):
     return {"state_dict_metadata": md.state_dict_metadata}
 
 
+def _too_long(md):  # starts inside its tensor, ends past it
+    entry = next(e for e in md.state_dict_metadata.values() if len(e.size) and e.size[0] > 1)
+    entry.chunks[0].sizes = torch.Size([entry.size[0] + 5, *entry.chunks[0].sizes[1:]])
+
+
+def _fewer_dims(md):
+    entry = next(e for e in md.state_dict_metadata.values() if len(e.size) >= 2)
+    entry.chunks[0].sizes = torch.Size(list(entry.chunks[0].sizes)[:1])
+
+
+def _empty_pieces(md):
+    for info in md.storage_data.values():
+        info.length = 0
+
+
 # DCP metadata of only the allowed classes, of the wrong content: (a change that edits the metadata or returns what
 # replaces it, what the refusal says)
 METADATA_VARIANTS = {
@@ -280,6 +295,9 @@ METADATA_VARIANTS = {
     "a piece with no storage": (_unstored, "stores no bytes for a piece of"),
     "a chunk outside its tensor": (_off_size, "outside its size"),
     "state of a tensor the weights lack": (_renamed, "holds optimizer state of ['ghost']"),
+    "a chunk longer than its tensor": (_too_long, "outside its size"),
+    "a chunk of fewer dimensions than its tensor": (_fewer_dims, "that is not one of a tensor of size"),
+    "pieces of no bytes": (_empty_pieces, " + 0"),
 }
 
 
@@ -322,13 +340,47 @@ def test_dcp_would_torch_load_a_bytes_entry_with_weights_only_false_and_the_meta
      "holds an objective state that is not lists of tensors by name"),
     ("optim/__0_0.distcp", lambda good: good[:100], "the optimizer state's metadata reads bytes"),
     ("optim/__0_0.distcp", lambda good: b"\x00" * len(good), "holds no tensor at byte 0"),
+    ("state.pt", lambda good: torch_bytes({**torch.load(io.BytesIO(good)), "client": {"step": 2, "data": [{}, {}]}}),
+     "holds a client state of step 2 with 2 data positions; complete.json says step 2 on 1 ranks"),
+    ("state.pt", lambda good: torch_bytes(without_schedule(torch.load(io.BytesIO(good)))),
+     "lacks the engine's counters (steps, health, schedule)"),
+    ("rng_rank0.pt", lambda good: torch_bytes({**torch.load(io.BytesIO(good), weights_only=True),
+                                              "numpy_keys": torch.zeros(3, dtype=torch.int64)}),
+     "is not a rank's RNG state"),  # numpy's MT19937 state is 624 words: three fail at set_rng_state, after start
 ], ids=["state.pt of another shape", "state.pt of another step", "an RNG file of another shape",
-        "an RNG file whose objective state is not tensors", "a short shard", "a shard of zeros"])
+        "an RNG file whose objective state is not tensors", "a short shard", "a shard of zeros",
+        "a client state of more data positions than ranks", "state.pt without the schedule's counters",
+        "an RNG file of a short numpy state"])
 def test_well_formed_files_of_the_wrong_content_are_refused(good_run, tmp_path, name, data, says):
     run = hostile_run(good_run, tmp_path, name, data((good_run / TAG / name).read_bytes()))
     with pytest.raises(FileNotFoundError) as e:
         find_resume("auto", run)
     assert says in str(e.value), str(e.value)
+
+
+def without_schedule(state: dict) -> dict:
+    return {**state, "engine": {k: v for k, v in state["engine"].items() if k != "schedule"}}
+
+
+def test_a_tag_of_two_ranks_lacking_rank_1s_rng_file_is_refused(good_run, tmp_path):
+    from train.engine.checkpoint import COMPLETE, tag_problem
+
+    state = torch.load(good_run / TAG / "state.pt", weights_only=True)
+    run = hostile_run(good_run, tmp_path, "state.pt",
+                      torch_bytes({**state, "client": {**state["client"], "data": state["client"]["data"] * 2}}))
+    meta = json.loads((run / TAG / COMPLETE).read_text())
+    (run / TAG / COMPLETE).write_text(json.dumps({**meta, "world_size": 2}))  # two ranks, one RNG file
+    assert tag_problem(run / TAG).endswith("rng_rank1.pt is missing, or not a regular file")
+
+
+def test_a_shard_cut_inside_its_last_piece_is_refused(good_run, tmp_path):
+    metadata = pickle.loads((good_run / TAG / "optim" / ".metadata").read_bytes())
+    last = max(metadata.storage_data.values(), key=lambda info: info.offset)
+    good = (good_run / TAG / "optim" / last.relative_path).read_bytes()
+    run = hostile_run(good_run, tmp_path, f"optim/{last.relative_path}", good[:last.offset + 8])
+    with pytest.raises(FileNotFoundError) as e:
+        find_resume("auto", run)
+    assert f"the optimizer state's metadata reads bytes {last.offset} to {last.offset + last.length}" in str(e.value)
 
 
 def torch_bytes(obj) -> bytes:
@@ -369,7 +421,7 @@ def test_a_tag_that_does_not_fit_the_objective_or_its_optimizer_is_refused_befor
     tensors = load_file(good_run / TAG / "model.safetensors")
     run = hostile_run(good_run, tmp_path, "model.safetensors", save({**tensors, "encoder.extra": torch.zeros(2)}))
     line = refused(["--output_dir", str(run), "--resume", "auto"], capsys)
-    assert f"model.safetensors does not fit this run's mae objective (missing [], unexpected ['encoder.extra']" in line
+    assert "model.safetensors does not fit this run's mae objective (missing [], unexpected ['encoder.extra']" in line
     stage0 = tmp_path / "ds0.json"
     stage0.write_text(json.dumps({**json.loads(CPU_DS.read_text()), "zero_optimization": {"stage": 0}}))
     line = refused(["--ds_config", str(stage0), "--output_dir", str(tmp_path / "lars"), "--resume", str(good_run / TAG),

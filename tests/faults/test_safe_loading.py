@@ -82,3 +82,44 @@ def test_views_their_storage_holds_whole_still_load(tmp_path):
     state = safe_load(tmp_path / "views.pth")
     assert torch.equal(state["transposed"], base.t()) and torch.equal(state["rows"], base[1:3])
     assert torch.equal(state["column"], base[:, 2]) and state["args"][1] is state["args"]
+
+
+def test_dcp_load_through_the_checked_reader_refuses_metadata_that_would_run_code(tmp_path):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: DCP wraps the refusal
+
+    from train.engine.state_files import single_process_quiet
+    from train.engine.tag_reader import CheckedMetadataReader
+
+    folder = tmp_path / "optim"
+    with single_process_quiet():
+        dcp.save({"w": torch.arange(4.0)}, checkpoint_id=folder, no_dist=True)
+        into = {"w": torch.zeros(4)}
+        dcp.load(into, storage_reader=CheckedMetadataReader(folder), no_dist=True)  # its own metadata loads
+        assert torch.equal(into["w"], torch.arange(4.0))
+        marker = tmp_path / "ran"
+        (folder / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+        with pytest.raises(CheckpointException, match=r"would unpickle _?io\.open; refused"):
+            dcp.load(into, storage_reader=CheckedMetadataReader(folder), no_dist=True)
+    assert not marker.exists()
+
+
+def test_each_layer_of_load_pickle_file_refuses_code_alone(tmp_path, monkeypatch):
+    """The globals scan first, then torch.load(weights_only=True): either alone keeps the code from running."""
+    from train.engine import tag_reader
+
+    marker = tmp_path / "ran"
+    path = tmp_path / "state.pt"
+    torch.save({"x": RunsCode(marker)}, path)
+    with monkeypatch.context() as m:  # the scan misses the global: the weights-only unpickler refuses it
+        m.setattr(tag_reader, "get_unsafe_globals_in_checkpoint", lambda f: [])
+        with pytest.raises(ValueError, match="does not load as tensors and plain containers"):
+            tag_reader.load_pickle_file(path)
+    assert not marker.exists()
+    with monkeypatch.context() as m:  # the load would run it: the scan refuses first
+        m.setattr(tag_reader.torch, "load", lambda *a, **k: pytest.fail("loaded"))
+        with pytest.raises(ValueError, match=r"would unpickle \['_?io.open'\]"):
+            tag_reader.load_pickle_file(path)
+    assert not marker.exists()

@@ -151,3 +151,64 @@ def test_a_complete_json_larger_than_this_code_writes_is_not_read(tmp_path, monk
         checkpoint.read_meta(root / tag_for(1))
     prune(root, keep=1)
     assert sorted(p.name for p in root.iterdir()) == [tag_for(1), tag_for(3)]
+
+
+def test_crc32_covers_every_16_mib_piece_of_a_file(tmp_path):
+    import os
+    import zlib
+
+    from train.engine.checkpoint import crc32
+
+    data = os.urandom((1 << 24) + 10)  # two pieces: a checksum of the last alone would differ
+    (tmp_path / "big").write_bytes(data)
+    assert crc32(tmp_path / "big") == zlib.crc32(data)
+
+
+def test_reseed_gives_a_stream_of_seed_rank_and_step():
+    import torch
+
+    from train.engine.checkpoint import reseed
+
+    def draw(seed, rank, step):
+        reseed(seed, rank, step)
+        return torch.rand(4)
+
+    assert torch.equal(draw(0, 1, 5), draw(0, 1, 5))
+    assert not torch.equal(draw(0, 0, 5), draw(0, 1, 5))  # another rank: another stream
+    assert not torch.equal(draw(0, 0, 5), draw(0, 0, 6))  # a later continuation: another stream
+    assert not torch.equal(draw(0, 0, 5), draw(1, 0, 5))
+
+
+def test_rng_state_round_trips_torch_numpy_and_python():
+    import random
+
+    import numpy as np
+    import torch
+
+    from train.engine.checkpoint import rng_state, set_rng_state
+
+    def draws():
+        # standard_normal twice: the second comes from numpy's cached gauss, which the state holds too
+        return (random.random(), np.random.rand(), np.random.standard_normal(), np.random.standard_normal(),
+                torch.rand(1).item())
+
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    np.random.standard_normal()  # a cached gauss value in the state
+    state = rng_state()
+    expected = draws()
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    set_rng_state(state)
+    assert draws() == expected
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_rows_are_torch_chunks_split_of_dim0(world):
+    import torch
+
+    from train.engine.state_files import _rows
+
+    for n in range(1, 10):
+        chunks = torch.arange(n).chunk(world)  # FSDP2's split: fewer chunks than ranks when n is small
+        starts = [int(c[0]) for c in chunks] + [n] * (world - len(chunks))
+        ends = [int(c[-1]) + 1 for c in chunks] + [n] * (world - len(chunks))
+        assert [_rows(torch.Size([n, 2]), r, world) for r in range(world)] == list(zip(starts, ends)), n

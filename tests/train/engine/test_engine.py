@@ -527,3 +527,51 @@ def test_zero1_sums_unsynced_micro_batches_in_the_wider_of_the_reduce_and_accumu
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[unsynced]
     assert f"on the step's last micro-batch (the earlier ones summed in {name})" in cfg.describe(8)
     assert "summed in" not in EngineConfig(1, precision, 1, 0.0, reduce=reduce, accumulate=accumulate).describe(8)
+
+
+class RunsCode:
+    """Unpickling this calls open(marker, "w"): the file appearing means code ran."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def fresh_engine(optimizer=adamw, module=None) -> ReplicatedEngine:
+    module = module or Tiny()
+    return build(module, groups_of(module), optimizer, schedule, EngineConfig(0, "fp32", 1, 0.0), torch.device("cpu"))
+
+
+def test_load_reads_the_optimizer_metadata_safely_again_and_runs_no_code(tmp_path):
+    """The before-start check read the tag; a file swapped since is refused by load itself."""
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: DCP wraps the refusal
+
+    engine_steps(Tiny(), batches(1), 1, 0.0, "fp32").save(tmp_path, {"step": 1})
+    marker = tmp_path / "ran"
+    (tmp_path / "optim" / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    with pytest.raises(CheckpointException, match=r"\.metadata would unpickle _?io\.open; refused"):
+        fresh_engine().load(tmp_path)
+    assert not marker.exists()
+
+
+def test_a_tag_without_the_objectives_extra_state_does_not_fit_it(tmp_path):
+    class WithExtra(Tiny):
+        def get_extra_state(self):
+            return {"k": 1}
+
+        def set_extra_state(self, state):
+            self.got = state
+
+    engine_steps(Tiny(), batches(1), 1, 0.0, "fp32").save(tmp_path, {"step": 1})
+    with pytest.raises(ValueError, match="does not fit this objective"):
+        fresh_engine(module=WithExtra()).load(tmp_path)
+
+
+def test_an_adamw_tag_is_refused_by_a_lars_engine_naming_both(tmp_path):
+    engine_steps(Tiny(), batches(1), 1, 0.0, "fp32").save(tmp_path, {"step": 1})
+    with pytest.raises(ValueError, match="holds AdamW state; this run's optimizer is LARS"):
+        fresh_engine(lambda groups: LARS(groups, lr=0.0)).load(tmp_path)
