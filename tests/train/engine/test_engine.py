@@ -1,122 +1,21 @@
 """train/engine/ on one rank against plain PyTorch: the same AdamW steps as a textbook loop (accumulation,
 clipping, parameter groups with lr scales, fp32 master weights under bf16 / fp16), a skipped step
-that changes nothing, the fp16 scale following DeepSpeed's dynamic loss scaler, and checkpoints
-that carry over to another layout."""
+that changes nothing, and the fp16 scale following DeepSpeed's dynamic loss scaler (checkpoints:
+test_engine_checkpoints.py)."""
 import contextlib
 import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from tiny_engine import (SkipsB, Tiny, adamw, batches, engine_steps, groups_of, master_weights, reference_steps,
+                         schedule)
 from torch import nn
 
 from train.engine import EngineConfig, build
 from train.engine.loss_scale import DeviceLossScale, LossScaleConfig
-from train.engine.optim import LARS, WarmupCosineSchedule
+from train.engine.optim import LARS
 from train.engine.replicated import ReplicatedEngine
-
-
-class Tiny(nn.Module):
-    """An objective in miniature: forward(batch) -> {"loss"}; a parameter the loss never reads."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(6, 5)
-        self.b = nn.Linear(5, 3)
-        self.token = nn.Parameter(torch.randn(3))
-        self.unused = nn.Parameter(torch.randn(2))
-        self.register_buffer("shift", torch.full((3,), 0.5))
-
-    def forward(self, batch):
-        x = batch["image"]
-        y = self.b(torch.tanh(self.a(x))) + self.token.to(x.dtype) + self.shift
-        return {"loss": (y.float() - batch["target"]).square().mean()}
-
-    def after_optimizer_step(self, lr, batches):
-        return {}
-
-
-class SkipsB(Tiny):
-    """Batches marked skip_b leave b out of the loss: autograd never reaches it. With reach_b (the
-    reference's copy) b stays in the graph at weight zero, so its gradient is zeros."""
-
-    reach_b = False
-
-    def forward(self, batch):
-        if not batch.get("skip_b"):
-            return super().forward(batch)
-        x = batch["image"]
-        h = torch.tanh(self.a(x))
-        y = h[:, :3] + self.token.to(x.dtype) + self.shift
-        if self.reach_b:
-            y = y + 0 * self.b(h)
-        return {"loss": (y.float() - batch["target"]).square().mean()}
-
-
-def groups_of(module: nn.Module) -> list[dict]:
-    decay = [module.a.weight, module.b.weight]
-    rest = [module.a.bias, module.b.bias, module.token, module.unused]
-    return [{"params": decay, "weight_decay": 0.05, "lr_scale": 0.5}, {"params": rest, "weight_decay": 0.0}]
-
-
-def schedule(opt):
-    return WarmupCosineSchedule(opt, peak_lr=0.05, min_lr=0.0, warmup_steps=2, total_steps=10)
-
-
-def adamw(groups):
-    return torch.optim.AdamW(groups, lr=0.0, betas=(0.9, 0.95), fused=True)
-
-
-def batches(n: int, seed: int = 0) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    return [{"image": torch.randn(4, 6, generator=g), "target": torch.randn(4, 3, generator=g)} for _ in range(n)]
-
-
-def reference_steps(module: Tiny, data: list[dict], accum: int, clip: float, dtype: torch.dtype) -> Tiny:
-    """The textbook loop: fp32 master copy, the module in `dtype`, the micro-batches' gradients
-    summed in fp32 (their mean), global-norm clipping, torch AdamW over the master weights, cast back."""
-    master = copy.deepcopy(module)
-    model = copy.deepcopy(module).to(dtype)
-    groups = groups_of(master)
-    opt = adamw(groups)
-    sched = schedule(opt)
-    pairs = list(zip(master.parameters(), model.parameters()))
-    for i in range(0, len(data), accum):
-        for batch in data[i:i + accum]:
-            loss = model({**batch, "image": batch["image"].to(dtype)})["loss"] / accum
-            loss.backward()
-            for p32, p in pairs:
-                if p.grad is not None:
-                    p32.grad = p.grad.float() if p32.grad is None else p32.grad + p.grad.float()
-                p.grad = None
-        if clip:
-            torch.nn.utils.clip_grad_norm_([p for p in master.parameters() if p.grad is not None], clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for p32, p in pairs:
-                p.copy_(p32)
-    return master
-
-
-def engine_steps(module: Tiny, data: list[dict], accum: int, clip: float, precision: str,
-                 stage: int = 0) -> ReplicatedEngine:
-    module = copy.deepcopy(module)
-    scale = LossScaleConfig(initial_scale_power=8)  # 2**16 would overflow this model's fp16 gradients
-    engine = build(module, groups_of(module), adamw, schedule, EngineConfig(stage, precision, accum, clip, scale),
-                   torch.device("cpu"))
-    assert isinstance(engine, ReplicatedEngine) and engine.ddp is None  # one rank: no wrapper, every stage
-    for batch in data:
-        loss = engine({**batch, "image": batch["image"].to(engine.dtype)})["loss"]
-        engine.backward(loss)
-        engine.step()
-    return engine
-
-
-def master_weights(engine: ReplicatedEngine) -> dict[str, torch.Tensor]:
-    return {name: t.detach().clone() for name, t in engine.master_weights().items()}
 
 
 @pytest.mark.parametrize("stage", [0, 2])
@@ -438,29 +337,6 @@ def test_the_fp16_collapse_flag_stays_raised_after_later_finite_steps():
     assert scaler.collapsed.item() == 1.0
 
 
-@pytest.mark.parametrize("stages", [(0, 2), (2, 0), (1, 1)])
-def test_a_checkpoint_resumes_exactly_on_the_same_or_another_stage(tmp_path, stages):
-    torch.manual_seed(0)
-    module, data = Tiny(), batches(6)
-    whole = engine_steps(module, data, 1, 0.0, "bf16", stages[0])
-    first = engine_steps(module, data[:3], 1, 0.0, "bf16", stages[0])
-    first.save(tmp_path, {"step": 3})
-    assert {f.name for f in tmp_path.iterdir()} == {"model.safetensors", "optim", "state.pt"}
-    saved = load_file(tmp_path / "model.safetensors")  # by name, as safetensors and timm read it
-    assert saved["a.weight"].dtype == torch.float32 and torch.equal(saved["a.weight"], master_weights(first)["a.weight"])
-    assert saved["shift"].dtype == torch.bfloat16  # buffers as the module holds them
-    fresh = Tiny()  # other starting weights: everything must come from the checkpoint
-    second = build(fresh, groups_of(fresh), adamw, schedule, EngineConfig(stages[1], "bf16", 1, 0.0),
-                   torch.device("cpu"))
-    assert second.load(tmp_path) == {"step": 3}
-    for batch in data[3:]:
-        second.backward(second({"image": batch["image"].to(torch.bfloat16), "target": batch["target"]})["loss"])
-        second.step()
-    assert second.steps == whole.steps == 6 and second.get_lr() == whole.get_lr()
-    for name, value in master_weights(whole).items():
-        assert torch.equal(master_weights(second)[name], value), name
-
-
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_fp32_sums_start_in_memory_of_their_own_under_cuda_graphs(cuda_graphs):
     """A compiled block replayed as a CUDA graph hands autograd gradients in the graphs' memory
@@ -527,51 +403,3 @@ def test_zero1_sums_unsynced_micro_batches_in_the_wider_of_the_reduce_and_accumu
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[unsynced]
     assert f"on the step's last micro-batch (the earlier ones summed in {name})" in cfg.describe(8)
     assert "summed in" not in EngineConfig(1, precision, 1, 0.0, reduce=reduce, accumulate=accumulate).describe(8)
-
-
-class RunsCode:
-    """Unpickling this calls open(marker, "w"): the file appearing means code ran."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def fresh_engine(optimizer=adamw, module=None) -> ReplicatedEngine:
-    module = module or Tiny()
-    return build(module, groups_of(module), optimizer, schedule, EngineConfig(0, "fp32", 1, 0.0), torch.device("cpu"))
-
-
-def test_load_reads_the_optimizer_metadata_safely_again_and_runs_no_code(tmp_path):
-    """The before-start check read the tag; a file swapped since is refused by load itself."""
-    import pickle
-
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: DCP wraps the refusal
-
-    engine_steps(Tiny(), batches(1), 1, 0.0, "fp32").save(tmp_path, {"step": 1})
-    marker = tmp_path / "ran"
-    (tmp_path / "optim" / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
-    with pytest.raises(CheckpointException, match=r"\.metadata would unpickle _?io\.open; refused"):
-        fresh_engine().load(tmp_path)
-    assert not marker.exists()
-
-
-def test_a_tag_without_the_objectives_extra_state_does_not_fit_it(tmp_path):
-    class WithExtra(Tiny):
-        def get_extra_state(self):
-            return {"k": 1}
-
-        def set_extra_state(self, state):
-            self.got = state
-
-    engine_steps(Tiny(), batches(1), 1, 0.0, "fp32").save(tmp_path, {"step": 1})
-    with pytest.raises(ValueError, match="does not fit this objective"):
-        fresh_engine(module=WithExtra()).load(tmp_path)
-
-
-def test_an_adamw_tag_is_refused_by_a_lars_engine_naming_both(tmp_path):
-    engine_steps(Tiny(), batches(1), 1, 0.0, "fp32").save(tmp_path, {"step": 1})
-    with pytest.raises(ValueError, match="holds AdamW state; this run's optimizer is LARS"):
-        fresh_engine(lambda groups: LARS(groups, lr=0.0)).load(tmp_path)
