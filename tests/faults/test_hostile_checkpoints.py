@@ -427,3 +427,31 @@ def test_a_tag_that_does_not_fit_the_objective_or_its_optimizer_is_refused_befor
     line = refused(["--ds_config", str(stage0), "--output_dir", str(tmp_path / "lars"), "--resume", str(good_run / TAG),
                     "--optim.name", "lars"], capsys)
     assert "holds the optimizer state of optim.name adamw, this run has lars; give --optim.name adamw" in line
+
+
+@pytest.mark.parametrize("name", ["optim/.metadata", "state.pt", "rng_rank0.pt"])
+def test_a_file_swapped_after_the_check_is_refused_by_the_resume_itself_in_one_line(good_run, tmp_path, capsys,
+                                                                                  monkeypatch, name):
+    """The check before start and the resume read the tag at different times: a file replaced in
+    between is read the same safe way again, never runs, and ends the run in one line."""
+    from train.engine import checkpoint
+
+    payloads, marker = corpus(tmp_path)
+    run = hostile_run(good_run, tmp_path, "state.pt", (good_run / TAG / "state.pt").read_bytes())  # intact
+    original = checkpoint.load
+
+    def swap_then_load(engine, tag_dir, *args):
+        replace_in_tag(tag_dir, name, payloads["protocol 5 STACK_GLOBAL builtins.open"])
+        return original(engine, tag_dir, *args)
+
+    monkeypatch.setattr(checkpoint, "load", swap_then_load)
+    capsys.readouterr()
+    with registered_extensions(), pytest.raises(SystemExit) as status:  # past the start: the process group is up
+        cli(lambda: main(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--run.progress", "false",
+                          "--output_dir", str(tmp_path / "out"), "--resume", str(run / TAG)]))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    line = lines[0]
+    assert line.startswith(f"config error: --resume: {run / TAG}/{name} "), line
+    assert "refused" in line and "a file of it changed since" in line and not marker.exists()

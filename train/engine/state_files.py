@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from data.cli import one_line
 from model.weights_reader import safetensors_header
 from train.engine.tag_reader import CheckedMetadataReader, check_optimizer_shards, read_dcp_metadata, read_state
 
@@ -287,9 +288,16 @@ def load(engine, tag_dir: Path) -> dict:
                 read_into(f, name, dst.data if not hasattr(dst, "to_local") else dst)
     if extra:
         engine.module.load_state_dict(state["extra"], strict=False)
-    with single_process_quiet():
-        dcp.load(optimizer_state(engine), storage_reader=CheckedMetadataReader(tag_dir / OPTIM_DIR),
-                 no_dist=not dist.is_initialized())
+    reader = CheckedMetadataReader(tag_dir / OPTIM_DIR)
+    try:
+        with single_process_quiet():
+            dcp.load(optimizer_state(engine), storage_reader=reader, no_dist=not dist.is_initialized())
+    except CheckpointException as e:  # a BaseException, raised on every rank for a read that failed on any
+        if reader.refusal is not None:
+            raise reader.refusal from None
+        rank, (failure, _) = next(iter(e.failures.items()))
+        raise ValueError(f"{tag_dir / OPTIM_DIR} could not be read (rank {rank}: {type(failure).__name__}: "
+                         f"{one_line(str(failure))})") from None
     engine.weights_loaded()
     engine.load_counters(state["engine"])
     return state["client"]

@@ -163,8 +163,14 @@ class CheckedMetadataReader(dcp.FileSystemReader):
     DCP's own read_metadata would pickle.load the file. It takes no rank argument, so DCP does not
     fall back to reading a rank's own `__<rank>.metadata` (with pickle) when this one refuses."""
 
+    refusal: ValueError | None = None  # why read_metadata refused: DCP passes it on only as text inside its own error
+
     def read_metadata(self) -> Metadata:
-        metadata = read_dcp_metadata(Path(self.path))
+        try:
+            metadata = read_dcp_metadata(Path(self.path))
+        except ValueError as e:
+            self.refusal = e
+            raise
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # as the base class's read_metadata sets it

@@ -22,6 +22,7 @@ from kernels.accelerators import describe as describe_accelerators
 from kernels.attention import describe_paths
 from model.objectives.base import ClassifierConfig
 from model.timm_backbone import TimmBackbone
+from train.config.errors import ConfigError
 from train.config.options import PretrainConfig, section
 from train.config.parsing import to_dict
 from train.config.plan import labeled_split, peak_lr
@@ -189,7 +190,11 @@ class Trainer:
         resume_from = self.checked.resume_from
         if resume_from is None:
             return 0
-        client = checkpoint.load(self.engine, resume_from, self.rank, self.world, self.cfg.seed)
+        try:
+            client = checkpoint.load(self.engine, resume_from, self.rank, self.world, self.cfg.seed)
+        except ValueError as e:  # it passed the check before start: a file changed in between
+            raise ConfigError(f"--resume: {e}; it passed the check before the start, so a file of it changed since "
+                              f"(another process writing to {resume_from.parent}?); resume again") from None
         if not self.engine.weights_finite():  # saved before checkpoints were checked, or altered since
             raise NonFiniteError(f"checkpoint {resume_from} holds non-finite weights, so training from it would "
                                  f"only diverge; {earlier_tag_hint(resume_from)}")

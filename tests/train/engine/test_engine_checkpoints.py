@@ -52,14 +52,21 @@ def test_load_reads_the_optimizer_metadata_safely_again_and_runs_no_code(tmp_pat
     """The before-start check read the tag; a file swapped since is refused by load itself."""
     import pickle
 
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: DCP wraps the refusal
-
     engine_steps(Tiny(), batches(1), 1, 0.0, "fp32").save(tmp_path, {"step": 1})
     marker = tmp_path / "ran"
     (tmp_path / "optim" / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
-    with pytest.raises(CheckpointException, match=r"\.metadata would unpickle _?io\.open; refused"):
-        fresh_engine().load(tmp_path)
+    with pytest.raises(ValueError, match=r"^\S+/optim/\.metadata would unpickle _?io\.open; refused"):
+        fresh_engine().load(tmp_path)  # the reader's own refusal, not DCP's BaseException around it
     assert not marker.exists()
+
+
+def test_an_optimizer_shard_that_cannot_be_read_is_a_value_error_naming_the_folder(tmp_path):
+    engine_steps(Tiny(), batches(1), 1, 0.0, "fp32").save(tmp_path, {"step": 1})
+    shard = next((tmp_path / "optim").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:20])  # cut after the check a resume makes before start
+    with pytest.raises(ValueError) as e:
+        fresh_engine().load(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'optim'} could not be read (rank 0: ") and "\n" not in str(e.value)
 
 
 def test_a_tag_without_the_objectives_extra_state_does_not_fit_it(tmp_path):
