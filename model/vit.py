@@ -11,8 +11,9 @@ objectives can mask or rearrange tokens without any method-specific code in here
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -87,8 +88,36 @@ class Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same parameters, state-dict keys and CUDA path), except that a bf16 / fp16
+    input on the CPU is normalised in fp32: PyTorch's CPU backward sums the weight and bias
+    gradients over the (batch x tokens) rows in the input's 16-bit dtype, which drifts as rows
+    grow (in bf16 more than 10% off at 20,000 rows: tests/model/test_layer_norm.py); CUDA's kernel
+    sums them in fp32. Inside `norms_as_on_cuda()` every input takes nn.LayerNorm's
+    path (tools/census.py counts on the CPU the kernels a CUDA step launches)."""
+
+    cpu_in_fp32 = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.cpu_in_fp32 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+            return super().forward(x)
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        return nn.functional.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+
+
+@contextmanager
+def norms_as_on_cuda() -> Iterator[None]:
+    """Every LayerNorm takes nn.LayerNorm's own path on the CPU too, until the block ends."""
+    LayerNorm.cpu_in_fp32 = False
+    try:
+        yield
+    finally:
+        LayerNorm.cpu_in_fp32 = True
+
+
 NormLayer = Callable[[int], nn.Module]
-default_norm: NormLayer = partial(nn.LayerNorm, eps=1e-6)
+default_norm: NormLayer = partial(LayerNorm, eps=1e-6)
 
 
 class DropPath(nn.Module):
@@ -104,13 +133,16 @@ class DropPath(nn.Module):
         self.drop_prob = drop_prob  # for repr only: forward reads the buffer
         keep = torch.tensor(1.0 - drop_prob, dtype=torch.float32)
         self.register_buffer("keep_bits", keep.view(torch.int32), persistent=False)  # no state_dict key: timm's names
+        # what the kept samples are divided by: keep, or 1 where nothing is kept (rate 1: zeros, as timm's, not 0 / 0)
+        divisor = keep if drop_prob < 1.0 else torch.tensor(1.0)
+        self.register_buffer("divisor_bits", divisor.view(torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return x
         keep = self.keep_bits.view(torch.float32)
         mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)  # (B, 1, ..., 1)
-        return x * mask.div_(keep)
+        return x * mask.div_(self.divisor_bits.view(torch.float32))
 
     def extra_repr(self) -> str:
         return f"drop_prob={self.drop_prob:g}"

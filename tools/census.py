@@ -263,6 +263,13 @@ def host_time(subjects: list[Subject], rounds: int) -> dict[str, float]:
 
 def census(argv: list[str]) -> dict:
     """The record of one census (see the module docstring)."""
+    from model.vit import norms_as_on_cuda
+
+    with norms_as_on_cuda():  # on the CPU too: the kernels of CUDA's path are counted
+        return _census(argv)
+
+
+def _census(argv: list[str]) -> dict:
     from train.bench import cpu_name, versions
     from train.run.folder import git_commit
 

@@ -97,3 +97,34 @@ def test_bias_hooks_reach_each_blocks_relative_position_bias():
         enc.forward_tokens(x, bias_hooks=[identity])
     with pytest.raises(ValueError, match="rpe=True"):
         create_model("vit_debug_patch4", in_chans=1).forward_tokens(x, bias_hooks=[identity] * len(enc.blocks))
+
+
+def test_per_block_lists_of_another_length_than_the_blocks_are_refused():
+    """attn_masks and bias_hooks give one entry per block: a list longer or shorter than the
+    encoder is deep is an error, not silently truncated."""
+    from model.registry import create_model
+
+    torch.manual_seed(0)
+    enc = create_model("vit_debug_patch4", in_chans=1, rpe=True).eval()
+    depth = len(enc.blocks)
+    x = enc.add_cls_token(enc.embed_patches(torch.randn(2, 1, 28, 28)))
+    for n in (depth - 1, depth + 1, depth + 3):
+        with pytest.raises(ValueError, match=f"attn_masks has {n} entries for {depth} blocks"):
+            enc.forward_tokens(x, attn_masks=[None] * n)
+        with pytest.raises(ValueError, match=f"bias_hooks has {n} entries for {depth} blocks"):
+            enc.forward_tokens(x, bias_hooks=[None] * n)
+    assert enc.forward_tokens(x, attn_masks=[None] * depth, bias_hooks=[None] * depth).shape == x.shape
+
+
+def test_decoder_bias_hooks_of_another_length_than_its_blocks_are_refused():
+    """The MAE decoder takes one bias hook per decoder block, as the encoder does."""
+    from model.mae_decoder import MAEDecoder
+
+    torch.manual_seed(0)
+    dec = MAEDecoder((7, 7), patch_size=4, in_chans=1, encoder_dim=32, decoder_dim=16, depth=2, num_heads=2,
+                     rpe=True).eval()
+    x = torch.randn(2, 50, 16)  # (B, 1 + 7*7, Dd)
+    for n in (1, 3, 5):
+        with pytest.raises(ValueError, match=f"bias_hooks has {n} entries for 2 blocks"):
+            dec.decode(x, bias_hooks=[None] * n)
+    assert torch.equal(dec.decode(x, bias_hooks=[None, None]), dec.decode(x))

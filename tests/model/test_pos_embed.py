@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from model.pos_embed import sincos_1d, sincos_2d
+from model.pos_embed import sincos_1d, sincos_2d, sincos_2d_at
 
 
 def test_1d_hand_computed():
@@ -28,6 +28,10 @@ def test_2d_layout_column_then_row_and_cls_zero():
 def test_rejects_bad_dims():
     with pytest.raises(ValueError, match="divisible by 4"):
         sincos_2d(6, (2, 2))
+    # the continuous form splits dim into four sin/cos quarters as well
+    for dim in (6, 2, 10):
+        with pytest.raises(ValueError, match="divisible by 4"):
+            sincos_2d_at(dim, torch.zeros(3, 2))
 
 
 def test_continuous_sincos_at_integer_coordinates_is_the_fixed_table():

@@ -107,6 +107,14 @@ def test_drop_path_keeps_each_sample_at_its_rate_in_any_dtype():
         create_model("vit_debug_patch4").state_dict().keys()
 
 
+def test_drop_path_at_rate_one_drops_every_sample_to_zeros_not_nan():
+    """As timm's: nothing is kept, and the kept samples' 1 / keep is never formed (0 / 0 would be NaN)."""
+    from model.vit import DropPath
+
+    out = DropPath(1.0)(torch.randn(64, 3, 2))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
 def test_stochastic_depth_rate_grows_linearly_from_zero_to_the_rate_at_the_last_block():
     # timm's rule: dpr = torch.linspace(0, drop_path_rate, depth); the last block gets the full rate
     m = create_model("vit_tiny_patch16", img_size=32, drop_path_rate=0.1)  # 12 blocks

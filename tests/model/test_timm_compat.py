@@ -4,6 +4,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 
 from model import create_model
+from model.vit import VisionTransformer
 
 
 @pytest.mark.parametrize("name,overrides", [
@@ -14,7 +15,18 @@ from model import create_model
 ])
 def test_strict_load_and_same_features(name, overrides):
     torch.manual_seed(0)
-    ours = create_model(name, **overrides).eval()
+    _assert_loads_strictly_with_same_features(create_model(name, **overrides).eval())
+
+
+def test_encoder_without_qkv_bias_loads_strictly_into_timm():
+    # no registered size turns the qkv bias off, so build the encoder directly
+    torch.manual_seed(0)
+    ours = VisionTransformer(img_size=28, patch_size=4, embed_dim=32, depth=2, num_heads=2, qkv_bias=False).eval()
+    assert not any(k.endswith("attn.qkv.bias") for k in ours.state_dict())
+    _assert_loads_strictly_with_same_features(ours)
+
+
+def _assert_loads_strictly_with_same_features(ours):
     theirs = TimmViT(**ours.timm_kwargs()).eval()
     missing_unexpected = theirs.load_state_dict(ours.state_dict(), strict=True)
     assert not missing_unexpected.missing_keys and not missing_unexpected.unexpected_keys

@@ -1,0 +1,98 @@
+"""model/vit.py's LayerNorm: nn.LayerNorm, whose bf16 / fp16 CPU backward sums the weight and bias
+gradients in fp32, as CUDA's does; the ViT and the MAE decoder normalise with it everywhere."""
+import pytest
+import torch
+from torch import nn
+
+from model import create_model
+from model.init import mae_init_
+from model.mae_decoder import MAEDecoder
+from model.vit import LayerNorm
+
+ROWS, DIM = 20_000, 64  # a micro-batch of 100 images of 196 tokens, plus some
+
+
+def affine_grads(norm: nn.LayerNorm, x: torch.Tensor, upstream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    norm.zero_grad()
+    norm(x).backward(upstream)
+    return norm.weight.grad.float(), norm.bias.grad.float()
+
+
+def reference_grads(x: torch.Tensor, upstream: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The textbook gradients in fp64 from the same (rounded) inputs: d weight = sum_rows(g * x_hat),
+    d bias = sum_rows(g), x_hat the row standardised with the biased variance."""
+    x, g = x.double(), upstream.double()
+    x_hat = (x - x.mean(-1, keepdim=True)) / (x.var(-1, unbiased=False, keepdim=True) + eps).sqrt()
+    return (g * x_hat).sum(0), g.sum(0)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_weight_and_bias_gradients_on_the_cpu_are_summed_in_fp32(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(ROWS, DIM, generator=g).to(dtype)
+    upstream = (torch.randn(ROWS, DIM, generator=g) * 0.01 + 0.001).to(dtype)  # a shared sign, as real gradients have
+    ours = LayerNorm(DIM, eps=1e-6).to(dtype)
+    plain = nn.LayerNorm(DIM, eps=1e-6).to(dtype)
+    want_w, want_b = reference_grads(x, upstream, 1e-6)
+    got_w, got_b = affine_grads(ours, x, upstream)
+    # one rounding of each fp32 sum into the parameter's dtype (bf16: 2**-9 relative)
+    assert relative(got_w, want_w) < 4e-3 and relative(got_b, want_b) < 4e-3
+    if dtype == torch.bfloat16:  # why the class exists: PyTorch's own CPU kernel sums in 16 bits
+        plain_w, plain_b = affine_grads(plain, x, upstream)
+        assert max(relative(plain_w, want_w), relative(plain_b, want_b)) > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_outputs_and_input_gradients_are_nn_layer_norms_within_one_rounding(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 3, DIM, generator=g).to(dtype).requires_grad_()
+    upstream = torch.randn(64, 3, DIM, generator=g).to(dtype)
+    ours, plain = LayerNorm(DIM, eps=1e-6), nn.LayerNorm(DIM, eps=1e-6)
+    with torch.no_grad():
+        plain.weight.normal_(1.0, 0.1, generator=g), plain.bias.normal_(0.0, 0.1, generator=g)
+    ours.load_state_dict(plain.state_dict())
+    ours, plain = ours.to(dtype), plain.to(dtype)
+    (grad_ours,) = torch.autograd.grad(y_ours := ours(x), x, upstream)
+    (grad_plain,) = torch.autograd.grad(y_plain := plain(x), x, upstream)
+    assert y_ours.dtype == dtype and y_ours.shape == x.shape
+    tol = 2 * torch.finfo(dtype).eps
+    assert relative(y_ours, y_plain) < tol and relative(grad_ours, grad_plain) < tol
+
+
+def test_fp32_takes_nn_layer_norms_own_path_bit_for_bit():
+    x = torch.randn(8, 5, DIM, requires_grad=True)
+    ours, plain = LayerNorm(DIM, eps=1e-6), nn.LayerNorm(DIM, eps=1e-6)
+    assert torch.equal(ours(x), plain(x))
+    assert set(ours.state_dict()) == set(plain.state_dict()) == {"weight", "bias"}
+
+
+def test_the_vit_and_the_mae_decoder_normalise_with_it_everywhere():
+    encoder = create_model("vit_debug_patch4")
+    decoder = MAEDecoder((7, 7), 4, 1, encoder.embed_dim, decoder_dim=32, depth=1, num_heads=2)
+    norms = [m for model in (encoder, decoder) for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    assert len(norms) >= 2 * len(encoder.blocks) + 1 + 2 * len(decoder.decoder_blocks) + 1
+    assert all(type(m) is LayerNorm and m.eps == 1e-6 for m in norms)
+    for m in norms:  # the MAE init still reaches them (it looks for nn.LayerNorm)
+        nn.init.normal_(m.weight), nn.init.normal_(m.bias)
+    mae_init_(encoder), mae_init_(decoder)
+    assert all(torch.equal(m.weight, torch.ones_like(m.weight)) and not m.bias.any() for m in norms)
+
+
+def test_inside_norms_as_on_cuda_the_cpu_takes_nn_layer_norms_own_kernel():
+    """What the launch census counts on the CPU is the CUDA step's path: one layer-norm op, no casts."""
+    from model.vit import norms_as_on_cuda
+
+    x = torch.randn(ROWS, DIM).bfloat16()
+    ours, plain = LayerNorm(DIM, eps=1e-6).bfloat16(), nn.LayerNorm(DIM, eps=1e-6).bfloat16()
+    with norms_as_on_cuda():
+        assert torch.equal(ours(x), plain(x))
+        with torch.profiler.profile() as prof:
+            ours(x)
+    assert not any(e.name in ("aten::_to_copy", "aten::to") for e in prof.events())
+    with torch.profiler.profile() as prof:  # and after the block, the fp32 path again
+        ours(x)
+    assert any(e.name == "aten::_to_copy" for e in prof.events())
