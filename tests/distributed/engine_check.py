@@ -6,7 +6,8 @@ CASE `equality-<objective>-<precision>`: for each ZeRO stage 0-3 and accumulatio
 objective (mae or finetune, on the debug ViT) trains STEPS optimizer steps on a fixed sequence of
 global batches of GLOBAL images (with MAE's masking noise and the labels drawn from the step
 number, so the data do not depend on the world size: each rank takes its rows of each
-micro-batch). Rank 0 writes {"<stage>_<accum>": [the global batch's mean loss per step]}.
+micro-batch). Rank 0 writes {"<stage>_<accum>": [the global batch's mean loss per step], "grad_norm":
+{"<stage>_<accum>": [the engine's gradient norm per step]}}.
 CASE `objective-<name>`: energy or mlomae at 2 ranks, stages 0-3, accumulation 1, with their
 own random draws (seeded alike for every stage): the same per-step mean losses.
 CASE `sweep`: every registered objective's debug preset, train/configs/<name>/debug.json (and
@@ -74,9 +75,10 @@ def engine_for(out: Path, objective: str, stage: int, accum: int, world: int, pr
     return engine, plan
 
 
-def train(engine, plan, steps: int, rank: int, world: int, keys, poison_step: int = 0, first: int = 1) -> list[float]:
+def train(engine, plan, steps: int, rank: int, world: int, keys, poison_step: int = 0, first: int = 1,
+          norms: list[float] | None = None) -> list[float]:
     """Per optimizer step (`first` .. `first + steps - 1`): each rank's rows of each micro-batch; the
-    global mean loss."""
+    global mean loss (and the engine's gradient norm of the step, appended to `norms`)."""
     losses = []
     for step in range(first, first + steps):
         batch = global_batch(step)
@@ -93,6 +95,8 @@ def train(engine, plan, steps: int, rank: int, world: int, keys, poison_step: in
             engine.backward(loss)
             engine.step()
         engine.after_optimizer_step(engine.get_lr(), seen)
+        if norms is not None:
+            norms.append(engine.grad_norm.item())
         dist.all_reduce(total)
         losses.append((total / world).item())
     return losses
@@ -106,7 +110,8 @@ def equality(out: Path, objective: str, precision: str, steps: int) -> dict:
         for accum in (1, 3):
             torch.manual_seed(0)
             engine, plan = engine_for(out, objective, stage, accum, world, precision)
-            result[f"{stage}_{accum}"] = train(engine, plan, steps, rank, world, keys)
+            norms = result.setdefault("grad_norm", {}).setdefault(f"{stage}_{accum}", [])
+            result[f"{stage}_{accum}"] = train(engine, plan, steps, rank, world, keys, norms=norms)
     return result
 
 
