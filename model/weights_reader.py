@@ -239,7 +239,11 @@ def check_finite(path: Path, state: dict) -> dict:
     train to NaN losses, every step skipped, or score as a traceback."""
     weights = state.get("model", state)
     for name, value in weights.items():
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        if value.element_size() == 1:  # float8: torch has no isfinite for some of them; fp32 holds each exactly
+            value = value.float()
+        if not torch.isfinite(value).all():
             count = int((~torch.isfinite(value)).sum())
             raise WeightsFileError(f"{path}: weight {name} holds {count} NaN or infinite value(s) of {value.numel()} "
                                    f"(a diverged run's?): give weights saved before the divergence")

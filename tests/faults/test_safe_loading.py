@@ -70,6 +70,54 @@ def test_a_small_torch_file_claiming_a_large_broadcast_tensor_is_refused_before_
             read(path)
 
 
+@pytest.mark.parametrize("state, name, rows, width", [
+    ({"w": torch.ones(4), "ema": [torch.zeros(1, 32).expand(10**6, 32)]}, "ema.0", 10**6, 32),  # inside a list
+    ({"w": torch.ones(4), "ema": ({"k": torch.zeros(1, 8).expand(3, 8)},)}, "ema.0.k", 3, 8),  # a tuple of dicts
+    ({"model": {"w": torch.zeros(1, 4).expand(2, 4)}}, "model.w", 2, 4),  # twice its storage, no more
+], ids=["a million-fold view in a list", "a view in a tuple", "a two-fold view"])
+def test_a_broadcast_view_is_refused_wherever_it_is_nested_and_however_small_its_claim(tmp_path, state, name, rows,
+                                                                                       width):
+    """Any view claiming more bytes than its storage holds is refused, in any container the file
+    holds (the finiteness check looks only at the top-level tensors, a copy would materialise it)."""
+    from model.weights_reader import WeightsFileError, safe_load, weights_shapes
+
+    path = tmp_path / "view.pth"
+    torch.save(state, path)
+    said = (rf"view.pth: tensor {re.escape(name)} claims {rows * width:,} values \(shape \[{rows}, {width}\]\) of "
+            rf"{4 * rows * width:,} bytes but stores {4 * width} ")
+    for read in (safe_load, weights_shapes):
+        with pytest.raises(WeightsFileError, match=said):
+            read(path)
+
+
+def test_a_structure_that_holds_itself_is_walked_once(tmp_path):
+    """A list or dict inside itself (a pickle's memo makes one) is walked once: the check ends, and
+    still finds a broadcast view after it. An alarm fails the test rather than letting a walk that
+    never ends hang the suite."""
+    import signal
+
+    from model.weights_reader import WeightsFileError, check_stored_whole
+
+    loop = [torch.ones(3)]
+    loop.append(loop)
+    table = {"x": torch.ones(2)}
+    table["self"] = table
+    state = {"args": [loop, table, loop], "model": {"w": torch.zeros(1, 4).expand(8, 4)}}
+
+    def too_long(signum, frame):
+        raise TimeoutError("the walk over a self-containing structure did not end within 5 s")
+
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(5)
+    try:
+        check_stored_whole(tmp_path / "a.pth", {"args": [loop, table, loop]})  # nothing to refuse: returns
+        with pytest.raises(WeightsFileError, match=r"tensor model.w claims 32 values"):
+            check_stored_whole(tmp_path / "a.pth", state)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_views_their_storage_holds_whole_still_load(tmp_path):
     """A transposed tensor, a slice and a strided column take no more than their storage holds."""
     from model.weights_reader import safe_load

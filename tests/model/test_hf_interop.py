@@ -2,6 +2,7 @@
 difference of transformers' ViT from ours, and the refusals. transformers' models are built from
 config objects with random weights: nothing is downloaded."""
 import json
+import re
 
 import pytest
 import torch
@@ -329,3 +330,14 @@ def test_other_activations_and_unknown_weights_are_refused():
         from_transformers({"embeddings.mask_token": torch.zeros(1, 1, 8)})
     with pytest.raises(ValueError, match="layer 0 of the encoder lacks some of its query/key/value weights"):
         from_transformers({"encoder.layer.0.attention.attention.query.weight": torch.zeros(8, 8)})
+
+
+@pytest.mark.parametrize("key, value", [("image_size", [224, 160]), ("patch_size", (16, 8)), ("image_size", [224])])
+def test_a_config_of_non_square_images_or_patches_is_refused(key, value):
+    """transformers takes [height, width] pairs; this ViT's grid and patches are square."""
+    with pytest.raises(ValueError, match=rf"config.json {key} {re.escape(str(value))} is not square; this ViT takes "
+                                         rf"square images and patches"):
+        encoder_arch({**DEFAULTS, key: value})
+    square = encoder_arch({**DEFAULTS, key: [value[0], value[0]]})  # a square pair is read as its side
+    assert square == encoder_arch({**DEFAULTS, key: value[0]})
+    assert square["img_size" if key == "image_size" else "patch_size"] == value[0]

@@ -244,3 +244,63 @@ def test_decoder_heads_that_do_not_divide_the_official_decoder_are_named_as_the_
     with pytest.raises(ValueError, match=r"holds a decoder 64 wide \(decoder_embed.weight\), which decoder_heads 5 does "
                                          r"not divide: pass the decoder_heads it was trained with \(MAE's: 16\)$"):
         mae_from_official(tmp_path / "mae_pretrain.pth", decoder_heads=5)
+
+
+def _bicubic_per_channel(table: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """MAE's interpolate_pos_embed, one channel at a time: entry 1 + r * n + c of the table is patch
+    (row r, column c) of an n x n grid; each channel's n x n image is resized bicubically
+    (align_corners=False), read back row-major, the cls entry kept as it is."""
+    n = round((table.shape[1] - 1) ** 0.5)
+    rows = [table[0, :1]]
+    channels = []
+    for ch in range(table.shape[2]):
+        image = table[0, 1:, ch].reshape(n, n)  # image[r, c] = entry 1 + r * n + c
+        resized = torch.nn.functional.interpolate(image[None, None], size=grid, mode="bicubic", align_corners=False)
+        channels.append(resized[0, 0].flatten())
+    rows.append(torch.stack(channels, dim=1))
+    return torch.cat(rows)[None]
+
+
+@pytest.mark.parametrize("grid", [(4, 4), (6, 6), (3, 5)])
+def test_a_learned_position_table_is_resized_bicubically_patch_by_patch(grid):
+    """A learned (fine-tuned) table resized to its own grid is the same table; to another grid, each
+    channel is the bicubic resize of its image over the patch grid, the cls entry unchanged."""
+    from model.interop import resize_pos_embed
+
+    torch.manual_seed(0)
+    table = torch.randn(1, 1 + 4 * 4, 8)
+    resized = resize_pos_embed(table, grid)
+    assert resized.shape == (1, 1 + grid[0] * grid[1], 8)
+    if grid == (4, 4):
+        assert torch.equal(resized, table)
+    assert torch.allclose(resized, _bicubic_per_channel(table, grid), atol=1e-6)
+
+
+def test_a_learned_position_table_near_sincos_is_kept_as_learned():
+    """Fine-tuning moves the sin-cos table a little: it is a learned table then, resized as one,
+    not replaced by the fixed sin-cos table it started from."""
+    from model.interop import resize_pos_embed
+    from model.pos_embed import sincos_2d
+
+    torch.manual_seed(0)
+    table = sincos_2d(8, (4, 4), cls_token=True)[None] + 0.05 * torch.randn(1, 17, 8)
+    assert torch.equal(resize_pos_embed(table, (4, 4)), table)
+    assert torch.allclose(resize_pos_embed(table, (6, 6)), _bicubic_per_channel(table, (6, 6)), atol=1e-6)
+    fixed = sincos_2d(8, (4, 4), cls_token=True)[None]  # the fixed table itself: the target grid's own
+    assert torch.equal(resize_pos_embed(fixed, (6, 6)), sincos_2d(8, (6, 6), cls_token=True)[None])
+
+
+def test_an_encoder_file_missing_a_block_is_refused_naming_what_it_lacks(tmp_path):
+    """Loading the rest would leave block 1 at its random initialisation without a word."""
+    from model.interop import load_into_objective
+    from model.objectives.linear_probe import LinearProbeConfig
+
+    state = {k: v.contiguous() for k, v in create_model("vit_debug_patch4").state_dict().items()}
+    lacking = sorted(k for k in state if k.startswith("blocks.1."))
+    assert lacking and "head.weight" not in state
+    save_file({k: v for k, v in state.items() if k not in lacking}, str(tmp_path / "partial.safetensors"))
+    probe = build_objective("linprobe", create_model("vit_debug_patch4"), LinearProbeConfig(num_classes=3))
+    with pytest.raises(ValueError) as e:
+        load_into_objective(probe, tmp_path / "partial.safetensors")
+    assert str(e.value) == (f"{tmp_path / 'partial.safetensors'} does not fit the configured encoder: missing "
+                            f"{lacking}, unexpected []")
