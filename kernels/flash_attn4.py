@@ -61,7 +61,9 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, capability: tuple
     d = q.shape[-1]
     if capability is not None and capability[0] in MAX_HEAD_DIM:
         top = MAX_HEAD_DIM[capability[0]]
-        if v.shape[-1] != d or d % 8 or not 8 <= d <= top:
+        if v.shape[-1] != d:
+            return f"value head dim {v.shape[-1]} for query head dim {d} (flash-attn-4 takes one head dim for both)"
+        if d % 8 or not 8 <= d <= top:
             return f"head dim {d} (flash-attn-4 takes multiples of 8 from 8 to {top} here)"
     return unavailable(capability)
 

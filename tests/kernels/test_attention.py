@@ -98,3 +98,14 @@ def test_topk_on_cpu_takes_the_reference_path_without_a_warning(monkeypatch):
         warnings.simplefilter("error")
         out = attention(q, k, v, mask=TopKMask(2))
     assert out.shape == q.shape
+
+
+def test_math_reference_in_bf16_computes_in_fp32_and_rounds_once():
+    """bf16 inputs at a ViT-B head (197 tokens of 64): fp32 logits, softmax and sum, then one
+    rounding to bf16, so each output is within bf16's unit roundoff (2^-8) of the exact result of
+    the same inputs; bf16 logits and weights would be off by several units."""
+    q, k, v = (t.detach() for t in _qkv(torch.bfloat16, B=1, H=2, N=197, d=64))
+    out = math_attention(q, k, v)
+    want = math_attention(q.double(), k.double(), v.double())
+    assert out.dtype == torch.bfloat16
+    assert ((out.double() - want).abs() <= 2**-8 * want.abs() + 1e-6).all()

@@ -83,6 +83,7 @@ def test_a_compiled_block_traces_the_choice_without_a_break(tmp_path):
 @pytest.mark.parametrize("change, said", [
     ({"kernel": "fastest"}, "kernel 'fastest' is not one of"),
     ({"capability": "sm90"}, "capability 'sm90' is neither"),
+    ({"capability": "9.0a"}, "capability '9.0a' is neither"),  # a valid key with more after it
     ({"dtype": "float32"}, "dtype 'float32' is not one of"),
     ({"heads": 0}, "heads 0 is not an integer"),
     ({"heads": 2**21}, "heads 2097152 is not an integer in [1, 2^20]"),  # past the upper bound

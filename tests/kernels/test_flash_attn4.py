@@ -177,12 +177,22 @@ def test_entries_set_aside_for_two_dtypes_of_one_shape_each_get_their_line(fake_
     (torch.bfloat16, 20, (9, 0), "head dim 20"),
     (torch.float32, 64, (9, 0), "flash-attn-4 takes fp16 or bf16"),
     (torch.bfloat16, 64, (8, 0), "compute capability 8.0"),
+    (torch.bfloat16, 64, (12, 0), "compute capability 12.0 (flash-attn-4 trains on sm90 and sm100)"),
     (torch.bfloat16, 64, None, "not on a GPU"),
 ])
 def test_refusals_name_what_it_does_not_take(fake_fa4, dtype, d, capability, said):
     q = torch.empty(2, 4, 10, d, dtype=dtype)
     reason = flash_attn4.refusal(q, q, q, capability)
     assert reason is None if said is None else said in reason
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
+def test_a_value_head_dim_other_than_the_querys_is_refused(fake_fa4, capability):
+    # both head dims within what the GPU takes, but not one head dim for q, k and v
+    q = torch.empty(2, 4, 10, 64, dtype=torch.bfloat16)
+    v = torch.empty(2, 4, 10, 128, dtype=torch.bfloat16)
+    said = flash_attn4.refusal(q, q, v, capability)
+    assert said == "value head dim 128 for query head dim 64 (flash-attn-4 takes one head dim for both)"
 
 
 def test_a_version_without_the_functions_it_calls_is_refused_naming_the_tested_one(fake_fa4, monkeypatch):

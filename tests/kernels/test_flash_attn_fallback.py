@@ -50,6 +50,18 @@ def test_flash_attn_gets_only_inputs_it_takes(monkeypatch, dtype, d, capability,
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+def test_a_value_head_dim_over_256_goes_to_sdpa(monkeypatch):
+    """flash-attn takes head dims up to 256 for the values as for the queries (mha_fwd checks both)."""
+    calls = fake_flash_attn(monkeypatch)
+    _on_gpu(monkeypatch, (8, 0))
+    q, k, _ = _qkv(torch.bfloat16, d=64)
+    v = torch.randn(2, 2, 5, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert flash_attn_refusal(q, k, v) == "head dim 512 > 256"
+    out = attention(q, k, v, backend="flash_attn")
+    assert calls == [] and out.shape == (2, 2, 5, 512)
+    assert torch.allclose(out.float(), math_attention(q, k, v).float(), atol=2e-2)
+
+
 def test_mixed_dtypes_are_refused_by_name():
     q, k, v = _qkv(torch.bfloat16)
     assert "flash-attn takes fp16 or bf16" in flash_attn_refusal(q, k.float(), v)
@@ -90,11 +102,12 @@ def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(monkeypatch, tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in ("flash_attn", "flash_attn.cute"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    with fake_gpu("h100"):
-        assert importlib.import_module("flash_attn").__file__ is None  # a namespace package: it imports
-        assert not accelerators.has_flash_attn()
-        with pytest.raises(ValueError, match="flash-attn-4 installs only flash_attn.cute"):
-            resolve_backend("flash_attn")
+    for gpu in ("a100", "h100"):  # sm80 and sm90 both run flash-attn 2: the refusal names the package
+        with fake_gpu(gpu):
+            assert importlib.import_module("flash_attn").__file__ is None  # a namespace package: it imports
+            assert not accelerators.has_flash_attn()
+            with pytest.raises(ValueError, match="flash-attn-4 installs only flash_attn.cute"):
+                resolve_backend("flash_attn")
     fake_flash_attn(monkeypatch)  # flash-attn 2's module: taken
     with fake_gpu("a100"):
         assert accelerators.has_flash_attn() and resolve_backend("flash_attn") == "flash_attn"

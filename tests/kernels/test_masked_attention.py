@@ -121,3 +121,71 @@ def test_dispatch_reports_the_path_each_kind_of_call_takes():
     assert cpu["topk"] == "PyTorch reference composition (not on a GPU)"
     assert cpu["segment"].startswith("torch SDPA with a boolean mask")
     assert describe_paths("math", torch.device("cpu"), torch.float32, 197, 64)["segment"] == "math reference"
+
+
+def test_segment_masked_math_attention_is_twice_differentiable():
+    # Backend math is the path for double backward (energy-based pretraining), masks included.
+    q, k, v = _qkv(B=1, H=1, T=4, d=3)
+    mask = SegmentMask(torch.tensor([[GLOBAL, 0, 1, 0]]))
+    assert torch.autograd.gradgradcheck(lambda q, k, v: attention(q, k, v, backend="math", mask=mask), (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_paths_return_the_inputs_dtype_within_one_rounding_of_float64(dtype):
+    q, k, v = (t.detach().to(dtype) for t in _qkv())
+    segments = torch.tensor([[GLOBAL, 0, 1, 0, 1, 1, 0], [GLOBAL, 1, 1, 0, 0, 1, 0]])
+    for mask in (TopKMask(3), SegmentMask(segments)):
+        out = attention(q, k, v, backend="math", mask=mask)
+        want = attention(q.double(), k.double(), v.double(), backend="math", mask=mask)  # the same inputs, exact
+        assert out.dtype == dtype
+        # fp32 inside, then one rounding of the output: relative error <= the unit roundoff (2^-8 bf16, 2^-11 fp16)
+        unit = torch.finfo(dtype).eps / 2
+        assert ((out.double() - want).abs() <= unit * want.abs() + 1e-6).all()
+
+
+def test_topk_of_zero_keys_keeps_one_as_a_per_query_zero_does():
+    # K is clamped to [1, T] whether it is one int or one value per query.
+    q, k, v = _qkv()
+    out = attention(q, k, v, mask=TopKMask(0))
+    assert torch.equal(out, attention(q, k, v, mask=TopKMask(1)))
+    assert torch.equal(out, attention(q, k, v, mask=TopKMask(torch.zeros(2, 7, dtype=torch.long))))
+
+
+@pytest.fixture
+def fused_topk(monkeypatch):
+    """The fused TopK kernels as stand-ins (the tests run without a GPU): each call is recorded and
+    returns the reference output with a same-source share of 0.75."""
+    pytest.importorskip("triton")
+    import importlib
+
+    dispatch = importlib.import_module("kernels.attention")  # `kernels.attention` is also the function's name
+    restricted = importlib.import_module("kernels.restricted_triton")
+    ran = []
+
+    def stand_in(name):
+        def run(q, k, v, rows, num_global, segments):
+            ran.append(name)
+            return topk_attention_reference(q, k, v, TopKMask(rows, num_global)), torch.tensor(0.75)
+        return run
+
+    monkeypatch.setattr(dispatch, "_fused_or_warn", lambda q: True)
+    for name in ("topk_attention", "topk_attention_masked_sdpa"):
+        monkeypatch.setattr(restricted, name, stand_in(name))
+    return ran
+
+
+def test_math_backend_topk_takes_the_reference_even_where_the_fused_kernels_run(fused_topk):
+    # The fused kernels have no double backward; backend math must stay on the reference.
+    q, k, v = _qkv(B=1, H=1, T=4, d=3)
+    math_topk = lambda q, k, v: attention(q, k, v, backend="math", mask=TopKMask(2))  # noqa: E731
+    assert torch.autograd.gradgradcheck(math_topk, (q, k, v))
+    assert fused_topk == []
+    attention(q, k, v, backend="sdpa", mask=TopKMask(2))
+    assert len(fused_topk) == 1  # the stand-ins do stand in for the fused path
+
+
+def test_fused_topk_records_the_same_source_share_it_returns(fused_topk):
+    q, k, v = _qkv()
+    mask = TopKMask(3, segments=torch.tensor([[GLOBAL, 0, 0, 0, 1, 1, 1]] * 2))
+    attention(q, k, v, mask=mask)
+    assert fused_topk and mask.same_source_share.item() == 0.75

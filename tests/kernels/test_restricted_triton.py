@@ -75,6 +75,8 @@ def test_shared_memory_need_is_checked_against_the_device_limit(monkeypatch):
     monkeypatch.setitem(restricted_triton.OPT_IN_SHARED, (8, 6), need - 1)
     reason = supports(_probe(1024, 128, torch.float32), capability=(8, 6))
     assert f"need up to {need} B of shared memory" in reason and f"sm_86 allows {need - 1} B" in reason
+    monkeypatch.setitem(restricted_triton.OPT_IN_SHARED, (8, 6), need)  # exactly the need: it fits
+    assert supports(_probe(1024, 128, torch.float32), capability=(8, 6)) is None
     assert supports(_probe(197, 64), capability=(8, 6)) is None
 
 
