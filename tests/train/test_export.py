@@ -89,6 +89,7 @@ def test_the_written_timm_snippet_loads_strictly_with_the_same_features(fp32_run
 @pytest.mark.parametrize("name,overrides,head", [
     ("vit_tiny_patch16", {}, 0),  # pretrained encoder at 224: timm's own name
     ("vit_tiny_patch16", {"global_pool": "avg", "in_chans": 1}, 10),  # a fine-tuned classifier
+    ("vit_tiny_patch16", {"img_size": 112}, 0),  # timm's name is of its 224 px model: VisionTransformer(**kwargs)
     ("vit_debug_patch4", {"img_size": 32}, 0),  # no timm name: VisionTransformer(**kwargs)
     ("timm/convnext_atto", {"img_size": 32}, 0),  # timm backbones: no img_size argument ...
     ("timm/vit_tiny_patch16_224", {"img_size": 32}, 0),  # ... or one
@@ -109,6 +110,9 @@ def test_timm_snippet_for_each_kind_of_encoder(tmp_path, name, overrides, head):
     save_file(state, str(path))
     info = timm_loading(enc.timm_kwargs(), name, state, path)
     assert "num_classes=" in info["timm_snippet"] and "timm_kwargs" not in info["timm_snippet"]
+    if not name.startswith("timm/") and enc.img_size != 224:  # timm's named ViTs are 224 px: ours at another
+        assert info["timm_model_name"] is None  # size are built from their own arguments
+        assert f"VisionTransformer(img_size={enc.img_size}, " in info["timm_snippet"]
     model = _run_snippet(info["timm_snippet"])  # load_state_dict(strict=True) inside
     x = torch.randn(2, overrides.get("in_chans", 3), enc.img_size, enc.img_size)
     with torch.no_grad():

@@ -134,7 +134,14 @@ def test_a_steps_floor_is_what_the_debug_vit_certainly_holds(monkeypatch):
                       str(REPO / "train/configs/mae/debug.json")])  # 28 px, patch 4, width 32, depth 2, 1 channel
     assert step_floor(cfg, 8, "fp32") == {"images": 8 * 28 * 28 * 4, "patch embeddings": 8 * 49 * 32 * 4,
                                          "position table": 50 * 32 * 4, "block weights": 2 * 12 * 32 * 32 * 4}
-    assert step_floor(cfg, 8, "bf16")["images"] == 8 * 28 * 28 * 2
+    bf16 = step_floor(cfg, 8, "bf16")
+    assert bf16["images"] == 8 * 28 * 28 * 2 and bf16["patch embeddings"] == 8 * 49 * 32 * 2
+    # the optimizer's fp32 masters stay under bf16: the blocks' weight matrices (qkv, proj, fc1, fc2), 4 bytes each
+    from model.registry import create_model
+
+    vit = create_model(cfg.model.name, in_chans=1)
+    matrices = sum(p.numel() for p in vit.blocks.parameters() if p.ndim == 2)  # 12 d^2 a block
+    assert bf16["block weights"] == 4 * matrices and bf16["position table"] == (49 + 1) * 32 * 4
     cfg.model.img_size, cfg.data.train_transform = 56, "multicrop"  # 4 crops of 56 px: 196 patches each
     assert step_floor(cfg, 2, "fp32")["patch embeddings"] == 2 * 4 * 196 * 32 * 4
     final, plan = resolve(cfg, 1)

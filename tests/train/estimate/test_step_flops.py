@@ -64,3 +64,17 @@ def test_a_methods_total_is_every_phase_and_its_ratio_is_to_its_baseline(rows):
         baseline = rows["maeplus" if method == "adpe" else "mae"]
         assert row["over_baseline"] == pytest.approx(row["total"] / sum(baseline[p] for p in PHASES)), method
     assert rows["mlomae"]["over_baseline"] > 5  # its hook is most of its step
+
+
+def test_counting_more_steps_gives_the_flops_of_one_step_not_their_sum():
+    """MAE's steps all cost the same: the average over 2 steps is the one step's count, per phase."""
+    from conftest import CPU_DS, DEBUG_PRESET
+
+    from train.estimate.step_flops import flops_by_step, step_flops
+
+    cfg = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET)])
+    one, two = step_flops(cfg, 2, steps=1), step_flops(cfg, 2, steps=2)
+    assert one["forward"] > 0 and one["backward"] > 0
+    assert two == pytest.approx(one)
+    each = flops_by_step(cfg, 2, steps=2)
+    assert two == pytest.approx({p: (each[0][p] + each[1][p]) / 2 for p in PHASES})

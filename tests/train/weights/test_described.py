@@ -1,11 +1,15 @@
 """train/weights/described.py: encoders rebuilt from an export's description, checked before anything
 is built."""
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from data.cli import InputError
 from model import create_model
-from train.weights.described import ARCH_SIZES, OUR_ARCH_KEYS, checked_timm_kwargs, described_encoder
+from train.weights.described import (ARCH_SIZES, OUR_ARCH_KEYS, checked_timm_kwargs, checkpoint_description,
+                                     described_encoder)
 
 
 def _model(**kwargs):
@@ -52,3 +56,30 @@ def test_a_size_of_zero_is_refused(key):
     with pytest.raises(InputError, match=rf"enc\.json: {key} is 0, not an integer >= 1: fix"):
         checked_timm_kwargs({**kwargs, key: 0}, "enc.json", "fix")
     assert checked_timm_kwargs({**kwargs, key: 1}, "enc.json", "fix")[key] == 1  # 1 is the smallest size
+
+
+def test_an_unbounded_mlp_ratio_is_refused_before_anything_is_built():
+    # json reads `Infinity` as a float: a width of infinitely many hidden units cannot be built
+    kwargs = {**_description(_model()), **json.loads('{"mlp_ratio": Infinity}')}
+    with pytest.raises(InputError, match=r"enc\.json: mlp_ratio is inf, not a finite number > 0: fix"):
+        described_encoder(kwargs, _model().state_dict(), "enc.json", "fix")
+
+
+def test_an_irpe_encoder_is_rebuilt_with_its_relative_position_tables():
+    source = _model(rpe=True)
+    state = source.state_dict()
+    assert "blocks.0.attn.rpe.table" in state
+    built = described_encoder(_description(source), state, "enc.json", "fix")
+    assert built.rpe and _same_features(built, source)
+    # a checkpoint's complete.json records the same description, and it fits the tag's weights
+    assert checkpoint_description({"encoder_timm_kwargs": _description(source)}, Path("tag"), state)["rpe"] is True
+
+
+def test_a_plain_encoder_described_as_irpe_is_refused():
+    source = _model()
+    kwargs = {**_description(source), "rpe": True}
+    why = r"which hold no blocks\.0\.attn\.rpe\.table, which the model has"
+    with pytest.raises(InputError, match=rf"enc\.json does not describe the weights beside it, {why}: fix"):
+        described_encoder(kwargs, source.state_dict(), "enc.json", "fix")
+    with pytest.raises(InputError, match=rf"tag/complete\.json: encoder_timm_kwargs does not describe .*{why}"):
+        checkpoint_description({"encoder_timm_kwargs": kwargs}, Path("tag"), source.state_dict())

@@ -91,6 +91,8 @@ def test_the_cards_feature_lines_give_the_encoders_features_of_the_whole_image(m
     computes them (the saved mask_ratio 0.75 would give a random quarter of the patches)."""
     out, _ = export_transformers(_tag(mae_run), tmp_path / "hf")
     card = (out / "README.md").read_text()
+    # a mask ratio of 0.75 keeps a quarter of the patches for the encoder
+    assert "so the encoder as saved sees a random 0.25 of the patches" in card
     code = card.split("## Features")[1].split("```python")[1].split("```")[0].replace("<this folder>", str(out))
     pixel_values = torch.randn(3, 1, 28, 28)
     scope = {"pixel_values": pixel_values}
@@ -116,6 +118,12 @@ def test_other_objectives_export_the_encoder_as_vit_model(mae_run, tmp_path):
     assert name == "ViTModel"
     theirs, info = transformers.ViTModel.from_pretrained(out, add_pooling_layer=False, output_loading_info=True)
     assert _loading_info_is_clean(info)
+    # the card's load lines, run as written, build the encoder without the pooler it does not have
+    card = (out / "README.md").read_text()
+    code = card.split("## Load")[1].split("```python")[1].split("```")[0]
+    scope: dict = {}
+    exec(code.replace("'<this folder or its Hub repository>'", repr(str(out))), scope)
+    assert isinstance(scope["model"], transformers.ViTModel) and scope["model"].pooler is None
     _, info = transformers.ViTModel.from_pretrained(out, output_loading_info=True)
     # why the card says add_pooling_layer=False: by default transformers adds a pooler the encoder lacks
     assert sorted(info["missing_keys"]) == ["pooler.dense.bias", "pooler.dense.weight"]
@@ -123,6 +131,18 @@ def test_other_objectives_export_the_encoder_as_vit_model(mae_run, tmp_path):
     with torch.no_grad():
         ours = _our_mae(tag).encoder.forward_features(x)
         assert (theirs.eval()(pixel_values=x).last_hidden_state - ours).abs().max() <= 1e-6
+
+
+def test_only_an_mae_run_exports_its_decoder_as_vit_mae(mae_run):
+    """ViTMAEForPreTraining is MAE's decoder and loss; MAE+ (without iRPE) also trains a decoder.*,
+    but one fed every token by the encoder (no mask tokens of its own): its encoder is exported alone."""
+    from train.weights.export import _module_state
+
+    tag = _tag(mae_run)
+    decoder = {k: v for k, v in _module_state(tag).items() if k.startswith("decoder.")}
+    assert decoder
+    assert choose_architecture(_other_run_meta(tag), {}, decoder) == "ViTMAEForPreTraining"
+    assert choose_architecture(_other_run_meta(tag, objective="maeplus"), {}, decoder) == "ViTModel"
 
 
 def test_a_classifier_exports_with_the_labels_of_its_shards(mae_run, tmp_path):
