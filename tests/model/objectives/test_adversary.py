@@ -167,3 +167,17 @@ def test_rpe_embed_perturbation_equals_adding_it_to_the_table_for_masked_query_r
     with torch.no_grad():
         rpe.table += e
     torch.testing.assert_close(attacked[:, :, 1:], rpe(q)[:, :, 1:], rtol=1e-10, atol=1e-12)  # patch query rows
+
+
+def test_a_step_consumes_the_gradients_so_the_next_step_ascends_its_own_only():
+    # The adversaries are no optimizer's parameters: nothing else zeroes their .grad between steps,
+    # and an accumulated gradient would steer each step by every past one.
+    a = Adversaries({"x": (4,)}, "linf", eps=10.0, scale=1.0, update="sign")
+    first, second = torch.tensor([3.0, 3.0, -3.0, -3.0]), torch.tensor([-1.0, 1.0, -1.0, 1.0])
+    (a.tensors["x"] * first).sum().backward()
+    a.step(lr=0.1)
+    assert a.tensors["x"].grad is None
+    (a.tensors["x"] * second).sum().backward()
+    a.step(lr=0.1)
+    assert a.tensors["x"].grad is None
+    torch.testing.assert_close(a.tensors["x"].detach(), 0.1 * first.sign() + 0.1 * second.sign())

@@ -131,6 +131,14 @@ def test_a_single_corruption_is_its_configured_function_drawn_from_the_generator
     assert torch.equal(corrupted, reference(x, generator=torch.Generator().manual_seed(0)))
 
 
+def test_blank_areas_may_be_a_fixed_size_but_not_reversed():
+    # low == high: every blank has the same area (a valid U(a, a)); only low > high is meaningless
+    for name in ("small_area", "large_area"):
+        EnergyConfig(**{name: (0.02, 0.02)}).validate()
+        with pytest.raises(ValueError, match=f"energy.{name} must be low,high with low <= high"):
+            EnergyConfig(**{name: (0.03, 0.02)}).validate()
+
+
 def test_the_figure_rows_are_corrupted_first_step_last_step_original():
     """Rows of energy_restoration: the generator-0 corruption, x~1 (one step by hand), x~N, x."""
     obj = vit_objective(steps=3, corruption="denoise")

@@ -120,6 +120,12 @@ def test_fgsm_perturbs_every_input_pixel_by_eps_over_std_against_the_loss():
     clean = masked_patch_loss(obj.reconstruct(crops, masked), target, masked.double())
     attacked = masked_patch_loss(obj.reconstruct(adv, masked), target, masked.double())
     assert attacked > clean
+    # the attacked loss is MIM's: the mean squared error over the masked patches only; each pixel
+    # moves along the sign of that loss's gradient
+    probe = crops.clone().requires_grad_()
+    err = ((obj.reconstruct(probe, masked) - target) ** 2).mean(-1)  # (4, 49)
+    (grad,) = torch.autograd.grad(err[masked].mean(), probe)
+    assert torch.equal((adv - crops).sign(), grad.sign())
 
 
 def test_bad_configs():

@@ -53,6 +53,18 @@ def test_caller_mask_is_honoured():
     assert m.ids_keep.tolist() == [[1, 3], [0, 4]]
 
 
+def test_a_caller_mask_keeps_its_patches_in_ascending_order():
+    # A mask is tied noise: the kept patches go to the encoder in image order, at ViT-B's 196 patches
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.ones(4, 196)
+    for row in mask:
+        row[torch.randperm(196, generator=gen)[:49]] = 0  # 49 kept per row, at random positions
+    m = masking_from_mask(mask)
+    want = torch.stack([torch.nonzero(row == 0)[:, 0] for row in mask])  # (4, 49), ascending
+    assert torch.equal(m.ids_keep, want)
+    assert torch.equal(m.mask, mask)
+
+
 def test_caller_mask_errors():
     with pytest.raises(ValueError, match="same number"):
         masking_from_mask(torch.tensor([[1, 0, 0], [1, 1, 0]]))

@@ -290,20 +290,34 @@ def test_default_topk_is_r_times_n_rounded_half_up():
     assert _objective().topk == 16  # 0.25 * 64
 
 
-def test_unmixing_figure_pastes_each_images_own_cells_over_the_denormalised_prediction():
-    obj = _objective().eval()
-    images = torch.randn(4, 1, 32, 32, dtype=torch.float64, generator=_gen(1))
+@pytest.mark.parametrize("mixing, n", [("compose", 4), ("full", 8)])  # full: 2 groups of 4 mixed images
+def test_unmixing_figure_pastes_each_images_own_cells_over_the_denormalised_prediction(mixing, n):
+    obj = _objective(mixing=mixing).eval()
+    images = torch.randn(n, 1, 32, 32, dtype=torch.float64, generator=_gen(1))
     rows = obj.visualizations(images, None)["mixedae_unmixing"]
-    mixing = obj.draw_mixing(4, torch.device("cpu"), _gen(0))  # the figure's fixed mixing
-    latent, _ = obj.encode_mixed(mix_images(images, mixing, 4), mixing.segment)
-    pred, keep, _ = obj.unmix_predictions(latent, mixing)  # (1, 4, N, P): one mixed image
-    target = patchify(images, 4)  # (4, N, P)
-    pred = pred[0] * (target.var(-1, keepdim=True) + 1e-6) ** 0.5 + target.mean(-1, keepdim=True)
-    own = (mixing.segment[0] == torch.arange(4)[:, None])[..., None]  # (4, N, 1)
-    assert torch.equal(own, keep[0][..., None])
-    got = patchify(rows[3].double(), 4)
-    assert torch.allclose(got, torch.where(own, target, pred), atol=1e-5)
-    assert torch.allclose(patchify(rows[2].double(), 4), torch.where(own, target, 0.0), atol=1e-6)
+    draw = obj.draw_mixing(n, torch.device("cpu"), _gen(0))  # the figure's fixed mixing
+    mixed = mix_images(images, draw, 4)
+    latent, _ = obj.encode_mixed(mixed, draw.segment)
+    pred, keep, source = obj.unmix_predictions(latent, draw)  # (Bm, g, N, P), (Bm, g, N), (Bm, g)
+    target = patchify(images, 4)  # (n, N, P)
+    for i in range(n):
+        m, s = (source == i).nonzero()[0].tolist()  # the first mixed image holding image i, its decoding
+        own = (draw.source[m] == i)[:, None]  # (N, 1): image i's cells in that mixed image
+        assert own.any() and torch.equal(own[:, 0], keep[m, s])
+        assert torch.allclose(rows[1][i].double(), mixed[m], atol=1e-6)  # the mixed image it sits in
+        p = pred[m, s] * (target[i].var(-1, keepdim=True) + 1e-6) ** 0.5 + target[i].mean(-1, keepdim=True)
+        got = patchify(rows[3][i : i + 1].double(), 4)[0]
+        assert torch.allclose(got, torch.where(own, target[i], p), atol=1e-5)
+        assert torch.allclose(patchify(rows[2][i : i + 1].double(), 4)[0], torch.where(own, target[i], 0.0), atol=1e-6)
+
+
+def test_the_reconstruction_target_is_fp32_for_bf16_images():
+    # bf16 pixels normalised in bf16 lose about 1e-2; the target is the fp32 normalisation of the same pixels
+    obj = _objective().float()
+    images = (torch.randn(4, 1, 32, 32, generator=_gen(1)) * 3 + 5).bfloat16()
+    got = obj.target(images)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, normalized_pixels(patchify(images.float(), 4)))
 
 
 def test_every_ablation_runs_forward_and_backward():
@@ -340,6 +354,17 @@ def test_a_cell_size_that_does_not_divide_the_image_is_told_one_that_does():
     with pytest.raises(ValueError, match=r"divide the image size 224 \(e.g. 32\)"):
         MixedAEConfig(cell_size=48).check_fits(224, 16, 12, 8)
     MixedAEConfig(cell_size=4).check_fits(28, 4, 2, 8)
+
+
+def test_a_layout_of_exactly_g_cells_gives_each_image_one_cell():
+    # 64 px in 32 px cells: 4 cells for g = 4, one each (also an exact split); 1 cell of 64 px is too few
+    for exact in (False, True):
+        MixedAEConfig(cell_size=32, exact_counts=exact).check_fits(64, 16, 12, 8)
+    with pytest.raises(ValueError, match="do not split into g = 4"):
+        MixedAEConfig(cell_size=64).check_fits(64, 16, 12, 8)
+    obj = _objective(img_size=16, cell_size=8)  # the same layout at patch 4: 4 cells of 2x2 patches
+    seg = obj.draw_mixing(4, torch.device("cpu"), _gen(0)).segment
+    assert torch.equal(torch.bincount(seg[0], minlength=4), torch.full((4,), 4))  # one 4-patch cell each
 
 
 def test_micro_batch_must_be_a_multiple_of_the_group_size():
