@@ -115,11 +115,12 @@ def test_a_classifier_of_another_class_count_than_the_labels_is_refused(tmp_path
     err = _reject(tmp_path, capsys, monkeypatch, "--objective", objective, f"--{objective}.num_classes", "5",
                   "--optim.name", "adamw")  # mae/debug.json: data.num_classes 10
     assert f"the training labels have 10 classes but {objective}.num_classes is 5; set --{objective}.num_classes 10" in err
-    wider = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--objective", objective,
-                        f"--{objective}.num_classes", "12"])
-    with pytest.raises(ConfigError, match=rf"its other 2 outputs would be classes no sample has; set "
-                                          rf"--{objective}.num_classes 10"):
-        check_objective_fits(wider, micro_batch=8)
+    for extra in (1, 2):  # one output too many is refused as two are
+        wider = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--objective", objective,
+                            f"--{objective}.num_classes", str(10 + extra)])
+        with pytest.raises(ConfigError, match=rf"its other {extra} outputs would be classes no sample has; set "
+                                              rf"--{objective}.num_classes 10"):
+            check_objective_fits(wider, micro_batch=8)
 
 
 def _debug(*options: str):

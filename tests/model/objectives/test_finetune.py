@@ -21,6 +21,8 @@ def test_head_init_and_plain_label_smoothing():
     ft = _ft(mixup=0.0, cutmix=0.0, smoothing=0.1).train()
     w = ft.encoder.head.weight
     assert w.shape == (4, 32) and w.abs().max() < 1e-4 and torch.all(ft.encoder.head.bias == 0)
+    # MAE's main_finetune.py: trunc_normal_(head.weight, std=2e-5); 128 draws, a 25% band is 4 sigma
+    assert abs(w.std().item() / 2e-5 - 1) < 0.25
     images, labels = torch.randn(4, 3, 28, 28), torch.tensor([0, 1, 2, 3])
     torch.manual_seed(5)
     loss = ft({"image": images, "label": labels})["loss"]

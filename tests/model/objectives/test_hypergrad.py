@@ -3,7 +3,7 @@ bit-exact restoration of perturbed weights."""
 import pytest
 import torch
 
-from model.objectives.hypergrad import Points, central_difference, mask_hypergradient
+from model.objectives.hypergrad import Points, central_difference, full_fp32, mask_hypergradient
 from model.objectives.masking_net import top_masking
 from model.objectives.mlomae import MLOMAEConfig, MLOMAEObjective
 from model.registry import create_model
@@ -148,3 +148,31 @@ def test_central_difference_of_a_quadratic_is_exact():
     v = [torch.randn(6, dtype=torch.float64)]
     (hv,) = central_difference(x, v, lambda: torch.autograd.grad(0.5 * x[0] @ A @ x[0], x))
     torch.testing.assert_close(hv, A @ v[0], rtol=1e-8, atol=1e-10)
+
+
+def test_central_difference_along_a_short_direction_perturbs_by_eps_scale_in_norm():
+    """eps = 0.01 / ||v|| also for ||v|| < 1: the weights move by 0.01 in norm (~3e-4 per entry
+    here), whatever the size of the validation gradient. f = sum(x^4) / 4 in fp32, whose HVP is
+    3 x^2 v: fp32 rounding of the gradients (~6e-8 relative) over a per-entry step h gives a
+    relative error of about (2/3) * 6e-8 * |x| / h ~ 1.3e-4 at h ~ 3e-4, and ~4e-2 if the
+    radius were 0.01 * ||v|| (h ~ 1e-6); the truncation error h^2 / (3 x^2) is negligible."""
+    torch.manual_seed(0)
+    x = [torch.randn(1000, requires_grad=True)]
+    v = [1e-4 * torch.randn(1000)]  # ||v|| ~ 3e-3
+    (grad,) = torch.autograd.grad((x[0] ** 4).sum() / 4, x, create_graph=True)
+    (exact,) = torch.autograd.grad(grad, x, v)  # autograd's Hessian-vector product
+    (fd,) = central_difference(x, v, lambda: torch.autograd.grad((x[0] ** 4).sum() / 4, x))
+    assert ((fd - exact).norm() / exact.norm()).item() < 2e-3
+
+
+@pytest.mark.parametrize("matmul, cudnn", [(False, True), (True, False)])
+def test_full_fp32_turns_tf32_off_inside_and_restores_both_flags(matmul, cudnn):
+    flags = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = tuple(f.allow_tf32 for f in flags)
+    try:
+        flags[0].allow_tf32, flags[1].allow_tf32 = matmul, cudnn
+        with full_fp32():
+            assert (flags[0].allow_tf32, flags[1].allow_tf32) == (False, False)
+        assert (flags[0].allow_tf32, flags[1].allow_tf32) == (matmul, cudnn)
+    finally:
+        flags[0].allow_tf32, flags[1].allow_tf32 = saved

@@ -36,6 +36,23 @@ def test_loss_is_cross_entropy_of_bn_linear_on_cls_features():
     assert all(p.grad is None for p in probe.encoder.parameters())
 
 
+def test_bn_running_statistics_are_an_exponential_average_with_momentum_0_1():
+    """MAE's probe: BatchNorm1d(affine=False, eps=1e-6), torch's default momentum 0.1: running
+    = 0.9 running + 0.1 batch statistic (the variance unbiased), from mean 0 and variance 1."""
+    probe = _probe().train()
+    g = torch.Generator().manual_seed(1)
+    mean, var = torch.zeros(32, dtype=torch.float64), torch.ones(32, dtype=torch.float64)
+    for _ in range(3):
+        images = torch.randn(6, 3, 28, 28, generator=g) + 0.5
+        probe({"image": images, "label": torch.tensor([0, 1, 2, 3, 4, 0])})
+        feats = probe.encoder.forward_features(images)[:, 0].double()  # the frozen cls features
+        mean = 0.9 * mean + 0.1 * feats.mean(0)
+        var = 0.9 * var + 0.1 * feats.var(0, unbiased=True)
+    bn = probe.head[0]
+    torch.testing.assert_close(bn.running_mean.double(), mean, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(bn.running_var.double(), var, rtol=1e-4, atol=1e-6)
+
+
 def test_train_top1_is_the_percentage_of_the_batch_the_probe_gets_right():
     probe = _probe().train()
     images = torch.randn(6, 3, 28, 28)

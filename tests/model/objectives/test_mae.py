@@ -3,7 +3,7 @@ import torch
 
 from model import create_model
 from model.objectives import build_objective
-from model.objectives.mae import MAEConfig, masked_patch_loss
+from model.objectives.mae import MAEConfig, masked_patch_loss, per_patch_mse
 from model.objectives.patches import normalized_pixels, patchify, unpatchify
 
 SMALL = MAEConfig(decoder_dim=32, decoder_depth=1, decoder_heads=2)
@@ -28,6 +28,35 @@ def test_normalized_pixels_hand_computed():
     t = torch.tensor([[1.0, 2.0, 3.0, 6.0]])  # mean 3, unbiased var (4+1+0+9)/3 = 14/3
     want = (t - 3.0) / (14 / 3 + 1e-6) ** 0.5
     assert torch.allclose(normalized_pixels(t), want)
+
+
+def test_normalized_pixels_of_a_near_flat_patch_add_eps_to_the_variance():
+    """Official MAE: (t - mean) / (var + 1e-6) ** .5 with the unbiased variance. On a patch whose
+    variance (1.67e-6) is of the order of eps, eps's value and where it is added both show."""
+    t = torch.tensor([[0.0, 1e-3, 2e-3, 3e-3]])
+    ref = t.double()
+    mean = ref.mean()
+    var = ((ref - mean) ** 2).sum() / 3  # unbiased: 5e-6 / 3
+    want = (ref - mean) / (var + 1e-6) ** 0.5  # about +-0.92, +-0.31
+    torch.testing.assert_close(normalized_pixels(t).double(), want, rtol=1e-4, atol=0)
+
+
+def test_per_patch_mse_of_bf16_inputs_is_computed_and_returned_in_fp32():
+    g = torch.Generator().manual_seed(0)
+    pred, target = torch.randn(2, 4, 48, generator=g).bfloat16(), torch.randn(2, 4, 48, generator=g).bfloat16()
+    got = per_patch_mse(pred, target)
+    assert got.dtype == torch.float32
+    want = ((pred.float() - target.float()) ** 2).mean(-1)  # the same bf16 values, squared and averaged in fp32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_the_target_of_bf16_images_is_the_fp32_target_of_the_same_pixels():
+    """Normalising in bf16 would round the target to 8 bits of mantissa (errors ~2e-3)."""
+    obj = _objective()
+    x = torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(1)).bfloat16()
+    got = obj.target(x)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, obj.target(x.float()))
 
 
 def test_loss_hand_computed():

@@ -88,6 +88,18 @@ def test_level1_loss_equals_the_formula():
     torch.testing.assert_close(obj(b)["loss"], expected)
 
 
+def test_logged_recon_loss_is_the_plain_mse_over_the_masked_patches():
+    """recon_loss: the unweighted per-patch MSE averaged over T's masked patches only."""
+    obj = objective()
+    b = batch(val=False)
+    _, probs = obj.mask_probabilities(b["image"])
+    masking = top_masking(probs, 0.5)
+    per_patch = obj.reconstruct(b["image"], masking)
+    want = per_patch[masking.mask.bool()].mean()
+    assert not torch.isclose(want, per_patch.mean())  # the visible patches would move it
+    torch.testing.assert_close(obj(b)["recon_loss"], want)
+
+
 def test_mask_statistics_by_hand():
     probs = torch.tensor([[0.005, 0.5, 0.999, 0.2],
                           [0.005, 0.7, 0.5, 0.2]])
@@ -276,16 +288,17 @@ def test_a_checkpoint_of_torchs_default_adamw_resumes_into_the_fused_one():
 @pytest.mark.parametrize("mask_input_grad", [False, True])
 @pytest.mark.parametrize("variant", ["mlo", "blo"])
 def test_level3_hands_the_hypergradient_its_rates_paths_and_batches(monkeypatch, variant, mask_input_grad):
-    """One cycle (level1_steps 2, level2_steps 2) read through recorders: Eq. 9's eta_E (times gamma
-    for BLO, Eq. 5) and eta_C = lr * head_lr_scale, the head path for MLO only, T's input as data
-    (or recomputed with mask_input_grad), L2 on the latest D_tr micro-batch, T stepped at
-    lr * mask_lr_scale after level2_steps head steps at lr * head_lr_scale."""
+    """One cycle (level1_steps 2, level2_steps 2; the second step of 2 micro-batches) read through
+    recorders: Eq. 9's eta_E (times gamma for BLO, Eq. 5) and eta_C = lr * head_lr_scale, the head
+    path for MLO only, T's input as data (or recomputed with mask_input_grad), L1 and L2 on the
+    latest D_tr micro-batch, T stepped at lr * mask_lr_scale after level2_steps head steps at
+    lr * head_lr_scale."""
     import model.objectives.mlomae as mlomae_module
 
     lr = 1e-2
     obj = objective(variant=variant, blo_gamma=0.5, head_lr_scale=0.3, mask_lr_scale=0.7, level1_steps=2,
                     level2_steps=2, mask_input_grad=mask_input_grad)
-    seen, steps, t_ins, class_images = {}, [], [], []
+    seen, steps, t_ins, l1_images, class_images = {}, [], [], [], []
     real_hypergradient, real_step = mlomae_module.mask_hypergradient, Auxiliary.step
     real_level1, real_class = obj.level1_loss, obj.class_loss
 
@@ -299,6 +312,7 @@ def test_level3_hands_the_hypergradient_its_rates_paths_and_batches(monkeypatch,
 
     def level1_loss(state, images, t_in, masking, track_encoder=False):
         t_ins.append(t_in)
+        l1_images.append(images)
         return real_level1(state, images, t_in, masking, track_encoder)
 
     def class_loss(state, head, images, labels):
@@ -309,9 +323,9 @@ def test_level3_hands_the_hypergradient_its_rates_paths_and_batches(monkeypatch,
     monkeypatch.setattr(Auxiliary, "step", staticmethod(step))
     monkeypatch.setattr(obj, "level1_loss", level1_loss)
     monkeypatch.setattr(obj, "class_loss", class_loss)
-    older, latest = batch(0, val=False), batch(1)
+    older, middle, latest = batch(0, val=False), batch(2, val=False), batch(1)
     assert obj.after_optimizer_step(lr=lr, batches=[older]) == {}
-    obj.after_optimizer_step(lr=lr, batches=[latest])
+    obj.after_optimizer_step(lr=lr, batches=[middle, latest])  # gradient accumulation: 2 micro-batches
 
     assert seen["lr_enc"] == pytest.approx(lr * (0.5 if variant == "blo" else 1.0))
     assert seen["lr_head"] == pytest.approx(lr * 0.3)
@@ -320,7 +334,8 @@ def test_level3_hands_the_hypergradient_its_rates_paths_and_batches(monkeypatch,
     assert [s for _, s in steps] == pytest.approx([lr * 0.3, lr * 0.3, lr * 0.7])
     assert all(s["step"].item() == 2 for s in obj.aux.head_opt.state.values())  # level2_steps AdamW steps of C
     assert t_ins and all((t is None) == mask_input_grad for t in t_ins)
-    # L3 on D_val; L2 (read only on MLO's head path) on the latest D_tr micro-batch, not the older one
+    assert l1_images and all(torch.equal(x, latest["image"]) for x in l1_images)  # the step's last micro-batch
+    # L3 on D_val; L2 (read only on MLO's head path) on the latest D_tr micro-batch, not an earlier one
     assert any(torch.equal(x, latest["val_image"]) for x in class_images)
     l2_images = [x for x in class_images if not torch.equal(x, latest["val_image"])]
     assert len(l2_images) == (2 if variant == "mlo" else 0)
