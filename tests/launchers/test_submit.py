@@ -300,7 +300,8 @@ def test_every_path_the_job_reads_is_absolute_wherever_it_was_given(tmp_path, mo
     log = fake_sbatch(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     job = ["--nodes", "1", "--gpus_per_node", "0", "--", "--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET),
-           "--config", "preset.json", "--data.source", "shards", "--data.num_workers", "1", "--model.in_chans", "3"]
+           "--data.source", "shards", "--data.num_workers", "1", "--model.in_chans", "3",
+           "--config", "preset.json"]  # a relative path as the last option too
     _save_encoder(tmp_path / "weights" / "encoder.safetensors",  # the preset's weights: the job's model
                   ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET), "--model.in_chans", "3"])
     assert main(["--dry", *job]) == 0
@@ -377,12 +378,13 @@ def test_ranks_per_node_up_to_the_gpus_are_asked_for_as_given(tmp_path, capsys):
 
 
 def test_cpus_per_task_are_the_rank_and_its_loader_workers(tmp_path, rgb_shards, capsys):
-    """Without --cpus_per_task: data.num_workers + 1 (the rank and each worker), MAX_AUTO_WORKERS + 1
-    for -1 (auto); --cpus_per_task wins."""
+    """Without --cpus_per_task: data.num_workers + 1 (the rank and each worker; 0 workers: the rank
+    alone), MAX_AUTO_WORKERS + 1 for -1 (auto); --cpus_per_task wins."""
     from data.loader import MAX_AUTO_WORKERS
 
     shards = ["--data.source", "shards", "--data.train_index", str(rgb_shards), "--model.in_chans", "3"]
-    for workers, extra, cpus in ((2, [], 2 + 1), (-1, [], MAX_AUTO_WORKERS + 1), (2, ["--cpus_per_task", "7"], 7)):
+    for workers, extra, cpus in ((2, [], 2 + 1), (0, [], 0 + 1), (-1, [], MAX_AUTO_WORKERS + 1),
+                                 (2, ["--cpus_per_task", "7"], 7)):  # 0: loading in the rank, one CPU
         assert main(["--nodes", "1", "--gpus_per_node", "0", *extra, "--dry",
                      *cpu_job(tmp_path / "run", *shards, "--data.num_workers", str(workers))]) == 0, \
             capsys.readouterr().err

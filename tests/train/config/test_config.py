@@ -150,6 +150,20 @@ def test_peak_lr_and_schedule_steps_follow_the_global_batch_not_the_micro_batch(
     assert schedule_steps(cfg, plan) == (per_epoch, per_epoch * cfg.optim.epochs, per_epoch * cfg.optim.warmup_epochs)
 
 
+def test_an_epoch_smaller_than_the_global_batch_is_refused_with_the_largest_micro_batch_that_fits():
+    """100 samples, micro 16 x accumulation 4 x 2 ranks = 128: the micro-batch to suggest is the largest
+    whose global batch (micro x 4 x 2) still fits in 100, with the accumulation and ranks as they are."""
+    from train.config.ds_config import BatchPlan
+    from train.config.plan import schedule_steps
+
+    cfg = parse_args(["--ds_config", "ds_configs/cpu_debug.json", "--config", "train/configs/mae/debug.json",
+                      "--data.epoch_size", "100"])
+    micro, accum, world, samples = 16, 4, 2, 100
+    most = max(m for m in range(1, micro) if m * accum * world <= samples)
+    with pytest.raises(ConfigError, match=rf"train_micro_batch_size_per_gpu of at most {most} \(it sets {micro}\)"):
+        schedule_steps(cfg, BatchPlan(micro, accum, world))
+
+
 def test_parsing_a_configuration_loads_neither_timm_nor_torchvision():
     """The options, their checks and every method's objective class import without timm (which
     loads all its models) or torchvision (which loads torch._dynamo): seconds of start-up that a

@@ -303,3 +303,18 @@ def test_the_engine_takes_clipping_reduce_dtype_and_bucket_size_from_the_final_d
     # left out: the compute dtype (DeepSpeed's default) and DDP's own buckets
     plain = EngineConfig.from_ds_config(resolve(_cfg(tmp_path, {**BASE, "gradient_clipping": clip}), world=1)[0])
     assert (plain.clip, plain.reduce, plain.bucket_elements, plain.bucket_mb()) == (clip, "fp32", 0, 25.0)
+    # no stage given is DeepSpeed's stage 0, whose DDP buckets the size sets
+    stageless = {**BASE, "zero_optimization": {"reduce_bucket_size": 1000}}
+    implied = EngineConfig.from_ds_config(resolve(_cfg(tmp_path, stageless), world=1, cuda=False)[0])
+    assert (implied.stage, implied.bucket_elements) == (0, 1000)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_without_communication_data_type_gradients_are_reduced_in_the_compute_dtype(tmp_path, precision):
+    """DeepSpeed's default: bf16 training reduces in bf16, fp16 in fp16, fp32 in fp32."""
+    from train.engine import EngineConfig
+
+    ds = {**BASE, "bf16": {"enabled": precision == "bf16"}, "fp16": {"enabled": precision == "fp16"}}
+    final, _ = resolve(_cfg(tmp_path, ds), world=2, cuda=True, bf16_ok=True)
+    cfg = EngineConfig.from_ds_config(final)
+    assert (cfg.precision, cfg.reduce) == (precision, precision)
