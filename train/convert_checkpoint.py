@@ -174,7 +174,9 @@ def _legacy_optimizer(tag_dir: Path, shapes: dict[str, torch.Size]) -> tuple[str
     _check_covered(tag_dir, spans, names, shapes)
     flat: dict[tuple[str, str], torch.Tensor] = {}
     for name, key, lo, hi, values in copies:
-        whole = flat.setdefault((name, key), torch.zeros(shapes[name].numel(), dtype=values.dtype))
+        # fp32, as the engine's moments are (its optimizer runs on fp32 masters, and a tag's metadata
+        # admits fp32 tensors only): 16-bit moments widen exactly
+        whole = flat.setdefault((name, key), torch.zeros(shapes[name].numel(), dtype=torch.float32))
         whole[lo:hi] = values
     state = {f"{name}/{key}": v.view(shapes[name]) for (name, key), v in flat.items()}
     state.update({f"{name}/{key}": v for (name, key), v in scalars.items()})

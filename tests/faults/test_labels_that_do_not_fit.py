@@ -292,6 +292,20 @@ def test_verify_finds_labels_past_the_classes_of_their_index(sets, capsys):
     assert "label 1, the index names 1 classes" in bad[0] and "0 of 2 shards good, 2 bad" in out
 
 
+def test_scores_refuse_a_label_one_past_the_last_class_naming_the_index():
+    """2 classes are labels 0 and 1: a test sample labelled 2 (shards whose index does not record
+    their labels) is refused naming the index, not scored as a class the training set never had."""
+    from train.run.evaluation import Coverage, Features, scores
+
+    features = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    train = Features(features, torch.tensor([0, 1, 0, 1]), Coverage(Path("train.json"), 4, 4, {}))
+    test = Features(features, torch.tensor([0, 1, 2, 0]), Coverage(Path("test.json"), 4, 4, {}))
+    with pytest.raises(ShardIndexError, match=r"the shard index test.json holds label 2, past the 2 classes of the "
+                                              r"training index: python -m data.verify test.json names the samples"):
+        scores(train, test, 2)
+    assert set(scores(train, test._replace(labels=torch.tensor([0, 1, 1, 0])), 2)) == {"knn_top1", "linear_probe_top1"}
+
+
 # --- shard entries that climb out of the index's folder ---
 
 @pytest.mark.parametrize("entry", ["../../etc/passwd", "sub/../../x.tar", "sub/../train-000000.tar"])

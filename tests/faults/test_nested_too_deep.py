@@ -2,7 +2,6 @@
 a file a run reads: a preset or ds_config is refused in one line before anything is written; a line
 of metrics.jsonl is dropped as a line cut short is; an old tag's complete.json makes neither the
 resume nor the pruning after a save end in a traceback."""
-import json
 import warnings
 
 import pytest

@@ -234,3 +234,50 @@ def test_a_run_folder_converts_only_its_tags_of_the_earlier_layout(tmp_path, cap
     assert convert([str(tmp_path)]) == [legacy]
     # the converted tag left as it was
     assert {f.relative_to(converted): f.read_bytes() for f in converted.rglob("*") if f.is_file()} == done
+
+
+def test_a_piece_of_no_values_converts(tmp_path):
+    """A rank whose flat range held no value wrote a piece [19, 19): nothing to copy, no error; the
+    moments come from the other piece."""
+    from train.engine.state_files import read_contents
+
+    pieces = [{"start": 0, "end": 19, "state": {"step": torch.tensor(1.0), "exp_avg": torch.arange(19.0)}},
+              {"start": 19, "end": 19, "state": {"step": torch.tensor(1.0), "exp_avg": torch.ones(0)}}]
+    tag = _tag_of(tmp_path, _model(), _optim(pieces=pieces))
+    assert convert([str(tag)]) == [tag]
+    assert read_contents(tag).optimizer == "AdamW" and not (tag / "model.pt").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_moments_of_any_float_dtype_convert_into_fp32_a_resume_reads(tmp_path, dtype):
+    """The engine's moments are fp32, and a tag's optimizer metadata admits fp32 tensors only: 16-bit
+    moments are widened, exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    from train.engine.state_files import read_contents, single_process_quiet
+    from train.engine.tag_reader import CheckedMetadataReader
+
+    moments = torch.linspace(-3, 3, 19).to(dtype)
+    pieces = [{"start": 0, "end": 19, "state": {"step": torch.tensor(1.0), "exp_avg": moments}}]
+    tag = _tag_of(tmp_path, _model(), _optim(pieces=pieces))
+    assert convert([str(tag)]) == [tag]
+    assert read_contents(tag).optimizer == "AdamW"  # the check a resume makes before start
+    into = {f"{name}/exp_avg": torch.zeros(shape) for name, shape in (("w", (2, 5)), ("b", (3,)))}
+    with single_process_quiet():
+        dcp.load(into, storage_reader=CheckedMetadataReader(tag / "optim"), no_dist=True)
+    assert torch.equal(into["w/exp_avg"].flatten(), moments[:10].float())
+    assert torch.equal(into["b/exp_avg"], moments[16:19].float())
+
+
+def test_non_tensor_module_state_is_carried_into_the_converted_tag(tmp_path):
+    """A module's _extra_state (not a tensor, e.g. {'version': 3}) is kept beside the weights, as a
+    save keeps it, so a resume restores it."""
+    from train.engine.state_files import read_module_state
+
+    model = _model()
+    model["module"]["blk._extra_state"] = {"version": 3}
+    tag = _tag_of(tmp_path, model, _optim())
+    convert([str(tag)])
+    state = read_module_state(tag)
+    assert state["blk._extra_state"] == {"version": 3}
+    assert set(state) == {"w", "b", "blk._extra_state"}

@@ -1,3 +1,4 @@
+import math
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,33 @@ def test_knn_is_cosine_whatever_each_training_features_norm():
     scaled = train_f * torch.rand(60, 1, generator=g).mul(100).add(0.01)  # each row by its own positive factor
     unit = train_f / train_f.norm(dim=1, keepdim=True)
     assert knn_top1(scaled, train_y, test_f, test_y, 4, k=5) == knn_top1(unit, train_y, test_f, test_y, 4, k=5)
+
+
+def test_knn_votes_with_exactly_k_neighbours():
+    """The nearest training feature is of class 0, the next two (nearly as near) of class 1: with
+    k=2 at T=1 the votes are exp(1) for class 0 against exp(cos 0.2) for class 1, class 0 wins; a
+    third neighbour adds exp(cos 0.25) to class 1, which then wins."""
+    train_f = torch.tensor([[1.0, 0.0], [math.cos(0.2), math.sin(0.2)], [math.cos(0.25), math.sin(0.25)]])
+    train_y, test_f, test_y = torch.tensor([0, 1, 1]), torch.tensor([[1.0, 0.0]]), torch.tensor([0])
+    assert math.exp(1.0) > math.exp(math.cos(0.2))  # k=2: class 0
+    assert math.exp(math.cos(0.2)) + math.exp(math.cos(0.25)) > math.exp(1.0)  # k=3: class 1
+    assert knn_top1(train_f, train_y, test_f, test_y, 2, k=2, temperature=1.0) == 100.0
+    assert knn_top1(train_f, train_y, test_f, test_y, 2, k=3, temperature=1.0) == 0.0
+
+
+def test_knn_is_cosine_whatever_each_test_features_norm():
+    """Cosine similarities ignore the test features' length: scaled down 100 times (by dot product
+    every vote would then weigh about the same, and the two class-1 neighbours would outvote the
+    nearest one, of class 0) the result is the same."""
+    train_f = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.6, -0.8]])
+    train_y, test_f, test_y = torch.tensor([0, 1, 1]), torch.tensor([[1.0, 0.0]]), torch.tensor([0])
+    assert knn_top1(train_f, train_y, test_f, test_y, 2, k=3) == 100.0  # exp(1 / 0.07) > 2 exp(0.6 / 0.07)
+    assert knn_top1(train_f, train_y, test_f * 0.01, test_y, 2, k=3) == 100.0
+    g = torch.Generator().manual_seed(0)
+    train_f, test_f = torch.randn(60, 8, generator=g), torch.randn(40, 8, generator=g)
+    train_y, test_y = torch.randint(0, 4, (60,), generator=g), torch.randint(0, 4, (40,), generator=g)
+    scaled = test_f * torch.rand(40, 1, generator=g).mul(100).add(0.001)  # each row by its own positive factor
+    assert knn_top1(train_f, train_y, scaled, test_y, 4, k=5) == knn_top1(train_f, train_y, test_f, test_y, 4, k=5)
 
 
 def test_knn_scores_each_chunk_against_its_own_labels():

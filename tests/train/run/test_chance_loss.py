@@ -20,3 +20,11 @@ def test_a_quarter_of_a_run_rounds_up():
     watch = ChanceLoss(num_classes=10, stop_step=10)
     assert not watch.at_chance(2, math.log(10))
     assert watch.at_chance(3, math.log(10))
+
+
+def test_a_loss_above_chance_counts_as_not_learning():
+    """A classifier worse than guessing (10 classes: loss 3.5 past ln 10 = 2.303, e.g. diverged) is
+    not learning either: only a loss below the band around chance clears it."""
+    watch = ChanceLoss(num_classes=10, stop_step=100)
+    assert 3.5 > 1.02 * math.log(10)
+    assert watch.at_chance(50, 3.5) and watch.last == (50, 3.5)
