@@ -22,8 +22,8 @@ KEPT_AFTER_CORRUPT_DATA = ("A training run keeps its last complete checkpoint, i
                            "the same command again with --resume auto.")
 
 
-def cli(main_fn) -> None:
-    """Run an entry point; a configuration problem exits with status 2 and a one-line message; a
+def cli(main_fn) -> int:
+    """Run an entry point (returns the size of the process group it ended, 0 if none); a configuration problem exits with status 2 and a one-line message; a
     run stopped by what it detected (diverged: train/engine/nonfinite.py; too much corrupt data:
     data/faults.py; a checkpoint that could not be written: train/engine/checkpoint.py) with status 3, its
     last checkpoint kept; a run stopped by Ctrl-C or kill outside Slurm (train/run/preemption.py) with
@@ -33,7 +33,7 @@ def cli(main_fn) -> None:
     the highest)."""
     try:
         main_fn()
-        end_process_group()
+        return end_process_group()
     except Interrupted as e:
         if e.message:  # rank 0's
             print(e.message, file=sys.stderr)
@@ -107,16 +107,20 @@ def peer_lost(e: RuntimeError) -> int | None:
     return dist.get_rank() if gone else None
 
 
-def end_process_group() -> None:
+def end_process_group() -> int:
     """After a run that ended well on every rank: the process group ends here, while the
     interpreter is whole, rather than in its shutdown (where NCCL warns that nothing ended it, and
-    the backends' threads are torn down in whatever order the interpreter frees them). A failed run
-    skips this: a rank that raised must not wait in a collective for ranks still training."""
+    the backends' threads are torn down in whatever order the interpreter frees them); its size, 0
+    when there was none. A failed run skips this: a rank that raised must not wait in a collective
+    for ranks still training."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    ranks = dist.get_world_size()
+    dist.barrier()
+    dist.destroy_process_group()
+    return ranks
 
 
 def run_script(main_fn) -> None:
@@ -124,9 +128,10 @@ def run_script(main_fn) -> None:
     `early_signals.at_script_start()`: ending with its own status, the process then ignores Slurm's
     stop signals, so a SIGTERM during Python's shutdown (srun --kill-on-bad-exit, after another rank
     failed) cannot turn exit 2 into 143. A run that fails with its process group still alive
-    (`end_process_group` is for runs that ended well) leaves through `leave_with_group_alive`."""
+    (`end_process_group` is for runs that ended well), and one that ended well on several ranks,
+    leave through `leave_before_teardown`."""
     try:
-        cli(main_fn)
+        ranks = cli(main_fn)
     except (SystemExit, Exception) as e:
         early_signals.ignore_stop_signals()
         status = exit_status(e)
@@ -136,10 +141,12 @@ def run_script(main_fn) -> None:
             time.sleep(PEER_GONE_GRACE_S)
         if status != 0 and group_alive():
             print_as_the_interpreter(e)
-            leave_with_group_alive(status)
+            leave_before_teardown(status)
         raise
     finally:
         early_signals.ignore_stop_signals()
+    if ranks > 1:  # what gloo leaves behind its ended group (work objects, threads) can abort the teardown too
+        leave_before_teardown(0)
 
 
 def exit_status(e: SystemExit | Exception) -> int:
@@ -164,12 +171,13 @@ def group_alive() -> bool:
     return dist is not None and dist.is_available() and dist.is_initialized()
 
 
-def leave_with_group_alive(status: int) -> None:
+def leave_before_teardown(status: int) -> None:
     """End the process now with `status`, after what Python's exit does for the program (standard
     output and error flushed, atexit: the loader's worker processes, logging's handlers), without
-    the interpreter's teardown of native objects. There, the live gloo process group's threads and
+    the interpreter's teardown of native objects. There, a live gloo process group's threads and
     the store have been seen to abort the process ("terminate called without an active exception"):
-    a rank that reported exit 3 then ended with SIGABRT, and the launcher reported 250. Threads
+    a rank that reported exit 3 then ended with SIGABRT, and the launcher reported 250; so was, once
+    in a loaded suite, a rank of a 2-rank run that had ended well and destroyed its group. Threads
     still running (one blocked in a collective for a peer that ended) are not waited for."""
     import atexit
 

@@ -120,6 +120,30 @@ def test_a_script_that_ended_well_ends_through_the_interpreter():
     assert proc.stdout == "written, not yet flushed"
 
 
+def test_a_script_that_ended_well_on_two_ranks_leaves_before_the_teardown():
+    """What gloo leaves behind a group that ended well (its work objects, threads) has aborted a
+    rank in the interpreter's teardown once (SIGABRT, the launcher's 250): on several ranks a run
+    that ended well leaves after its output's flush and the atexit handlers, as a failed one does."""
+    from conftest import REPO
+    from ports import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+    env |= {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, "well"], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(2)]
+    try:
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    for out, err in outputs:
+        assert out == "written, not yet flushed" and "atexit handlers ran" in err, err[-3000:]
+        assert "interpreter teardown" not in err, err[-3000:]
+
+
 # Two ranks of one gloo group: rank 1 meets a configuration error while rank 0 waits for it in a
 # collective, which then fails because rank 1's process ended. Each rank's last atexit handler
 # (run just before the process ends) prints when it ran.
