@@ -256,6 +256,18 @@ def test_the_fp16_sections_scaler_settings_reach_the_engine():
     assert engine.device_state()["loss_scale"].item() == 2.0 ** 8
 
 
+
+def test_an_fp16_section_that_only_enables_it_takes_deepspeeds_documented_scaler_defaults():
+    """DeepSpeed's ds_config reference (docs "fp16 training options"): loss_scale 0 (dynamic),
+    initial_scale_power 16, loss_scale_window 1000, hysteresis 2, consecutive_hysteresis false,
+    min_loss_scale 1; a file that names none of them gets those."""
+    from train.engine import EngineConfig
+
+    cfg = EngineConfig.from_ds_config({**BASE, "fp16": {"enabled": True}}).loss_scale
+    assert (cfg.loss_scale, cfg.initial_scale_power, cfg.loss_scale_window) == (0, 16, 1000)
+    assert (cfg.hysteresis, cfg.consecutive_hysteresis, cfg.min_loss_scale) == (2, False, 1)
+    assert cfg.dynamic
+
 @pytest.mark.parametrize("precision,given,summed", [
     ("bf16", None, "bf16"), ("bf16", "fp32", "fp32"), ("bf16", "float32", "fp32"), ("bf16", "torch.float32", "fp32"),
     ("bf16", "bfloat16", "bf16"), ("fp16", "half", "fp16"), ("fp16", "float", "fp32"), ("fp32", None, "fp32"),

@@ -7,6 +7,7 @@ import copy
 from types import SimpleNamespace
 
 import pytest
+import tiny_engine
 import torch
 from tiny_engine import (SkipsB, Tiny, adamw, batches, engine_steps, groups_of, master_weights, reference_steps,
                          schedule)
@@ -113,17 +114,26 @@ def test_the_ds_configs_gradient_clipping_clips_the_engines_steps():
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.5, 100.0])
-def test_the_fp16_gradient_norm_is_unscaled_and_clips_as_fp32s(clip):
+def test_the_fp16_gradient_norm_is_unscaled_and_clips_as_fp32s(clip, monkeypatch):
     """fp16's gradients carry the loss scale (2**8 here): the logged norm and the clip coefficient
-    are the unscaled gradients', so a clip of 100 (far above the norm) clips nothing."""
+    are the unscaled gradients', so a clip of 100 (far above the norm) clips nothing. AdamW's
+    moments see the unscaled, clipped gradients too (its update alone would hide a scale error)."""
     torch.manual_seed(0)
     module, data = Tiny(), batches(6)
     fp16 = engine_steps(module, data, 1, clip, "fp16")
     fp32 = engine_steps(module, data, 1, clip, "fp32")
     torch.testing.assert_close(fp16.grad_norm, fp32.grad_norm, rtol=2e-2, atol=0)
+    made = []  # the reference loop's optimizer, to read its moments
+    monkeypatch.setattr(tiny_engine, "adamw", lambda groups: made.append(adamw(groups)) or made[-1])
     ref = dict(reference_steps(module, data, 1, clip, torch.float16).named_parameters())
     for name, value in master_weights(fp16).items():
         torch.testing.assert_close(value, ref[name].detach(), rtol=2e-3, atol=2e-3, msg=name)
+    ref_opt, = made
+    for ref_group, group in zip(ref_opt.param_groups, fp16.optimizer.param_groups, strict=True):
+        for p_ref, p in zip(ref_group["params"], group["params"], strict=True):
+            for key in ("exp_avg", "exp_avg_sq") if p_ref in ref_opt.state else ():
+                torch.testing.assert_close(fp16.optimizer.state[p][key], ref_opt.state[p_ref][key],
+                                           rtol=2e-3, atol=1e-6, msg=key)
 
 
 def test_accumulated_micro_batches_give_their_mean_gradient():

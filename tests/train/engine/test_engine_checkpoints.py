@@ -86,3 +86,15 @@ def test_an_adamw_tag_is_refused_by_a_lars_engine_naming_both(tmp_path):
     engine_steps(Tiny(), batches(1), 1, 0.0, "fp32").save(tmp_path, {"step": 1})
     with pytest.raises(ValueError, match="holds AdamW state; this run's optimizer is LARS"):
         fresh_engine(lambda groups: LARS(groups, lr=0.0)).load(tmp_path)
+
+
+def test_a_resume_in_a_non_finite_streak_keeps_the_streak_as_the_windows_worst():
+    """Saved three skipped steps into a streak: after the resume, a finite step ends the streak, but
+    the loop's next read still sees the three-step streak as the worst, as it would have without the resume."""
+    from train.engine.nonfinite import DeviceHealth
+
+    health = DeviceHealth(torch.device("cpu"))
+    health.load_state_dict({"skipped": 3.0, "streak": 3.0})
+    health.update(torch.tensor(0.0))  # the first step after the resume is finite
+    values = {k: v.item() for k, v in health.tensors().items()}
+    assert values == {"skipped_steps": 3.0, "nonfinite_streak": 0.0, "nonfinite_worst": 3.0}

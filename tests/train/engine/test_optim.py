@@ -1,4 +1,5 @@
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch
 from model import create_model
 from model.objectives import build_objective
 from model.objectives.mae import MAEConfig
-from train.engine.optim import WarmupCosineSchedule, param_groups, warmup_cosine
+from train.engine.optim import WarmupCosineSchedule, build_optimizer, param_groups, warmup_cosine
 
 
 def test_param_groups_split():
@@ -34,6 +35,8 @@ def test_warmup_cosine_values():
     assert warmup_cosine(55, peak, 0.0, warm, total) == pytest.approx(0.5)  # half-way through the cosine
     assert warmup_cosine(100, peak, 0.1, warm, total) == pytest.approx(0.1)
     assert warmup_cosine(40, peak, 0.1, warm, total) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 3)))
+    # past total_steps the cosine does not rise again: the lr stays at min_lr
+    assert warmup_cosine(150, peak, 0.1, warm, total) == pytest.approx(0.1)
 
 
 def test_schedule_sets_every_group_and_resumes():
@@ -75,6 +78,23 @@ def test_layer_ids_and_decay_groups():
     assert [g["lr"] for g in opt.param_groups] == [1.0 * g["lr_scale"] for g in groups]
 
 
+def test_build_optimizer_gives_adamw_the_configured_betas():
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    opt = build_optimizer([{"params": [p], "weight_decay": 0.05}], SimpleNamespace(name="adamw", betas=(0.9, 0.95)))
+    assert isinstance(opt, torch.optim.AdamW)
+    assert [g["betas"] for g in opt.param_groups] == [(0.9, 0.95)]  # not torch's default (0.9, 0.999)
+
+
+def test_build_optimizer_gives_lars_maes_linear_probe_momentum_and_trust_coefficient():
+    """MAE's linear probe LARS (util/lars.py): momentum 0.9, trust_coefficient 0.001."""
+    from train.engine.optim import LARS
+
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    opt = build_optimizer([{"params": [p], "weight_decay": 0.0}], SimpleNamespace(name="lars"))
+    assert isinstance(opt, LARS)
+    assert [(g["momentum"], g["trust_coefficient"]) for g in opt.param_groups] == [(0.9, 0.001)]
+
+
 def test_lars_step_hand_computed():
     from train.engine.optim import LARS
 
@@ -103,3 +123,17 @@ def test_lars_leaves_a_weight_with_a_zero_gradient_as_it_is():
     p.grad = torch.zeros(3, 4)
     opt.step()
     assert torch.equal(p.detach(), before)
+
+
+def test_lars_moves_an_all_zero_weight_with_trust_ratio_one():
+    """||w|| = 0 takes the trust ratio 1 (MAE's LARS), not trust * 0 / ||g|| = 0, which would keep a
+    zero-initialised weight at zero for ever."""
+    from train.engine.optim import LARS
+
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    opt = LARS([p], lr=0.1, weight_decay=0.0, momentum=0.9, trust_coefficient=0.001)
+    p.grad = torch.ones(2, 3)
+    opt.step()  # ratio 1: mu = 1, w = -0.1 * 1
+    assert torch.allclose(p.detach(), torch.full((2, 3), -0.1))
+    opt.step()  # now ||w|| / ||g|| = 0.1: ratio 0.001 * 0.1, mu = 0.9 * 1 + 1e-4, w = -0.1 - 0.1 * mu
+    assert torch.allclose(p.detach(), torch.full((2, 3), -0.1 - 0.1 * (0.9 + 0.001 * 0.1)))
