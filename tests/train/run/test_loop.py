@@ -7,6 +7,7 @@ import torch
 
 import train.run.loop as loop
 from train.engine import EngineConfig, build
+from train.engine.nonfinite import NonFiniteError
 from train.engine.optim import WarmupCosineSchedule
 from train.run.loop import LoopSettings, LoopState, run
 
@@ -124,3 +125,34 @@ def test_a_stop_signal_interrupts_only_a_run_with_steps_left(signal_at, stopped,
                  should_stop=lambda step: step == signal_at)
     assert result is stopped
     assert saved == saved_at and state.step == signal_at
+
+
+def test_a_stop_signal_at_a_checkpoint_step_stops_there_and_saves_it_once():
+    """The signal lands on step 2 of 6, which saves anyway (ckpt_every 2): the run stops at that step,
+    not one later, with that step's one checkpoint (no second write of the same step)."""
+    state, saved = LoopState(0), []
+    result = run(engine_of(Recorded()), images(), LoopSettings(6, log_every=3, ckpt_every=2, global_batch=4), state,
+                 torch.device("cpu"), torch.float32, lambda step, metrics: None, saved.append,
+                 should_stop=lambda step: step >= 2)  # once received, every later round agrees to stop
+    assert result is True
+    assert state.step == 2 and saved == [2]
+
+
+def test_a_nonfinite_streak_is_caught_at_a_checkpoint_step_before_it_is_saved():
+    """NaN losses at steps 2 and 3 reach the limit of 2 at step 3, a checkpoint step but no log step
+    (log every 4): the counters are read there, so the run stops at 3 without writing that checkpoint."""
+    state, saved = LoopState(0), []
+    settings = LoopSettings(8, log_every=4, ckpt_every=3, global_batch=4, max_nonfinite_steps=2)
+    with pytest.raises(NonFiniteError, match=r"\(2-3\)"):
+        run(engine_of(Recorded(nan_at={2, 3})), images(), settings, state, torch.device("cpu"), torch.float32,
+            lambda step, metrics: None, saved.append)
+    assert state.step == 3 and saved == []
+
+
+def test_after_a_resume_a_nonfinite_run_is_placed_among_this_runs_steps():
+    """Resumed at step 10, NaN at steps 11-12 (limit 2), finite again by the read at step 16: the
+    error places the run of skipped steps after the resumed step, between 11 and 16."""
+    settings = LoopSettings(20, log_every=8, ckpt_every=100, global_batch=4, max_nonfinite_steps=2)
+    with pytest.raises(NonFiniteError, match="between steps 11 and 16"):
+        run(engine_of(Recorded(nan_at={1, 2})), images(), settings, LoopState(10), torch.device("cpu"),
+            torch.float32, lambda step, metrics: None, lambda step: None)

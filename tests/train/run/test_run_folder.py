@@ -4,7 +4,7 @@ treated as the malformed files they are."""
 import json
 import logging
 
-from train.run.folder import Reporter, foreign_config, metric_rows, other_run
+from train.run.folder import Reporter, foreign_config, metric_rows, never_trained, other_run
 
 DEEP_LINE = "[" * 100_000 + "]" * 100_000
 
@@ -71,3 +71,13 @@ def test_tensorboard_holds_each_step_once_after_a_resume_and_evaluations_under_e
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0),
                                                                         (5, 15.0)]
     assert [(e.step, e.value) for e in events.Scalars("eval/eval_top1")] == [(2, 20.0), (5, 50.0)]
+
+
+def test_a_run_whose_metrics_hold_only_blank_lines_never_trained(tmp_path):
+    """A metrics.jsonl with no line of text records no logged step: the folder's run never trained,
+    while one real line (and no checkpoint) means it did."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n")
+    assert never_trained(tmp_path, [])
+    metrics.write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    assert not never_trained(tmp_path, [])
