@@ -16,7 +16,7 @@ from model.weights_reader import SAFETENSORS_BYTES, WeightsFileError, safe_load,
 READERS = (safe_load, weights_shapes)
 
 
-def _refused_alike(path, said: str) -> None:
+def assert_refused_alike(path, said: str) -> None:
     """Both readers refuse `path` with the same WeightsFileError, which names the file and matches `said`."""
     messages = []
     for read in READERS:
@@ -31,7 +31,7 @@ def test_a_file_shorter_than_the_header_length_is_refused(size, tmp_path):
     """Fewer than the 8 bytes of the header length: nothing to unpack a length from."""
     path = tmp_path / "short.safetensors"
     path.write_bytes(bytes(range(1, size + 1)))
-    _refused_alike(path, rf"is truncated or not a safetensors file: {size} bytes, fewer than the 8 of the header length")
+    assert_refused_alike(path, rf"is truncated or not a safetensors file: {size} bytes, fewer than the 8 of the header length")
 
 
 def test_a_header_nested_too_deep_for_json_is_refused_as_not_json(tmp_path):
@@ -39,14 +39,14 @@ def test_a_header_nested_too_deep_for_json_is_refused_as_not_json(tmp_path):
     deep = b"[" * 100_000
     path = tmp_path / "deep.safetensors"
     path.write_bytes(struct.pack("<Q", len(deep)) + deep)
-    _refused_alike(path, r"is not a safetensors file: its 100000-byte header is not JSON \(RecursionError")
+    assert_refused_alike(path, r"is not a safetensors file: its 100000-byte header is not JSON \(RecursionError")
 
 
 @pytest.mark.parametrize("header", [b"[1, 2, 3]", b"7", b'"tensors"', b"null"])
 def test_a_header_of_json_other_than_a_table_is_refused(header, tmp_path):
     path = tmp_path / "list.safetensors"
     path.write_bytes(struct.pack("<Q", len(header)) + header)
-    _refused_alike(path, r"is not a safetensors file: its header is JSON but not a table of tensors")
+    assert_refused_alike(path, r"is not a safetensors file: its header is JSON but not a table of tensors")
 
 
 def test_tensors_that_leave_a_gap_between_them_are_refused(tmp_path):
@@ -58,7 +58,7 @@ def test_tensors_that_leave_a_gap_between_them_are_refused(tmp_path):
     header["b"]["data_offsets"] = [a_end + 16, a_end + 48]
     path = tmp_path / "gap.safetensors"
     path.write_bytes(_with_header(header, data[:a_end] + bytes(16) + data[a_end:]))
-    _refused_alike(path, rf"tensor 'b' starts at byte {a_end + 16} of the data, where the tensor before it ends at "
+    assert_refused_alike(path, rf"tensor 'b' starts at byte {a_end + 16} of the data, where the tensor before it ends at "
                          rf"{a_end} \(tensors overlap or leave a gap\)")
 
 

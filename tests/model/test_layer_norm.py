@@ -96,3 +96,27 @@ def test_inside_norms_as_on_cuda_the_cpu_takes_nn_layer_norms_own_kernel():
     with torch.profiler.profile() as prof:  # and after the block, the fp32 path again
         ours(x)
     assert any(e.name == "aten::_to_copy" for e in prof.events())
+
+
+def test_off_the_cpu_a_16_bit_input_takes_nn_layer_norms_own_op():
+    """A device other than the CPU (the meta device standing in for CUDA) runs aten's layer norm on
+    the bf16 input itself: no cast in, no cast out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    norm = LayerNorm(DIM, eps=1e-6, device="meta", dtype=torch.bfloat16)
+    x = torch.empty(8, DIM, device="meta", dtype=torch.bfloat16)
+    with Ops() as ops:
+        y = norm(x)
+    assert y.dtype == torch.bfloat16 and "native_layer_norm" in ops.seen and "_to_copy" not in ops.seen, ops.seen
+    with Ops() as ops:  # the CPU path, for contrast: the casts are there
+        LayerNorm(DIM, eps=1e-6, dtype=torch.bfloat16)(torch.zeros(8, DIM, dtype=torch.bfloat16))
+    assert "_to_copy" in ops.seen, ops.seen

@@ -23,10 +23,11 @@ KEPT_AFTER_CORRUPT_DATA = ("A training run keeps its last complete checkpoint, i
 
 
 def cli(main_fn) -> int:
-    """Run an entry point (returns the size of the process group it ended, 0 if none); a configuration problem exits with status 2 and a one-line message; a
-    run stopped by what it detected (diverged: train/engine/nonfinite.py; too much corrupt data:
-    data/faults.py; a checkpoint that could not be written: train/engine/checkpoint.py) with status 3, its
-    last checkpoint kept; a run stopped by Ctrl-C or kill outside Slurm (train/run/preemption.py) with
+    """Run an entry point; returns the size of the process group it ended (0 if none). A
+    configuration problem exits with status 2 and a one-line message; a run stopped by what it
+    detected (diverged: train/engine/nonfinite.py; too much corrupt data: data/faults.py; a
+    checkpoint that could not be written: train/engine/checkpoint.py) with status 3, its last
+    checkpoint kept; a run stopped by Ctrl-C or kill outside Slurm (train/run/preemption.py) with
     130 / 143 and one line naming its checkpoint and how to resume. On several ranks, a rank whose
     collective fails because another rank ended first says so in one line and exits 1 (`PeerGone`):
     the first rank's status and message are the run's (the launchers report the first failure, srun

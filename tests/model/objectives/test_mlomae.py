@@ -78,23 +78,24 @@ def test_level1_trains_encoder_and_decoder_not_the_masking_network():
     assert out["loss"].item() < out["recon_loss"].item()
 
 
-def test_level1_loss_equals_the_formula():
-    obj = objective()
-    b = batch(val=False)
-    tokens, probs = obj.mask_probabilities(b["image"])
+def level1_parts():
+    """The objective, a batch, and level I's pieces of it: T's probabilities, the top-half
+    masking they give, the per-patch reconstruction error."""
+    obj, b = objective(), batch(val=False)
+    _, probs = obj.mask_probabilities(b["image"])
     masking = top_masking(probs, 0.5)
-    per_patch = obj.reconstruct(b["image"], masking)
+    return obj, b, probs, masking, obj.reconstruct(b["image"], masking)
+
+
+def test_level1_loss_equals_the_formula():
+    obj, b, probs, masking, per_patch = level1_parts()
     expected = (masking.mask * probs * per_patch).sum() / masking.mask.sum()
     torch.testing.assert_close(obj(b)["loss"], expected)
 
 
 def test_logged_recon_loss_is_the_plain_mse_over_the_masked_patches():
     """recon_loss: the unweighted per-patch MSE averaged over T's masked patches only."""
-    obj = objective()
-    b = batch(val=False)
-    _, probs = obj.mask_probabilities(b["image"])
-    masking = top_masking(probs, 0.5)
-    per_patch = obj.reconstruct(b["image"], masking)
+    obj, b, _, masking, per_patch = level1_parts()
     want = per_patch[masking.mask.bool()].mean()
     assert not torch.isclose(want, per_patch.mean())  # the visible patches would move it
     torch.testing.assert_close(obj(b)["recon_loss"], want)
