@@ -101,9 +101,16 @@ def run_pretrain(out_dir: Path, *args: str, ranks: int = 1, ds_config: Path = CP
     return proc
 
 
+# The end of a child process that ran training commands in turn (their process groups left alive by
+# main()): the group ends, then the process leaves as the scripts do (train/run/cli.py), without the
+# interpreter's teardown, where what gloo leaves behind has been seen to abort it (SIGABRT)
+CHILD_EXIT = ("from train.run.cli import end_process_group, leave_before_teardown\n"
+              "end_process_group()\nleave_before_teardown(0)\n")
+
+
 def run_pretrain_calls(calls: list[list[str]]) -> subprocess.CompletedProcess:
     """Several train/pretrain.py runs (argv lists) in one Python process: the start-up is paid once."""
-    code = "import json, sys\nfrom train.pretrain import main\nfor argv in json.loads(sys.argv[1]):\n    main(argv)\n"
+    code = "import json, sys\nfrom train.pretrain import main\nfor argv in json.loads(sys.argv[1]):\n    main(argv)\n" + CHILD_EXIT
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(calls)], cwd=REPO, capture_output=True, text=True,
                           env=env, timeout=600)

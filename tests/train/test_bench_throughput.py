@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CPU_DS, DEBUG_PRESET, REPO
+from conftest import CHILD_EXIT, CPU_DS, DEBUG_PRESET, REPO
 
 from train.engine.execution import apply_execution_options
 
@@ -35,7 +35,7 @@ def records(tmp_path_factory):
          str(tmp / "s" / "train.json"), "--data.num_workers", "2", "--model.in_chans", "3", "--data.decode",
          "cpu_draft"],
     ]
-    code = "import json, sys\nfrom train.bench import main\nfor argv in json.loads(sys.argv[1]):\n    main(argv)\n"
+    code = "import json, sys\nfrom train.bench import main\nfor argv in json.loads(sys.argv[1]):\n    main(argv)\n" + CHILD_EXIT
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(calls)], cwd=REPO, capture_output=True, text=True,
                           env=env, timeout=600)

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import CHILD_EXIT, REPO
 from PIL import Image
 from readme_commands import Doc, command
 
@@ -70,7 +70,7 @@ def test_the_documented_cpu_probe_learns_as_the_quick_probe_does_and_the_mae_rec
     mae = [*cpu[:recipe], *cpu[recipe + 2:], "--optim.epochs", "1", "--optim.warmup_epochs", "0.1"]
     mae[mae.index("--output_dir") + 1] = str(data / "mae")
     code = ("import json, sys\nfrom train.linprobe import main\nfor argv in json.loads(sys.argv[1]):\n"
-            "    main(argv)\n")
+            "    main(argv)\n" + CHILD_EXIT)
     proc = subprocess.run([sys.executable, "-c", code, json.dumps([cpu, mae])], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CPU_DS, REPO, run_pretrain
+from conftest import CHILD_EXIT, CPU_DS, REPO, run_pretrain
 
 from data.write_shards import main as write_shards
 from train.run.folder import read_metrics
@@ -42,7 +42,7 @@ def test_every_adpe_variant_and_fgsm_trains_from_its_preset(tmp_path):
     calls = [["--ds_config", str(CPU_DS), "--config", str(PRESET), "--config", str(ADPE / f"{n}.json"),
               "--output_dir", str(tmp_path / n), "--run.max_steps", "3", "--run.progress", "false",
               "--run.export", "false"] for n in names]
-    code = "import json, sys\nfrom train.pretrain import main\nfor argv in json.loads(sys.argv[1]):\n    main(argv)\n"
+    code = "import json, sys\nfrom train.pretrain import main\nfor argv in json.loads(sys.argv[1]):\n    main(argv)\n" + CHILD_EXIT
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(calls)], cwd=REPO, capture_output=True, text=True,
                           env=env, timeout=600)

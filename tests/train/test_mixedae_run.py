@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CPU_DS, REPO, run_pretrain
+from conftest import CHILD_EXIT, CPU_DS, REPO, run_pretrain
 
 from train.run.folder import read_metrics
 
@@ -49,7 +49,7 @@ def test_every_table_a4_ablation_trains_from_its_preset(tmp_path):
     calls = [["--ds_config", str(CPU_DS), "--config", str(PRESET), "--config", str(ABLATIONS / f"{name}.json"),
               "--output_dir", str(out), "--run.max_steps", "3", "--run.progress", "false", "--run.export", "false"]
              for name, out in runs.items()]
-    code = "import json, sys\nfrom train.pretrain import main\nfor argv in json.loads(sys.argv[1]):\n    main(argv)\n"
+    code = "import json, sys\nfrom train.pretrain import main\nfor argv in json.loads(sys.argv[1]):\n    main(argv)\n" + CHILD_EXIT
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(calls)], cwd=REPO, capture_output=True, text=True,
                           env=env, timeout=600)
