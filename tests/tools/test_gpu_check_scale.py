@@ -113,13 +113,34 @@ def test_a_stage_whose_run_raises_is_reported_and_the_next_still_runs(tmp_path, 
             raise ValueError("bad ds_config")
 
     monkeypatch.setattr(train.bench, "main", bench)
-    monkeypatch.setattr(train.run.cli, "end_process_group", lambda: ended.append(1))
+    monkeypatch.setattr(train.run.cli, "end_process_group", lambda: ended.append(1) or 1)  # one rank
     out = tmp_path / "o"
     assert scale_ranks.main([str(out), "a.json", "b.json", "--", "--steps", "1"]) == 1
     assert ran == [str(out / "a"), str(out / "b")]
     printed = capsys.readouterr().out
     assert "[scale_ranks] a.json failed" in printed and "ValueError: bad ds_config" in printed
     assert scale_ranks.main([str(out), "b.json", "--", "--steps", "1"]) == 0 and ended == [1]
+
+
+def test_on_several_ranks_a_good_end_leaves_before_the_interpreters_teardown(monkeypatch):
+    import train.bench
+    import train.run.cli
+    from tools.phases import scale_ranks
+
+    left = []
+
+    def leave(status):
+        left.append(status)
+        raise SystemExit(status)  # os._exit in the product: nothing after it runs
+
+    monkeypatch.setattr(train.bench, "main", lambda argv: None)
+    monkeypatch.setattr(train.run.cli, "end_process_group", lambda: 2)  # it ended a group of 2 ranks
+    monkeypatch.setattr(train.run.cli, "leave_before_teardown", leave)
+    with pytest.raises(SystemExit) as ended:
+        scale_ranks.main(["o", "b.json", "--", "--steps", "1"])
+    assert ended.value.code == 0 and left == [0]
+    monkeypatch.setattr(train.run.cli, "end_process_group", lambda: 1)  # one rank: the interpreter's own exit
+    assert scale_ranks.main(["o", "b.json", "--", "--steps", "1"]) == 0 and left == [0]
 
 
 def test_with_one_gpu_the_phase_measures_it_and_says_multi_gpu_is_absent(tmp_path, monkeypatch):

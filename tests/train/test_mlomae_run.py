@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    CHILD_EXIT,
     CPU_DS,
     DEBUG_PRESET,
     REPO,
@@ -100,9 +101,7 @@ REPLICATION = textwrap.dedent("""
     assert not torch.equal(flat, init), "T and C did not move"
     assert torch.equal(gathered[0], gathered[1]), "T / C differ across ranks"
     print("replicated", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-""")
+""") + CHILD_EXIT
 
 
 def test_masking_network_and_head_stay_identical_across_ranks(tmp_path):

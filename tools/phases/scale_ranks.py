@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     out, configs, bench_args = Path(argv[0]), argv[1:split], argv[split + 1:]
     from tools.gpu_check import free_memory
     from train import bench
-    from train.run.cli import end_process_group
+    from train.run.cli import end_process_group, leave_before_teardown
 
     failed = 0
     for path in configs:
@@ -46,7 +46,10 @@ def main(argv: list[str]) -> int:
         free_memory()
     if failed:
         return 1
-    end_process_group()  # before the interpreter's shutdown, as the training commands do
+    # before the interpreter's shutdown, and on several ranks without it, as the training commands do
+    # (train/run/cli.py run_script: what gloo leaves behind its ended group can abort the teardown)
+    if end_process_group() > 1:
+        leave_before_teardown(0)
     return 0
 
 
