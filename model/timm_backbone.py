@@ -12,6 +12,9 @@ softmax(q k^T / sqrt(d)) v (each module's `fused_attn` flag, from timm.layers.us
 SDPA's fused kernels have no double backward, so `attn_backend="math"` (the twice-differentiable
 backend that energy pretraining asks for) sets every module's flag off; any other backend keeps
 timm's choice.
+
+LayerNorm: the model's LayerNorms (timm's LayerNorm and LayerNorm2d, nn.LayerNorm) take
+model/layer_norm.py's fp32 path for 16-bit inputs on the CPU, as our ViT's do.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 
 from kernels.attention import TWICE_DIFFERENTIABLE
+from model.layer_norm import normalise_in_fp32_on_cpu
 
 TIMM_PREFIX = "timm/"
 
@@ -57,6 +61,7 @@ class TimmBackbone(nn.Module):
             for module in model.modules():
                 if hasattr(module, "fused_attn"):
                     module.fused_attn = False
+        normalise_in_fp32_on_cpu(model)  # its LayerNorms' 16-bit CPU backward sums in fp32 (model/layer_norm.py)
         if any(True for _ in model.named_buffers(recurse=False)):
             raise ValueError(f"timm model {name!r} has top-level buffers, which this adapter cannot share")
         self.__dict__["inner"] = model  # not a submodule: its children are adopted below

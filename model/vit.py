@@ -11,9 +11,8 @@ objectives can mask or rearrange tokens without any method-specific code in here
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from functools import partial
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -22,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from kernels import AttentionMask, attention, resolve_backend
 from model.init import mae_init_
 from model.irpe import BiasHook, ContextualRPE
+from model.layer_norm import LayerNorm
 from model.pos_embed import sincos_2d
 
 
@@ -86,34 +86,6 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
-
-
-class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm (same parameters, state-dict keys and CUDA path), except that a bf16 / fp16
-    input on the CPU is normalised in fp32: PyTorch's CPU backward sums the weight and bias
-    gradients over the (batch x tokens) rows in the input's 16-bit dtype, which drifts as rows
-    grow (in bf16 more than 10% off at 20,000 rows: tests/model/test_layer_norm.py); CUDA's kernel
-    sums them in fp32. Inside `norms_as_on_cuda()` every input takes nn.LayerNorm's
-    path (tools/census.py counts on the CPU the kernels a CUDA step launches)."""
-
-    cpu_in_fp32 = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.cpu_in_fp32 or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
-            return super().forward(x)
-        weight = None if self.weight is None else self.weight.float()
-        bias = None if self.bias is None else self.bias.float()
-        return nn.functional.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
-
-
-@contextmanager
-def norms_as_on_cuda() -> Iterator[None]:
-    """Every LayerNorm takes nn.LayerNorm's own path on the CPU too, until the block ends."""
-    LayerNorm.cpu_in_fp32 = False
-    try:
-        yield
-    finally:
-        LayerNorm.cpu_in_fp32 = True
 
 
 NormLayer = Callable[[int], nn.Module]

@@ -263,7 +263,7 @@ def host_time(subjects: list[Subject], rounds: int) -> dict[str, float]:
 
 def census(argv: list[str]) -> dict:
     """The record of one census (see the module docstring)."""
-    from model.vit import norms_as_on_cuda
+    from model.layer_norm import norms_as_on_cuda
 
     with norms_as_on_cuda():  # on the CPU too: the kernels of CUDA's path are counted
         return _census(argv)

@@ -7,7 +7,7 @@ from torch import nn
 from model import create_model
 from model.init import mae_init_
 from model.mae_decoder import MAEDecoder
-from model.vit import LayerNorm
+from model.layer_norm import LayerNorm
 
 ROWS, DIM = 20_000, 64  # a micro-batch of 100 images of 196 tokens, plus some
 
@@ -84,7 +84,7 @@ def test_the_vit_and_the_mae_decoder_normalise_with_it_everywhere():
 
 def test_inside_norms_as_on_cuda_the_cpu_takes_nn_layer_norms_own_kernel():
     """What the launch census counts on the CPU is the CUDA step's path: one layer-norm op, no casts."""
-    from model.vit import norms_as_on_cuda
+    from model.layer_norm import norms_as_on_cuda
 
     x = torch.randn(ROWS, DIM).bfloat16()
     ours, plain = LayerNorm(DIM, eps=1e-6).bfloat16(), nn.LayerNorm(DIM, eps=1e-6).bfloat16()
@@ -119,4 +119,92 @@ def test_off_the_cpu_a_16_bit_input_takes_nn_layer_norms_own_op():
     assert y.dtype == torch.bfloat16 and "native_layer_norm" in ops.seen and "_to_copy" not in ops.seen, ops.seen
     with Ops() as ops:  # the CPU path, for contrast: the casts are there
         LayerNorm(DIM, eps=1e-6, dtype=torch.bfloat16)(torch.zeros(8, DIM, dtype=torch.bfloat16))
+    assert "_to_copy" in ops.seen, ops.seen
+
+
+def channels_first(rows: torch.Tensor) -> torch.Tensor:
+    """(N*H*W, C) rows -> the (N, C, H, W) tensor whose channels they are (H = W = 20)."""
+    return rows.reshape(-1, 20, 20, rows.shape[1]).permute(0, 3, 1, 2).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["nn.LayerNorm", "timm LayerNorm2d"])
+def test_another_librarys_layer_norms_sum_their_16_bit_cpu_gradients_in_fp32_once_normalised(kind, dtype):
+    from timm.layers import LayerNorm2d
+
+    from model.layer_norm import normalise_in_fp32_on_cpu
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(ROWS, DIM, generator=g).to(dtype)
+    upstream = (torch.randn(ROWS, DIM, generator=g) * 0.01 + 0.001).to(dtype)
+    want_w, want_b = reference_grads(x, upstream, 1e-6)
+    if kind == "nn.LayerNorm":
+        make, shape = (lambda: nn.LayerNorm(DIM, eps=1e-6)), (lambda t: t)
+    else:  # ConvNeXt's: channels of an NCHW tensor
+        make, shape = (lambda: LayerNorm2d(DIM, eps=1e-6)), channels_first
+    plain, model = make().to(dtype), nn.Sequential(make()).to(dtype)
+    assert normalise_in_fp32_on_cpu(model) is model
+    norm = model[0]
+    assert isinstance(norm, type(plain)) and type(norm).__name__ == type(plain).__name__
+    assert set(norm.state_dict()) == set(plain.state_dict())
+    got_w, got_b = affine_grads(norm, shape(x), shape(upstream))
+    assert norm.weight.grad.dtype == dtype
+    assert relative(got_w, want_w) < 4e-3 and relative(got_b, want_b) < 4e-3
+    if dtype == torch.bfloat16:  # the class's own CPU kernel, for contrast
+        plain_w, plain_b = affine_grads(plain, shape(x), shape(upstream))
+        assert max(relative(plain_w, want_w), relative(plain_b, want_b)) > 0.1
+    with torch.no_grad():  # outputs: the class's own in fp32, cast once
+        assert torch.equal(norm(shape(x)), make()(shape(x).float()).to(dtype))
+
+
+def test_a_timm_backbones_norms_take_the_fp32_path_and_keep_timms_names_and_fp32_results():
+    import timm
+
+    from model.layer_norm import InFp32OnCpu, normalise_in_fp32_on_cpu
+
+    ours = create_model("timm/convnext_atto", img_size=32, in_chans=3)
+    timms = timm.create_model("convnext_atto", pretrained=False, num_classes=0, in_chans=3)
+    norms = [m for m in ours.modules() if isinstance(m, nn.LayerNorm)]
+    assert len(norms) == sum(isinstance(m, nn.LayerNorm) for m in timms.modules()) > 2
+    assert all(isinstance(m, InFp32OnCpu) for m in norms)
+    timms.load_state_dict(ours.state_dict())  # strict: the same names
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(ours(x), timms(x))  # fp32: timm's own path, bit for bit
+    classes = [type(m) for m in norms]
+    normalise_in_fp32_on_cpu(ours)  # a second time: nothing mixed in twice
+    assert [type(m) for m in norms] == classes
+    ours = ours.bfloat16()
+    features = ours(x.bfloat16()).float()  # (2, 320)
+    # a random projection: the plain sum of a LayerNorm's output (unit weights) has no gradient
+    (features * torch.randn(features.shape, generator=torch.Generator().manual_seed(3))).sum().backward()
+    assert all(m.weight.grad.dtype == torch.bfloat16 and m.weight.grad.abs().sum() > 0 for m in norms)
+
+
+def test_a_normalised_foreign_norm_takes_its_own_kernel_on_cuda_and_inside_norms_as_on_cuda():
+    from timm.layers import LayerNorm2d
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from model.layer_norm import normalise_in_fp32_on_cpu, norms_as_on_cuda
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    meta = normalise_in_fp32_on_cpu(nn.Sequential(LayerNorm2d(DIM, device="meta", dtype=torch.bfloat16)))
+    with Ops() as ops:
+        meta(torch.empty(2, DIM, 4, 4, device="meta", dtype=torch.bfloat16))
+    assert "native_layer_norm" in ops.seen and "_to_copy" not in ops.seen, ops.seen
+    cpu = normalise_in_fp32_on_cpu(nn.Sequential(LayerNorm2d(DIM))).bfloat16()
+    x = torch.randn(2, DIM, 4, 4).bfloat16()
+    with norms_as_on_cuda(), Ops() as ops:
+        cpu(x)
+    assert "native_layer_norm" in ops.seen and "_to_copy" not in ops.seen, ops.seen
+    with Ops() as ops:
+        cpu(x)
     assert "_to_copy" in ops.seen, ops.seen
