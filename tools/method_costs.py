@@ -15,10 +15,12 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
     from pathlib import Path
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+import math
 import sys
 from pathlib import Path
 
 from data.cli import Parser, refuse
+from train.config.options import PretrainConfig, section
 from train.config.parsing import parse_args
 from train.estimate.step_flops import PHASES, step_flops
 
@@ -43,11 +45,30 @@ DEBUG_METHODS = {method: [x for preset in presets for x in ("--config", str(CONF
 BASELINE = {"adpe": "maeplus"}  # the rest: mae
 
 
-def costs(micro: int) -> dict[str, dict[str, float]]:
-    """{method: {phase: GFLOP per image, "total": ..., "over_baseline": ...}}."""
+def method_configs() -> dict[str, PretrainConfig]:
+    """{method: its preset's config}, parsed only: no model is built."""
+    return {method: parse_args(["--ds_config", str(DS), "--data.source", "synthetic", *argv])
+            for method, argv in METHODS.items()}
+
+
+def micro_batch_problem(micro: int, configs: dict[str, PretrainConfig]) -> str | None:
+    """Why `micro` images cannot make one micro-batch of every method (None when they can): an
+    objective that mixes groups of images (MixedAE: g = 1/mix_ratio) needs a multiple of its group."""
+    groups = {method: section(cfg).group_size for method, cfg in configs.items()
+              if hasattr(section(cfg), "group_size")}
+    multiple = math.lcm(*groups.values()) if groups else 1
+    if micro % multiple == 0:
+        return None
+    named = ", ".join(f"{method}'s groups of g = 1/{method}.mix_ratio = {g} images" for method, g in groups.items())
+    return (f"--micro {micro} does not split into {named}: give a multiple of {multiple} "
+            f"(e.g. --micro {math.ceil(micro / multiple) * multiple})")
+
+
+def costs(micro: int, configs: dict[str, PretrainConfig] | None = None) -> dict[str, dict[str, float]]:
+    """{method: {phase: GFLOP per image, "total": ..., "over_baseline": ...}}, for `configs`
+    (default: method_configs())."""
     out = {}
-    for method, argv in METHODS.items():
-        cfg = parse_args(["--ds_config", str(DS), "--data.source", "synthetic", *argv])
+    for method, cfg in (configs or method_configs()).items():
         flops = step_flops(cfg, micro)
         out[method] = {phase: flops[phase] / 1e9 for phase in PHASES}
         out[method]["total"] = sum(out[method][p] for p in PHASES)
@@ -67,12 +88,18 @@ def markdown(rows: dict[str, dict[str, float]]) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--micro", type=int, default=8, help="images per micro-batch counted; per-image counts barely move (default: %(default)s)")
+    p.add_argument("--micro", type=int, default=8,
+                   help="images per micro-batch counted, a multiple of MixedAE's group of 1/mix_ratio images; "
+                        "per-image counts barely move (default: %(default)s)")
     p.add_argument("--markdown", action="store_true", help="a markdown table instead of lines")
     a = p.parse_args(argv)
     if a.micro < 1:
         refuse(f"--micro must be >= 1, got {a.micro}")
-    rows = costs(a.micro)
+    configs = method_configs()
+    problem = micro_batch_problem(a.micro, configs)
+    if problem:
+        refuse(problem)
+    rows = costs(a.micro, configs)
     if a.markdown:
         print(markdown(rows))
     else:

@@ -70,6 +70,26 @@ def test_node_mode_by_hand_asks_for_one_task_per_node(tmp_path):
     assert launcher[launcher.index("--ranks") + 1] == "8"
 
 
+def test_task_mode_gives_each_rank_the_job_s_cpus_per_task(tmp_path):
+    """srun of Slurm 22.05 to 23.02 reads no SLURM_CPUS_PER_TASK: without the option each rank
+    was bound to one CPU and the loader's automatic worker count fell to 0."""
+    env = template_env(tmp_path, LAUNCH_MODE="task", SLURM_CPUS_PER_TASK="10")
+    proc = subprocess.run(["bash", str(REPO / "launchers" / "pretrain.sbatch"), "--output_dir", "/x"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    [args] = srun_calls(tmp_path)
+    opts = args[:args.index(sys.executable)]
+    assert "--cpus-per-task=10" in opts, opts
+
+    (tmp_path / "srun.log").unlink()  # a job without --cpus-per-task: srun keeps Slurm's default
+    del env["SLURM_CPUS_PER_TASK"]
+    proc = subprocess.run(["bash", str(REPO / "launchers" / "pretrain.sbatch"), "--output_dir", "/x"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    [args] = srun_calls(tmp_path)
+    assert not [a for a in args[:args.index(sys.executable)] if a.startswith("--cpus-per-task")], args
+
+
 @pytest.mark.parametrize("mode", ["task", "node"])
 def test_every_mode_resumes_and_ends_the_step_when_a_task_fails(tmp_path, mode):
     """--resume auto: a requeued job continues from its checkpoint instead of starting over;

@@ -39,6 +39,23 @@ def rank_from_env() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def cuda_device_index(local_rank: int) -> int:
+    """The CUDA ordinal this rank trains on: cuda:LOCAL_RANK when the task sees all of its node's
+    GPUs, cuda:0 when the cluster binds one GPU per task (CUDA_VISIBLE_DEVICES set per task, so
+    every rank sees a single device, whatever its LOCAL_RANK)."""
+    visible = torch.cuda.device_count()
+    if visible == 1:
+        return 0
+    if local_rank < visible:
+        return local_rank
+    from train.config.errors import ConfigError
+
+    raise ConfigError(f"LOCAL_RANK {local_rank} has no GPU of its own: this task sees {visible} GPUs "
+                      f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<not set>')}); start at most "
+                      f"{visible} ranks per node, or let each task see all its node's GPUs or exactly one "
+                      f"(srun --gpus-per-task=1)")
+
+
 def init() -> tuple[int, int, torch.device]:
     """Start the process group (NCCL on GPUs, gloo on CPU); a plain `python` run becomes rank 0 of
     a world of 1. Returns (rank, world_size, device)."""
@@ -56,8 +73,9 @@ def init() -> tuple[int, int, torch.device]:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        index = cuda_device_index(local_rank)
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
     if not torch.distributed.is_initialized():

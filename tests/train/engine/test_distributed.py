@@ -31,3 +31,43 @@ def test_a_world_of_one_starts_beside_a_run_that_holds_its_port(held_port, launc
     dist.all_reduce(total)
     assert total.item() == 2.0
     dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("local_rank, visible, index", [(0, 8, 0), (5, 8, 5), (5, 1, 0), (0, 1, 0), (3, 4, 3)],
+                         ids=["rank 0 of 8 GPUs", "rank 5 of 8 GPUs", "rank 5 bound to its GPU",
+                              "rank 0 bound to its GPU", "rank 3 of 4 GPUs"])
+def test_each_rank_takes_its_own_gpu_or_the_one_it_is_bound_to(local_rank, visible, index, monkeypatch):
+    """A cluster that binds one GPU per task (CUDA_VISIBLE_DEVICES per task) shows each rank one
+    device, cuda:0: LOCAL_RANK 5 is no ordinal there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    assert distributed.cuda_device_index(local_rank) == index
+
+
+def test_a_local_rank_past_the_visible_gpus_is_refused_in_one_line(monkeypatch):
+    from train.config.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    with pytest.raises(ConfigError) as refused:
+        distributed.cuda_device_index(3)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "LOCAL_RANK 3" in message and "2 GPUs" in message and "CUDA_VISIBLE_DEVICES=4,5" in message
+    assert "at most 2 ranks per node" in message
+
+
+def test_init_puts_a_rank_bound_to_one_gpu_on_cuda_0(monkeypatch):
+    """srun with --gpus-per-task / --gpu-bind: rank 5 of 8 sees one GPU; it used to ask for cuda:5."""
+    for key, value in {"RANK": "5", "LOCAL_RANK": "5", "WORLD_SIZE": "8", "CUDA_VISIBLE_DEVICES": "5"}.items():
+        monkeypatch.setenv(key, value)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # the group itself is not what this checks
+    monkeypatch.setattr(dist, "get_rank", lambda: 5)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 8)
+    assert distributed.init() == (5, 8, torch.device("cuda", 0))
+    assert chosen == [0]
