@@ -8,6 +8,7 @@ than silently overridden.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,10 +71,8 @@ def resolve_batch(ds: dict, world: int) -> BatchPlan:
         return BatchPlan(mb, ga, world)
     if tb is not None and mb is not None:
         if tb % (mb * world):
-            raise ConfigError(
-                f"ds_config train_batch_size {tb} is not divisible by micro batch {mb} x {world} ranks; "
-                f"choose a train_batch_size that is a multiple of {mb * world}"
-            )
+            raise ConfigError(f"ds_config train_batch_size {tb} is not divisible by micro batch {mb} x {world} ranks; "
+                              f"{batch_fixes(tb, mb, world)}")
         return BatchPlan(mb, tb // (mb * world), world)
     if tb is not None and ga is not None:
         if tb % (ga * world):
@@ -82,6 +81,40 @@ def resolve_batch(ds: dict, world: int) -> BatchPlan:
     raise ConfigError(
         "ds_config must give two of train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps"
     )
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending."""
+    small = [i for i in range(1, math.isqrt(n) + 1) if n % i == 0]
+    return sorted({*small, *(n // i for i in small)})
+
+
+def micro_batches_keeping(total: int, world: int, largest: int, count: int = 3) -> list[int]:
+    """Up to `count` micro-batches, largest first and at most `largest`, that split the global batch
+    `total` over `world` ranks in whole accumulation steps (none when `world` does not divide it)."""
+    if total % world:
+        return []
+    return [m for m in reversed(divisors(total // world)) if m <= largest][:count]
+
+
+def batch_fixes(total: int, micro: int, world: int) -> str:
+    """How to run the global batch `total` of a file whose micro-batch `micro` does not fit `world`
+    ranks. The global batch is the recipe's (the lr is derived from it), so the fixes that keep it
+    come first: a smaller micro-batch (the file's is sized to the GPU's memory) with more
+    accumulation, else a world size that divides it; a new global batch is the last resort.
+    The lr is blr x global batch / 256, hence "the lr follows it"."""
+    if micros := micro_batches_keeping(total, world, micro):
+        options = [f"{m} (accumulation {total // (m * world)})" for m in micros]
+        listed = options[0] if len(options) == 1 else f"{', '.join(options[:-1])} or {options[-1]}"
+        return (f"keep the recipe's global batch {total} (the lr follows it) by setting "
+                f"train_micro_batch_size_per_gpu to {listed}")
+    fewer = max(d for d in divisors(total) if d < world)  # 1 at least: world > 1 here, as 1 divides any total
+    more = min((d for d in divisors(total) if d > world), default=None)
+    worlds = " or ".join(str(w) for w in (fewer, more) if w is not None)
+    below, above = total // world * world, (total // world + 1) * world
+    batches = " or ".join(str(b) for b in (below, above) if b > 0)
+    return (f"no micro-batch splits {total} over {world} ranks: keep the recipe's global batch on {worlds} ranks, "
+            f"or change the recipe to a train_batch_size that {world} ranks split, e.g. {batches} (the lr follows it)")
 
 
 def precision(ds: dict) -> str:

@@ -2,14 +2,14 @@
 
 A ds_config is a DeepSpeed JSON; the engine (train/engine/) reads part of it. `check_keys(ds)`:
   1. top-level keys are checked against what DeepSpeed reads (`deepspeed_keys()`: the keys
-     DeepSpeed's own DeepSpeedConfig looks up, recorded as it parses an empty config, plus the
-     sections other parts of DeepSpeed read); an unknown key is a typo, refused with the closest
-     known one ("bf_16": did you mean "bf16"?);
+     DeepSpeed's own DeepSpeedConfig looks up, recorded as it parses an empty config, plus those
+     it reads only inside a process group and the sections other parts of DeepSpeed read); an
+     unknown key is a typo, refused with the closest known one ("bf_16": did you mean "bf16"?);
   2. the sections the engine reads are validated by DeepSpeed's own config classes (nested
      typos, wrong types, out-of-range values), with their messages rewritten to name the key;
   3. a DeepSpeed setting the engine does not implement is refused with the reason, unless it
      holds the value the engine behaves as anyway (AS_THE_ENGINE_DOES: contiguous_gradients
-     true, the throughput timer off, ...).
+     true, the throughput timer off, sequence_parallel_size 1, ...).
 Honoured the DeepSpeed way: `communication_data_type` (the gradient reduce dtype, default the
 compute dtype as DeepSpeed's), `data_types.grad_accum_dtype` (the dtype ZeRO-1's micro-batches are
 summed in before their reduction), `zero_optimization.overlap_comm` (either value: DDP and FSDP2 always
@@ -78,6 +78,9 @@ ENGINE_READS = _engine_reads()
 AS_THE_ENGINE_DOES: dict[str, Any] = {
     "zero_optimization.contiguous_gradients": True,
     "zero_optimization.reduce_scatter": True, "zero_optimization.compute_grad_norm": True,
+    # FSDP2 all-gathers the sharded weights; with no CPU offload there are no gradient copies to order
+    "zero_optimization.allgather_partitions": True, "zero_optimization.round_robin_gradients": False,
+    "sequence_parallel_size": 1,  # DeepSpeed's default (the key absent): every rank data-parallel
     "wall_clock_breakdown": False, "memory_breakdown": False, "timers": {"throughput": {"enabled": False}},
     "prescale_gradients": False, "gradient_predivide_factor": 1.0, "dump_state": False,
     # fp32 master weights, gradient sums and optimizer state (train/engine/replicated.py, sharded.py)
@@ -98,6 +101,15 @@ WHY = {
     "zero_optimization.allgather_bucket_size": "FSDP2 gathers one transformer block at a time (its own unit), not "
                                                "in buckets",
     "zero_optimization.contiguous_gradients": "DDP's buckets and FSDP2's reduce-scatter inputs are contiguous anyway",
+    "zero_optimization.allgather_partitions": "FSDP2 gathers the sharded weights with all-gathers; it has no "
+                                              "broadcast path to choose instead",
+    "zero_optimization.round_robin_gradients": "it orders the gradient copies to the CPU under optimizer offload, "
+                                               "which the engine does not do (offload_optimizer is refused)",
+    "sequence_parallel_size": "the engine has no sequence parallelism: every rank is data-parallel, since a ViT's "
+                              "few hundred tokens per image (197 for ViT-B/16 at 224 px) need no splitting over GPUs",
+    # refused even at false, which the engine behaves as: DeepSpeed itself refuses a file that holds it
+    "sparse_gradients": "DeepSpeed has removed it (the sparse reduction of embedding gradients): 0.19.8 refuses a "
+                        "ds_config that holds it, at any value; the engine reduces every gradient dense",
     "steps_per_print": "the loop logs every run.log_every steps",
     "wall_clock_breakdown": "the loop measures step time itself; see tools/profile_step.py for a breakdown",
     "timers": "the loop measures throughput itself at its log steps",
@@ -111,12 +123,16 @@ WHY = {
 }
 # read by parts of DeepSpeed other than DeepSpeedConfig's parser
 OTHER_SECTIONS = {"optimizer", "scheduler", "activation_checkpointing", "flops_profiler", "autotuning", "aio"}
+# read by DeepSpeedConfig only inside a process group (it divides the world size), so the recording
+# in deepspeed_keys(), parsed without one, never sees it
+READ_IN_A_PROCESS_GROUP = {"sequence_parallel_size"}
 
 
 @functools.lru_cache(maxsize=1)
 def deepspeed_keys() -> frozenset[str]:
     """The top-level keys DeepSpeed reads: those its DeepSpeedConfig looks up while parsing a
-    minimal config (recorded by a dict that notes every lookup), and OTHER_SECTIONS."""
+    minimal config (recorded by a dict that notes every lookup), READ_IN_A_PROCESS_GROUP and
+    OTHER_SECTIONS."""
     if not _cuda():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed otherwise probes for accelerators and warns
     from deepspeed.runtime.config import DeepSpeedConfig
@@ -138,7 +154,7 @@ def deepspeed_keys() -> frozenset[str]:
 
     config = Recording(train_batch_size=1, train_micro_batch_size_per_gpu=1, gradient_clipping=0.0)
     DeepSpeedConfig(config)
-    return frozenset(Recording.seen | OTHER_SECTIONS)
+    return frozenset(Recording.seen | READ_IN_A_PROCESS_GROUP | OTHER_SECTIONS)
 
 
 def _cuda() -> bool:

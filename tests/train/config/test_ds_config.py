@@ -98,6 +98,29 @@ def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused_not_shrunk
         resolve_batch(ds, world)
 
 
+@pytest.mark.parametrize("ds,world,fix", [
+    # 4096 over 32 ranks is 128 per rank: micro 256 is too large; 128, 64, 32 take 1, 2, 4 accumulation steps
+    ({"train_batch_size": 4096, "train_micro_batch_size_per_gpu": 256}, 32,
+     "keep the recipe's global batch 4096 (the lr follows it) by setting train_micro_batch_size_per_gpu to "
+     "128 (accumulation 1), 64 (accumulation 2) or 32 (accumulation 4)"),
+    # 12 over 2 ranks is 6 per rank: of its divisors 6, 3, 2, 1 those at most the file's micro 4
+    ({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 4}, 2,
+     "by setting train_micro_batch_size_per_gpu to 3 (accumulation 2), 2 (accumulation 3) or 1 (accumulation 6)"),
+    # 24 does not divide 4096 (= 2**12): the powers of two around it do; 24 x 170 = 4080, 24 x 171 = 4104
+    ({"train_batch_size": 4096, "train_micro_batch_size_per_gpu": 256}, 24,
+     "no micro-batch splits 4096 over 24 ranks: keep the recipe's global batch on 16 or 32 ranks, or change the "
+     "recipe to a train_batch_size that 24 ranks split, e.g. 4080 or 4104 (the lr follows it)"),
+])
+def test_a_micro_batch_too_large_for_the_world_size_is_told_how_to_keep_the_global_batch(ds, world, fix):
+    """The global batch is the recipe's (the lr is derived from it): the refusal first names the
+    micro-batches that keep it at this world size, and a new global batch only when none does."""
+    with pytest.raises(ConfigError) as refusal:
+        resolve_batch(ds, world)
+    message = str(refusal.value)
+    assert message.endswith(fix), message
+    assert "multiple of" not in message
+
+
 def test_a_ds_config_without_zero_optimization_is_zero_stage_0_as_in_deepspeed(tmp_path):
     assert zero_stage(BASE) == 0 and zero_stage({**BASE, "zero_optimization": {}}) == 0
     # and so LARS (whole tensors) is accepted by a file that says nothing of ZeRO
@@ -202,6 +225,36 @@ def test_settings_the_engine_behaves_as_anyway_must_hold_that_value_with_its_typ
     for key, value in (("wall_clock_breakdown", 0), ("prescale_gradients", 0), ("gradient_predivide_factor", True)):
         with pytest.raises(ConfigError, match=f"ds_config {key} = {value!r} would not take effect"):
             resolve(_cfg(tmp_path, {**BASE, key: value}), world=1)
+
+
+# value the engine behaves as, the other value, and the refusal's reason: FSDP2 all-gathers weights, the engine has
+# no CPU offload (so no gradient copies to order over ranks) and no sequence parallelism
+DEEPSPEED_AS_THE_ENGINE_DOES = {
+    "zero_optimization.allgather_partitions": (True, False, "FSDP2 gathers the sharded weights with all-gathers"),
+    "zero_optimization.round_robin_gradients": (False, True, "gradient copies to the CPU under optimizer offload"),
+    "sequence_parallel_size": (1, 2, "the engine has no sequence parallelism"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(DEEPSPEED_AS_THE_ENGINE_DOES))
+def test_deepspeed_settings_at_the_value_the_engine_behaves_as_are_accepted_and_others_refused_with_why(tmp_path,
+                                                                                                       key):
+    does, other, why = DEEPSPEED_AS_THE_ENGINE_DOES[key]
+    ds = {**BASE, "zero_optimization": {"stage": 1}}
+    final, _ = resolve(_cfg(tmp_path, _place(ds, key, does)), world=1)
+    section, _, sub = key.partition(".")
+    assert (final[section][sub] if sub else final[section]) == does
+    with pytest.raises(ConfigError, match=rf"^ds_config {re.escape(key)} = {other!r} would not take effect: .*{why}"):
+        resolve(_cfg(tmp_path, _place(ds, key, other)), world=1)
+
+
+@pytest.mark.parametrize("value", [False, True])
+def test_sparse_gradients_is_refused_at_either_value_as_deepspeed_removed_it(tmp_path, value):
+    """false is what the engine does (every gradient reduced dense), but DeepSpeed 0.19.8 refuses a file
+    holding the key at all (deepspeed/runtime/config.py), so accepting it would pass a file DeepSpeed refuses."""
+    with pytest.raises(ConfigError, match=rf"^ds_config sparse_gradients = {value!r} would not take effect: "
+                                          r"DeepSpeed has removed it"):
+        resolve(_cfg(tmp_path, {**BASE, "sparse_gradients": value}), world=1)
 
 
 PRECISION_AS_THE_ENGINE_DOES = {  # the engine skips every non-finite step; masters and optimizer state are fp32
