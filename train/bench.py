@@ -15,9 +15,10 @@ Bench options (the rest are train/pretrain.py options; data.source synthetic or 
                               (without it, such a run is refused with the estimate; a shorter one says it first)
 (`--run.compile true` compiles the blocks; `--data.decode cpu_draft|nvjpeg` picks the decoder.)
 
-Reports images/s, step time, training TFLOP/s per GPU from the analytic FLOP count of the
-objective's actual token counts (train/estimate/costs.py: 3 x forward matmul FLOPs of one micro-batch x
-accumulation), MFU against the GPU's dense peak (train/estimate/gpus.py), peak memory (CUDA: max
+Reports images/s, step time, training TFLOP/s per GPU from the FLOPs of the objective's actual
+token counts (train/estimate/step_flops.py `training_flops`: 3 x the forward matmul FLOPs of what
+trains x accumulation, train/estimate/costs.py; for energy and MLO-MAE, whose steps compute more than
+their modules' forwards show, counted by running the optimizer step on the meta device), MFU against the GPU's dense peak (train/estimate/gpus.py), peak memory (CUDA: max
 allocated; CPU: the process's peak RSS), and with --loader_only images/s of the loader and per
 worker process (each runs one thread). JSON with device, versions, commit, the final ds_config
 and every option goes to --out_dir (benchmarks/results/ with --record). Timings come from the
@@ -55,6 +56,7 @@ from train.config.parsing import help_text, parse_args, to_dict
 from train.config.plan import peak_lr, schedule_steps
 from train.engine import distributed
 from train.estimate.costs import profile_config
+from train.estimate.step_flops import training_flops
 from train.estimate.cpu_time import check_cpu_time
 from train.estimate.gpus import current_gpu, gpu_named
 from train.estimate.memory import check_floor
@@ -196,9 +198,10 @@ def main(argv: list[str] | None = None) -> Path:
         gpu = gpu_named(opts["gpu"]) if opts["gpu"] else current_gpu()
     except ValueError as e:  # an unknown --gpu: the known ones named
         raise ConfigError(f"--gpu: {e}") from None
-    _, prof = profile_config(cfg, ds_config, plan.micro, fused_kernels=bool(gpu and gpu.sm80))  # FLOPs of a micro-batch
+    _, prof = profile_config(cfg, ds_config, plan.micro, fused_kernels=bool(gpu and gpu.sm80))  # tokens of a micro-batch
+    flops_per_gpu_step = training_flops(cfg, prof, plan.micro, plan.accum)
     if not torch.cuda.is_available():  # before anything is built: how long, or refused when sized for a GPU
-        check_cpu_time(prof.train_flops * plan.accum * (opts["warmup"] + opts["steps"]),
+        check_cpu_time(flops_per_gpu_step * (opts["warmup"] + opts["steps"]),
                        f"{cfg.objective} {cfg.model.name}, {opts['warmup']} warm-up + {opts['steps']} timed steps of "
                        f"{plan.micro} x {plan.accum} images", opts["allow_cpu"],
                        "give a smaller model, micro-batch or --steps (e.g. ds_configs/cpu_debug.json)")
@@ -229,11 +232,10 @@ def main(argv: list[str] | None = None) -> Path:
     timed(opts["warmup"], opts["steps"], "timed steps")
     measured = windows[-1]
 
-    flops_per_gpu_step = prof.train_flops * plan.accum
     tflops = flops_per_gpu_step / measured["step_time"] / 1e12
     result = {
         "images_per_s": measured["images_per_s"], "images_per_s_per_gpu": measured["images_per_s"] / world,
-        "step_time_s": measured["step_time"], "train_flops_per_image": prof.train_flops / plan.micro,
+        "step_time_s": measured["step_time"], "train_flops_per_image": flops_per_gpu_step / (plan.micro * plan.accum),
         "block_tokens_per_image": prof.tokens() / plan.micro, "tflops_per_gpu": tflops,
         "mfu": tflops / gpu.peak_tflops if gpu else None, "peak_tflops": gpu.peak_tflops if gpu else None,
         "loss": measured["loss"], **peak_memory_gib(device),

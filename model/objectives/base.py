@@ -101,6 +101,10 @@ class Objective(nn.Module, metaclass=ABCMeta):
     hook_reads_weights: ClassVar[bool] = False
     # Why the blocks' linear layers may not train in float8 (run.float8), or None: they may.
     float8_refusal: ClassVar[str | None] = None
+    # The step computes matmuls its modules' forward hooks do not see (gradients taken inside the
+    # forward: energy's restoration; passes after the optimizer step: MLO-MAE's levels II-III): its
+    # FLOPs are counted by running it (train/estimate/step_flops.py), not modelled as 3 x forward.
+    counted_flops: ClassVar[bool] = False
 
     def __init__(self, encoder: nn.Module, cfg: ObjectiveConfig):
         super().__init__()
@@ -140,6 +144,13 @@ class Objective(nn.Module, metaclass=ABCMeta):
         AdamW's two moments. The engine neither casts, shards nor optimises them; the memory
         estimate counts them (train/estimate/memory.py). Empty: none."""
         return []
+
+    @property
+    def after_step_period(self) -> int:
+        """Optimizer steps over which `after_optimizer_step`'s work repeats (MLO-MAE: level II every
+        level1_steps steps, level III every mask_every such cycles): what a count of its FLOPs
+        averages over (train/estimate/step_flops.py)."""
+        return 1
 
     def after_optimizer_step(self, lr: float, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """After every optimizer step: update state the optimizer does not own (AdPE's adversary

@@ -122,6 +122,7 @@ def check_twice_differentiable(encoder: nn.Module) -> None:
 @register_objective("energy", EnergyConfig)
 class EnergyObjective(Objective):
     double_backward = True  # the loss differentiates through input gradients (memory estimates: train/estimate/costs.py)
+    counted_flops = True  # the restoration's input gradients are taken inside the forward
 
     def __init__(self, encoder: nn.Module, cfg: EnergyConfig):
         cfg.validate()

@@ -211,6 +211,7 @@ class MLOMAEObjective(MAEObjective):
     """MAE (encoder, decoder, target, figures) with T's mask and weighting in level I."""
 
     hook_reads_weights = True  # levels II-III run the encoder (and its perturbations) after the step
+    counted_flops = True  # levels II-III run after the optimizer step, outside the forward
     float8_refusal = ("its level III takes finite differences of fp32 copies of the weights, which float8 matmuls "
                       "would round away")
 
@@ -254,6 +255,10 @@ class MLOMAEObjective(MAEObjective):
         self._tr_batches.clear()
         self._tr_batches.extend(pairs(state.get("tr_batches", [])))
         self._held = pairs(state.get("held", []))
+
+    @property
+    def after_step_period(self) -> int:
+        return self.cfg.level1_steps * self.cfg.mask_every  # one level-III step, and a level-II step each cycle
 
     def after_optimizer_step(self, lr: float, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Levels II and III on the schedule of the config; `lr` is the encoder's lr of this step,

@@ -34,6 +34,9 @@ def records(tmp_path_factory):
         [*common, "--config", str(DEBUG_PRESET), "--loader_only", "--data.source", "shards", "--data.train_index",
          str(tmp / "s" / "train.json"), "--data.num_workers", "2", "--model.in_chans", "3", "--data.decode",
          "cpu_draft"],
+        # energy: its restoration gradients are counted, not modelled (train/estimate/step_flops.py)
+        ["--ds_config", str(CPU_DS), "--steps", "1", "--warmup", "0", "--out_dir", str(tmp / "energy"),
+         "--config", str(DEBUG_PRESET), "--config", str(REPO / "train/configs/energy/debug.json")],
     ]
     code = "import json, sys\nfrom train.bench import main\nfor argv in json.loads(sys.argv[1]):\n    main(argv)\n" + CHILD_EXIT
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
@@ -41,7 +44,9 @@ def records(tmp_path_factory):
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     files = sorted(out.glob("*.json"))
-    return {("loader" if "loader" in f.name else "train"): json.loads(f.read_text()) for f in files}
+    (energy,) = (tmp / "energy").glob("*.json")
+    return {("loader" if "loader" in f.name else "train"): json.loads(f.read_text()) for f in files} | {
+        "energy": json.loads(energy.read_text())}
 
 
 def test_training_bench_reports_throughput_flops_and_mfu(records):
@@ -55,6 +60,25 @@ def test_training_bench_reports_throughput_flops_and_mfu(records):
     assert res["peak_rss_gib"] > 0.1
     assert r["ds_config"]["activation_checkpointing"] == {}  # the switch reached the engine's config
     assert r["git"]["commit"] and r["versions"]["deepspeed"] and r["world_size"] == 1 and "cores" in r["device"]
+
+
+def test_energys_flops_are_its_counted_step_not_three_forwards(records):
+    """Energy differentiates inside its forward (the restoration), which forward hooks do not
+    see: its FLOPs per image are the counted optimizer step's, more than twice the 3 x forward model."""
+    from train.config.ds_config import resolve
+    from train.config.parsing import parse_args
+    from train.estimate.costs import profile_config
+    from train.estimate.step_flops import optimizer_step_flops
+
+    res = records["energy"]["results"]
+    cfg = parse_args(["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET),
+                      "--config", str(REPO / "train/configs/energy/debug.json")])
+    plan = records["energy"]["batch"]
+    counted = sum(optimizer_step_flops(cfg, plan["micro"], plan["accum"]).values()) / (plan["micro"] * plan["accum"])
+    assert res["train_flops_per_image"] == pytest.approx(counted)
+    _, prof = profile_config(cfg, resolve(cfg, 1)[0], plan["micro"], fused_kernels=False)
+    assert res["train_flops_per_image"] > 2 * prof.train_flops / plan["micro"]
+    assert res["tflops_per_gpu"] == pytest.approx(counted * plan["micro"] * plan["accum"] / res["step_time_s"] / 1e12)
 
 
 def test_loader_bench_reports_per_worker_throughput(records):

@@ -8,15 +8,19 @@ that trains: MAE's visible tokens, MixedAE's mixed images and per-source decodin
 energy's restoration steps.
 
 Conventions (say them next to any number derived here):
-- Training FLOPs = 3 x forward FLOPs (backward = 2 x forward), matmuls only (norms, softmax,
-  GELU and the optimizer are not counted), as in the MFU literature. Extra passes an objective
-  runs outside its forward (MLO-MAE's levels II-III) are not counted.
+- Modelled training FLOPs (`Profile.train_flops`, what CPU-time guards and the communication
+  model take) = 3 x forward FLOPs of what trains (backward = 2 x forward) + 1 x forward FLOPs run
+  without gradient (a linear probe's frozen encoder), matmuls only (norms, softmax, GELU and the
+  optimizer are not counted), as in the MFU literature. Passes an objective runs outside its
+  modules' forwards (energy's restoration gradients, MLO-MAE's levels II-III) are not seen here:
+  MFU and the dry run's FLOPs are counted by train/estimate/step_flops.py instead.
 - Activation bytes per block, in the compute dtype: 8 D + 2 hidden values per token (norm
   inputs, qkv, q/k/v, attention output, MLP input, MLP hidden before and after GELU), plus a
   T x T matrix per head where attention keeps one (the math reference, the PyTorch TopK
   composition, an additive relative-position bias); flash / memory-efficient SDPA and the fused
   Triton kernels keep none. A checkpointed block keeps its input only and recomputes one block
-  at a time in backward. Objectives with a double backward (energy) keep about 2.2x their
+  at a time in backward; a block run without gradient (a frozen encoder) keeps nothing, and
+  holds its values only while it runs. Objectives with a double backward (energy) keep about 2.2x their
   forward activations, the backward graph being kept for the outer backward (measured: the
   tensors autograd saves for energy ViT-B on CPU are 2.18x this forward estimate).
 """
@@ -51,32 +55,36 @@ class BlockCall:
     forward_flops: float = 0.0  # matmul FLOPs inside the block during this call
     attention: str = "dense"  # the call's kind: dense | segment | topk | biased (kernels.attention.describe_paths)
     backend: str = "sdpa"  # the block's attention backend (sdpa | math | flash_attn)
+    trains: bool = True  # run with gradient; without (torch.no_grad: a frozen encoder) it keeps nothing for backward
 
 
 @dataclass
 class Profile:
     """One micro-batch forward of an objective."""
     forward_flops: float = 0.0
+    frozen_flops: float = 0.0  # the part of forward_flops run without gradient: no backward follows it
     blocks: list[BlockCall] = field(default_factory=list)
     other_values: float = 0.0  # outputs of layers outside blocks (patch embedding, decoder embed / prediction)
     double_backward: bool = False
 
     @property
     def train_flops(self) -> float:
-        return 3.0 * self.forward_flops
+        return 3.0 * (self.forward_flops - self.frozen_flops) + self.frozen_flops
 
     def tokens(self, prefix_dim: int | None = None) -> int:
         """Tokens through blocks (of width `prefix_dim` only, when given) in one forward."""
         return sum(c.batch * c.tokens for c in self.blocks if prefix_dim is None or c.dim == prefix_dim)
 
     def activation_bytes(self, value_bytes: int) -> float:
-        """Bytes held for backward at the end of the forward (plus one recomputed block)."""
+        """Bytes held for backward at the end of the forward, plus one block's working set: a
+        checkpointed block's recomputation in backward, or a block run without gradient (which
+        keeps nothing, but holds its own values while it runs)."""
         full = [value_bytes * c.batch * c.tokens * (8 * c.dim + 2 * c.hidden)
                 + c.kept_matrix_bytes * c.batch * c.heads * c.tokens ** 2 for c in self.blocks]
-        kept = sum(value_bytes * c.batch * c.tokens * c.dim if c.checkpointed else f
+        kept = sum(0.0 if not c.trains else value_bytes * c.batch * c.tokens * c.dim if c.checkpointed else f
                    for c, f in zip(self.blocks, full))
-        recompute = max((f for c, f in zip(self.blocks, full) if c.checkpointed), default=0.0)
-        total = kept + recompute + value_bytes * self.other_values
+        working = max((f for c, f in zip(self.blocks, full) if c.checkpointed or not c.trains), default=0.0)
+        total = kept + working + value_bytes * self.other_values
         return DOUBLE_BACKWARD_FACTOR * total if self.double_backward else total
 
 
@@ -117,16 +125,21 @@ def profile(objective: Objective, batch: dict[str, torch.Tensor], fused_kernels:
     names = {id(m): name for name, m in objective.named_modules()}
     flops_before: dict[int, float] = {}  # the count when a block started: what it adds is its own
 
+    def add(flops: float) -> None:
+        out.forward_flops += flops
+        if not torch.is_grad_enabled():
+            out.frozen_flops += flops
+
     def linear_hook(module, args, output):
         x = args[0]
-        out.forward_flops += 2.0 * x.numel() * module.out_features  # (tokens x in) @ (in x out)
-        if id(module) not in in_block:
+        add(2.0 * x.numel() * module.out_features)  # (tokens x in) @ (in x out)
+        if id(module) not in in_block and torch.is_grad_enabled():
             out.other_values += output.numel()
 
     def conv_hook(module, args, output):
         k = module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
-        out.forward_flops += 2.0 * output.numel() * k
-        if id(module) not in in_block:
+        add(2.0 * output.numel() * k)
+        if id(module) not in in_block and torch.is_grad_enabled():
             out.other_values += output.numel()
 
     def attention_pre_hook(module, args, kwargs):
@@ -134,7 +147,7 @@ def profile(objective: Objective, batch: dict[str, torch.Tensor], fused_kernels:
         mask = args[1] if len(args) > 1 else kwargs.get("mask")
         rpe = module.rpe is not None
         B, T, D = x.shape
-        out.forward_flops += 4.0 * B * T * T * D
+        add(4.0 * B * T * T * D)
         pending[id(module)] = (mask, rpe)
 
     def block_pre_hook(module, args):
@@ -147,7 +160,7 @@ def profile(objective: Objective, batch: dict[str, torch.Tensor], fused_kernels:
                                     _kept_matrix_bytes(module.attn, mask, rpe, fused_kernels, value_bytes),
                                     id(module) in checkpointed, names[id(module)],
                                     out.forward_flops - flops_before.pop(id(module)), _attention_kind(mask, rpe),
-                                    module.attn.backend))
+                                    module.attn.backend, torch.is_grad_enabled()))
 
     handles = []
     for m in objective.modules():

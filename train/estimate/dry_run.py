@@ -25,6 +25,7 @@ import torch
 
 from kernels import attention_choice
 from kernels.attention import describe_paths
+from model.objectives import OBJECTIVES
 from train.config.ds_config import (
     activation_checkpointing,
     float8_refusal,
@@ -43,6 +44,7 @@ from train.config.values import from_text
 from train.engine.config import EngineConfig
 from train.engine.execution import describe_blocks
 from train.estimate.costs import attention_calls
+from train.estimate.step_flops import training_flops
 from train.estimate.gpus import GPU, current_gpu, gpu_in_filename, gpu_named
 from train.estimate.memory import (
     GIB,
@@ -178,9 +180,11 @@ def check(cfg: PretrainConfig, world: int, gpu: GPU | None) -> DryRun:
     run.memory = mem
     prof = mem.profile
     outside = f" + {mem.outside_params / 1e6:.1f}M trained outside the engine" if mem.outside else ""
+    per_sample = training_flops(cfg, prof, plan.micro, plan.accum) / (plan.micro * plan.accum)
+    how = ("counted: forward, backward and after-step hook" if OBJECTIVES[cfg.objective][1].counted_flops
+           else "3 x forward matmuls of what trains")
     run.lines.append(f"parameters: {mem.params / 1e6:.1f}M ({mem.trainable / 1e6:.1f}M trained){outside}; per sample: "
-                     f"{prof.tokens() / plan.micro:.0f} block tokens, {prof.train_flops / plan.micro / 1e9:.1f} "
-                     f"training GFLOPs (3 x forward matmuls)")
+                     f"{prof.tokens() / plan.micro:.0f} block tokens, {per_sample / 1e9:.1f} training GFLOPs ({how})")
     parts = ", ".join(f"{k} {v}" for k, v in mem.table().items())
     limit = HEADROOM * gpu.memory_gib
     run.lines.append(attention_line(prof, gpu, prec))

@@ -9,6 +9,11 @@ convolution and attention, forward and backward, so it sees the passes that cost
 convention (training = 3 x forward matmuls) leaves out. The optimizer's update is elementwise:
 not counted. `steps` optimizer steps are run and averaged, so hooks that work every k-th step
 are spread over their period.
+
+`optimizer_step_flops` is one rank's optimizer step with its accumulation; `training_flops` is
+what train/bench.py's TFLOP/s and MFU and the dry run's "training GFLOPs" take: the count for the
+objectives whose modules' forward hooks miss part of the step (energy, MLO-MAE), costs.py's
+model for the rest (the count within 1% there: tests/train/estimate/test_training_flops.py).
 """
 from __future__ import annotations
 
@@ -18,10 +23,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from model.objectives import build_objective
 from train.config.options import PretrainConfig, encoder_img_size, section
 from train.config.plan import build_encoder
-from train.estimate.costs import example_batch
+from model.objectives import OBJECTIVES, build_objective
+from train.estimate.costs import Profile, example_batch
 
 PHASES = ("forward", "backward", "after_step")
 
@@ -105,3 +110,35 @@ def step_flops(cfg: PretrainConfig, micro: int, steps: int = 1,
     `steps` steps (hooks that work every k-th step spread over their period)."""
     each = flops_by_step(cfg, micro, steps, dtype)
     return {phase: sum(s[phase] for s in each) / steps for phase in PHASES}
+
+
+def optimizer_step_flops(cfg: PretrainConfig, micro: int, accum: int,
+                         dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """FLOPs (not per image) of one optimizer step on one rank, by phase (PHASES): `accum` micro-batches
+    of `micro` images through forward and backward (one counted, times `accum`: each is the same
+    arithmetic), then the after-step hook on the step's `accum` micro-batches. The hook is taken in
+    its steady state: averaged over its period (Objective.after_step_period) after a first period
+    that fills what it keeps (MLO-MAE with level2_batch own reads the step before's batches)."""
+    objective, batch = build_step(cfg, micro, dtype)
+    with FlopCount() as forward:
+        loss = objective(batch)["loss"]
+    with FlopCount() as backward:
+        loss.backward()
+    objective.zero_grad(set_to_none=True)
+    period = objective.after_step_period
+    after_step = 0
+    for step in range(2 * period):
+        with FlopCount() as hook:
+            objective.after_optimizer_step(1e-4, [batch] * accum)
+        after_step += hook.flops if step >= period else 0
+    return {"forward": accum * forward.flops, "backward": accum * backward.flops, "after_step": after_step / period}
+
+
+def training_flops(cfg: PretrainConfig, prof: Profile, micro: int, accum: int) -> float:
+    """Training FLOPs of one rank's optimizer step of `accum` micro-batches of `micro` images, what
+    MFU divides by: modelled (3 x the forward of what trains, from `prof` of one micro-batch:
+    train/estimate/costs.py), or counted by running the step where the objective computes what
+    its modules' forward hooks do not see (Objective.counted_flops: energy, MLO-MAE)."""
+    if not OBJECTIVES[cfg.objective][1].counted_flops:
+        return prof.train_flops * accum
+    return sum(optimizer_step_flops(cfg, micro, accum).values())
