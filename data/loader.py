@@ -30,7 +30,10 @@ def _init_worker(_: int) -> None:
 
 
 AUTO_WORKERS = -1  # data.num_workers default: fit the machine (resolve_num_workers)
-MAX_AUTO_WORKERS = 4
+# Auto's ceiling: MAE's official pretraining runs 10 workers per GPU; at the ~550 images/s per worker
+# of docs/DATA.md's CPU table (RandomResizedCrop 224 of ImageNet-sized JPEGs) 10 feed ~5,500 images/s,
+# the rate of an H100 at about 33% MFU on MAE ViT-B, where 4 fed ~2,200, below the 3,100 measured
+MAX_AUTO_WORKERS = 10
 
 
 def cores_per_rank() -> int:
@@ -63,7 +66,7 @@ def slurm_task_cpus(local: int) -> int | None:
 
 def resolve_num_workers(requested: int, num_shards: int | None = None, world: int = 1) -> int:
     """data.num_workers as the DataLoader takes it: a count >= 0 is kept; AUTO_WORKERS (-1) is
-    min(4, cores per rank - 1, shards per rank), at least 0: one core stays with the training
+    min(MAX_AUTO_WORKERS (10), cores per rank - 1, shards per rank), at least 0: one core stays with the training
     process (so the DataLoader's "more workers than cores" warning never fires), and every worker
     gets a shard. 0 decodes in the training process."""
     if requested < AUTO_WORKERS:

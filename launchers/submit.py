@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {line}")
     if not run.ok:
         return refused(run.problems)
-    # the rank and its loader workers (data.num_workers -1, auto: as many as the rank's CPUs allow, up to 4)
+    # the rank and its loader workers (data.num_workers -1, auto: as many as the rank's CPUs allow, up to MAX_AUTO_WORKERS)
     cpus_per_task = a.cpus_per_task or (cfg.data.num_workers if cfg.data.num_workers >= 0 else MAX_AUTO_WORKERS) + 1
 
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")

@@ -34,10 +34,12 @@ def test_auto_never_exceeds_the_cores_of_the_process(monkeypatch, cores, local):
     _cores(monkeypatch, cores, local)
     ranks = local or 1
     auto = resolve_num_workers(-1)
-    assert 0 <= auto <= min(4, max(0, cores_per_rank() - 1))
+    assert 0 <= auto <= min(10, max(0, cores_per_rank() - 1))
     assert ranks * (auto + 1) <= max(cores, ranks)  # ranks and their workers fit the cores
-    if cores >= 5 * ranks:
-        assert auto == 4
+    if cores >= 11 * ranks:  # MAE's official 10 workers per GPU, and the rank's own core
+        assert auto == 10
+    elif cores >= 2 * ranks:
+        assert auto == cores // ranks - 1
     assert resolve_num_workers(-1, num_shards=3, world=2) == min(auto, 1)  # every worker gets a shard
 
 

@@ -287,7 +287,7 @@ def test_submit_checks_snapshots_and_calls_sbatch(tmp_path, monkeypatch, capsys)
     assert (launch / "code" / "train" / "pretrain.py").read_text() == (REPO / "train" / "pretrain.py").read_text()
     test_only, sbatch = [line.split() for line in (tmp_path / "sbatch.log").read_text().splitlines()]
     assert test_only[0] == "--test-only"  # Slurm's verdict first, then the submission
-    assert sbatch[:8] == ["--nodes", "2", "--ntasks-per-node", "8", "--cpus-per-task", "5", "--gpus-per-node", "8"]
+    assert sbatch[:8] == ["--nodes", "2", "--ntasks-per-node", "8", "--cpus-per-task", "11", "--gpus-per-node", "8"]
     assert "--partition" in sbatch and str(launch / "pretrain.sbatch") in sbatch
     ds_copy = sbatch[sbatch.index("--ds_config") + 1]
     assert ds_copy.startswith(str(launch)) and json.loads(open(ds_copy).read())["train_batch_size"] == 4096

@@ -41,7 +41,7 @@ def test_cpu_ranks_ask_for_no_gpu_and_make_a_world(tmp_path, monkeypatch, capsys
     assert "4 x CPU: global batch 32" in capsys.readouterr().out
     submit = calls(log)[-1]
     assert "--gpus-per-node" not in submit and "--gres" not in submit
-    assert submit[:6] == ["--nodes", "2", "--ntasks-per-node", "2", "--cpus-per-task", "5"]  # 4 loader workers + 1
+    assert submit[:6] == ["--nodes", "2", "--ntasks-per-node", "2", "--cpus-per-task", "11"]  # 10 loader workers + 1
     launch = next((tmp_path / "run" / "launch").iterdir())
     script = (launch / "pretrain.sbatch").read_text()
     assert str(launch / "pretrain.sbatch") in submit and not re.search(r"^#SBATCH\s+--gpus", script, re.M)

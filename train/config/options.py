@@ -61,7 +61,7 @@ class DataConfig:
     label_key: str = ""  # where labels are: empty = the key the index records (cls for data/write_shards.py's), else cls (the .cls member) | json:FIELD (a field of the .json member), which must be the index's; unlabeled indexes are read without labels
     eval_crop_pct: float = field(default=0.875, metadata={"range": "(0, 1]"})  # evaluation resize = img_size / eval_crop_pct, then center crop
     epoch_size: int = field(default=0, metadata={"range": "[0, inf)"})  # nominal samples per epoch; 0 = the shard index's count (synthetic: 1,281,167)
-    num_workers: int = field(default=-1, metadata={"range": "[-1, inf)"})  # DataLoader workers per rank; -1 = auto: min(4, cores per rank - 1, shards per rank); 0 = decode in the training process
+    num_workers: int = field(default=-1, metadata={"range": "[-1, inf)"})  # DataLoader workers per rank; -1 = auto: min(10, cores per rank - 1, shards per rank); 0 = decode in the training process
     shuffle_buffer: int = field(default=1000, metadata={"range": "[1, inf)"})  # samples held by each worker's shuffle buffer
     crop_scale_min: float = field(default=0.2, metadata={"range": "(0, 1]"})  # RandomResizedCrop scale range (crop_scale_min, 1)
     train_transform: str = "crop_flip"  # crop_flip (MAE pretraining / linprobe) | randaug (fine-tuning) | multicrop (MAE+)
