@@ -2,7 +2,8 @@
 and the fix, exit status 2, before any work and with nothing written (docs/RELIABILITY.md).
 
 - `Parser`: argparse whose errors (a misspelt option, a missing or unreadable value) are that
-  one line instead of a usage block;
+  one line instead of a usage block, naming the option a misspelt one most likely means
+  (`did_you_mean`: the training commands' flags use it too);
 - `InputError` and `refusing(main)`: a command raises InputError (or FileNotFoundError) while it
   checks its input; `refusing` turns it into the line and the status;
 - `read_json`: a JSON file that is missing or malformed is refused with its path, line and column;
@@ -15,11 +16,13 @@ commands' statuses (3, 130, 143) on it.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import re
 import stat
 import sys
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterable, NoReturn
 
 
 class InputError(ValueError):
@@ -41,11 +44,69 @@ def refuse(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+OPTION_WORD = re.compile(r"--[A-Za-z]")  # an option's word: `--` then a letter (-1 or -0.5 is a value)
+
+
+def is_option_word(word: str) -> bool:
+    return OPTION_WORD.match(word) is not None
+
+
+def _spelling(name: str) -> str:
+    """An option's name as compared: no leading dashes, '-' and '_' alike (--dry_run is --dry-run)."""
+    return name.lstrip("-").replace("-", "_")
+
+
+def did_you_mean(word: str, names: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The one of `names` (options as typed: --max_train) that `word` most likely misspells: the
+    same name with '-' and '_' swapped, else difflib's closest above `cutoff`; None when none is close."""
+    by_spelling = {_spelling(name): name for name in names}
+    close = difflib.get_close_matches(_spelling(word), by_spelling, n=1, cutoff=cutoff)
+    return by_spelling[close[0]] if close else None
+
+
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (no usage block) and exit 2; `--help` is unchanged."""
+    """An ArgumentParser whose errors are one line (no usage block) and exit 2, naming for each
+    option it does not know the one meant where one is close (--fromat: did you mean --format?);
+    `--help` is unchanged."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)  # read by error(): argparse passes it no words
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
-        refuse(f"{message} (--help lists the options)")
+        refuse(f"{message}{self._suggestions(message)} (--help lists the options)")
+
+    def _long_options(self) -> set[str]:
+        """The --options of this parser and of its sub-commands' parsers."""
+        names = {s for s in self._option_string_actions if s.startswith("--")}
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    names |= sub._long_options() if isinstance(sub, Parser) else \
+                        {s for s in sub._option_string_actions if s.startswith("--")}
+        return names
+
+    def _unknown_options(self) -> list[str]:
+        """The --words of the command line (up to a bare --) that name no option, whole or abbreviated."""
+        known = self._long_options()
+        unknown = []
+        for word in getattr(self, "_given", []):
+            if word == "--":
+                break
+            name = word.split("=", 1)[0]
+            if is_option_word(name) and name not in known and \
+                    not (self.allow_abbrev and any(k.startswith(name) for k in known)):
+                unknown.append(name)
+        return unknown
+
+    def _suggestions(self, message: str) -> str:
+        """'; did you mean --format?' for the one unknown option the message names, else
+        '; --fromat: did you mean --format?' for each unknown option with a close one ('' when none)."""
+        unknown = self._unknown_options()
+        close = {word: did_you_mean(word, self._long_options()) for word in unknown}
+        if len(unknown) == 1 and close[unknown[0]] and unknown[0] in message:
+            return f"; did you mean {close[unknown[0]]}?"
+        return "".join(f"; {word}: did you mean {meant}?" for word, meant in close.items() if meant)
 
 
 def refusing(main: Callable[[], Any], refused: tuple[type[BaseException], ...] = ()) -> Any:

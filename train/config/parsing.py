@@ -9,9 +9,10 @@ import dataclasses
 import difflib
 from typing import Any
 
+from data.cli import is_option_word
 from model.objectives import OBJECTIVES, list_objectives
 from train.config.errors import ConfigError
-from train.config.help import option_lines
+from train.config.help import option_lines, show_default, type_name
 from train.config.options import Option, PretrainConfig, check_values, option_value, options, valid_keys
 from train.config.presets import DEFAULTS, IF_OBJECTIVE, PresetOptions, compose, load_preset
 from train.config.values import shown
@@ -75,7 +76,7 @@ def defaults_under(argv: list[str]) -> PretrainConfig:
     """The options as the `--config` presets of `argv` set them (e.g. fine-tuning's recipe), over
     the dataclass defaults, unchecked: the defaults a command's --help shows."""
     known = options()
-    presets = [_read_preset(value, known) for key, value in _pairs(argv) if key == "config"]
+    presets = [_read_preset(value, known) for key, value in _pairs(argv, known) if key == "config"]
     objective = compose(presets, set()).get("objective", (PretrainConfig.objective, ""))[0]
     cfg = PretrainConfig()
     for key, (value, _) in compose(presets, set(), objective).items():
@@ -157,9 +158,11 @@ def check_read(cfg: PretrainConfig, origins: dict[str, str], entry_point_reads_n
                                   f"have: add it, or drop the option")
 
 
-def _pairs(argv: list[str]) -> list[tuple[str, str]]:
+def _pairs(argv: list[str], known: dict[str, Option]) -> list[tuple[str, str]]:
     """(key, value) of every `--key value` / `--key=value`; `--local_rank` (added by the deepspeed
-    launcher) is left out."""
+    launcher) is left out. A `--key` whose next word is an option (`--` then a letter; -1 is a
+    value) or that ends argv has no value: refused naming what it takes, or, for a key that is no
+    option, the one meant."""
     pairs: list[tuple[str, str]] = []
     i = 0
     while i < len(argv):
@@ -170,13 +173,31 @@ def _pairs(argv: list[str]) -> list[tuple[str, str]]:
             key, value = arg[2:].split("=", 1)
             i += 1
         else:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"option {arg!r} needs a value")
+            if i + 1 >= len(argv) or is_option_word(argv[i + 1]):
+                raise _no_value(arg[2:], known)
             key, value = arg[2:], argv[i + 1]
             i += 2
         if key != "local_rank":
             pairs.append((key, value))
     return pairs
+
+
+def _no_value(key: str, known: dict[str, Option]) -> ConfigError:
+    """The refusal of `--key` given without its value: what the option takes and an example
+    (`--run.overwrite` -> "--run.overwrite needs a value: true or false (e.g. --run.overwrite true)")."""
+    if key == "config":
+        return ConfigError("--config needs a value: a JSON preset (e.g. --config train/configs/mae/debug.json)")
+    if key not in known:
+        return _unknown(key)
+    option = known[key]
+    if option.type is bool:  # a switch is set by naming it: the example is the value that is not the default
+        takes, example = "true or false", show_default(not option.default)
+    elif option.type is str:  # its description lists its choices (e.g. "token (cls) | avg (...)")
+        takes, example = option.text or "a string", option.default
+    else:
+        takes = type_name(option.type) + (f" {option.range}" if option.range is not None else "")
+        example = show_default(option.default)
+    return ConfigError(f"--{key} needs a value: {takes}" + (f" (e.g. --{key} {example})" if example else ""))
 
 
 def parse_args(argv: list[str], entry_point_reads_not: dict[str, str] | None = None) -> PretrainConfig:
@@ -187,7 +208,7 @@ def parse_args(argv: list[str], entry_point_reads_not: dict[str, str] | None = N
     known = options()
     command_line: dict[str, Any] = {}
     presets: list[PresetOptions] = []
-    for key, value in _pairs(argv):
+    for key, value in _pairs(argv, known):
         if key == "config":
             presets.append(_read_preset(value, known))
             continue

@@ -365,10 +365,30 @@ def latest_complete(root: Path, check: Callable[[Path], str | None] = tag_proble
     return None
 
 
+RESUME_TAKES = ("--resume takes auto (the latest complete checkpoint in --output_dir; a fresh start when it has "
+                "none), a run folder or its checkpoints/ folder (their latest complete checkpoint), or one checkpoint "
+                "tag folder (<run>/checkpoints/step00001000)")
+
+
+class NoCheckpointThere(FileNotFoundError):
+    """A path given as a checkpoint names none: it does not exist, or holds no complete tag."""
+
+
+def check_resume_exists(resume: str) -> None:
+    """NoCheckpointThere when `resume` is a path (not '' or 'auto') that does not exist; a switch's
+    word (--resume true) is told that --resume takes a path."""
+    if resume in ("", "auto") or Path(resume).exists():
+        return
+    switch = " (--resume is not a switch)" if resume.lower() in ("true", "false", "yes", "no", "on", "off", "1",
+                                                                  "0") else ""
+    raise NoCheckpointThere(f"--resume {resume!r}: the path does not exist{switch}")
+
+
 def find_resume(resume: str, output_dir: Path, check: Callable[[Path], str | None] = tag_problem) -> Path | None:
     """'' -> None; 'auto' -> latest complete tag under output_dir (None on a fresh run);
     a path -> that tag (or the latest complete tag of that run folder / checkpoints folder). Tags are
-    judged by `check`; FileNotFoundError says what is wrong with those that fail it."""
+    judged by `check`; FileNotFoundError says what is wrong with those that fail it
+    (NoCheckpointThere: the path does not exist, or holds no complete tag)."""
     if not resume:
         return None
     if resume == "auto":
@@ -378,6 +398,7 @@ def find_resume(resume: str, output_dir: Path, check: Callable[[Path], str | Non
             raise FileNotFoundError(f"--resume auto: {e}; resume an intact copy of one by path (--resume PATH), "
                                     f"start afresh without --resume and with --run.overwrite true (deletes them), "
                                     f"or give another --output_dir") from None
+    check_resume_exists(resume)
     path = Path(resume)
     for candidate in (path, path / "checkpoints"):
         if is_complete(candidate):
@@ -392,7 +413,7 @@ def find_resume(resume: str, output_dir: Path, check: Callable[[Path], str | Non
                                         f"folder") from None
             if found is not None:
                 return found
-    raise FileNotFoundError(f"--resume {resume!r}: no complete checkpoint there (a tag folder with {COMPLETE})")
+    raise NoCheckpointThere(f"--resume {resume!r}: no complete checkpoint there (a tag folder with {COMPLETE})")
 
 
 def read_meta(tag_dir: Path) -> dict:

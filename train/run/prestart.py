@@ -45,6 +45,10 @@ class CheckedRun:
 
 def check_before_start(cfg: PretrainConfig) -> CheckedRun:
     """Everything that rejects bad input (ConfigError) before any process group starts."""
+    try:  # a --resume path that is not there: a typo, refused before anything is checked at length
+        checkpoint.check_resume_exists(cfg.resume)
+    except checkpoint.NoCheckpointThere as e:
+        raise ConfigError(f"{e}; {checkpoint.RESUME_TAKES}") from None
     try:  # where the run writes, first: nothing else matters if it cannot
         check_writable_folder(Path(cfg.output_dir), "--output_dir")
     except ValueError as e:
@@ -76,7 +80,10 @@ def check_run_folder_before_start(cfg: PretrainConfig, ds_config: dict, plan: Ba
     """The checks that read the run folder (the checkpoint to resume, another run's files), under
     its lock; `clear`: this rank may delete a cleared run's outputs."""
     per_epoch, total_steps, warmup_steps = schedule_steps(cfg, plan)
-    resume_from = checkpoint.find_resume(cfg.resume, run_dir)  # every file of the tag checked, nothing executed
+    try:
+        resume_from = checkpoint.find_resume(cfg.resume, run_dir)  # every file of the tag checked, nothing executed
+    except checkpoint.NoCheckpointThere as e:  # a folder without a complete tag
+        raise ConfigError(f"{e}; {checkpoint.RESUME_TAKES}") from None
     if resume_from is not None:
         check_resume(resume_from, cfg, plan)
     elif cfg.resume:  # --resume auto found nothing to continue: a fresh start reads init_from

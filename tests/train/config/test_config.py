@@ -201,3 +201,31 @@ def test_the_encoder_built_from_a_config_has_its_drop_path_rate_and_in_chans():
     assert got == [float(getattr(b.drop_path, "drop_prob", 0.0)) for b in reference.blocks]
     assert encoder.patch_embed.proj.weight.shape == reference.patch_embed.proj.weight.shape
     assert encoder.patch_embed.proj.weight.shape[1] == 2  # neither the preset's 1 nor the registry's 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--run.overwrite", "--output_dir", "runs/t1"],
+     r"^--run.overwrite needs a value: true or false \(e.g. --run.overwrite true\)$"),
+    (["--run.tensorboard", "--optim.blr", "1"],
+     r"^--run.tensorboard needs a value: .*\(e.g. --run.tensorboard false\)$"),
+    (["--optim.blr", "--run.max_steps", "2"], r"^--optim.blr needs a value: float > 0 \(e.g. --optim.blr 0.00015\)$"),
+    (["--optim.betas", "--seed=3"],
+     r"^--optim.betas needs a value: float,float in \[0, 1\) \(e.g. --optim.betas 0.9,0.95\)$"),
+    (["--model.global_pool", "--seed", "3"],
+     r"^--model.global_pool needs a value: token \(cls\) \| avg .* \(e.g. --model.global_pool token\)$"),
+    (["--resume", "--seed", "3"], r"^--resume needs a value: '' \| 'auto' .*path to a checkpoint$"),  # no example: ''
+    (["--config", "--seed", "3"], r"^--config needs a value: a JSON preset \(e.g. --config train/configs/"),
+    (["--run.max_steps"], r"^--run.max_steps needs a value: int >= 0 \(e.g. --run.max_steps 0\)$"),  # the last word
+    (["--dry_run", "--seed", "3"], r"^unknown option 'dry_run'"),  # not an option: named as such, not as valueless
+    (["--optim.bl", "--seed", "3"], r"^unknown option 'optim.bl'; did you mean 'optim.blr'\?$"),
+])
+def test_an_option_whose_next_word_is_an_option_needs_a_value(args, message):
+    """`--key --other ...`: the next word (`--` then a letter) is never taken as --key's value."""
+    with pytest.raises(ConfigError, match=message):
+        parse_args([*DS, *args])
+
+
+def test_a_negative_number_is_a_value_not_an_option():
+    cfg = parse_args(["--ds_config", "ds_configs/cpu_debug.json", "--data.source", "shards", "--data.train_index",
+                      "a/train.json", "--data.num_workers", "-1", "--optim.blr", "1e-3"])
+    assert cfg.data.num_workers == -1 and cfg.optim.blr == 1e-3

@@ -3,7 +3,7 @@ import pickle
 
 import pytest
 
-from train.engine.checkpoint import COMPLETE, LATEST, find_resume, latest_complete, prune, tag_for
+from train.engine.checkpoint import COMPLETE, LATEST, NoCheckpointThere, find_resume, latest_complete, prune, tag_for
 
 
 def _tag(root, step, complete=True):
@@ -33,8 +33,13 @@ def test_find_resume(tmp_path):
     assert find_resume("auto", tmp_path) == tag
     assert find_resume(str(tmp_path), tmp_path / "other") == tag
     assert find_resume(str(tag), tmp_path / "other") == tag
-    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+    with pytest.raises(NoCheckpointThere, match="missing': the path does not exist$"):
         find_resume(str(tmp_path / "missing"), tmp_path)
+    with pytest.raises(NoCheckpointThere, match=r"'true': the path does not exist \(--resume is not a switch\)$"):
+        find_resume("true", tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NoCheckpointThere, match=r"empty': no complete checkpoint there \(a tag folder with complete"):
+        find_resume(str(tmp_path / "empty"), tmp_path)
 
 
 def test_prune_keeps_newest_complete(tmp_path):
