@@ -5,6 +5,8 @@ data stream, and the checks a checkpoint must pass to be resumed.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -127,13 +129,60 @@ def check_resume_compatible(meta: dict, cfg: PretrainConfig, plan: BatchPlan) ->
                 raise ConfigError(f"--resume: the checkpoint was trained with "
                                   f"{', '.join(f'{key}.{k} {was.get(k)!r}' for k in differing)}, this run has "
                                   f"{', '.join(repr(is_.get(k)) for k in differing)}; to continue that run, give "
-                                  f"the same again; to train this one from the checkpoint's weights, start it in "
-                                  f"another --output_dir with --model.init_from <the checkpoint>")
+                                  f"the same again; {new_run_hint(saved, cfg)}")
         elif was != is_:
             raise ConfigError(f"--resume: the checkpoint was trained with {key}={saved.get(key)}, this run has "
                               f"{now[key]}; to continue that run, give its {key} again; to train this one from the "
                               f"checkpoint's weights, start it in another --output_dir with --model.init_from "
                               f"<the checkpoint>")
+
+
+def new_run_hint(saved: dict, cfg: PretrainConfig) -> str:
+    """How to train this run's model rather than continue the checkpoint's (whose config is `saved`):
+    in another output_dir, from the checkpoint's weights (--model.init_from) only where its encoder
+    loads into this model (`init_from_misfit`)."""
+    problem = init_from_misfit(saved, cfg)
+    if not problem:
+        return ("to train this one from the checkpoint's weights, start it in another --output_dir with "
+                "--model.init_from <the checkpoint>")
+    return (f"to train this model, start it in another --output_dir (the checkpoint's encoder does not load into it: "
+            f"--model.init_from takes an encoder of the same architecture, and this one has {problem})")
+
+
+def _as_saved(options: object, kind: type):
+    """The options dataclass `kind` with the values a checkpoint's config recorded for it (`options`,
+    a dict); an option added to the code since counts as its default, as check_resume_compatible has it."""
+    known = {f.name for f in dataclasses.fields(kind)}
+    return kind(**{k: v for k, v in options.items() if k in known} if isinstance(options, dict) else {})
+
+
+def init_from_misfit(saved: dict, cfg: PretrainConfig) -> str:
+    """How the encoder of a checkpoint whose config is `saved` differs from this run's in what
+    --model.init_from loads ('' when it loads): train/weights/fit.py's rule (channels, width, patch
+    size, depth, each tensor's shape; a position table of another grid and a new classifier aside),
+    and the same tensors otherwise. Both encoders are built on the meta device from their model
+    options and objective section (e.g. MAE+'s iRPE): nothing is allocated."""
+    from train.weights.fit import NEW, mismatch
+
+    theirs_cfg = copy.copy(cfg)
+    theirs_cfg.sections = dict(cfg.sections)
+    try:
+        theirs_cfg.model = _as_saved(saved.get("model"), type(cfg.model))
+        theirs_cfg.sections[cfg.objective] = _as_saved(saved.get(cfg.objective), type(section(cfg)))
+        with torch.device("meta"):
+            theirs, ours = ({k: tuple(v.shape) for k, v in build_encoder(c).state_dict().items()}
+                            for c in (theirs_cfg, cfg))
+    except (ValueError, KeyError, TypeError, RuntimeError):  # e.g. a model name this code no longer registers
+        recorded = saved.get("model") if isinstance(saved.get("model"), dict) else {}
+        return f"a model this code does not build (model.name {recorded.get('name')!r})"
+    theirs = {k: v for k, v in theirs.items() if not k.startswith("head.")}  # a classifier is never loaded
+    ours = {k: v for k, v in ours.items() if not k.startswith(NEW)}  # started fresh (fc_norm: average pooling)
+    if problem := mismatch(theirs, ours):
+        return problem
+    pooled = {"norm.weight", "norm.bias"}  # average pooling drops the final norm: loaded either way
+    lacks, extra = sorted(set(ours) - set(theirs) - pooled), sorted(set(theirs) - set(ours) - pooled)
+    return "; ".join([*([f"no {', '.join(lacks[:2])} (the model's)"] if lacks else []),
+                      *([f"{', '.join(extra[:2])}, which the model has not"] if extra else [])])
 
 
 def _dotted(d: dict, prefix: str = "") -> dict:

@@ -1,7 +1,9 @@
 """The run folder: merged config, final ds_config, provenance, metrics.jsonl, TensorBoard events.
 
 Only rank 0 writes. metrics.jsonl has one JSON object per logged step (strict JSON: a value that
-is not finite, e.g. the loss of a window without a finite one, is null).
+is not finite, e.g. the loss of a window without a finite one, is null). A run that starts at step
+0 where an earlier attempt logged steps but completed no checkpoint keeps that attempt's records
+in earlier_attempts/<n>/ (`set_aside_unsaved_attempt`).
 """
 from __future__ import annotations
 
@@ -37,9 +39,13 @@ def git_commit() -> dict:
         return {"commit": "unknown", "dirty": None}
 
 
+# The records of earlier starts in a folder that holds no complete checkpoint (`set_aside_unsaved_attempt`)
+ATTEMPTS = "earlier_attempts"
 # What a run writes into its folder (launchers/submit.py's `launch/` snapshots are not the run's own)
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "vis", "config.json", "ds_config.json", "meta.json",
-               "encoder.safetensors", "encoder.json", "eval.json", "split.json", "resumes.jsonl")
+               "encoder.safetensors", "encoder.json", "eval.json", "split.json", "resumes.jsonl", ATTEMPTS)
+# An attempt's records that a start from step 0 would overwrite or mix with its own
+ATTEMPT_RECORDS = ("metrics.jsonl", "tb", "eval.json", "vis")
 
 
 def _experiment(config: dict) -> dict:
@@ -49,10 +55,12 @@ def _experiment(config: dict) -> dict:
 
 
 def never_trained(run_dir: Path, checkpoints: list[Path]) -> bool:
-    """No complete checkpoint and no line in metrics.jsonl: a start that failed before (or during)
-    its first logged step left the folder, and nothing in it can be resumed or is worth keeping."""
+    """No complete checkpoint, no line in metrics.jsonl and no earlier attempt's records: a start
+    that failed before (or during) its first logged step left the folder, and nothing in it can be
+    resumed or is worth keeping."""
     metrics = run_dir / "metrics.jsonl"
-    return not checkpoints and (not metrics.is_file() or not metrics.read_text().strip())
+    return (not checkpoints and (not metrics.is_file() or not metrics.read_text().strip())
+            and not (run_dir / ATTEMPTS).exists())
 
 
 def check_writable_folder(path: Path, what: str) -> None:
@@ -241,13 +249,16 @@ class Reporter:
     """Rank 0's outputs per logged step: metrics.jsonl, TensorBoard, progress bar (images/s, ETA).
 
     On resume from step `start_step`, lines and events logged after it by the interrupted run
-    are dropped first, so every step appears once.
+    are dropped first, so every step appears once; a start at step 0 over an attempt's logs (no
+    checkpoint of it was complete) keeps them in earlier_attempts/<n>/ first.
     """
 
     def __init__(self, run_dir: Path, start_step: int, stop_step: int, tensorboard: bool, progress: bool):
         path = run_dir / "metrics.jsonl"
         if path.exists():
             rows, cut = metric_rows(path)
+            if not start_step and (rows or cut):  # an attempt trained here, and no checkpoint of it was complete
+                set_aside_unsaved_attempt(run_dir, rows)
             if cut:  # a write cut short (power loss, a full disk): its step is logged again by this run if after the tag
                 log.warning("%s: %d line(s) that are no complete JSON record dropped (a write cut short)", path, cut)
             kept = [r for r in rows if r["step"] <= start_step]
@@ -282,7 +293,7 @@ class Reporter:
         """An evaluation result: its own line in metrics.jsonl, `eval/` in TensorBoard."""
         self._write(step, metrics, "eval")
         if self.bar is not None:
-            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.2f}" for k, v in metrics.items()))
+            self.bar.write(f"step {step}: " + ", ".join(f"{k} {shown_value(v)}" for k, v in metrics.items()))
 
     def close(self) -> None:
         self.file.close()
@@ -290,6 +301,39 @@ class Reporter:
             self.tb.close()
         if self.bar is not None:
             self.bar.close()
+
+
+def shown_value(value: float | int) -> str:
+    """A logged value as a line shows it: a count (eval_samples) as the integer it is, a measure
+    (eval_top1) to two decimals."""
+    return f"{value:.2f}" if isinstance(value, float) else f"{value}"
+
+
+def set_aside_unsaved_attempt(run_dir: Path, rows: list[dict]) -> Path:
+    """A run that starts at step 0 in a folder where an earlier attempt logged steps (`rows`, from
+    its metrics.jsonl) but completed no checkpoint, e.g. one killed before its first: that
+    attempt's records (ATTEMPT_RECORDS) move to earlier_attempts/<n>/, so that the new run's
+    metrics.jsonl, TensorBoard curves, eval.json and figures are its own and the old ones are kept;
+    said in one warning line. The folder it made."""
+    attempts = run_dir / ATTEMPTS
+    numbers = [int(p.name) for p in attempts.glob("*") if p.name.isdigit()]
+    kept = attempts / str(max(numbers, default=0) + 1)
+    kept.mkdir(parents=True)
+    moved = []
+    for name in ATTEMPT_RECORDS:
+        record = run_dir / name
+        if not record.exists():
+            continue
+        moved.append(f"{name}/" if record.is_dir() else name)
+        if name == "metrics.jsonl":  # copied: the Reporter then rewrites it whole (or not at all, on a full disk)
+            shutil.copy2(record, kept / name)
+        else:
+            record.rename(kept / name)
+    steps = sorted({r["step"] for r in rows})
+    logged = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}" if steps else "no whole step"
+    log.warning("output_dir %s holds no complete checkpoint, so training starts at step 0; the earlier attempt "
+                "there (%s logged) keeps its %s in %s", run_dir, logged, ", ".join(moved), kept)
+    return kept
 
 
 def metric_rows(path: Path) -> tuple[list[dict], int]:

@@ -20,10 +20,9 @@ import torch
 from data.source import eval_shards, fixed_images, train_shards
 from kernels.accelerators import describe as describe_accelerators
 from kernels.attention import describe_paths
-from model.objectives.base import ClassifierConfig
 from model.timm_backbone import TimmBackbone
 from train.config.errors import ConfigError
-from train.config.options import PretrainConfig, section
+from train.config.options import PretrainConfig
 from train.config.parsing import to_dict
 from train.config.plan import labeled_split, peak_lr
 from train.engine import checkpoint, distributed
@@ -31,7 +30,7 @@ from train.engine.execution import describe_blocks
 from train.engine.nonfinite import REMEDY, STEADIER, NonFiniteError
 from train.run import code_version
 from train.run.build import build_engine, training_source
-from train.run.chance_loss import ChanceLoss
+from train.run.chance_loss import chance_watch
 from train.run.compile_watch import CompileWatch, eager_blocks
 from train.run.evaluation import classification_accuracy, eval_summary
 from train.run.folder import Reporter, record_resume, write_run_files
@@ -127,9 +126,7 @@ class Trainer:
         # classification objectives: top-1/top-5 on every rank's share of the shards
         self.eval_shards = eval_shards(cfg.data) if cfg.data.eval_index else None
         # a probe or fine-tuning run whose loss stays at ln(classes) says so (train/run/chance_loss.py)
-        classifier = section(cfg)
-        self.chance = (ChanceLoss(classifier.num_classes, self.settings.stop_step)
-                       if isinstance(classifier, ClassifierConfig) else None)
+        self.chance = chance_watch(cfg, self.peak_lr, checked.warmup_steps, self.settings.stop_step)
 
     def figure_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(fixed images (B, C, H, W) in the compute dtype, mask noise (B, N)), drawn from their own
@@ -294,7 +291,7 @@ class Trainer:
                 raise checkpoint.CheckpointWriteError(
                     f"the encoder export {out} could not be written ({e.strerror}); the checkpoint {self.last_saved} "
                     f"is complete: once there is room, write the export with python -m train.export --checkpoint "
-                    f"{self.last_saved} --out {out}") from None
+                    f"{self.run_dir} --overwrite (its latest checkpoint, into {out})") from None
             log.info("exported encoder to %s", out)
         distributed.barrier()
         if requeue_failed:  # rank 0 ends non-zero, so the job is not reported COMPLETED mid-schedule

@@ -57,6 +57,46 @@ def test_a_resume_with_another_option_of_the_objective_is_refused():
         check_resume_compatible(meta, parse_args([*base, "--mae.mask_ratio", "0.5"]), plan)
 
 
+@pytest.mark.parametrize("changed, has", [
+    (["--model.name", "vit_mini_patch4"], "width 32 (the model's: 128), depth 2 (the model's: 4)"),
+    (["--model.in_chans", "3"], "input channels 1 (the model's: 3)"),
+    (["--model.rpe", "true"], "no blocks.0.attn.rpe.table, blocks.1.attn.rpe.table (the model's)"),
+])
+def test_a_resume_with_another_architecture_suggests_a_new_folder_not_its_weights(changed, has):
+    """The checkpoint's encoder cannot load into a model of another size, input or iRPE tables, so
+    the way to train that model is another --output_dir, not --model.init_from <the checkpoint>."""
+    from train.config.ds_config import BatchPlan
+    from train.config.parsing import to_dict
+    from train.run.build import check_resume_compatible
+
+    base = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET)]
+    meta = {"world_size": 1, "global_batch": 8, "config": json.loads(json.dumps(to_dict(parse_args(base))))}
+    with pytest.raises(ConfigError) as refused:
+        check_resume_compatible(meta, parse_args([*base, *changed]), BatchPlan(micro=8, accum=1, world=1))
+    said = str(refused.value)
+    assert "to continue that run, give the same again; to train this model, start it in another --output_dir (the " \
+           "checkpoint's encoder does not load into it: --model.init_from takes an encoder of the same architecture, " \
+           f"and this one has {has})" in said
+    assert "--model.init_from <the checkpoint>" not in said
+
+
+@pytest.mark.parametrize("changed", [["--model.drop_path_rate", "0.1"], ["--model.img_size", "32"],
+                                     ["--model.global_pool", "avg"], ["--mae.mask_ratio", "0.5"]])
+def test_a_resume_with_options_the_weights_still_fit_suggests_them_in_a_new_folder(changed):
+    """Stochastic depth, another resolution (the position table is resized), average pooling (fc_norm
+    starts fresh) or another mask ratio: the checkpoint's encoder loads with --model.init_from."""
+    from train.config.ds_config import BatchPlan
+    from train.config.parsing import to_dict
+    from train.run.build import check_resume_compatible
+
+    base = ["--ds_config", str(CPU_DS), "--config", str(DEBUG_PRESET)]
+    meta = {"world_size": 1, "global_batch": 8, "config": json.loads(json.dumps(to_dict(parse_args(base))))}
+    with pytest.raises(ConfigError, match=r"to continue that run, give the same again; to train this one from the "
+                                          r"checkpoint's weights, start it in another --output_dir with "
+                                          r"--model.init_from <the checkpoint>$"):
+        check_resume_compatible(meta, parse_args([*base, *changed]), BatchPlan(micro=8, accum=1, world=1))
+
+
 def test_a_resume_may_change_the_attention_kernel_and_needs_no_init_weights(tmp_path):
     """A run started from --model.init_from resumes after that file is gone (a requeue after a
     clean-up) and without the option; the attention kernel (same function) may change: said and

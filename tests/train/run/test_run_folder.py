@@ -81,3 +81,65 @@ def test_a_run_whose_metrics_hold_only_blank_lines_never_trained(tmp_path):
     assert never_trained(tmp_path, [])
     metrics.write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
     assert not never_trained(tmp_path, [])
+
+
+def _logged_steps(path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def _events_files(folder) -> list:
+    return sorted(folder.glob("events.out.tfevents.*"))
+
+
+def test_a_start_from_step_0_sets_an_unsaved_attempts_records_aside_and_says_so(tmp_path, caplog):
+    """An attempt killed before its first checkpoint logged steps 1-10 (metrics.jsonl, tb/, an
+    evaluation): the next start, at step 0, keeps them in earlier_attempts/1/ and writes its own
+    beside them, rather than cutting metrics.jsonl to nothing and adding a second events file to tb/."""
+    killed = Reporter(tmp_path, start_step=0, stop_step=20, tensorboard=True, progress=False)
+    for step in range(1, 11):
+        killed.log(step, {"loss": float(step), "images_per_s": 1.0})
+    killed.close()
+    (tmp_path / "eval.json").write_text(json.dumps({"step": 10, "eval_top1": 20.0}))
+    with caplog.at_level(logging.WARNING):
+        again = Reporter(tmp_path, start_step=0, stop_step=20, tensorboard=True, progress=False)
+    kept = tmp_path / "earlier_attempts" / "1"
+    assert (f"output_dir {tmp_path} holds no complete checkpoint, so training starts at step 0; the earlier attempt "
+            f"there (steps 1-10 logged) keeps its metrics.jsonl, tb/, eval.json in {kept}") in caplog.text
+    for step in range(1, 4):
+        again.log(step, {"loss": 100.0 + step, "images_per_s": 1.0})
+    again.close()
+    assert _logged_steps(kept / "metrics.jsonl") == list(range(1, 11))
+    assert _logged_steps(tmp_path / "metrics.jsonl") == [1, 2, 3]
+    assert len(_events_files(kept / "tb")) == 1 and len(_events_files(tmp_path / "tb")) == 1
+    assert json.loads((kept / "eval.json").read_text())["eval_top1"] == 20.0 and not (tmp_path / "eval.json").exists()
+    assert not never_trained(tmp_path, [])  # records worth keeping: not cleared as a failed start's
+    Reporter(tmp_path, start_step=0, stop_step=20, tensorboard=False, progress=False).close()  # killed again
+    assert _logged_steps(tmp_path / "earlier_attempts" / "2" / "metrics.jsonl") == [1, 2, 3]
+    assert _logged_steps(kept / "metrics.jsonl") == list(range(1, 11))
+
+
+def test_a_resume_auto_of_a_run_killed_before_its_first_checkpoint_starts_at_0_and_keeps_its_logs(tmp_path):
+    """The run killed after step 5 (its first checkpoint due at 100) left steps 1-4 logged: --resume
+    auto finds nothing to resume, says so, and trains steps 1-3 with the attempt's logs kept aside."""
+    from conftest import run_pretrain
+
+    killed = run_pretrain(tmp_path, "--run.max_steps", "8", "--run.ckpt_every", "100", faults="after_step@5",
+                          check=False)
+    assert killed.returncode != 0 and _logged_steps(tmp_path / "metrics.jsonl") == [1, 2, 3, 4]
+    proc = run_pretrain(tmp_path, "--resume", "auto", "--run.max_steps", "3", "--run.ckpt_every", "100")
+    kept = tmp_path / "earlier_attempts" / "1"
+    assert (f"output_dir {tmp_path} holds no complete checkpoint, so training starts at step 0; the earlier attempt "
+            f"there (steps 1-4 logged) keeps its metrics.jsonl, tb/ in {kept}") in proc.stderr
+    assert _logged_steps(tmp_path / "metrics.jsonl") == [1, 2, 3]
+    assert _logged_steps(kept / "metrics.jsonl") == [1, 2, 3, 4]
+    assert len(_events_files(tmp_path / "tb")) == 1 and len(_events_files(kept / "tb")) == 1
+
+
+def test_an_evaluation_line_shows_counts_as_integers(tmp_path, capsys):
+    reporter = Reporter(tmp_path, start_step=0, stop_step=4, tensorboard=False, progress=True)
+    reporter.log_eval(4, {"eval_top1": 75.0, "eval_top5": 100.0, "eval_samples": 10000, "eval_listed": 10000,
+                          "eval_skipped_undecodable_image": 2})
+    reporter.close()
+    said = capsys.readouterr()
+    assert ("step 4: eval_top1 75.00, eval_top5 100.00, eval_samples 10000, eval_listed 10000, "
+            "eval_skipped_undecodable_image 2") in said.out + said.err

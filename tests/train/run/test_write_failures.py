@@ -108,7 +108,13 @@ def test_a_final_export_the_disk_refuses_names_the_command_that_redoes_it(tmp_pa
     assert "Traceback" not in proc.stderr
     assert (f"training stopped: the encoder export {run / 'encoder.safetensors'} could not be written (No space left "
             f"on device); the checkpoint {tag} is complete: once there is room, write the export with python -m "
-            f"train.export --checkpoint {tag} --out {run / 'encoder.safetensors'}") in proc.stderr
+            f"train.export --checkpoint {run} --overwrite (its latest checkpoint, into {run / 'encoder.safetensors'})"
+            ) in proc.stderr
     assert not (run / "encoder.safetensors").exists()
+    hinted = subprocess.run([sys.executable, "-m", "train.export", "--checkpoint", str(run), "--overwrite"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert hinted.returncode == 0, hinted.stderr[-2000:]
+    assert json.loads((run / "encoder.json").read_text())["step"] == 2  # the command does what the line says
+    (run / "encoder.safetensors").unlink()
     run_pretrain(run, "--run.max_steps", "2", "--run.ckpt_every", "2", "--resume", "auto")  # room again
     assert (run / "encoder.safetensors").is_file()  # the resumed tag is exported: nothing was left to train
