@@ -13,6 +13,13 @@ kNN: cosine similarity, k = 20 nearest training features, votes weighted by exp(
 layer trained full-batch with L-BFGS on cross-entropy plus a small L2 penalty. This is the quick
 probe for small data sets; the MAE LARS protocol is train/linprobe.py.
 
+The result says what was scored: the encoder (the --encoder file, the --checkpoint tag, or the
+--random_init name and seed), the pooling (--pool) and the image size used (--img_size, or the
+encoder's own for 0), in the printed line and as "encoder", "pool" and "img_size" in the JSON.
+When the encoder's description says how it was trained and implies the other pooling (an export
+or checkpoint of a fine-tuned encoder, global_pool avg; a checkpoint whose objective reads its own
+`pool` option, e.g. energy's), a one-line note says so before the scores.
+
 --out is written under a temporary name and renamed once complete; it replaces an existing file
 only with --overwrite, and is refused even then when it is one of the inputs (an index, a shard,
 the encoder or its .json) or lies inside the checkpoint evaluated.
@@ -116,6 +123,65 @@ def checked_encoder(a: argparse.Namespace):
     return model
 
 
+def encoder_source(a: argparse.Namespace) -> tuple[str, str]:
+    """(as said in the line, as recorded in the JSON) of the encoder scored: the --encoder file or
+    the --checkpoint tag (absolute in the JSON, read back from elsewhere), or --random_init's name
+    and seed."""
+    if a.random_init is not None:
+        said = f"random init {a.random_init} (seed {a.seed})"
+        return said, said
+    if a.encoder is not None:
+        return a.encoder, str(Path(a.encoder).resolve())
+    return f"checkpoint {a.checkpoint}", str(Path(a.checkpoint).resolve())  # the tag checked_encoder found
+
+
+def _description(a: argparse.Namespace) -> dict:
+    """What the encoder's description says of its training: an export's .json (timm_kwargs,
+    objective), or a checkpoint's complete.json (encoder_timm_kwargs, config); {} when there is none
+    (official MAE or timm weights, a random init) or it cannot be read."""
+    try:
+        if a.encoder is not None and Path(a.encoder).with_suffix(".json").is_file():
+            found = json.loads(Path(a.encoder).with_suffix(".json").read_text())
+            return {"timm_kwargs": found.get("timm_kwargs")} if isinstance(found, dict) else {}
+        if a.checkpoint is not None:
+            from train.engine.checkpoint import read_meta
+
+            meta = read_meta(Path(a.checkpoint))
+            return {"timm_kwargs": meta.get("encoder_timm_kwargs"), "config": meta.get("config"),
+                    "objective": meta.get("objective")} if isinstance(meta, dict) else {}
+    except (OSError, ValueError, RecursionError):  # load_encoder read it already: nothing to add here
+        pass
+    return {}
+
+
+def implied_pool(a: argparse.Namespace) -> tuple[str, str] | None:
+    """(pooling, why) the encoder's description implies for its features, or None when it says
+    nothing of it. A fine-tuned encoder (global_pool avg) classified fc_norm of the patch mean, its
+    cls token unnormalised; an objective with its own `pool` option (energy) trained on those
+    features (the demo and the study score such a run on them)."""
+    described = _description(a)
+    kwargs, config = described.get("timm_kwargs"), described.get("config")
+    if not isinstance(kwargs, dict) or "timm_model" in kwargs:  # a timm backbone pools as timm does, whatever --pool
+        return None
+    if kwargs.get("global_pool") == "avg":
+        return "avg", "was fine-tuned with global_pool avg (its classifier read fc_norm of the patch mean)"
+    objective = described.get("objective")
+    own = config.get(objective) if isinstance(config, dict) and isinstance(objective, str) else None
+    if isinstance(own, dict) and own.get("pool") in ("cls", "avg"):
+        return own["pool"], f"trained {objective} on {objective}.pool {own['pool']} features"
+    return None
+
+
+def pool_note(a: argparse.Namespace) -> str | None:
+    """A one-line note when --pool is not the pooling the encoder's description implies."""
+    implied = implied_pool(a)
+    if implied is None or implied[0] == a.pool:
+        return None
+    pool, why = implied
+    return (f"note: --pool {a.pool}, but {encoder_source(a)[0]} {why}: docs/EVALUATION.md scores it with "
+            f"--pool {pool}")
+
+
 # training's seed range, read from its field (numpy takes seeds below 2**32)
 SEEDS = Interval.parse(next(f for f in dataclasses.fields(PretrainConfig) if f.name == "seed").metadata["range"])
 BATCH = 256  # images per batch of the feature extraction
@@ -184,7 +250,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="attention heads of an official / timm --encoder of a width other than ViT-Ti/S/B/L/H's "
                         "(the weights do not hold it); 0 = by the width (default %(default)s)")
     p.add_argument("--seed", type=seed, default=0, help="seed of --random_init (default %(default)s)")
-    p.add_argument("--pool", choices=["cls", "avg"], default="cls", help="feature: cls token or patch mean (default %(default)s)")
+    p.add_argument("--pool", choices=["cls", "avg"], default="cls",
+                   help="feature: cls token or patch mean (default %(default)s); score a fine-tuned encoder "
+                        "(global_pool avg) and an energy encoder pretrained on energy.pool avg (its default) with avg")
     p.add_argument("--num_workers", type=int, default=1,
                    help=f"decode workers, at most the shards of the larger set; {AUTO_WORKERS} = auto, as training's "
                         f"data.num_workers (default %(default)s)")
@@ -216,14 +284,20 @@ def main(argv: list[str] | None = None) -> dict:
     model = checked_encoder(a)
     if a.out:
         check_output(Path(a.out), evaluation_inputs(a, train_set, test_set), a.overwrite, "--out")
+    if note := pool_note(a):
+        print(note, flush=True)
     try:
         features = [extract_features(model, s, BATCH, pool=a.pool, num_workers=workers, what=f"{what} features")
                     for s, what in ((train, "train"), (test, "test"))]
     except CorruptDataError as e:  # no usable sample in a set: nothing to score, nothing written
         raise ConfigError(str(e)) from None
-    result = scores(*features, len(train.classes)) | coverage_keys(*(f.coverage for f in features))
-    print(f"kNN top-1 {result['knn_top1']:.2f}%, linear probe top-1 {result['linear_probe_top1']:.2f}% on "
-          f"{features[1].coverage.describe('test')}; fitted on {features[0].coverage.describe('training')}")
+    said, recorded = encoder_source(a)
+    # what was scored: two results compare only when these agree (model.img_size: --img_size, or the encoder's own)
+    result = ({"encoder": recorded, "pool": a.pool, "img_size": model.img_size}
+              | scores(*features, len(train.classes)) | coverage_keys(*(f.coverage for f in features)))
+    print(f"{said}, {a.pool} features at {model.img_size} px: kNN top-1 {result['knn_top1']:.2f}%, linear probe "
+          f"top-1 {result['linear_probe_top1']:.2f}% on {features[1].coverage.describe('test')}; fitted on "
+          f"{features[0].coverage.describe('training')}")
     print(json.dumps(result))
     if a.out:
         with written_whole(Path(a.out)) as tmp:

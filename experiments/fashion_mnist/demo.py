@@ -16,8 +16,10 @@
    subset of the train split (--eval_train, default 20000 of 60000; 0 = all): the features the
    objective's own `pool` option names (energy: average-pooled), else the cls token. Both splits
    are decoded once, by one worker per core, and shared by both encoders.
-4. Prints a table and writes <run>/eval.json next to <run>/encoder.safetensors/.json
-   (run folder: runs/demo for MAE, runs/demo_<method>[_<variant>] otherwise).
+4. Prints a table (beside them the raw-pixel baselines, fitted on all 60000 train images) and
+   writes <run>/eval.json next to <run>/encoder.safetensors/.json. Run folder: runs/demo for MAE
+   at its preset's epochs, else runs/demo_<method>[_<variant>][_<N>ep] (_<N>ep for --epochs N:
+   another budget is another run, never resumed from or reused for the preset's).
 
     python -m experiments.fashion_mnist.demo [--method NAME] [--variant VARIANT] [--epochs N] [--eval_train N]
 """
@@ -46,6 +48,7 @@ from data.shard_index import ShardSet
 from experiments.fashion_mnist.common import (
     RAW_PIXEL_BASELINES,
     REPO,
+    TRAIN_IMAGES,
     cpu_training_env,
     demo_methods,
     epoch_options,
@@ -90,6 +93,27 @@ def run_pretraining(cmd: list[str]) -> None:
         raise SystemExit(status)
 
 
+def run_name(method: str, variant: str, epochs: float) -> str:
+    """The default run folder's name: demo for MAE at its preset's epochs, else
+    demo_<method>[_<variant>][_<N>ep]. The epochs are in the name because the run is resumed
+    (--resume auto) or reused when its folder exists: a run of another budget must not continue,
+    or stand for, the preset's."""
+    if method == DEFAULT_METHOD and not variant and not epochs:
+        return "demo"
+    return "_".join(["demo", method] + ([variant] if variant else []) + ([f"{epochs:g}ep"] if epochs else []))
+
+
+def results_table(title: str, rows: list[tuple[str, str, str, str]]) -> list[str]:
+    """The printed table: `title`, the column headers, then one line per (label, linear probe, kNN,
+    what it stands on). The label column is as wide as the longest label, so the numbers of every
+    method and variant name stand under their headers."""
+    width = max(len(label) for label, *_ in rows) + 2
+    lines = [title, f"{'':{width}}{'linear probe':>14}{'kNN (k=20)':>12}"]
+    lines += [f"{label:{width}}{probe:>14}{knn:>12}" + (f"   {note}" if note else "")
+              for label, probe, knn, note in rows]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     methods = demo_methods()
@@ -102,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval_train", type=int, default=EVAL_TRAIN_SAMPLES,
                    help="train samples the kNN / linear probe fit on (seeded subset; 0 = all)" + D)
     p.add_argument("--skip_control", action="store_true", help="do not evaluate the random-init control")
-    p.add_argument("--out", default="", help="run folder (default: runs/demo for MAE, runs/demo_<method>[_<variant>])")
+    p.add_argument("--out", default="", help="run folder (default: runs/demo for MAE at its preset's epochs, else "
+                                             "runs/demo_<method>[_<variant>][_<N>ep], _<N>ep for --epochs N)")
     a = p.parse_args(argv)
     try:
         configs = presets(a.method, a.variant)
@@ -110,9 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(str(e))
     if a.eval_train < 0:
         p.error("--eval_train must be >= 0 (0 = all train samples)")
-    name = "demo" if a.method == DEFAULT_METHOD and not a.variant and not a.epochs else "_".join(
-        ["demo", a.method] + ([a.variant] if a.variant else []) + ([f"{a.epochs:g}ep"] if a.epochs else []))
-    run = Path(a.out) if a.out else REPO / "runs" / name
+    run = Path(a.out) if a.out else REPO / "runs" / run_name(a.method, a.variant, a.epochs)
     if problem := unwritable(run):
         p.error(f"--out {run} {problem}")
 
@@ -173,16 +196,18 @@ def main(argv: list[str] | None = None) -> dict:
         "torch_threads": torch.get_num_threads(),
     }
     (run / "eval.json").write_text(json.dumps(result, indent=2))
-    print(f"\nFashion-MNIST test top-1 (%), {model_name}, frozen {pool} features, "
-          f"fitted on {eval_train.num_samples} train samples")
-    print(f"{'':24}{'linear probe':>14}{'kNN (k=20)':>12}")
-    print(f"{(a.method.upper() + ' ' + a.variant).strip() + ' pretrained':24}{pretrained['linear_probe_top1']:>14.2f}{pretrained['knn_top1']:>12.2f}")
+    fitted = f"fitted on {eval_train.num_samples} train samples"
+    rows = [(f"{(a.method.upper() + ' ' + a.variant).strip()} pretrained", f"{pretrained['linear_probe_top1']:.2f}",
+             f"{pretrained['knn_top1']:.2f}", fitted)]
     if head_eval is not None:
-        print(f"{a.method.upper() + ' own head':24}{head_eval['eval_top1']:>14.2f}{'':>12}   (test split)")
+        rows.append((f"{a.method.upper()} own head", f"{head_eval['eval_top1']:.2f}", "",
+                     "its own classifier, trained during pretraining"))
     if control is not None:
-        print(f"{'random init':24}{control['linear_probe_top1']:>14.2f}{control['knn_top1']:>12.2f}")
-    print(f"{'raw pixels':24}{RAW_PIXEL_BASELINES['logistic_regression']:>14.1f}{RAW_PIXEL_BASELINES['knn_5']:>12.1f}"
-          "   (logistic regression / 5-NN)")
+        rows.append(("random init", f"{control['linear_probe_top1']:.2f}", f"{control['knn_top1']:.2f}", fitted))
+    rows.append(("raw pixels", f"{RAW_PIXEL_BASELINES['logistic_regression']:.1f}",
+                 f"{RAW_PIXEL_BASELINES['knn_5']:.1f}",
+                 f"logistic regression / 5-NN on the pixels, fitted on all {TRAIN_IMAGES} train images"))
+    print("\n" + "\n".join(results_table(f"Fashion-MNIST test top-1 (%), {model_name}, frozen {pool} features", rows)))
     took = f"pretraining {pretrain_s / 60:.1f} min" if fresh else "pretraining resumed (not timed)"
     print(f"{took}, evaluation {eval_s / 60:.1f} min on {result['device']}, torch {torch.__version__}; wrote "
           f"{run / 'eval.json'}")

@@ -354,16 +354,17 @@ def test_export_replaces_a_file_only_with_overwrite_but_always_its_own(run_dir, 
 
 
 def test_the_default_export_of_a_tag_kept_outside_a_run_folder_replaces_nothing_unasked(run_dir, tmp_path, capsys):
-    """Above a tag copied out of its run (keep/tags/<tag>), the default names (keep/encoder.*) may
-    hold anyone's files: replaced only with --overwrite, as an --out's are."""
+    """Above a tag copied out of its run (keep/tags/<tag>), the default names (keep/encoder_<tag>.*)
+    may hold anyone's files: replaced only with --overwrite, as an --out's are."""
     import shutil
     tag = tmp_path / "keep" / "tags" / "step00000001"
     shutil.copytree(run_dir / "checkpoints" / "step00000001", tag)
-    theirs = tmp_path / "keep" / "encoder.safetensors"
+    theirs = tmp_path / "keep" / "encoder_step00000001.safetensors"
     theirs.write_bytes(b"someone's weights")
     refused("train.export", ["--checkpoint", str(tag)],
-            r"--out .*keep/encoder.safetensors exists already: pass --overwrite to replace it", capsys)
-    assert theirs.read_bytes() == b"someone's weights" and not (tmp_path / "keep" / "encoder.json").exists()
+            r"--out .*keep/encoder_step00000001.safetensors exists already: pass --overwrite to replace it", capsys)
+    assert theirs.read_bytes() == b"someone's weights"
+    assert not (tmp_path / "keep" / "encoder_step00000001.json").exists()
     assert run("train.export", ["--checkpoint", str(tag), "--overwrite"], capsys)[0] == 0
     assert theirs.read_bytes() == (run_dir / "encoder.safetensors").read_bytes()
 

@@ -81,3 +81,82 @@ def test_evaluate_draws_the_test_subset_apart_from_the_training_subset(indexes, 
     train, test = extracted
     nearest = torch.cdist(test.features, train.features).min(1).values  # 0 for a training sample
     assert (nearest > 1e-4).any()
+
+
+def _export(encoder, path):
+    """`encoder` as train.export writes it: its weights and a .json with its timm kwargs."""
+    import json
+
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in encoder.state_dict().items()}, str(path))
+    path.with_suffix(".json").write_text(json.dumps({"timm_kwargs": encoder.timm_kwargs(), "objective": "finetune",
+                                                     "step": 4}))
+    return path
+
+
+def test_the_result_says_which_encoder_pooling_and_image_size_it_scored(indexes, tmp_path, capsys):
+    """Two results compare only on the same features: the line and the JSON name the encoder, the
+    pooling and the size used (the encoder's own for --img_size 0)."""
+    import json
+
+    from train.evaluate import main
+
+    train_index, test_index = indexes
+    source = ["--train_index", train_index, "--test_index", test_index, "--num_workers", "0"]
+    path = _export(create_model("vit_debug_patch4"), tmp_path / "enc.safetensors")
+    result = main([*source, "--encoder", str(path), "--pool", "avg", "--img_size", "32",
+                   "--out", str(tmp_path / "e.json")])
+    assert {k: result[k] for k in ("encoder", "pool", "img_size")} == {"encoder": str(path.resolve()), "pool": "avg",
+                                                                      "img_size": 32}
+    assert json.loads((tmp_path / "e.json").read_text()) == result
+    line = capsys.readouterr().out.splitlines()[-2]
+    assert line.startswith(f"{path}, avg features at 32 px: kNN top-1 {result['knn_top1']:.2f}%"), line
+    result = main([*source, "--random_init", "vit_debug_patch4", "--seed", "3"])
+    assert (result["encoder"], result["pool"], result["img_size"]) == \
+        ("random init vit_debug_patch4 (seed 3)", "cls", 28)
+    assert capsys.readouterr().out.splitlines()[-2].startswith("random init vit_debug_patch4 (seed 3), cls features at "
+                                                               "28 px: kNN top-1")
+
+
+def test_a_note_says_when_pool_is_not_what_a_fine_tuned_encoders_description_implies(indexes, tmp_path, capsys):
+    """A fine-tuned export (global_pool avg: its classifier read fc_norm of the patch mean) scored
+    on its cls token gets one line saying so; scored with --pool avg, or a pretrained export
+    (global_pool token) with either pooling, none."""
+    from train.evaluate import main
+
+    train_index, test_index = indexes
+    source = ["--train_index", train_index, "--test_index", test_index, "--num_workers", "0"]
+    tuned = _export(create_model("vit_debug_patch4", global_pool="avg", num_classes=10), tmp_path / "tuned.safetensors")
+    main([*source, "--encoder", str(tuned)])
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert notes == [f"note: --pool cls, but {tuned} was fine-tuned with global_pool avg (its classifier read fc_norm "
+                     f"of the patch mean): docs/EVALUATION.md scores it with --pool avg"]
+    pretrained = _export(create_model("vit_debug_patch4"), tmp_path / "pretrained.safetensors")
+    for argv in (["--encoder", str(tuned), "--pool", "avg"], ["--encoder", str(pretrained)],
+                 ["--encoder", str(pretrained), "--pool", "avg"]):
+        main([*source, *argv])
+        assert "note:" not in capsys.readouterr().out, argv
+
+
+def test_a_note_says_when_pool_is_not_the_pooling_a_checkpoints_objective_trained_on(tmp_path, monkeypatch):
+    """A checkpoint's complete.json holds the run's config: energy's energy.pool avg (its energy
+    head read the patch mean) implies avg; an MAE run's config has no pool of its own, so no note."""
+    import argparse
+
+    from train.engine import checkpoint
+    from train.evaluate import pool_note
+
+    kwargs = create_model("vit_debug_patch4").timm_kwargs()
+    metas = {"energy": {"objective": "energy", "encoder_timm_kwargs": kwargs, "config": {"energy": {"pool": "avg"}}},
+             "mae": {"objective": "mae", "encoder_timm_kwargs": kwargs, "config": {"mae": {"mask_ratio": 0.75}}}}
+    monkeypatch.setattr(checkpoint, "read_meta", lambda tag: metas[tag.parent.parent.name])
+
+    def note(run, pool):
+        tag = tmp_path / run / "checkpoints" / "step00000004"
+        return pool_note(argparse.Namespace(encoder=None, checkpoint=str(tag), random_init=None, seed=0, pool=pool))
+
+    assert note("energy", "cls") == (f"note: --pool cls, but checkpoint {tmp_path / 'energy' / 'checkpoints'}"
+                                     f"/step00000004 trained energy on energy.pool avg features: docs/EVALUATION.md "
+                                     f"scores it with --pool avg")
+    assert note("energy", "avg") is None and note("mae", "cls") is None and note("mae", "avg") is None

@@ -153,3 +153,57 @@ def test_a_checkpoint_whose_description_claims_another_encoder_is_not_built(fp32
     assert "complete.json: encoder_timm_kwargs does not describe the weights beside it, which hold 2 blocks, " \
            "where the model has 10000000" in err
     assert not out.exists()
+
+
+def _run_copy(fp32_run, tmp_path):
+    """A copy of the 2-step run (its one tag step00000002 and its own export, encoder.*)."""
+    import shutil
+
+    shutil.copytree(fp32_run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _exported(run):
+    return {name: (run / name).read_bytes() for name in ("encoder.safetensors", "encoder.json")}
+
+
+def test_a_tags_export_is_named_after_it_and_leaves_the_runs_own_export(fp32_run, tmp_path, capsys):
+    """--checkpoint <run>/checkpoints/<tag> without --out writes <run>/encoder_<tag>.safetensors +
+    .json: the run's encoder.safetensors (its final export, what evaluations read) stays as it was."""
+    run = _run_copy(fp32_run, tmp_path)
+    own = _exported(run)
+    tag = run / "checkpoints" / "step00000002"
+    path = export_main(["--checkpoint", str(tag)])
+    assert path == run / "encoder_step00000002.safetensors"
+    assert json.loads(path.with_suffix(".json").read_text())["step"] == 2
+    assert _exported(run) == own
+    assert f"wrote {path} and {path.with_suffix('.json')} from {tag}" in capsys.readouterr().out
+    assert export_main(["--checkpoint", str(tag)]) == path  # the same step's export: replaced unasked
+    assert export_main(["--checkpoint", str(run)]) == run / "encoder.safetensors"  # a run folder: the run's own
+
+
+@pytest.mark.parametrize("default, described", [("encoder.json", {"step": 1}),
+                                                ("encoder_step00000002.json", {"source": "elsewhere"})],
+                         ids=["another step", "no step recorded"])
+def test_a_default_output_of_another_step_is_replaced_only_with_overwrite(fp32_run, tmp_path, capsys, default,
+                                                                         described):
+    """A default output that holds the export of another step (or says none) is someone's result:
+    refused in one line naming both steps and the fix, nothing written; --overwrite replaces it."""
+    from train.run.cli import cli
+
+    run = _run_copy(fp32_run, tmp_path)
+    (run / default).write_text(json.dumps(described))
+    weights = run / default.replace(".json", ".safetensors")
+    weights.write_bytes(b"an earlier export")
+    argv = ["--checkpoint", str(run if default == "encoder.json" else run / "checkpoints" / "step00000002")]
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with pytest.raises(SystemExit) as stopped:
+        cli(lambda: export_main(argv))
+    err = capsys.readouterr().err
+    held = "the export of step 1" if "step" in described else "an export of no recorded step"
+    assert stopped.value.code == 2 and err.count("\n") == 1, err
+    assert f"{weights} holds {held}, not of the checkpoint {run / 'checkpoints' / 'step00000002'} (step 2): pass " \
+           f"--overwrite to replace it, or give --out another path" in err
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    assert export_main([*argv, "--overwrite"]) == weights
+    assert json.loads((run / default).read_text())["step"] == 2

@@ -8,6 +8,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 from conftest import fake_fashion_mnist
 
 from experiments.fashion_mnist import common, demo
@@ -112,9 +113,53 @@ def test_demo_records_the_last_logged_losses_and_evaluates_both_encoders_on_the_
     assert evaluated == [("pretrained", "avg"), ("random init", "avg")] and result["features"] == "avg"
 
 
-def test_demo_run_folder_is_named_by_method_variant_and_epochs(tmp_path, monkeypatch):
+def test_demo_run_folder_is_named_by_method_variant_and_epochs(tmp_path, monkeypatch, capsys):
     _, runs = _stubbed_demo(monkeypatch, tmp_path, {"objective": "mae"}, [{"step": 1, "loss": 1.0}])
-    for argv in ([], ["--epochs", "1"], ["--method", "energy"], ["--method", "energy", "--epochs", "0.5"]):
+    for argv in ([], ["--epochs", "1"], ["--method", "energy"], ["--method", "energy", "--epochs", "0.5"],
+                 ["--method", "mixedae", "--variant", "naive_mixing", "--epochs", "1"]):
         demo.main([*argv, "--skip_control"])
     assert [r.relative_to(tmp_path / "runs").as_posix() for r in runs] == \
-        ["demo", "demo_mae_1ep", "demo_energy", "demo_energy_0.5ep"]  # runs/demo: MAE at its preset's epochs only
+        ["demo", "demo_mae_1ep", "demo_energy", "demo_energy_0.5ep",
+         "demo_mixedae_naive_mixing_1ep"]  # runs/demo: MAE at its preset's epochs only
+    # --help and the page state that rule, the epochs included
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
+    assert "runs/demo_<method>[_<variant>][_<N>ep], _<N>ep for --epochs N" in " ".join(capsys.readouterr().out.split())
+    page = " ".join((common.REPO / "docs" / "FASHION_MNIST.md").read_text().split())
+    assert "runs go to `runs/demo_<method>[_<variant>][_<N>ep]`" in page and "`runs/demo` for MAE" in page
+
+
+
+@pytest.mark.parametrize("method, variant", [("mixedae", "naive_mixing"), ("mlomae", "straight_through"), ("mae", "")],
+                         ids=["mixedae naive_mixing", "mlomae straight_through (its own head)", "mae"])
+def test_the_table_lines_up_under_its_headers_and_says_what_each_row_was_fitted_on(tmp_path, monkeypatch, capsys,
+                                                                                   method, variant):
+    """Each number ends where its column's header ends, whatever the method and variant names'
+    lengths; the encoders' rows name the train subset they were fitted on, the raw-pixel baselines
+    (fitted on the whole train split) say so on their own row."""
+    import re
+
+    _, runs = _stubbed_demo(monkeypatch, tmp_path, {"objective": method}, [{"step": 1, "loss": 1.0}])
+    pretraining = demo.run_pretraining
+
+    def with_head_result(cmd):  # an objective with its own classifier has its head's result in eval.json
+        pretraining(cmd)
+        (runs[-1] / "eval.json").write_text(json.dumps({"eval_top1": 71.5}))
+
+    monkeypatch.setattr(demo, "run_pretraining", with_head_result)
+    demo.main(["--method", method, *(["--variant", variant] if variant else []), "--eval_train", "0"])
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("Fashion-MNIST test top-1 (%), vit_mini_patch4, frozen cls features")
+    header, rows = lines[at + 1], lines[at + 2:-1]
+    ends = [header.index(name) + len(name) for name in ("linear probe", "kNN (k=20)")]
+    pretrained = f"{method.upper()} {variant}".strip() + " pretrained"
+    labels = [pretrained, *([f"{method.upper()} own head"] if method == "mlomae" else []), "random init", "raw pixels"]
+    assert [row.split("  ")[0] for row in rows] == labels, rows
+    for row in rows:
+        numbers = [m.end() for m in re.finditer(r"\d+\.\d+", row)][:2]
+        assert numbers == (ends[:1] if "own head" in row else ends), (header, row)
+    assert [row.split("  ")[0] for row in rows if row.endswith("   fitted on 100 train samples")] == \
+        [pretrained, "random init"]
+    assert rows[-1].endswith("   logistic regression / 5-NN on the pixels, fitted on all 60000 train images")
+    assert not any("fitted on" in line for line in lines[at:at + 2])  # the title and headers: the rows say it

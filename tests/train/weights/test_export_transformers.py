@@ -221,3 +221,41 @@ def test_without_transformers_the_export_says_how_to_install_it(mae_run, tmp_pat
                                          r"pip install -e '\.\[hf\]'"):
         export_transformers(_tag(mae_run), tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_tags_export_is_named_after_it_and_printed_without_torchaos_deprecation_lines(mae_run, tmp_path):
+    """The command as typed, for a tag: the folder is <run>/transformers_<tag> (the run's own
+    <run>/transformers is a run folder's export), and its output holds no line of the two
+    pytree-constant deprecations torchao's import logs (KernelPreference, ScaleCalculationMode)."""
+    import os
+    import shutil
+    import subprocess
+
+    from conftest import REPO
+
+    shutil.copytree(mae_run, tmp_path / "run")
+    tag = _tag(tmp_path / "run")
+    proc = subprocess.run([sys.executable, "train/export.py", "--checkpoint", str(tag), "--format", "transformers"],
+                          cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "register_constant" not in proc.stderr and "Enum subclass" not in proc.stderr, proc.stderr
+    out = tmp_path / "run" / "transformers_step00000002"
+    assert proc.stdout.startswith(f"wrote {out} (ViTMAEForPreTraining) from {tag}\n")
+    assert (out / "model.safetensors").is_file() and not (tmp_path / "run" / "transformers").exists()
+
+
+def test_only_the_enum_constant_deprecation_is_silenced():
+    """The filter on torch.utils._pytree's logger drops that deprecation's records alone."""
+    import logging
+
+    from train.export import _WithoutEnumConstantDeprecation
+
+    def record(message, *args):
+        return logging.LogRecord("torch.utils._pytree", logging.WARNING, __file__, 1, message, args, None)
+
+    quiet = _WithoutEnumConstantDeprecation()
+    assert not quiet.filter(record("%s is an Enum subclass and is now natively supported by torch.compile as an "
+                                   "opaque value type. Calling register_constant() on Enum subclasses is deprecated "
+                                   "and will be an error in a future release.", "<enum 'KernelPreference'>"))
+    assert quiet.filter(record("%s cannot be registered as a pytree", "<class 'X'>"))
