@@ -27,9 +27,10 @@ Phases (tools/phases/, one module each; each reuses the project's own entry poin
            model's prediction for one node and 4 nodes (train/estimate/comm_model.py)
 
 --smoke: the same phase on the CPU with tiny models and few steps (the test suite runs it); what
-needs CUDA is skipped with the reason in the JSON. Without CUDA and without --smoke: exit 2.
+needs CUDA is skipped with the reason in the JSON; on a machine with a GPU every run of the call,
+ours and the baseline alike, stays on the CPU. Without CUDA and without --smoke: exit 2.
 --budget_s: wall-clock seconds for the whole call; PHASE:SECONDS caps a phase besides (so one call
-runs several phases, each with its share: `compile:230 methods:130 loader:170`); an item whose
+runs several phases, each with its share: `compile:230 methods:130 loader:170`, docs/GPU.md); an item whose
 estimate no longer fits is recorded as skipped, and the JSON is rewritten after every item, so a killed call still leaves
 what it measured. Installs nothing (docs/GPU.md: online, or offline from `make gpu-wheels`). The
 commit is $GPU_CHECK_COMMIT, else git's, else "unknown".
@@ -42,6 +43,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import io
@@ -170,6 +172,28 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def cpu_only():
+    """--smoke on a machine with a GPU: every run of the call on the CPU. The project's entry points
+    (train/bench.py, train/pretrain.py) take CUDA wherever torch finds it while the phases' own runs
+    (the plain-PyTorch baseline) take the Check's device, so a smoke ratio of the two would be a
+    GPU's rate over a CPU's. The phases' children are shown no device (CUDA_VISIBLE_DEVICES=""), and
+    in this process torch.cuda answers as it would have under that variable (the variable itself is
+    read once, when CUDA first initialises, which may have happened already)."""
+    saved_env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    saved = torch.cuda.is_available, torch.cuda.device_count
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    torch.cuda.is_available, torch.cuda.device_count = (lambda: False), (lambda: 0)
+    try:
+        yield
+    finally:
+        torch.cuda.is_available, torch.cuda.device_count = saved
+        if saved_env is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved_env
+
+
 def phase_and_cap(text: str) -> tuple[str, float | None]:
     """'compile' -> ('compile', None); 'compile:260' -> ('compile', 260.0): the phase's cap in seconds."""
     name, _, cap = text.partition(":")
@@ -236,7 +260,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     log = out / f"gpu_check_{'+'.join(name for name, _ in a.phases)}_{'cpu_smoke' if a.smoke else 'cuda'}_{stamp}.log"
     paths = []
-    with open(log, "a") as logf, tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+    with (open(log, "a") as logf, tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp,
+          cpu_only() if a.smoke else contextlib.nullcontext()):
         tee = Tee(sys.__stdout__, logf)
         with redirect_stdout(tee), redirect_stderr(tee):
             for phase, cap in a.phases:

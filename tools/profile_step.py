@@ -1,8 +1,9 @@
 """Where a training step's time goes, from torch.profiler: the GPU kit's attribution of one variant
 (tools/phases/bench.py), for ours, DeepSpeed's engine or the plain-PyTorch baseline alike.
 
-`attribution(subject, steps, device, trace)` runs `steps` optimizer steps of a tools/census.py
-Subject under the profiler, each phase of a step (data, forward, backward, step, hook) inside a
+`attribution(subject, steps, device, trace, compiled)` runs `steps` optimizer steps of a
+tools/census.py Subject under the profiler (after WARMUP_STEPS unprofiled ones, COMPILED_WARMUP_STEPS
+with run.compile), each phase of a step (data, forward, backward, step, hook) inside a
 `record_function` range, and summarises:
   host_ms_per_step     the host's time inside the phases per step: what it needs to issue a step
   device_busy_fraction the union of the device's kernel and copy intervals over the profiled
@@ -34,6 +35,12 @@ from train.run.loop import no_phases
 
 PHASE_PREFIX = "phase:"
 TRACE_LIMIT = 16 * 2**20
+WARMUP_STEPS = 1  # eager: the allocator's first blocks, cuDNN / cuBLAS heuristics, Triton's autotuning
+# run.compile replays the blocks as CUDA graphs (torch.compile's "reduce-overhead", model/vit.py):
+# cudagraph trees run a graph's first call as a warm-up, record it on the second and replay it from
+# the third. With one warm-up step the profiled window would hold the recording (a step of copies
+# into the graphs' pool); 3 leave inductor's compile, the recording and a first replay out of it
+COMPILED_WARMUP_STEPS = 3
 
 
 def _marker(name: str) -> contextlib.AbstractContextManager:
@@ -50,10 +57,11 @@ def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def attribution(subject, steps: int, device: torch.device, trace: Path | None = None) -> dict:
-    """The summary of the module docstring for `steps` steps of `subject` (after one unprofiled)."""
+def attribution(subject, steps: int, device: torch.device, trace: Path | None = None, compiled: bool = False) -> dict:
+    """The summary of the module docstring for `steps` steps of `subject`, after the warm-up steps
+    (`compiled`: the subject runs run.compile's blocks, whose CUDA graphs need more of them)."""
     cuda = device.type == "cuda"
-    subject.run(no_phases, 1)  # allocator, autotuning, compiles
+    subject.run(no_phases, COMPILED_WARMUP_STEPS if compiled else WARMUP_STEPS)
     if cuda:
         torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

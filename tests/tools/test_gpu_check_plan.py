@@ -49,6 +49,7 @@ def test_methods_phase_gpu_branch_runs_its_items_in_order_and_sums_them(tmp_path
     import types
 
     import kernels.bench
+    import tools.gpu_check
     from tools import method_time
     from tools.phases import methods
 
@@ -60,6 +61,8 @@ def test_methods_phase_gpu_branch_runs_its_items_in_order_and_sums_them(tmp_path
         name = next((m for m in ("mixedae", "mlomae", "energy") if any(f"{m}/" in a for a in argv)), None)
         name = name or ("maeplus" if any("maeplus/" in a for a in argv) else "mae")
         adpe = any("rpe_coord" in a for a in argv)
+        # 3 untimed steps (the allocator, cuBLAS's heuristics, Triton's autotuning), then 10 timed
+        assert (argv[argv.index("--warmup") + 1], argv[argv.index("--steps") + 1]) == ("3", "10")
         seen.append((name, ds["train_micro_batch_size_per_gpu"], torch_topk))
         return {"step_time_s": step[name] * (1.01 if adpe else 1.0) * (2 if torch_topk else 1), "objective": name}
 
@@ -83,13 +86,17 @@ def test_methods_phase_gpu_branch_runs_its_items_in_order_and_sums_them(tmp_path
     monkeypatch.setattr(methods, "our_bench", bench)
     monkeypatch.setattr(kernels.bench, "main", kbench)
     monkeypatch.setattr(method_time, "main", times)
+    for module in (tools.gpu_check, methods):  # its gc.collect per item: nothing to free here
+        monkeypatch.setattr(module, "free_memory", lambda: None)
     check = _gpu_branch_check(tmp_path, "methods")
     methods.run(check, types.SimpleNamespace())
     items, summary = check.record["items"], check.record["summary"]
     assert not [k for k, v in items.items() if "error" in v or "skipped" in v], items
-    order = ["mae", "mixedae", "mixedae_torch_topk", "maeplus", "adpe", "mlomae", "energy"]
-    assert list(items) == (["phase_times"] + [f"{m}_r0" for m in order] + ["kernels_bf16"]
-                           + [f"{m}_r1" for m in order[::-1]] + ["kernels_fp16"])
+    # the targets' methods and kernels first, each pair of rounds reversed
+    targets, others = ["mae", "mixedae", "maeplus", "adpe"], ["mixedae_torch_topk", "mlomae", "energy"]
+    assert list(items) == ([f"{m}_r0" for m in targets] + ["kernels_bf16"] + [f"{m}_r1" for m in targets[::-1]]
+                           + ["phase_times"] + [f"{m}_r0" for m in others] + [f"{m}_r1" for m in others[::-1]]
+                           + ["kernels_fp16"])
     assert {micro for _, micro, _ in seen} == {128} and sum(t for _, _, t in seen) == 2  # the composition: one per round
     ratios = summary["step_ratios"]
     assert ratios["mixedae_over_mae"] == pytest.approx(1.05) and ratios["adpe_over_maeplus"] == pytest.approx(1.01)
@@ -100,53 +107,105 @@ def test_methods_phase_gpu_branch_runs_its_items_in_order_and_sums_them(tmp_path
     assert summary["phase_times"]["mlomae"]["over_mae_counted"] == pytest.approx(7.5)
 
 
-def test_compile_phase_gpu_branch_runs_every_item_in_its_order(tmp_path, monkeypatch):
-    """The compile phase's GPU items, in the order a short call should learn them, with the
-    measurements stood in: names, arguments (micro-batches, models, compile and float8 switches)
-    and the summary."""
+def _compile_stand_ins(monkeypatch, runs: list, table: Path | None):
+    """The compile phase's measurements stood in: train/bench.py (appending each run's micro-batch,
+    compile and float8 switches and warm-up / timed steps to `runs`; compiled 1.3x, float8 1.2x
+    faster), the attention table (written into `table` when given, as --write does), the probes."""
     import json
-    import types
 
     from kernels import attention_choice
     from tools import choose_attention, compile_probe
     from tools.phases import compile as phase
 
-    runs = []
-
     def bench(check, argv):
         micro = json.loads(open(argv[argv.index("--ds_config") + 1]).read())["train_micro_batch_size_per_gpu"]
         compiled, float8 = "--run.compile" in argv, "--run.float8" in argv
-        runs.append((micro, compiled, float8))
+        runs.append((micro, compiled, float8, argv[argv.index("--warmup") + 1], argv[argv.index("--steps") + 1]))
         rate = 3000.0 * (1.3 if compiled else 1.0) * (1.2 if float8 else 1.0)
+        if any("mixedae/" in a for a in argv):
+            rate /= 1.02
         return {"images_per_s": rate, "step_time_s": micro / rate, "mfu": rate / 16800}
 
     def choose(argv):
         assert "--write" in argv and "--device" not in argv
+        if table is not None:
+            table.write_text('[{"written": "by this call"}]')
         return [attention_choice.Choice("9.0", "bf16", "dense", 12, 50, 64, "cudnn", {"ms": {"cudnn": 0.1}})]
 
     monkeypatch.setattr(phase, "our_bench", bench)
     monkeypatch.setattr(choose_attention, "main", choose)
+    monkeypatch.setattr(attention_choice, "TABLE", table if table is not None else Path("/nonexistent/table.json"))
     monkeypatch.setattr(compile_probe, "equality", lambda *a: {"max_relative_difference": 1e-3, "tolerance": 2e-2,
                                                                "equal": True})
     monkeypatch.setattr(compile_probe, "float8_curves", lambda *a: {"float8_gap": 0.01, "seed_gap": 0.02,
                                                                     "within_bf16_noise": True})
+
+
+def test_compile_phase_gpu_branch_runs_every_item_in_its_order(tmp_path, monkeypatch):
+    """The compile phase's GPU items, in the order a short call should learn them, with the
+    measurements stood in: names, arguments (micro-batches, models, compile and float8 switches,
+    warm-up) and the summary."""
+    import types
+
+    import tools.gpu_check
+    from tools.phases import compile as phase
+
+    monkeypatch.setattr(tools.gpu_check, "free_memory", lambda: None)  # its gc.collect per item: nothing to free
+    runs = []
+    _compile_stand_ins(monkeypatch, runs, tmp_path / "attention_choices.json")
     check = _gpu_branch_check(tmp_path, "compile")
     phase.run(check, types.SimpleNamespace())
     items, summary = check.record["items"], check.record["summary"]
     assert not [k for k, v in items.items() if "error" in v or "skipped" in v], items
     names = list(items)
-    assert names[:2] == ["equality_bf16_micro64", "attention_choice"] and names[-1] == "float8_curves_vit_l_micro64"
-    assert names.index("vit_b_128_eager_r0") < names.index("method_mae_compiled_r0") < names.index("vit_l_128_eager_r0")
-    # the second round runs in the reverse order of the first (a drift in the device's pace favours neither)
-    assert names.index("vit_b_128_eager_r0") < names.index("vit_b_128_compiled_r0")
-    assert names.index("vit_b_128_compiled_r1") < names.index("vit_b_128_eager_r1")
-    methods_r = [[n.split("_")[1] for n in names if n.startswith("method_") and n.endswith(f"_r{r}")] for r in (0, 1)]
-    assert methods_r[0] == ["mae", "mixedae", "maeplus", "adpe"] and methods_r[1] == methods_r[0][::-1]
-    assert {(m, c) for m, c, _ in runs} >= {(128, False), (128, True), (64, True), (512, True)}
-    assert sum(f for _, _, f in runs) == 1 and items["attention_choice"]["entries"][0]["kernel"] == "cudnn"
+    # the targets first: ViT-B at 128 eager then compiled, the methods compiled, the second round reversed
+    assert names[:7] == ["vit_b_128_eager_r0", "vit_b_128_compiled_r0", "method_mixedae_compiled_r0",
+                         "method_maeplus_compiled_r0", "method_adpe_compiled_r0", "vit_b_128_compiled_r1",
+                         "vit_b_128_eager_r1"]
+    assert names[7:10] == ["method_adpe_compiled_r1", "method_maeplus_compiled_r1", "method_mixedae_compiled_r1"]
+    assert names.index("vit_b_64_compiled_r0") < names.index("attention_choice") < names.index("vit_b_512_eager_r0")
+    assert names[-1] == "float8_curves_vit_l_micro64"
+    assert {(m, c) for m, c, *_ in runs} >= {(128, False), (128, True), (64, True), (512, True)}
+    # every train/bench.py run: 5 untimed steps (a compiled step's CUDA graphs replay from the third), 15 timed
+    assert {(w, n) for *_, w, n in runs} == {("5", "15")}
+    assert sum(f for _, _, f, *_ in runs) == 1 and items["attention_choice"]["entries"][0]["kernel"] == "cudnn"
     assert summary["ratios"]["compile_over_eager_vit_b_128"] == pytest.approx(1.3)
     assert summary["ratios"]["float8_over_compiled_vit_l_128"] == pytest.approx(1.2)
+    assert summary["methods_compiled_micro128"]["mixedae_over_mae"] == pytest.approx(1.02)
     assert summary["equality_bf16_micro64"]["equal"] and summary["float8_curves_vit_l_micro64"]["within_bf16_noise"]
+    # the table this call wrote, beside the records
+    copy = tmp_path / items["attention_choice"]["table_copy"]
+    assert copy.name.startswith("attention_choices_gpu_check_compile_") and "by this call" in copy.read_text()
+
+
+@pytest.mark.parametrize("fate", ["failed", "skipped"])
+def test_a_table_this_call_did_not_write_is_not_copied_beside_its_records(tmp_path, monkeypatch, fate):
+    """kernels/attention_choices.json is always there (committed): when the item that measures it
+    failed or was not run, the file is someone else's table, and no copy says it is this call's."""
+    import time
+    import types
+
+    from kernels import attention_choice
+    from tools import choose_attention
+    from tools.phases import compile as phase
+
+    table = tmp_path / "table" / "attention_choices.json"
+    table.parent.mkdir()
+    table.write_text('[{"written": "elsewhere"}]')
+    _compile_stand_ins(monkeypatch, [], None)
+    monkeypatch.setattr(attention_choice, "TABLE", table)
+
+    def refused(argv):
+        raise RuntimeError("no SDPA kernel measured")
+
+    monkeypatch.setattr(choose_attention, "main", refused)
+    check = _gpu_branch_check(tmp_path, "compile")
+    if fate == "skipped":
+        check.deadline = time.monotonic() + 1  # nothing fits
+    phase.attention_table(check)
+    item = check.record["items"]["attention_choice"]
+    assert ("skipped" in item, "error" in item) == (fate == "skipped", fate == "failed")
+    assert not list(tmp_path.glob("attention_choices_*")) and "table_copy" not in item
 
 
 def test_study_phase_gpu_branch_runs_one_entry_per_item_and_summarises_the_entries(tmp_path, monkeypatch):
@@ -246,24 +305,28 @@ def test_the_documented_one_call_plan_measures_the_loader_s_targets_within_its_s
     assert check.record["summary"]["end_to_end"]["shards_over_synthetic"] == 1.0
 
 
-def test_the_documented_one_call_plan_measures_where_each_method_s_step_goes_within_its_share(tmp_path, monkeypatch):
-    """The methods phase's share of docs/GPU.md's one call, every item taking its whole estimate: the
-    phase-by-phase times (tools/method_time.py), which no record holds yet, are measured. After a
-    round of every method at micro-batch 128 and the bf16 kernels, the share had no room for them."""
+def test_the_documented_one_call_plan_measures_the_methods_targets_within_its_share(tmp_path, monkeypatch):
+    """The methods phase's share of docs/GPU.md's one call, every item taking its whole estimate:
+    both rounds of MAE, MixedAE, MAE+ and AdPE (the step ratios the targets name) and the TopK
+    kernels against SDPA in bf16 run. When where each step goes came first (90 s), the share had
+    no room left for AdPE or the kernels."""
     import json
     import types
 
     import kernels.bench
+    import tools.gpu_check
     from tools import method_time
     from tools.phases import methods
 
     def kbench(argv):
         path = tmp_path / "kernels.json"
         path.write_text(json.dumps({"dtype": "bf16", "shapes": {"vit_b": {"results": {"dense_sdpa": {"ms": 1.0}},
-                                                                          "ratios": {}}}}))
+                                                                          "ratios": {"topk_fused_over_dense": 1.4}}}}))
         return str(path)
 
     row = {"ms": {}, "step_ms": 1.0, "micro_batch": 64, "over_mae_measured": 1.0, "over_mae_counted": 1.0}
+    monkeypatch.setattr(tools.gpu_check, "free_memory", lambda: None)  # its gc.collect per item: nothing to free
+    monkeypatch.setattr(methods, "free_memory", lambda: None)
     monkeypatch.setattr(methods, "our_bench", lambda check, argv, torch_topk=False: {"step_time_s": 0.1})
     monkeypatch.setattr(kernels.bench, "main", kbench)
     monkeypatch.setattr(method_time, "main", lambda argv: {m: dict(row) for m in method_time.METHODS})
@@ -271,8 +334,45 @@ def test_the_documented_one_call_plan_measures_where_each_method_s_step_goes_wit
     check = _planned_check(tmp_path, "methods", _documented_shares()["methods"])
     methods.run(check, types.SimpleNamespace())
     items = check.record["items"]
-    assert "skipped" not in items["phase_times"], items
-    assert set(check.record["summary"]["phase_times"]) == set(method_time.METHODS)
+    ran = [k for k, v in items.items() if "skipped" not in v]
+    assert ran[:9] == ["mae_r0", "mixedae_r0", "maeplus_r0", "adpe_r0", "kernels_bf16",
+                       "adpe_r1", "maeplus_r1", "mixedae_r1", "mae_r1"], items
+    summary = check.record["summary"]
+    assert {"mixedae_over_mae", "adpe_over_maeplus"} <= summary["step_ratios"].keys()
+    assert summary["kernels_bf16"]["vit_b"]["topk_fused_over_dense"] == 1.4
+
+
+def test_the_documented_one_call_plan_measures_the_compile_targets_within_its_share(tmp_path, monkeypatch):
+    """The compile phase's share of docs/GPU.md's one call, every item taking its whole estimate:
+    ViT-B at 128 eager and compiled in two rounds and MixedAE, MAE+ and AdPE compiled run, so the
+    summary holds compiled over eager and both methods' ratios. With the equality (140 s) and the
+    attention table (60 s) first, no compiled run fitted and the ratios were empty."""
+    import types
+
+    import tools.gpu_check
+    from tools.phases import compile as phase
+
+    monkeypatch.setattr(tools.gpu_check, "free_memory", lambda: None)
+    _compile_stand_ins(monkeypatch, [], None)
+    check = _planned_check(tmp_path, "compile", _documented_shares()["compile"])
+    phase.run(check, types.SimpleNamespace())
+    items = check.record["items"]
+    ran = [k for k, v in items.items() if "skipped" not in v]
+    assert ran[:7] == ["vit_b_128_eager_r0", "vit_b_128_compiled_r0", "method_mixedae_compiled_r0",
+                       "method_maeplus_compiled_r0", "method_adpe_compiled_r0", "vit_b_128_compiled_r1",
+                       "vit_b_128_eager_r1"], items
+    summary = check.record["summary"]
+    rows = summary["throughput"]
+    assert rows["vit_b_128_compiled"]["rounds"] == rows["vit_b_128_eager"]["rounds"] == 2
+    assert summary["ratios"]["compile_over_eager_vit_b_128"] == pytest.approx(1.3)
+    assert {"mixedae_over_mae", "adpe_over_maeplus"} <= summary["methods_compiled_micro128"].keys()
+
+
+def test_the_documented_one_call_fits_a_command_of_ten_minutes():
+    """The phases' shares within --budget_s, which leaves the start (imports, the first CUDA
+    context) and the last item's overrun room under the device's 10 minutes a command."""
+    shares = _documented_shares()
+    assert set(shares) == {"compile", "methods", "loader"} and sum(shares.values()) <= 530
 
 
 def test_an_entry_point_s_refusal_inside_a_phase_is_recorded_and_the_next_phase_runs(tmp_path, monkeypatch):
@@ -405,3 +505,48 @@ def test_the_record_says_whether_it_was_measured_on_the_gpu_or_in_smoke_mode(tmp
     for smoke, mode in ((False, "gpu"), (True, "smoke")):
         check = Check("bench", tmp_path, smoke=smoke, deadline=0.0, work=tmp_path, log=tmp_path / "log")
         assert check.record["mode"] == mode
+
+
+def test_a_smoke_check_on_a_machine_with_a_gpu_stays_on_the_cpu(tmp_path):
+    """--smoke takes each phase's CPU branch (tiny models) wherever it runs: with CUDA present the
+    Check still says CPU, and its record and file name say smoke."""
+    from fake_gpu import fake_gpu
+
+    from tools.gpu_check import Check
+
+    with fake_gpu("h100"):
+        check = Check("bench", tmp_path, smoke=True, deadline=0.0, work=tmp_path, log=tmp_path / "log")
+    assert check.cuda is False and check.device.type == "cpu" and "cpu_smoke" in check.path.name
+    assert "H100" not in check.record["device"] and check.record["mode"] == "smoke"
+
+
+def test_a_smoke_call_on_a_machine_with_a_gpu_runs_ours_and_the_baseline_on_the_cpu(tmp_path, monkeypatch):
+    """train/bench.py and train/pretrain.py take CUDA wherever torch finds it, the baseline the
+    Check's device (the CPU in smoke mode): a smoke ratio of the two was a GPU's rate over a CPU's.
+    During the call this process and its children see no GPU; after it, the machine's is back."""
+    import os
+
+    from fake_gpu import fake_gpu
+
+    import torch
+    from tools import gpu_check
+    from tools.phases import bench
+
+    seen = {}
+
+    def phase(check, a):
+        seen.update(cuda=check.cuda, device=check.device.type, torch_sees=torch.cuda.is_available(),
+                    gpus=torch.cuda.device_count())
+        child = "import os; print('child sees', repr(os.environ['CUDA_VISIBLE_DEVICES']))"
+        proc = check.run([sys.executable, "-c", child], 30)
+        seen["child_rc"] = proc.returncode
+
+    monkeypatch.setattr(bench, "run", phase)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with fake_gpu("h100"):
+        gpu_check.main(["bench", "--smoke", "--out", str(tmp_path)])
+        after = torch.cuda.is_available(), os.environ["CUDA_VISIBLE_DEVICES"]
+    assert (seen["cuda"], seen["device"], seen["torch_sees"], seen["gpus"]) == (False, "cpu", False, 0)
+    (log,) = tmp_path.glob("gpu_check_bench_cpu_smoke_*.log")
+    assert seen["child_rc"] == 0 and "child sees ''" in log.read_text()
+    assert after == (True, "0")

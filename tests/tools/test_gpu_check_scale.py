@@ -175,3 +175,28 @@ def test_with_one_gpu_the_phase_measures_it_and_says_multi_gpu_is_absent(tmp_pat
         assert summary[stage]["images_per_s_per_gpu"] == {"1": 1000.0} and summary[stage]["efficiency"] == {}
     # the model computes at the MFU measured on the one GPU, at the GPU's peak
     assert seen == {"measured": items["gpus1"], "peak": 989.0} and seen["measured"]["zero1"]["mfu"] == 0.5
+
+
+def test_on_the_gpu_every_rank_count_times_10_steps_after_3_warm_up_steps(tmp_path, monkeypatch):
+    """The GPU branch's arguments to train/bench.py under each launch (the launch and the model's
+    prediction stood in): the allocator, NCCL's communicators and cuBLAS's heuristics settle in
+    the untimed steps."""
+    import types
+
+    import train.estimate.gpus
+    from tools.gpu_check import Check
+    from tools.phases import scale
+
+    launched = []
+    monkeypatch.setattr(scale, "launch", lambda check, gpus, configs, bench_args, timeout: launched.append(
+        (gpus, bench_args)) or {"gpus": gpus})
+    monkeypatch.setattr(scale, "predicted", lambda *a: {})
+    monkeypatch.setattr(train.estimate.gpus, "current_gpu", lambda: types.SimpleNamespace(peak_tflops=989.0))
+    check = Check("scale", tmp_path, smoke=False, deadline=float("inf"), work=tmp_path / "work", log=tmp_path / "log")
+    check.work.mkdir()
+    check.cuda = True
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # after the Check: torch may read it as CUDA present
+    scale.run(check, types.SimpleNamespace())
+    assert [g for g, _ in launched] == [1, 2]
+    for _, args in launched:
+        assert args[args.index("--warmup") + 1] == "3" and args[args.index("--steps") + 1] == "10"

@@ -101,3 +101,32 @@ def test_wall_time_is_per_step(monkeypatch):
     monkeypatch.setattr(tool, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     out = tool.attribution(TwoPhasesAStep(tick), 4, torch.device("cpu"))
     assert out["wall_ms_per_step"] == pytest.approx(2.0)
+
+
+class CountsItsSteps:
+    """A stand-in census Subject that records each `run` call: whether it was profiled (the phase
+    marker given) and how many steps it ran."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, phase, steps):
+        from train.run.loop import no_phases
+
+        self.calls.append(("unprofiled" if phase is no_phases else "profiled", steps))
+        for _ in range(steps):
+            with phase("forward"):
+                pass
+
+
+@pytest.mark.parametrize("compiled, warmup", [(False, 1), (True, 3)])
+def test_a_compiled_step_is_profiled_only_once_its_cuda_graphs_replay(compiled, warmup):
+    """run.compile's blocks run as CUDA graphs that warm up on their first call, are recorded on the
+    second and replay from the third: with one warm-up step the recording would be profiled."""
+    import torch
+
+    from tools.profile_step import attribution
+
+    subject = CountsItsSteps()
+    attribution(subject, 5, torch.device("cpu"), compiled=compiled)
+    assert subject.calls == [("unprofiled", warmup), ("profiled", 5)]

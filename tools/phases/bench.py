@@ -20,7 +20,19 @@ from tools.phases.common import (
     TARGETS,
     ds_config,
     our_bench,
+    own_peak_gib,
 )
+
+# What CUDA says when a run needs more memory than the device has: the caching allocator raises
+# torch.OutOfMemoryError, but an allocation inside a kernel launch or cuBLAS's workspace surfaces as
+# a plain RuntimeError with one of these
+OOM_MESSAGES = ("CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA out of memory")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` says the device ran out of memory (any of CUDA's ways of saying it)."""
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError)
+                                                     and any(m in str(e) for m in OOM_MESSAGES))
 
 
 def baseline_run(check: Check, argv: list[str], steps: int, warmup: int, dtype: torch.dtype) -> dict:
@@ -83,7 +95,11 @@ def run(check: Check, a) -> None:
                        # the mean, as the compile phase's summary; None where the GPU's peak is unknown (CPU)
                        mfu=statistics.fmean(v["mfu"] for v in ours) if all(v.get("mfu") is not None for v in ours)
                        else None,
-                       peak_gib=max(v.get("peak_allocated_gib", 0.0) for v in ours) or None)
+                       # each run's own peak (what earlier items left allocated taken off: the dry run
+                       # estimates a process of its own), beside the largest allocated and resident
+                       peak_gib=max(own_peak_gib(v) or 0.0 for v in ours) or None,
+                       peak_allocated_gib=max(v.get("peak_allocated_gib") or 0.0 for v in ours) or None,
+                       resident_gib_before=max(v.get("resident_gib_before") or 0.0 for v in ours))
             if check.cuda and gpu is not None:
                 cfg = parse_args(argv)
                 est_mem = dry_run(cfg, 1, gpu).memory
@@ -141,12 +157,12 @@ def attribution_items(check: Check) -> None:
         return ["--ds_config", str(ds_config(check, f"attribution_{micro}", micro)), *model, "--data.source",
                 "synthetic", *extra]
 
-    def profiled(subject_of, micro: int, trace: bool = False) -> dict:
+    def profiled(subject_of, micro: int, trace: bool = False, compiled: bool = False) -> dict:
         cfg, arch = census.narrowed(argv(micro), 0)
         subject = subject_of(cfg, arch, micro)
         trace_path = check.path.with_name(check.path.stem + "_trace.json.gz") if trace else None
         try:
-            return {"micro_batch": micro, **attribution(subject, steps, check.device, trace_path)}
+            return {"micro_batch": micro, **attribution(subject, steps, check.device, trace_path, compiled)}
         finally:
             del subject
             free_memory()
@@ -173,7 +189,7 @@ def attribution_items(check: Check) -> None:
         check.item(f"attribution_deepspeed_old_defaults_micro{first}", 90, lambda: profiled(deepspeed, first))
         check.item(f"attribution_ours_compile_micro{traced}", 180, lambda: profiled(
             lambda cfg, arch, m: census.our_subject(census.narrowed(argv(m, "--run.compile", "true"), 0)[0], arch)[0],
-            traced))
+            traced, compiled=True))
     else:
         check.skip(f"attribution_deepspeed_old_defaults_micro{first}",
                    "DeepSpeed's engine on the CPU first compiles its shared-memory collectives (minutes): GPU only")
@@ -188,24 +204,38 @@ def attribution_items(check: Check) -> None:
 
 def largest_micro(check: Check, key: str, model: str, micro: int, summary: dict) -> dict:
     """Peak memory at 2x the micro-batch beside the eager run's gives the per-sample slope; the
-    micro-batch predicted to fill 90% of the GPU (the dry run's headroom) is then run for 3 steps."""
+    micro-batch predicted to fill 90% of the GPU (the dry run's headroom) is then run for 3 steps.
+    Every peak is the run's own (common.own_peak_gib), so the two points and the prediction are
+    those of a process of its own whatever earlier items left allocated."""
     def run(m: int) -> dict:
         argv = ["--ds_config", str(ds_config(check, f"largest_{key}_{m}", m)), "--model.name", model,
                 "--data.source", "synthetic", "--steps", "2", "--warmup", "1"]
         return our_bench(check, argv)
 
-    p1, p2 = summary.get(key, {}).get("peak_gib") or run(micro)["peak_allocated_gib"], run(2 * micro)["peak_allocated_gib"]
-    slope = (p2 - p1) / micro
+    p1 = summary.get(key, {}).get("peak_gib") or own_peak_gib(run(micro))
+    p2 = own_peak_gib(run(2 * micro))
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    out: dict = {"peak_gib_at": {micro: p1, 2 * micro: p2}, "device_gib": total}
+    summary.setdefault(key, {})["measured_largest_micro"] = None
+    if p2 <= p1:  # no growth with the batch: no slope to extrapolate (a zero or negative micro-batch)
+        out.update(predicted_largest_micro=None, fits=None,
+                   not_predicted=f"the peak at micro-batch {2 * micro} ({p2:.2f} GiB) is not above the one at "
+                                 f"{micro} ({p1:.2f} GiB): no memory per sample to predict from")
+        return out
+    slope = (p2 - p1) / micro
     predicted = int((0.9 * total - (p1 - slope * micro)) // slope)
-    out = {"peak_gib_at": {micro: p1, 2 * micro: p2}, "gib_per_sample": slope, "device_gib": total,
-           "predicted_largest_micro": predicted}
+    out.update(gib_per_sample=slope, predicted_largest_micro=predicted)
+    if predicted < 1:
+        out.update(fits=None, not_predicted=f"even micro-batch 1 is predicted past 90% of the {total:.1f} GiB")
+        return out
     try:
         largest = run(predicted)
-        out.update(peak_gib_at_predicted=largest["peak_allocated_gib"], fits=True,
-                   **{k: largest.get(k) for k in ("images_per_s", "mfu")})  # 2 steps: a rough rate
-    except torch.OutOfMemoryError as e:
+        out.update(peak_gib_at_predicted=own_peak_gib(largest), resident_gib_before=largest.get("resident_gib_before"),
+                   fits=True, **{k: largest.get(k) for k in ("images_per_s", "mfu")})  # 2 steps: a rough rate
+    except RuntimeError as e:  # torch.OutOfMemoryError is one
+        if not out_of_memory(e):
+            raise
         out["fits"], out["oom"] = False, str(e)[:200]
     free_memory()  # after the handler: its traceback (and the engine in its frames) is gone by now
-    summary.setdefault(key, {})["measured_largest_micro"] = predicted if out["fits"] else None
+    summary[key]["measured_largest_micro"] = predicted if out["fits"] else None
     return out

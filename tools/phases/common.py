@@ -42,6 +42,8 @@ def our_bench(check: Check, argv: list[str], patch_torch_topk: bool = False) -> 
 
     out = check.work / "bench_records"
     resident = torch.cuda.memory_allocated() / 2**30 if check.cuda else None  # left over by earlier runs
+    if check.cuda:
+        torch.cuda.reset_peak_memory_stats()  # this run's peak, not an earlier item's
     restore = None
     if patch_torch_topk:  # MixedAE through the PyTorch TopK composition: the dispatch is told the kernel is out
         import importlib
@@ -59,7 +61,18 @@ def our_bench(check: Check, argv: list[str], patch_torch_topk: bool = False) -> 
     res = dict(record["results"])
     res.update(micro_batch=record["batch"]["micro"], dtype=record["dtype"], objective=record["config"]["objective"],
                model=record["config"]["model"]["name"], resident_gib_before=resident)
+    if res.get("peak_allocated_gib") is not None:
+        res["own_peak_gib"] = own_peak_gib(res)
     return res
+
+
+def own_peak_gib(result: dict) -> float | None:
+    """A run's peak allocated memory less what earlier runs had left allocated when it started
+    (`resident_gib_before`): what a process of its own needs, the figure the dry run estimates.
+    None where no CUDA peak was recorded."""
+    peak = result.get("peak_allocated_gib")
+    return None if peak is None else peak - (result.get("resident_gib_before") or 0.0)
+
 
 def compact(result: dict) -> dict:
     """A study result without its loss curve (first and last points kept)."""

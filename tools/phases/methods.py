@@ -1,7 +1,14 @@
-"""Phase `methods`: where each method's step goes, phase by phase, beside its counted arithmetic
-(tools/method_time.py, at 64: energy's double backward at 128 is near an H100's memory); then
-step-time ratios of every method to MAE at ViT-B/224 through train/bench.py at micro-batch 128, where
-the host no longer sets the pace (at 64 a MAE step took as long as at 128 on an H100); kernels/bench.py."""
+"""Phase `methods`: step-time ratios of every method to MAE at ViT-B/224 through train/bench.py at
+micro-batch 128, where the host no longer sets the pace (at 64 a MAE step took as long as at 128 on
+an H100); kernels/bench.py; where each method's step goes, phase by phase, beside its counted
+arithmetic (tools/method_time.py, at 64: energy's double backward at 128 is near an H100's memory).
+
+In the order a short call should learn it (docs/GPU.md's one call, `methods:130`, reaches the end
+of 2.): 1. MAE, MixedAE, MAE+ (RPE), AdPE (the ratios the targets name), then the TopK kernel
+against SDPA and the PyTorch composition in bf16 (kernels/bench.py); 2. the four again, reversed
+(a drift in the device's pace favours neither); 3. where each step goes (tools/method_time.py);
+4. MixedAE through the PyTorch TopK composition, MLO-MAE and energy, two rounds; 5. the kernels in
+fp16."""
 from __future__ import annotations
 
 import json
@@ -40,9 +47,10 @@ def run(check: Check, a) -> None:
         return ["--ds_config", str(ds), "--data.source", "synthetic", "--steps", steps[0], "--warmup", steps[1],
                 *presets[method]]
 
-    order = ["mae", "mixedae", "mixedae_torch_topk", "maeplus", "adpe", "mlomae", "energy"]
+    targets = ["mae", "mixedae", "maeplus", "adpe"]  # MixedAE over MAE, AdPE over MAE+
+    others = ["mixedae_torch_topk", "mlomae", "energy"]
 
-    def methods_round(r: int) -> None:
+    def methods_round(order: list[str], r: int) -> None:
         for method in (order if r % 2 == 0 else order[::-1]):  # alternate, so drift cancels between rounds
             name = method.replace("_torch_topk", "")
             check.item(f"{method}_r{r}", est[method],
@@ -79,17 +87,18 @@ def run(check: Check, a) -> None:
             summary["phase_times"] = {m: {k: r.get(k) for k in ("ms", "step_ms", "over_mae_measured", "over_mae_counted")}
                                       for m, r in result["rows"].items()}
 
-    # what no record holds first: where each method's step goes (docs/GPU.md's share of 130 s has no
-    # room for it after a round of every method), then one round, the kernels, the second round
-    phase_times()
-    methods_round(0)
+    # the targets first (a call cut short keeps them): a round of their methods, the kernels, the second round
+    methods_round(targets, 0)
     kernel_bench("bf16" if check.cuda else "fp32")
     for r in range(1, rounds):
-        methods_round(r)
+        methods_round(targets, r)
+    phase_times()
+    for r in range(rounds):
+        methods_round(others, r)
     if check.cuda:
         kernel_bench("fp16")
     steps = {}
-    for method in order:
+    for method in targets + others:
         times = [v["step_time_s"] for k, v in check.record["items"].items()
                  if k.rsplit("_r", 1)[0] == method and "step_time_s" in v]
         if times:

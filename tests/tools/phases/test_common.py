@@ -69,6 +69,34 @@ def test_the_torch_topk_run_tells_the_dispatch_the_fused_kernel_is_out_and_resto
     assert res["images_per_s"] == 1.0 and res["micro_batch"] == 4 and res["objective"] == "mixedae"
 
 
+def test_a_gpu_run_records_the_memory_left_before_it_and_its_own_peak(tmp_path, monkeypatch):
+    """3 GiB left allocated by earlier runs when train/bench.py starts (in GiB, as every figure of
+    the records), 7.5 GiB allocated at its peak: the run's own peak is 4.5 GiB, and the device's
+    peak counter is reset before it (an earlier item's peak is not this run's)."""
+    import torch
+
+    import train.bench
+    from tools.phases.common import our_bench
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: events.append("reset"))
+
+    def main(argv):
+        events.append("bench")
+        path = tmp_path / "rec.json"
+        path.write_text(json.dumps({"results": {"images_per_s": 1.0, "peak_allocated_gib": 7.5}, "batch": {"micro": 4},
+                                    "dtype": "bf16", "config": {"objective": "mae", "model": {"name": "m"}}}))
+        return str(path)
+
+    monkeypatch.setattr(train.bench, "main", main)
+    check = _check(tmp_path)
+    check.cuda = True
+    res = our_bench(check, [])
+    assert events == ["reset", "bench"]
+    assert res["resident_gib_before"] == 3.0 and res["own_peak_gib"] == 4.5 and res["peak_allocated_gib"] == 7.5
+
+
 def test_a_compact_study_result_keeps_the_loss_curve_s_first_and_last_points(tmp_path):
     from tools.phases.common import compact
 

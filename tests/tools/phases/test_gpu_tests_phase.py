@@ -99,3 +99,60 @@ def test_an_engine_s_loss_is_judged_decreasing_on_its_first_and_last_fifths(tmp_
     assert items["resume_equality"]["ok"] and items["resume_equality"]["bitwise_equal"]
     summary = check.record["summary"]["pytest_gpu"]
     assert (summary["passed"], summary["failed"], summary["errors"], summary["skipped"]) == (1, 2, 1, 1)
+
+
+def _gpu_phase(tmp_path, monkeypatch, metrics, command=lambda argv: None):
+    """The phase's GPU branch with the pretraining command (`command`) and its metrics (`metrics`,
+    by the run folder) stood in, and pytest answering with an empty suite."""
+    import train.run.command
+    import train.run.folder
+    from tools.gpu_check import Check
+    from tools.phases import gpu_tests
+
+    monkeypatch.setattr(train.run.command, "main", command)
+    monkeypatch.setattr(train.run.folder, "read_metrics", metrics)
+    check = Check("tests", tmp_path, smoke=False, deadline=float("inf"), work=tmp_path / "work", log=tmp_path / "log")
+    check.work.mkdir()
+    check.cuda = True
+    check.run = lambda cmd, timeout, env=None: subprocess.CompletedProcess(cmd, 0)
+    gpu_tests.run(check, types.SimpleNamespace())
+    return check.record["items"]
+
+
+def test_an_engine_that_logged_fewer_steps_than_asked_is_not_ok(tmp_path, monkeypatch):
+    """Finite and falling, but 30 of the 50 steps asked: the run stopped early (or logged short)."""
+    items = _gpu_phase(tmp_path, monkeypatch, lambda run: [{"step": s, "loss": 2.0 - s / 30} for s in range(1, 31)])
+    for name in ("engine_fp16_zero2", "engine_bf16_zero1", "engine_bf16_zero2"):
+        engine = items[name]
+        assert engine["finite"] and engine["decreasing"] and engine["steps"] == 30 and engine["ok"] is False
+
+
+def test_resume_equality_needs_every_step_after_the_checkpoint(tmp_path, monkeypatch):
+    """The resumed run logged steps 11-15 of 11-20, each equal to the straight run's: 5 steps
+    compared of 10 is not a resume shown equal."""
+    def metrics(run):
+        last = {"straight": 20, "resumed": 15}.get(run.name, 50)
+        return [{"step": s, "loss": 1.0 / s} for s in range(1, last + 1)]
+
+    resume = _gpu_phase(tmp_path, monkeypatch, metrics)["resume_equality"]
+    assert resume["compared_steps"] == 5 and resume["max_rel_loss_diff"] == 0.0 and resume["ok"] is False
+
+
+def test_each_engine_runs_the_precision_and_zero_stage_it_is_named_for(tmp_path, monkeypatch):
+    """What the ds_config each run was given asks for, read from the file itself."""
+    import json
+    from pathlib import Path
+
+    ran = {}
+
+    def command(argv):
+        ds = json.loads(Path(argv[argv.index("--ds_config") + 1]).read_text())
+        precision = "fp16" if ds["fp16"]["enabled"] else "bf16" if ds["bf16"]["enabled"] else "fp32"
+        ran[Path(argv[argv.index("--output_dir") + 1]).name] = (precision, ds["zero_optimization"]["stage"])
+
+    items = _gpu_phase(tmp_path, monkeypatch, lambda run: [{"step": s, "loss": 2.0 - s / 50} for s in range(1, 51)],
+                       command)
+    assert ran == {"fp16_zero2": ("fp16", 2), "bf16_zero1": ("bf16", 1), "bf16_zero2": ("bf16", 2),
+                   "straight": ("bf16", 1), "resumed": ("bf16", 1)}
+    assert [items[f"engine_{n}"]["precision"] for n in ("fp16_zero2", "bf16_zero1", "bf16_zero2")] == [
+        "fp16", "bf16", "bf16"]

@@ -120,3 +120,69 @@ def test_the_loader_phase_reports_the_shards_mean_jpeg_size_in_kib(tmp_path, mon
     assert summary["jpeg_mean_kb"] == 3.0
     assert (summary["cpu_images_per_s"], summary["cpu_draft_images_per_s"], summary["nvjpeg_images_per_s"]) == (
         100.0, 300.0, 6000.0)
+
+
+def test_the_nvjpeg_rate_waits_for_the_device_s_decodes(tmp_path, monkeypatch):
+    """nvJPEG decodes on the device asynchronously: each batch here queues 0.05 s of device work and
+    returns to the host after 0.001 s; torch.cuda.synchronize waits for the queue (a fake clock).
+    The rate is the device's, micro / 0.05, not the host's."""
+    import data.source
+    from tools.phases import loader
+    from tools.phases.common import CPU_DEBUG_DS
+
+    clock, queued = [0.0], [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    def synchronize(*a):
+        clock[0] += queued[0]
+        queued[0] = 0.0
+
+    def source(*a, **k):
+        while True:
+            clock[0] += 0.001
+            queued[0] += 0.05
+            yield {"image": torch.zeros(8, 3, 4, 4)}
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(data.source, "build_source", source)
+    common = ["--ds_config", str(CPU_DEBUG_DS), "--data.source", "shards", "--data.train_index", "/none/train.json",
+              "--model.in_chans", "3"]
+    out = loader.device_loader(_check(tmp_path, cuda=True), common, 40, 8)
+    assert out["images_per_s"] == pytest.approx(8 / 0.05, rel=0.03)  # the host's 1 ms a batch within it
+
+
+def test_every_decoder_gets_warm_up_batches_before_the_clock_starts_on_the_gpu(tmp_path, monkeypatch):
+    """The GPU branch: nvjpeg and the CPU decoders each draw 8 batches untimed (the workers' start,
+    nvJPEG's handles), then 40 timed."""
+    import benchmarks.photo_shards
+    import tools.photos
+    import train.bench
+    from tools.phases import loader
+
+    seen = {}
+
+    def shards(argv):
+        images = benchmarks.photo_shards.images_folder(Path(argv[1]))
+        (images / "c0").mkdir(parents=True)
+        (images / "c0" / "0.jpg").write_bytes(b"jpeg")
+        Path(argv[1]).mkdir(exist_ok=True)
+        Path(argv[1], "train-000000.tar").write_bytes(b"tar")
+
+    def cpu_loader(argv):
+        after = {a: argv[argv.index(a) + 1] for a in ("--data.decode", "--warmup", "--steps")}
+        seen[after["--data.decode"]] = (after["--warmup"], after["--steps"])
+        path = tmp_path / "loader.json"
+        path.write_text(json.dumps({"loader": {"images_per_s": 1.0}}))
+        return str(path)
+
+    def device_loader(check, common, batches, warm):
+        seen["nvjpeg"] = (str(warm), str(batches))
+        return {"images_per_s": 6000.0}
+
+    monkeypatch.setattr(tools.photos, "write_photos", lambda *a: [])
+    monkeypatch.setattr(benchmarks.photo_shards, "main", shards)
+    monkeypatch.setattr(train.bench, "main", cpu_loader)
+    monkeypatch.setattr(loader, "device_loader", device_loader)
+    monkeypatch.setattr(loader, "end_to_end", lambda *a: None)
+    loader.run(_check(tmp_path, cuda=True), types.SimpleNamespace())
+    assert seen == dict.fromkeys(("nvjpeg", "cpu", "cpu_draft"), ("8", "40"))
