@@ -3,6 +3,7 @@ gradients in fp32, as CUDA's does; the ViT and the MAE decoder normalise with it
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import create_model
 from model.init import mae_init_
@@ -10,6 +11,18 @@ from model.mae_decoder import MAEDecoder
 from model.layer_norm import LayerNorm
 
 ROWS, DIM = 20_000, 64  # a micro-batch of 100 images of 196 tokens, plus some
+
+
+class Ops(TorchDispatchMode):
+    """The names of the aten ops run inside it, in order (`seen`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def affine_grads(norm: nn.LayerNorm, x: torch.Tensor, upstream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,17 +114,6 @@ def test_inside_norms_as_on_cuda_the_cpu_takes_nn_layer_norms_own_kernel():
 def test_off_the_cpu_a_16_bit_input_takes_nn_layer_norms_own_op():
     """A device other than the CPU (the meta device standing in for CUDA) runs aten's layer norm on
     the bf16 input itself: no cast in, no cast out."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     norm = LayerNorm(DIM, eps=1e-6, device="meta", dtype=torch.bfloat16)
     x = torch.empty(8, DIM, device="meta", dtype=torch.bfloat16)
     with Ops() as ops:
@@ -183,18 +185,7 @@ def test_a_timm_backbones_norms_take_the_fp32_path_and_keep_timms_names_and_fp32
 
 def test_a_normalised_foreign_norm_takes_its_own_kernel_on_cuda_and_inside_norms_as_on_cuda():
     from timm.layers import LayerNorm2d
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from model.layer_norm import normalise_in_fp32_on_cpu, norms_as_on_cuda
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     meta = normalise_in_fp32_on_cpu(nn.Sequential(LayerNorm2d(DIM, device="meta", dtype=torch.bfloat16)))
     with Ops() as ops:
