@@ -1,13 +1,14 @@
 """tools/gpu_check.py's plan for one call on a GPU: each phase's share of the call's budget, items
 skipped once they no longer fit, each item on disk as soon as it is measured, the phases' GPU
 branches run in their order on this CPU (the measurements stood in), refusals before any phase,
-and the commit the records name."""
+and the commit the records name. Whether docs/GPU.md's one call reaches every target:
+test_gpu_check_one_call.py."""
 import json
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from compile_stand_ins import compile_stand_ins
 
 
 def test_a_phase_can_be_given_its_share_of_the_call(tmp_path, monkeypatch):
@@ -107,40 +108,6 @@ def test_methods_phase_gpu_branch_runs_its_items_in_order_and_sums_them(tmp_path
     assert summary["phase_times"]["mlomae"]["over_mae_counted"] == pytest.approx(7.5)
 
 
-def _compile_stand_ins(monkeypatch, runs: list, table: Path | None):
-    """The compile phase's measurements stood in: train/bench.py (appending each run's micro-batch,
-    compile and float8 switches and warm-up / timed steps to `runs`; compiled 1.3x, float8 1.2x
-    faster), the attention table (written into `table` when given, as --write does), the probes."""
-    import json
-
-    from kernels import attention_choice
-    from tools import choose_attention, compile_probe
-    from tools.phases import compile as phase
-
-    def bench(check, argv):
-        micro = json.loads(open(argv[argv.index("--ds_config") + 1]).read())["train_micro_batch_size_per_gpu"]
-        compiled, float8 = "--run.compile" in argv, "--run.float8" in argv
-        runs.append((micro, compiled, float8, argv[argv.index("--warmup") + 1], argv[argv.index("--steps") + 1]))
-        rate = 3000.0 * (1.3 if compiled else 1.0) * (1.2 if float8 else 1.0)
-        if any("mixedae/" in a for a in argv):
-            rate /= 1.02
-        return {"images_per_s": rate, "step_time_s": micro / rate, "mfu": rate / 16800}
-
-    def choose(argv):
-        assert "--write" in argv and "--device" not in argv
-        if table is not None:
-            table.write_text('[{"written": "by this call"}]')
-        return [attention_choice.Choice("9.0", "bf16", "dense", 12, 50, 64, "cudnn", {"ms": {"cudnn": 0.1}})]
-
-    monkeypatch.setattr(phase, "our_bench", bench)
-    monkeypatch.setattr(choose_attention, "main", choose)
-    monkeypatch.setattr(attention_choice, "TABLE", table if table is not None else Path("/nonexistent/table.json"))
-    monkeypatch.setattr(compile_probe, "equality", lambda *a: {"max_relative_difference": 1e-3, "tolerance": 2e-2,
-                                                               "equal": True})
-    monkeypatch.setattr(compile_probe, "float8_curves", lambda *a: {"float8_gap": 0.01, "seed_gap": 0.02,
-                                                                    "within_bf16_noise": True})
-
-
 def test_compile_phase_gpu_branch_runs_every_item_in_its_order(tmp_path, monkeypatch):
     """The compile phase's GPU items, in the order a short call should learn them, with the
     measurements stood in: names, arguments (micro-batches, models, compile and float8 switches,
@@ -152,7 +119,7 @@ def test_compile_phase_gpu_branch_runs_every_item_in_its_order(tmp_path, monkeyp
 
     monkeypatch.setattr(tools.gpu_check, "free_memory", lambda: None)  # its gc.collect per item: nothing to free
     runs = []
-    _compile_stand_ins(monkeypatch, runs, tmp_path / "attention_choices.json")
+    compile_stand_ins(monkeypatch, runs, tmp_path / "attention_choices.json")
     check = _gpu_branch_check(tmp_path, "compile")
     phase.run(check, types.SimpleNamespace())
     items, summary = check.record["items"], check.record["summary"]
@@ -183,7 +150,6 @@ def test_a_table_this_call_did_not_write_is_not_copied_beside_its_records(tmp_pa
     """kernels/attention_choices.json is always there (committed): when the item that measures it
     failed or was not run, the file is someone else's table, and no copy says it is this call's."""
     import time
-    import types
 
     from kernels import attention_choice
     from tools import choose_attention
@@ -192,7 +158,7 @@ def test_a_table_this_call_did_not_write_is_not_copied_beside_its_records(tmp_pa
     table = tmp_path / "table" / "attention_choices.json"
     table.parent.mkdir()
     table.write_text('[{"written": "elsewhere"}]')
-    _compile_stand_ins(monkeypatch, [], None)
+    compile_stand_ins(monkeypatch, [], None)
     monkeypatch.setattr(attention_choice, "TABLE", table)
 
     def refused(argv):
@@ -239,140 +205,6 @@ def test_study_phase_gpu_branch_runs_one_entry_per_item_and_summarises_the_entri
     assert items["mae"]["loss_first_last"] == [2.0, 1.0] and "loss_curve" not in items["mae"]
     assert list(summary["entries"]) == entries and summary["pretrain_samples"] == 60000
     assert all(summary["entries"][e]["knn_top1"] == len(e) for e in entries)
-
-
-def _documented_shares() -> dict[str, float]:
-    """docs/GPU.md's one call: each phase's share of it in seconds."""
-    import re
-
-    call = re.search(r"gpu_check ((?:\w+:\d+ )+)--budget_s\s+(\d+)", (REPO / "docs" / "GPU.md").read_text())
-    shares = {name: float(s) for name, s in (p.split(":") for p in call.group(1).split())}
-    assert sum(shares.values()) <= float(call.group(2)) <= 540  # a call of under 10 minutes, with its start
-    return shares
-
-
-def _planned_check(tmp_path, phase: str, share: float):
-    """The phase's GPU branch on this CPU within `share` seconds, each item taking its whole estimate
-    on a clock of its own."""
-    from tools.gpu_check import Check
-
-    class Planned(Check):
-        spent = 0.0
-
-        def remaining(self) -> float:
-            return share - 5 - self.spent  # 5 s: the phase's own start (imports, versions)
-
-        def item(self, name, estimate_s, fn):
-            result = super().item(name, estimate_s, fn)
-            self.spent += estimate_s if result is not None else 0
-            return result
-
-    check = Planned(phase, tmp_path, smoke=False, deadline=float("inf"), work=tmp_path / "work", log=tmp_path / "log")
-    check.work.mkdir()
-    check.cuda = True
-    return check
-
-
-def test_the_documented_one_call_plan_measures_the_loader_s_targets_within_its_share(tmp_path, monkeypatch):
-    """docs/GPU.md's one call gives each phase a share; with every item taking its whole estimate,
-    the loader's share reaches its targets' items (the shards, nvjpeg, the first end-to-end round).
-    Its shard making alone was estimated above its share (90 s against 80), so the phase stopped there."""
-    import types
-
-    import benchmarks.photo_shards
-    import tools.phases.common
-    import tools.photos
-    from tools.phases import loader
-
-    shares = _documented_shares()
-
-    def shards(argv):
-        images = benchmarks.photo_shards.images_folder(Path(argv[1]))
-        (images / "c0").mkdir(parents=True)
-        (images / "c0" / "0.jpg").write_bytes(b"jpeg")
-        Path(argv[1]).mkdir()
-        Path(argv[1], "train-000000.tar").write_bytes(b"tar")
-
-    monkeypatch.setattr(tools.photos, "write_photos", lambda *a: [])
-    monkeypatch.setattr(benchmarks.photo_shards, "main", shards)
-    monkeypatch.setattr(loader, "device_loader", lambda *a: {"images_per_s": 6000.0})
-    monkeypatch.setattr(tools.phases.common, "our_bench", lambda check, argv: {"images_per_s": 3000.0})
-    check = _planned_check(tmp_path, "loader", shares["loader"])
-    loader.run(check, types.SimpleNamespace())
-    ran = [k for k, v in check.record["items"].items() if "skipped" not in v]
-    assert ran[:4] == ["make_shards", "decode_nvjpeg", "end_to_end_synthetic_r0", "end_to_end_shards_r0"], \
-        check.record["items"]
-    assert check.record["summary"]["end_to_end"]["shards_over_synthetic"] == 1.0
-
-
-def test_the_documented_one_call_plan_measures_the_methods_targets_within_its_share(tmp_path, monkeypatch):
-    """The methods phase's share of docs/GPU.md's one call, every item taking its whole estimate:
-    both rounds of MAE, MixedAE, MAE+ and AdPE (the step ratios the targets name) and the TopK
-    kernels against SDPA in bf16 run. When where each step goes came first (90 s), the share had
-    no room left for AdPE or the kernels."""
-    import json
-    import types
-
-    import kernels.bench
-    import tools.gpu_check
-    from tools import method_time
-    from tools.phases import methods
-
-    def kbench(argv):
-        path = tmp_path / "kernels.json"
-        path.write_text(json.dumps({"dtype": "bf16", "shapes": {"vit_b": {"results": {"dense_sdpa": {"ms": 1.0}},
-                                                                          "ratios": {"topk_fused_over_dense": 1.4}}}}))
-        return str(path)
-
-    row = {"ms": {}, "step_ms": 1.0, "micro_batch": 64, "over_mae_measured": 1.0, "over_mae_counted": 1.0}
-    monkeypatch.setattr(tools.gpu_check, "free_memory", lambda: None)  # its gc.collect per item: nothing to free
-    monkeypatch.setattr(methods, "free_memory", lambda: None)
-    monkeypatch.setattr(methods, "our_bench", lambda check, argv, torch_topk=False: {"step_time_s": 0.1})
-    monkeypatch.setattr(kernels.bench, "main", kbench)
-    monkeypatch.setattr(method_time, "main", lambda argv: {m: dict(row) for m in method_time.METHODS})
-    monkeypatch.setattr(method_time, "markdown", lambda rows: "")
-    check = _planned_check(tmp_path, "methods", _documented_shares()["methods"])
-    methods.run(check, types.SimpleNamespace())
-    items = check.record["items"]
-    ran = [k for k, v in items.items() if "skipped" not in v]
-    assert ran[:9] == ["mae_r0", "mixedae_r0", "maeplus_r0", "adpe_r0", "kernels_bf16",
-                       "adpe_r1", "maeplus_r1", "mixedae_r1", "mae_r1"], items
-    summary = check.record["summary"]
-    assert {"mixedae_over_mae", "adpe_over_maeplus"} <= summary["step_ratios"].keys()
-    assert summary["kernels_bf16"]["vit_b"]["topk_fused_over_dense"] == 1.4
-
-
-def test_the_documented_one_call_plan_measures_the_compile_targets_within_its_share(tmp_path, monkeypatch):
-    """The compile phase's share of docs/GPU.md's one call, every item taking its whole estimate:
-    ViT-B at 128 eager and compiled in two rounds and MixedAE, MAE+ and AdPE compiled run, so the
-    summary holds compiled over eager and both methods' ratios. With the equality (140 s) and the
-    attention table (60 s) first, no compiled run fitted and the ratios were empty."""
-    import types
-
-    import tools.gpu_check
-    from tools.phases import compile as phase
-
-    monkeypatch.setattr(tools.gpu_check, "free_memory", lambda: None)
-    _compile_stand_ins(monkeypatch, [], None)
-    check = _planned_check(tmp_path, "compile", _documented_shares()["compile"])
-    phase.run(check, types.SimpleNamespace())
-    items = check.record["items"]
-    ran = [k for k, v in items.items() if "skipped" not in v]
-    assert ran[:7] == ["vit_b_128_eager_r0", "vit_b_128_compiled_r0", "method_mixedae_compiled_r0",
-                       "method_maeplus_compiled_r0", "method_adpe_compiled_r0", "vit_b_128_compiled_r1",
-                       "vit_b_128_eager_r1"], items
-    summary = check.record["summary"]
-    rows = summary["throughput"]
-    assert rows["vit_b_128_compiled"]["rounds"] == rows["vit_b_128_eager"]["rounds"] == 2
-    assert summary["ratios"]["compile_over_eager_vit_b_128"] == pytest.approx(1.3)
-    assert {"mixedae_over_mae", "adpe_over_maeplus"} <= summary["methods_compiled_micro128"].keys()
-
-
-def test_the_documented_one_call_fits_a_command_of_ten_minutes():
-    """The phases' shares within --budget_s, which leaves the start (imports, the first CUDA
-    context) and the last item's overrun room under the device's 10 minutes a command."""
-    shares = _documented_shares()
-    assert set(shares) == {"compile", "methods", "loader"} and sum(shares.values()) <= 530
 
 
 def test_an_entry_point_s_refusal_inside_a_phase_is_recorded_and_the_next_phase_runs(tmp_path, monkeypatch):
