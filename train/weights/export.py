@@ -211,9 +211,10 @@ def find_checkpoint(path: str, option: str) -> Path:
 def check_outputs(out: Path, default: Path, tag_dir: Path, overwrite: bool, folder: bool) -> None:
     """Before the checkpoint is read: the export's files (`out`, and for timm its .json beside it)
     can be written, are not inside the checkpoint, and replace no existing file unless --overwrite.
-    The run folder's own export (`default`, rewritten at the end of every run) is always replaced,
-    when the tag is one of a run folder's (<run>/checkpoints/<tag>, beside the run's config.json):
-    the same path above a tag kept elsewhere may hold anyone's file."""
+    The run folder's own export (`default`, rewritten at the end of every run) passes here when
+    the tag is one of a run folder's (<run>/checkpoints/<tag>, beside the run's config.json): the
+    caller has checked that it holds the export of the same step, or has --overwrite
+    (train/export.py `check_same_step`); the same path above a tag kept elsewhere may hold anyone's file."""
     if folder:
         outputs = [out]
         if problem := unwritable(out):
