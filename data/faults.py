@@ -85,6 +85,15 @@ def verify_hint(index) -> str:
             f"--data.verify_shards true runs that check before a run starts.")
 
 
+def big_image_hint(kinds) -> str:
+    """For readers that skipped decompression_bomb samples (`kinds`: the kinds skipped): images over
+    data.max_image_pixels are often valid large photos, whose fix is a larger limit, not new shards."""
+    if "decompression_bomb" not in kinds:
+        return ""
+    return ("decompression_bomb samples are images over data.max_image_pixels: if they are valid large images, raise "
+            "it (--data.max_image_pixels N, N at least their width x height) rather than rewriting the shards. ")
+
+
 def padded(counts: list[int], n: int) -> list[int]:
     """Counts saved before newer kinds existed, with zeros for those kinds."""
     return list(counts) + [0] * (n - len(counts))
@@ -144,4 +153,5 @@ class BadSampleBudget:
                 f"({self.bad / self.total:.1%}), above data.max_bad_fraction {self.max_fraction:g}. Shards:\n"
                 + "\n".join(lines) + "\nFix or rewrite these shards (data/write_shards.py; --skip_bad leaves "
                 "unreadable files out), or raise data.max_bad_fraction (1.0 disables this check). "
+                + big_image_hint({k for kinds in self.skipped.values() for k, n in kinds.items() if n})
                 + verify_hint(self.index))

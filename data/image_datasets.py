@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import gzip
 import io
+import os
 import re
 import struct
 import sys
@@ -62,11 +63,44 @@ def is_image_name(path: Path) -> bool:
     return path.suffix.lower() in {ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN}
 
 
+# why a file under SRC is not written: the writer's "left out" line counts each reason
+NOT_AN_IMAGE_NAME = "their names being no image format's"
+DANGLING_LINK = "being symbolic links to nothing"
+NOT_A_REGULAR_FILE = "being no regular files (FIFOs, sockets, devices)"
+OUTSIDE_CLASS_FOLDERS = "lying beside the class folders, in none of them"
+
+
+def walk_files(folder: Path, left_out: dict[str, list[Path]], ancestors: frozenset[str] = frozenset()) -> list[Path]:
+    """Every regular file under `folder`, following symbolic links to folders as torchvision's
+    ImageFolder does (os.walk(followlinks=True)); a link back to a folder it lies in is not
+    followed again (it would never end). Dangling links and other non-files go to `left_out`."""
+    here = os.path.realpath(folder)
+    ancestors = ancestors | {here}
+    files = []
+    try:
+        entries = sorted(folder.iterdir())  # by name at every level: the order of the sorted full paths
+    except OSError as e:  # pathlib's rglob passed over such a folder without a word
+        raise ShardError(f"folder {folder} cannot be listed ({type(e).__name__}: {e.strerror or e}): fix its "
+                         f"permissions, or move it out of the image folder") from None
+    for entry in entries:
+        if entry.is_dir():
+            if os.path.realpath(entry) not in ancestors:
+                files += walk_files(entry, left_out, ancestors)
+        elif entry.is_file():
+            files.append(entry)
+        elif entry.is_symlink() and not entry.exists():
+            left_out.setdefault(DANGLING_LINK, []).append(entry)
+        else:
+            left_out.setdefault(NOT_A_REGULAR_FILE, []).append(entry)
+    return files
+
+
 def list_imagefolder(src: Path, classes: list[str] | None = None,
-                     ignored: list[Path] | None = None) -> tuple[list[str], list[ImageFile]]:
-    """Every image file under SRC/<class>/ with its class index; `classes` (default: the folder's own,
-    sorted) fixes the indices, and a sub-folder outside it is an error. Files whose names are no
-    image format's are left out (and appended to `ignored`); images are checked when their shard
+                     left_out: dict[str, list[Path]] | None = None) -> tuple[list[str], list[ImageFile]]:
+    """Every image file under SRC/<class>/ (symbolic links to folders followed) with its class index;
+    `classes` (default: the folder's own, sorted) fixes the indices, and a sub-folder outside it is an
+    error. Files that are not written are added to `left_out` by reason (NOT_AN_IMAGE_NAME,
+    DANGLING_LINK, NOT_A_REGULAR_FILE, OUTSIDE_CLASS_FOLDERS); images are checked when their shard
     is written."""
     present = folder_classes(src)
     classes = present if classes is None else classes
@@ -75,9 +109,15 @@ def list_imagefolder(src: Path, classes: list[str] | None = None,
         raise ShardError(f"{len(unknown)} class folder(s) of {src} are not among the {len(classes)} classes "
                          f"given ({classes[0]} ... {classes[-1]}), e.g. {unknown[:5]}: they have no "
                          f"class index")
-    listed = {c: sorted(p for p in (src / c).rglob("*") if p.is_file()) for c in present}
-    if ignored is not None:
-        ignored += [f for c in present for f in listed[c] if not is_image_name(f)]
+    left_out = {} if left_out is None else left_out
+    top = sorted(p for p in src.iterdir() if not p.is_dir())
+    if top:
+        left_out.setdefault(OUTSIDE_CLASS_FOLDERS, []).extend(top)
+    listed = {c: walk_files(src / c, left_out) for c in present}
+    for c in present:
+        left_out.setdefault(NOT_AN_IMAGE_NAME, []).extend(f for f in listed[c] if not is_image_name(f))
+    for reason in [r for r, files in left_out.items() if not files]:
+        del left_out[reason]
     listed = {c: [f for f in files if is_image_name(f)] for c, files in listed.items()}
     empty = [c for c in present if not listed[c]]
     if empty:
@@ -86,6 +126,12 @@ def list_imagefolder(src: Path, classes: list[str] | None = None,
     index = {c: i for i, c in enumerate(classes)}
     files = [ImageFile(f, index[c]) for c in present for f in listed[c]]
     return classes, files
+
+
+def left_out_summary(left_out: dict[str, list[Path]]) -> str:
+    """One line: how many files were not written, by reason, with examples; '' when none."""
+    return "; ".join(f"{len(files)} file(s) left out, {reason}, e.g. {', '.join(str(f) for f in files[:3])}"
+                     for reason, files in left_out.items())
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -135,22 +181,30 @@ def fashion_mnist_samples(src: Path, split: str) -> list[Sample]:
 
 # ---- ImageNet layouts ----
 
+def index_classes(index_path: Path) -> list[str]:
+    """The "classes" of a shard index (--classes_from, e.g. the training split's train.json)."""
+    if not index_path.is_file():
+        raise ShardError(f"--classes_from {index_path}: no such shard index")
+    try:
+        index = read_json(index_path, "--classes_from")
+    except InputError as e:
+        raise ShardError(str(e)) from None
+    classes = index.get("classes") if isinstance(index, dict) else None
+    if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes):
+        raise ShardError(f"--classes_from {index_path}: the index has no 'classes' list")
+    return classes
+
+
+def class_list_of(src: Path) -> list[str]:
+    """imagefolder --classes_from: a shard index's classes, or the sorted class folders of an image folder."""
+    return index_classes(src) if src.suffix == ".json" else folder_classes(src)
+
+
 def imagenet_classes(root: Path, classes_from: Path | None) -> list[str]:
     """Sorted wnids of ROOT/train (or of `classes_from`: a folder of wnid folders, or a shard index
     whose "classes" it takes). Indices are ImageNet-1k's (timm / torchvision) only with all 1000."""
     src = classes_from or root / "train"
-    if src.suffix == ".json":
-        if not src.is_file():
-            raise ShardError(f"--classes_from {src}: no such shard index")
-        try:
-            index = read_json(src, "--classes_from")
-        except InputError as e:
-            raise ShardError(str(e)) from None
-        classes = index.get("classes") if isinstance(index, dict) else None
-        if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes):
-            raise ShardError(f"--classes_from {src}: the index has no 'classes' list")
-    else:
-        classes = folder_classes(src)
+    classes = class_list_of(src)
     not_wnids = [c for c in classes if not WNID.fullmatch(c)]
     if not_wnids:
         raise ShardError(f"{len(not_wnids)} of the {len(classes)} classes of {src} are not WordNet ids (n + 8 "
@@ -198,11 +252,12 @@ def _loc_val_rows(path: Path) -> dict[str, str]:
     return labels
 
 
-def imagenet_val(val: Path, classes: list[str], val_labels: Path | None, root: Path) -> list[ImageFile]:
+def imagenet_val(val: Path, classes: list[str], val_labels: Path | None, root: Path,
+                 left_out: dict[str, list[Path]] | None = None) -> list[ImageFile]:
     if not val.is_dir():
         raise ShardError(f"{val} does not exist (pass --split train to write the training split only)")
     if any(p.is_dir() for p in val.iterdir()):  # val/<wnid>/*.JPEG, e.g. after the devkit's valprep.sh
-        return list_imagefolder(val, classes)[1]
+        return list_imagefolder(val, classes, left_out)[1]
     val_labels = val_labels or find_val_labels(root)
     if val_labels is None:
         raise ShardError(f"{val} holds images but no <wnid> folders, and no {LOC_VAL_SOLUTION} was found in {root} "

@@ -18,7 +18,11 @@ Labels (--label_key, read as data/labels.py reads them in training): MEMBER (def
 member whose text is an integer; MEMBER:FIELD (e.g. json:label) = a field of a JSON member holding
 an integer (or its text). Labels must be >= 0.
 The index is labeled when every indexed sample has a label; its classes are then the names of
---classes (one per line, line i = label i) or "0" .. "K-1" (K = the largest label + 1). An
+--classes (one per line, line i = label i), else those of the data/write_shards.py index that lists
+every shard (`<name>.json` beside `<name>-000000.tar`: the writer's class list), else "0" .. "K-1"
+(K = the largest label + 1). Shards data/write_shards.py wrote carry the positions of its class
+list as labels, so --classes must name the same class at every label they hold (refused otherwise:
+the labels are not rewritten; write the shards with the wanted list, --classes_from). An
 unlabeled index has no classes: it feeds pretraining objectives, not those that read labels.
 
 The index ({"name", "pattern", "shards": [{"file", "samples"}], "num_samples", "classes",
@@ -44,6 +48,7 @@ if __name__ == "__main__" and not __package__:  # run as a script: our packages 
 import argparse
 import json
 import os
+import re
 import stat
 import sys
 import tarfile
@@ -67,6 +72,7 @@ from data.shards import IMAGE_KEYS, UnreadMember, _is_sample_member, member_limi
 
 
 OWN_KEYS = {"members", "unlabeled", "bad_shards"}  # build_index's, which data/write_shards.py's indexes lack
+WRITER_SHARD = re.compile(r"(.+)-\d{6}\.tar")  # data/write_shards.py's <name>-000000.tar, indexed by <name>.json
 
 
 class IndexingError(ValueError):
@@ -88,6 +94,71 @@ class ShardScan:
     unlabeled: Tally = field(default_factory=Tally)
     rejected: Tally = field(default_factory=Tally)
     bad: str = ""  # why the shard cannot be indexed ('' = good)
+    writer: WriterClasses | None = None  # the class list data/write_shards.py wrote it with, when its index is there
+
+
+@dataclass(frozen=True)
+class WriterClasses:
+    """The classes of the data/write_shards.py index that lists a shard: its cls label i is classes[i]."""
+    index: Path
+    classes: tuple[str, ...]
+
+
+def writer_classes(shard: Path | PipeShard, label: LabelKey) -> WriterClasses | None:
+    """The class list a shard's cls labels were written with: that of the data/write_shards.py index
+    beside it (`<name>.json` for `<name>-000000.tar`) when that index lists it; None otherwise (another
+    writer's shards, another label key, a pipe: command)."""
+    match = WRITER_SHARD.fullmatch(shard.name) if isinstance(shard, Path) else None
+    if match is None or label != LabelKey():
+        return None
+    path = shard.parent / f"{match[1]}.json"
+    try:
+        index = json.loads(path.read_text()) if is_regular(path) else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(index, dict) or OWN_KEYS & set(index):
+        return None
+    classes, entries = index.get("classes"), index.get("shards")
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes) or not isinstance(entries, list):
+        return None
+    listed = any(isinstance(e, dict) and e.get("file") == shard.name for e in entries)
+    return WriterClasses(path, tuple(classes)) if listed else None
+
+
+def is_regular(path: Path) -> bool:
+    """A regular file (a FIFO is never opened)."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def check_writer_classes(scans: list[ShardScan], class_names: list[str], classes_file: str) -> None:
+    """--classes names the labels data/write_shards.py wrote into the shards, which it took from its own
+    class list: the names must agree with that list at every label a shard holds, or the index would
+    name each sample by another class than its own. IndexingError naming the first that differs."""
+    for scan in scans:
+        if scan.writer is None:
+            continue
+        for y in sorted(scan.labels):
+            written = scan.writer.classes[y] if y < len(scan.writer.classes) else None
+            given = class_names[y] if y < len(class_names) else None
+            if given is not None and written != given:
+                raise IndexingError(
+                    f"--classes {classes_file} does not fit {scan.shard}: data.write_shards wrote its label {y} as "
+                    f"class {written!r} (the classes of {scan.writer.index}), --classes line {y + 1} names {given!r}, "
+                    f"so its samples would be named by another class. Leave --classes out to take "
+                    f"{scan.writer.index.name}'s names, or write the shards again with the class list you mean: "
+                    f"python -m data.write_shards imagefolder SRC OUT --name NAME --classes_from TRAIN_INDEX.json")
+
+
+def common_writer_classes(scans: list[ShardScan], labels: Counter) -> list[str] | None:
+    """The class list data/write_shards.py wrote every shard with, when it is one list naming every label seen."""
+    lists = {s.writer.classes if s.writer is not None else None for s in scans}
+    if len(lists) != 1 or None in lists:
+        return None
+    [classes] = lists
+    return list(classes) if max(labels) < len(classes) else None
 
 
 def _tar_members(path: Path, label_member: str) -> Iterator[dict]:
@@ -242,10 +313,11 @@ def read_classes(path: Path) -> list[str]:
 
 
 def build_index(scans: list[ShardScan], out: Path, label: LabelKey, name: str, pattern: str,
-                class_names: list[str] | None = None) -> dict:
+                class_names: list[str] | None = None, classes_file: str = "") -> dict:
     """The index of the good shards (bad ones listed under bad_shards). Keys beyond data/write_shards.py's:
     members (samples carrying each member), label_key, labeled (every sample has a label),
-    labels_seen, unlabeled (samples without a usable label: count, examples), bad_shards."""
+    labels_seen, unlabeled (samples without a usable label: count, examples), bad_shards. Shards data/write_shards.py
+    wrote (`ShardScan.writer`) keep the names of its class list: `class_names` must agree with it."""
     good = [s for s in scans if not s.bad]
     rejected, unlabeled, members, labels = Tally(), Tally(), Counter(), Counter()
     for s in good:
@@ -260,11 +332,12 @@ def build_index(scans: list[ShardScan], out: Path, label: LabelKey, name: str, p
             raise IndexingError(f"--classes given, but {unlabeled.count} samples have no {label} label, e.g. "
                                 f"{unlabeled.examples[:3]}; fix --label_key, or leave --classes out to index them "
                                 f"as unlabeled")
+        check_writer_classes(good, class_names, classes_file)
         if max(labels) >= len(class_names):
             raise IndexingError(f"label {max(labels)} does not fit the {len(class_names)} names of --classes")
         classes = class_names
     elif labeled:
-        classes = [str(c) for c in range(max(labels) + 1)]
+        classes = common_writer_classes(good, labels) or [str(c) for c in range(max(labels) + 1)]
     return {
         "name": name,
         "pattern": pattern,
@@ -352,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         shards = expand(a.shards, a.allow_pipe_urls)
         check_out(a.out, shards, a.classes, a.overwrite)
         scans = scan_shards(shards, label, a.workers)
+        for scan in scans:
+            scan.writer = writer_classes(scan.shard, label)
         bad = [s for s in scans if s.bad]
         if bad and (not a.skip_bad or len(bad) == len(scans)):
             lines = [f"BAD  {s.shard}: {s.bad}" for s in bad]
@@ -359,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(lines) + f"\nerror: {len(bad)} of {len(scans)} shards are bad; {what} (no index written)",
                   file=sys.stderr)
             return 1
-        index = build_index(scans, a.out, label, a.name or a.out.stem, " ".join(a.shards), class_names)
+        index = build_index(scans, a.out, label, a.name or a.out.stem, " ".join(a.shards), class_names,
+                            str(a.classes))
     except (IndexingError, InputError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

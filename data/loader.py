@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from data.faults import ERROR_KINDS, CorruptDataError, padded, verify_hint
+from data.faults import ERROR_KINDS, CorruptDataError, big_image_hint, padded, verify_hint
 from data.image_modes import CONVERTED_KINDS
 from data.reshard import ReaderLayout, consumed
 from data.shard_index import ShardSet, check_split
@@ -231,6 +231,8 @@ class ShardLoader:
                     f"{k.removeprefix('data_skipped_')} {v}" for k, v in counters.items()
                     if k.startswith("data_skipped_") and v) + "). Fix or rewrite the shards (data/write_shards.py; "
                 f"--skip_bad leaves unreadable files out), or raise data.max_bad_fraction (1.0 disables this check). "
+                + big_image_hint({k.removeprefix("data_skipped_") for k, v in counters.items()
+                                  if k.startswith("data_skipped_") and v})
                 + verify_hint(self.shards.index))
 
     def delivered(self) -> int:

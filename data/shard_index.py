@@ -184,8 +184,9 @@ def _shard_file(index: Path, entry: str, allow_pipe_urls: bool) -> Path | PipeSh
     return index.parent / entry
 
 
-CLASS_LIST_FIX = ("give both the same class list in the same order (data.write_shards imagenet --classes_from the "
-                  "training index; imagefolder: the same class sub-folders; data.index_shards --classes NAMES.txt)")
+CLASS_LIST_FIX = ("give both the same class list in the same order: write the test shards with the training index's "
+                  "classes (python -m data.write_shards imagefolder|imagenet ... --classes_from TRAIN_INDEX.json), or "
+                  "for shards of other writers index both with one --classes NAMES.txt (python -m data.index_shards)")
 
 
 def check_scored_against(test: ShardSet, train: ShardSet, test_option: str, train_option: str) -> None:

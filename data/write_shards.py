@@ -1,6 +1,7 @@
 """Write webdataset .tar shards with an index, with N worker processes.
 
     python -m data.write_shards imagefolder SRC_DIR OUT_DIR --name train [--samples_per_shard 1000]
+    python -m data.write_shards imagefolder VAL_DIR OUT_DIR --name val --classes_from OUT_DIR/train.json
     python -m data.write_shards imagenet ROOT OUT_DIR [--split train|val|both] [--val_labels LOC_val_solution.csv]
     python -m data.write_shards fashion-mnist OUT_DIR [--src IDX_DIR]
 
@@ -14,8 +15,10 @@ fixed seed before sharding, so every shard mixes classes. Shards are named
 `--workers N` processes (default: every core of this process's CPU affinity) each read, check and
 write whole shards, given the already shuffled order; tar members carry a fixed mtime, user and
 mode, so the shards and the index are byte-identical for the same input and seed whatever N.
-Shards are written under temporary names and renamed when all are complete; the index comes last,
-also under a temporary name. Refused before anything is read or written: an output folder that is,
+Shards are written under temporary names (`.<name>-000000.tar.tmp<pid>`, the writer's process id)
+and renamed when all are complete; the index comes last, also under a temporary name. A write of
+`<name>` first removes, and counts, the temporary files of `<name>` that writers no longer running
+(killed) left behind. Refused before anything is read or written: an output folder that is,
 lies inside or holds the input folder (symbolic links resolved), an index that would replace an
 input file (--classes_from; Fashion-MNIST's idx files have names no output has), and without
 --overwrite an output folder that holds the index or shards of a name the command writes (with
@@ -33,7 +36,10 @@ the order timm and torchvision use (ImageFolder sorts folder names), so labels a
 ImageNet-1k class indices.
 
 Bad input is never silently dropped: a missing directory or an empty class folder is an error,
-and files that cannot be read or decoded as images are counted and listed; the writer halts
+files that are not written (names of no image format, dangling links, files beside the class
+folders) are counted by reason in the "left out" line (links to folders are followed, as
+torchvision's ImageFolder follows them), and files that cannot be read or decoded as images are
+counted and listed; the writer halts
 unless `--skip_bad` is given, in which case the index records them.
 """
 from __future__ import annotations
@@ -51,6 +57,7 @@ import random
 import re
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +70,7 @@ from data.fashion_mnist import CACHE, find_or_download
 from data.faults import Tally
 from data.folders import unwritable
 from data.image_modes import conversion_kind
-from data.outputs import clashing_input, written_whole
+from data.outputs import clashing_input, temporary_name, written_whole
 from data.progress import mapped
 from data.image_datasets import (
     FASHION_MNIST_CLASSES,
@@ -72,9 +79,11 @@ from data.image_datasets import (
     ImageFile,
     Sample,
     ShardError,
+    class_list_of,
     fashion_mnist_samples,
     imagenet_classes,
     imagenet_val,
+    left_out_summary,
     list_imagefolder,
 )
 
@@ -91,10 +100,17 @@ def encode_image_file(path: Path) -> tuple[bytes, str]:
     """Read a file and check that it decodes; JPEG/PNG bytes are kept as they are, other formats
     (TIFF, BMP, WebP, ...) stored as PNG."""
     data = path.read_bytes()
-    try:
-        opened = Image.open(io.BytesIO(data))
-    except UnidentifiedImageError:  # its message would name the in-memory buffer, not the file
-        raise UnidentifiedImageError("not an image: no format PIL reads recognises its bytes") from None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", Image.DecompressionBombWarning)
+        try:
+            opened = Image.open(io.BytesIO(data))
+        except UnidentifiedImageError:  # its message would name the in-memory buffer, not the file
+            raise UnidentifiedImageError("not an image: no format PIL reads recognises its bytes") from None
+    for w in caught:
+        if issubclass(w.category, Image.DecompressionBombWarning):
+            warn_big_image(path, opened.size)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     with opened as img:
         img.load()  # full decode: truncated files fail here, not at training time
         fmt = img.format
@@ -111,6 +127,17 @@ def encode_image_file(path: Path) -> tuple[bytes, str]:
         buf = io.BytesIO()
         img.save(buf, format="PNG")
         return buf.getvalue(), "png"
+
+
+def warn_big_image(path: Path, size: tuple[int, int]) -> None:
+    """PIL's DecompressionBombWarning names neither the file nor what to do: an image over
+    Image.MAX_IMAGE_PIXELS (and under twice it, which is refused) is written, and training skips it
+    as a decompression_bomb unless data.max_image_pixels is raised."""
+    pixels = size[0] * size[1]
+    print(f"warning: {path} is {size[0]} x {size[1]} = {pixels} pixels, over the limit of "
+          f"{Image.MAX_IMAGE_PIXELS} pixels (data.max_image_pixels' default): it is written, but training skips it "
+          f"as a decompression_bomb unless you pass --data.max_image_pixels {pixels} or more (and python -m "
+          f"data.verify --max_image_pixels {pixels}); if it is not a valid image, remove it", file=sys.stderr)
 
 
 @dataclass
@@ -154,11 +181,13 @@ def check_input_folder(folder: Path | None, what: str, expected: str) -> None:
         raise ShardError(f"{what} {folder} is {kind}: give {expected}")
 
 
-def check_outputs(out: Path, names: list[str], folders: list[Path], files: list[Path], overwrite: bool) -> None:
+def check_outputs(out: Path, names: list[str], folders: list[Path], files: list[Path], overwrite: bool,
+                  other_name: bool = False) -> None:
     """Before any file is read or written: the output folder is not an input folder, does not lie
     inside one (the shards would join the images: a class folder of their own next time) and holds
     none (symbolic links resolved); no index written is an input file (e.g. --classes_from); shards
-    or an index of the same names are replaced only with `overwrite`."""
+    or an index of the same names are replaced only with `overwrite`. `other_name`: the subcommand
+    takes --name (imagefolder), which the refusal then offers too."""
     for folder in folders:
         if (clash := clashing_input(out, [folder])) is not None:
             raise ShardError(f"output folder {out} {clash[1]} the input folder {folder}: the shards would be written "
@@ -173,13 +202,14 @@ def check_outputs(out: Path, names: list[str], folders: list[Path], files: list[
     held = sorted(p.name for name in names for p in written_by(out, name))
     if held and not overwrite:
         raise ShardError(f"output folder {out} holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''} already: "
-                         f"pass --overwrite to replace them, or give another output folder or --name")
+                         f"pass --overwrite to replace them, or give another output folder"
+                         f"{' or --name' if other_name else ''}")
 
 
 def planned_inputs(args: argparse.Namespace) -> tuple[list[str], list[Path], list[Path]]:
     """(the names of the shard sets the command writes, its input folders, its input files)."""
     if args.kind == "imagefolder":
-        return [args.name], [args.src], []
+        return [args.name], [args.src], [args.classes_from] if args.classes_from is not None else []
     if args.kind == "imagenet":
         names = [n for n in ("train", "val") if args.split in (n, "both")]
         return names, [args.root], [f for f in (args.val_labels, args.classes_from) if f is not None]
@@ -192,6 +222,34 @@ def written_by(out: Path, name: str) -> list[Path]:
         return []
     return [p for p in out.iterdir() if p.name == f"{name}.json" or SHARD_NAME.fullmatch(p.name) and
             p.name.rsplit("-", 1)[0] == name]
+
+
+def orphan_temporaries(out: Path, name: str) -> list[Path]:
+    """Temporary files of shard set `name` (`.<name>-000000.tar.tmp<pid>`, `.<name>.json.tmp<pid>`) whose
+    writer no longer runs: a killed write leaves them, and no later write of other shards would."""
+    pattern = re.compile(rf"\.{re.escape(name)}(-\d{{6}}\.tar|\.json)\.tmp(\d*)")
+    found = [(p, m) for p in out.iterdir() if (m := pattern.fullmatch(p.name))] if out.is_dir() else []
+    return sorted(p for p, m in found if not m[2] or not process_alive(int(m[2])))  # no pid: an older writer's
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, run by another user
+        return True
+    return True
+
+
+def remove_orphan_temporaries(out: Path, name: str) -> None:
+    """Before writing `name`: the temporary files killed writers of `name` left in `out` are removed, and counted."""
+    orphans = orphan_temporaries(out, name)
+    for p in orphans:
+        p.unlink(missing_ok=True)
+    if orphans:
+        print(f"removed {len(orphans)} temporary file(s) of {name!r} left in {out} by writers that no longer run "
+              f"(interrupted writes), e.g. {orphans[0].name}", file=sys.stderr)
 
 
 def default_workers() -> int:
@@ -214,7 +272,8 @@ def write_shards(samples: list[Sample | ImageFile], out_dir: Path, name: str, cl
     random.Random(seed).shuffle(order)
     # the shards' contents are fixed here, before any worker starts: the output cannot depend on their number
     chunks = [order[k : k + samples_per_shard] for k in range(0, len(order), samples_per_shard)]
-    jobs = [ShardJob(out_dir / f".{name}-{s:06d}.tar.tmp", [(f"{name}_{i:08d}", samples[i]) for i in ids])
+    remove_orphan_temporaries(out_dir, name)
+    jobs = [ShardJob(temporary_name(out_dir / f"{name}-{s:06d}.tar"), [(f"{name}_{i:08d}", samples[i]) for i in ids])
             for s, ids in enumerate(chunks)]
     workers = min(workers, len(jobs))
     try:
@@ -263,6 +322,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     folder.add_argument("src", type=Path, help="the image folder: one sub-folder per class")
     folder.add_argument("out", type=Path, help="output folder of the shards and their <name>.json index")
     folder.add_argument("--name", default="train", help="shard and index name (default %(default)s)")
+    folder.add_argument("--classes_from", type=Path, default=None,
+                        help="the class list, so labels mean what they mean there: a shard index (e.g. the training "
+                             "split's train.json) or an image folder (its sorted sub-folders); every class folder of "
+                             "SRC must be in it (default: SRC's sorted sub-folders)")
     imagenet = sub.add_parser("imagenet", help="ImageNet: train/<wnid>/, val/<wnid>/ or val/ + LOC_val_solution.csv")
     imagenet.add_argument("root", type=Path, help="the folder holding train/ and val/ (Kaggle: ILSVRC/Data/CLS-LOC)")
     imagenet.add_argument("out", type=Path, help="output folder of train.json / val.json and their shards")
@@ -307,17 +370,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         else:
             check_input_folder(args.src, "--src", "the folder of the four idx files")
         check_output_folder(args.out)
-        check_outputs(args.out, *planned_inputs(args), args.overwrite)
-        ignored: list[Path] = []
+        check_outputs(args.out, *planned_inputs(args), args.overwrite, other_name=args.kind == "imagefolder")
+        left_out: dict[str, list[Path]] = {}
         if args.kind == "imagefolder":
-            classes, files = list_imagefolder(args.src, ignored=ignored)
+            given = class_list_of(args.classes_from) if args.classes_from is not None else None
+            classes, files = list_imagefolder(args.src, given, left_out)
             indexes.append(write_shards(files, args.out, args.name, classes, skip_bad=args.skip_bad, **opts))
         elif args.kind == "imagenet":
             classes = imagenet_classes(args.root, args.classes_from)
             # val is listed (its labels checked) first: a val/ that cannot be labelled fails before train is written
-            val = imagenet_val(args.root / "val", classes, args.val_labels, args.root) if args.split != "train" else []
+            val = imagenet_val(args.root / "val", classes, args.val_labels, args.root, left_out) \
+                if args.split != "train" else []
             if args.split != "val":
-                train = list_imagefolder(args.root / "train", classes, ignored)[1]
+                train = list_imagefolder(args.root / "train", classes, left_out)[1]
                 indexes.append(write_shards(train, args.out, "train", classes, skip_bad=args.skip_bad, **opts))
             if val:
                 indexes.append(write_shards(val, args.out, "val", classes, skip_bad=args.skip_bad, **opts))
@@ -332,9 +397,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for idx in indexes:
         print(f"{idx['name']}: {idx['num_samples']} samples in {len(idx['shards'])} shards ({idx['pattern']}), "
               f"{idx['rejected']['count']} rejected")
-    if ignored:
-        print(f"{len(ignored)} file(s) left out, their names being no image format's, e.g. "
-              f"{', '.join(str(f) for f in ignored[:3])}")
+    if left_out:
+        print(left_out_summary(left_out))
     total = sum(idx["num_samples"] + idx["rejected"]["count"] for idx in indexes)
     print(f"{total} samples read and written in {seconds:.1f} s ({total / seconds:.0f}/s, {workers} worker(s))")
     return indexes

@@ -485,3 +485,21 @@ def test_a_jpeg_libjpeg_turbo_refuses_is_decoded_by_pil_or_counted_never_a_trace
     batch = next(loader)
     assert sorted(batch["label"].tolist()) == [0, 1, 2] and batch["image"].shape == (3, 3, 16, 16)
     assert loader.counters()["data_skipped_undecodable_image"] == 1
+
+
+def test_halting_on_decompression_bombs_names_the_pixel_limit(rgb_shards):
+    """Images over data.max_image_pixels are often valid large photos: the reader's and the loader's
+    give-up messages name the option that keeps them, besides rewriting the shards."""
+    budget = BadSampleBudget(0.1, min_total=1, reader="rank 0 worker 0")
+    with pytest.raises(CorruptDataError, match=r"decompression_bomb samples are images over data.max_image_pixels"
+                                               r".*--data.max_image_pixels N") as e:
+        budget.seen("a.tar")
+        budget.skip("a.tar", "decompression_bomb")
+    assert "Fix or rewrite these shards" in str(e.value)
+    loader = ShardLoader(ShardSet.from_index(rgb_shards), 8, batch_size=1, seed=0, rank=0, world=1, num_workers=0,
+                         shuffle_buffer=1, max_bad_fraction=0.1)
+    with pytest.raises(CorruptDataError, match=r"by kind: decompression_bomb 2\).*--data.max_image_pixels N"):
+        loader.check_unusable({"data_skipped_decompression_bomb": 2, "data_skipped_undecodable_image": 0})
+    with pytest.raises(CorruptDataError) as e:  # other kinds: no word of the pixel limit
+        loader.check_unusable({"data_skipped_decompression_bomb": 0, "data_skipped_undecodable_image": 2})
+    assert "max_image_pixels" not in str(e.value)

@@ -7,8 +7,12 @@ import pytest
 from conftest import write_idx
 
 from data.image_datasets import (
+    DANGLING_LINK,
+    NOT_AN_IMAGE_NAME,
+    OUTSIDE_CLASS_FOLDERS,
     ImageFile,
     ShardError,
+    left_out_summary,
     list_imagefolder,
     read_idx,
     read_loc_val_solution,
@@ -60,3 +64,27 @@ def test_loc_val_solution_maps_image_ids_to_their_first_wnid(tmp_path):
     csv.write_text("id,label\nx,n01751748\n")
     with pytest.raises(ShardError, match="expected the columns ImageId,PredictionString"):
         read_loc_val_solution(csv)
+
+
+def test_links_to_folders_are_followed_and_every_file_left_out_is_counted_by_reason(image_folder, tmp_path):
+    """As torchvision's ImageFolder (os.walk(followlinks=True)): images in a linked sub-folder of a
+    class are listed (a link back up is not followed twice); dangling links, non-image names and
+    files beside the class folders are left out, each under its reason."""
+    elsewhere = tmp_path / "more_dogs"
+    elsewhere.mkdir()
+    (elsewhere / "m.png").write_bytes(b"checked later")
+    (image_folder / "dog" / "linked").symlink_to(elsewhere)
+    (image_folder / "dog" / "loop").symlink_to(image_folder / "dog")  # a cycle: listed once
+    (image_folder / "cat" / "gone.jpg").symlink_to(tmp_path / "nothing.jpg")
+    (image_folder / "cat" / "notes.txt").write_text("x")
+    (image_folder / "stray.jpg").write_bytes(b"")
+    left_out = {}
+    classes, files = list_imagefolder(image_folder, left_out=left_out)
+    assert classes == ["cat", "dog", "eel"] and len(files) == 25
+    assert ImageFile(image_folder / "dog" / "linked" / "m.png", 1) in files
+    assert left_out == {OUTSIDE_CLASS_FOLDERS: [image_folder / "stray.jpg"],
+                        DANGLING_LINK: [image_folder / "cat" / "gone.jpg"],
+                        NOT_AN_IMAGE_NAME: [image_folder / "cat" / "notes.txt"]}
+    line = left_out_summary(left_out)
+    assert line.startswith("1 file(s) left out, lying beside the class folders, in none of them, e.g. ")
+    assert f"; 1 file(s) left out, being symbolic links to nothing, e.g. {image_folder / 'cat' / 'gone.jpg'};" in line

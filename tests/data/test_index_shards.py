@@ -259,3 +259,31 @@ def test_an_out_file_of_json_nested_too_deep_is_not_taken_for_an_index_of_ours(t
     rc = main([str(tmp_path / "wds"), "--out", str(out)])
     assert rc == 2 and "exists already: pass --overwrite to replace it" in capsys.readouterr().err
     assert out.read_text().startswith("[[[")
+
+
+def test_class_names_that_do_not_fit_the_writers_class_list_are_refused(image_folder, tmp_path, capsys):
+    """Shards data.write_shards wrote from a val folder without `dog` hold eel as label 1 (its own
+    class list cat, eel): train's names (cat, dog, eel) would call every eel a dog. Refused, naming the
+    fix; without --classes the writer's names are taken; shards written with train's list index with it."""
+    import shutil
+
+    from data.write_shards import main as write_shards
+
+    val = tmp_path / "val_folder"
+    for c in ("cat", "eel"):
+        shutil.copytree(image_folder / c, val / c)
+    shards = tmp_path / "val_shards"
+    write_shards(["imagefolder", str(val), str(shards), "--name", "val", "--samples_per_shard", "4"])
+    (tmp_path / "names.txt").write_text("cat\ndog\neel\n")
+    assert main([str(shards), "--out", str(tmp_path / "val2.json"), "--classes", str(tmp_path / "names.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "wrote its label 1 as class 'eel'" in err and "--classes line 2 names 'dog'" in err
+    assert f"(the classes of {shards / 'val.json'})" in err and "--classes_from TRAIN_INDEX.json" in err
+    assert not (tmp_path / "val2.json").exists()
+    rc, idx = index(str(shards), "--out", str(tmp_path / "val3.json"))
+    assert rc == 0 and idx["classes"] == ["cat", "eel"] and idx["labels_seen"] == [0, 1]
+    write_shards(["imagefolder", str(image_folder), str(tmp_path / "train_shards")])
+    write_shards(["imagefolder", str(val), str(shards), "--name", "val", "--overwrite",
+                  "--classes_from", str(tmp_path / "train_shards" / "train.json")])
+    rc, idx = index(str(shards), "--out", str(tmp_path / "val4.json"), "--classes", str(tmp_path / "names.txt"))
+    assert rc == 0 and idx["classes"] == ["cat", "dog", "eel"] and idx["labels_seen"] == [0, 2]

@@ -328,3 +328,112 @@ def test_a_class_list_that_is_not_text_is_refused_in_one_line(image_folder, tmp_
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and "names.txt cannot be read as text (UnicodeDecodeError" in err
     assert not (tmp_path / "i.json").exists()
+
+
+def _copy_without(folder, tmp_path, missing: str):
+    """`folder`'s class folders but `missing`: a held-out split lacking one class."""
+    import shutil
+
+    val = tmp_path / "val_folder"
+    for c in (p for p in folder.iterdir() if p.name != missing):
+        shutil.copytree(c, val / c.name)
+    return val
+
+
+def test_imagefolder_classes_from_the_training_index_keeps_its_labels(image_folder, tmp_path, capsys):
+    """A val folder without `dog` (between cat and eel), written with the training index's class list:
+    eel keeps label 2, as in training, instead of moving up to 1; the index names train's classes."""
+    [train] = write_shards(["imagefolder", str(image_folder), str(tmp_path / "out")])
+    val = _copy_without(image_folder, tmp_path, "dog")
+    [index] = write_shards(["imagefolder", str(val), str(tmp_path / "out"), "--name", "val",
+                            "--classes_from", str(tmp_path / "out" / "train.json")])
+    assert index["classes"] == train["classes"] == ["cat", "dog", "eel"]
+    samples, shards = _read_back(tmp_path / "out" / "val.json")
+    # the pixel value says the class: 0..35 cat, 100..135 eel
+    assert sorted({(label, int(np.asarray(img.convert("L"))[0, 0]) // 50) for img, label in samples}) == [(0, 0),
+                                                                                                       (2, 2)]
+    from data.shard_index import check_scored_against
+    check_scored_against(shards, ShardSet.from_index(tmp_path / "out" / "train.json"), "--val", "--train")
+    (val / "fox").mkdir()  # a class the list lacks has no label
+    write_jpeg(val / "fox" / "f.jpg", 9)
+    with pytest.raises(SystemExit) as e:
+        write_shards(["imagefolder", str(val), str(tmp_path / "out2"), "--name", "val",
+                      "--classes_from", str(tmp_path / "out" / "train.json")])
+    assert e.value.code == 2 and "not among the 3 classes given" in capsys.readouterr().err
+
+
+def test_the_refusal_of_a_class_list_that_does_not_fit_suggests_a_fix_that_exists(image_folder, tmp_path):
+    """evaluate's refusal (check_scored_against) offers --classes_from, which both writers take."""
+    from data.shard_index import ShardIndexError, check_scored_against
+
+    write_shards(["imagefolder", str(image_folder), str(tmp_path / "out")])
+    write_shards(["imagefolder", str(_copy_without(image_folder, tmp_path, "dog")), str(tmp_path / "out"), "--name",
+                  "val"])
+    with pytest.raises(ShardIndexError, match=r"label 1 is class 'eel' .* data.write_shards imagefolder\|imagenet "
+                                              r"\.\.\. --classes_from TRAIN_INDEX.json"):
+        check_scored_against(ShardSet.from_index(tmp_path / "out" / "val.json"),
+                             ShardSet.from_index(tmp_path / "out" / "train.json"), "--val", "--train")
+
+
+def test_files_in_linked_folders_are_written_and_files_left_out_counted_by_reason(image_folder, tmp_path, capsys):
+    elsewhere = tmp_path / "more_dogs"
+    write_jpeg(elsewhere / "m.jpg", 60)
+    (image_folder / "dog" / "linked").symlink_to(elsewhere)
+    (image_folder / "cat" / "gone.jpg").symlink_to(tmp_path / "nothing.jpg")
+    (image_folder / "stray.jpg").write_bytes(b"")
+    [index] = write_shards(["imagefolder", str(image_folder), str(tmp_path / "out")])
+    assert index["num_samples"] == 25 and index["rejected"]["count"] == 0
+    out = capsys.readouterr().out
+    stray, gone = image_folder / "stray.jpg", image_folder / "cat" / "gone.jpg"
+    assert f"1 file(s) left out, lying beside the class folders, in none of them, e.g. {stray}" in out
+    assert f"1 file(s) left out, being symbolic links to nothing, e.g. {gone}" in out
+
+
+def test_temporary_shards_carry_the_pid_and_orphans_of_dead_writers_are_removed(image_folder, tmp_path, capsys,
+                                                                                 monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    import data.write_shards as ws
+
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    orphans = [out / f".train-000003.tar.tmp{dead}", out / ".train-000001.tar.tmp", out / f".train.json.tmp{dead}"]
+    kept = [out / f".train-000000.tar.tmp{os.getppid()}", out / f".val-000000.tar.tmp{dead}", out / "x.tar.tmp"]
+    for p in orphans + kept:
+        p.write_bytes(b"half a shard")
+    paths = []
+    real = ws.write_one_shard
+    monkeypatch.setattr(ws, "write_one_shard", lambda job: paths.append(job.path.name) or real(job))
+    write_shards(["imagefolder", str(image_folder), str(out), "--samples_per_shard", "10", "--workers", "1"])
+    assert paths == [f".train-{s:06d}.tar.tmp{os.getpid()}" for s in range(3)]
+    assert "removed 3 temporary file(s) of 'train'" in capsys.readouterr().err
+    assert not any(p.exists() for p in orphans) and all(p.exists() for p in kept)
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and p.name != "x.tar.tmp") == [
+        "train-000000.tar", "train-000001.tar", "train-000002.tar", "train.json"]
+
+
+def test_the_output_clash_offers_only_the_subcommands_own_options(image_folder, tmp_path, capsys):
+    fake_imagenet(tmp_path / "in")
+    write_shards(["imagenet", str(tmp_path / "in"), str(tmp_path / "out")])
+    with pytest.raises(SystemExit):
+        write_shards(["imagenet", str(tmp_path / "in"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "pass --overwrite to replace them, or give another output folder" in err and "--name" not in err
+    write_shards(["imagefolder", str(image_folder), str(tmp_path / "out2")])
+    with pytest.raises(SystemExit):
+        write_shards(["imagefolder", str(image_folder), str(tmp_path / "out2")])
+    assert "give another output folder or --name" in capsys.readouterr().err
+
+
+def test_an_image_over_pils_pixel_limit_is_named_with_the_limit_and_how_to_raise_it(image_folder, tmp_path, capsys):
+    """Between Image.MAX_IMAGE_PIXELS and twice it PIL only warns, naming no file: the writer names it."""
+    (image_folder / "dog" / "big.png").write_bytes(_png_header(10_000, 10_000))  # 1e8 pixels, no pixel data
+    write_shards(["imagefolder", str(image_folder), str(tmp_path / "out"), "--skip_bad", "--workers", "1"])
+    err = capsys.readouterr().err
+    assert f"warning: {image_folder / 'dog' / 'big.png'} is 10000 x 10000 = 100000000 pixels, over the limit of " \
+           f"89478485 pixels" in err and "--data.max_image_pixels 100000000" in err
+    assert "DecompressionBombWarning" not in err
