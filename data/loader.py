@@ -230,7 +230,7 @@ class ShardLoader:
                 f"{self.max_bad_fraction:g} (by kind: " + ", ".join(
                     f"{k.removeprefix('data_skipped_')} {v}" for k, v in counters.items()
                     if k.startswith("data_skipped_") and v) + "). Fix or rewrite the shards (data/write_shards.py; "
-                f"--skip_bad leaves unreadable files out), or raise data.max_bad_fraction (1.0 disables this check). "
+                "--skip_bad leaves unreadable files out), or raise data.max_bad_fraction (1.0 disables this check). "
                 + big_image_hint({k.removeprefix("data_skipped_") for k, v in counters.items()
                                   if k.startswith("data_skipped_") and v})
                 + verify_hint(self.shards.index))
