@@ -70,3 +70,25 @@ def test_did_you_mean():
     assert did_you_mean("--wolrd_size", names) == "--world_size"
     assert did_you_mean("--hlep", names) == "--help"
     assert did_you_mean("--steps", names) is None
+
+
+def test_did_you_mean_treats_dashes_and_underscores_alike():
+    # --dry_run is --dry-run spelt with '_': that, not a name one letter away
+    assert did_you_mean("--dry_run", ["--dry-run", "--dry_rus"]) == "--dry-run"
+    # however many '-' for '_': still the same name
+    assert did_you_mean("--x-y-z-w", ["--x_y_z_w"]) == "--x_y_z_w"
+
+
+def test_an_accepted_abbreviation_gets_no_suggestion_beside_a_misspelt_option(capsys):
+    """--check is argparse's abbreviation of --checkpoint: only --fromat is named as unknown."""
+    assert refusal(parser(), ["--check", "x", "--fromat", "timm"], capsys) == \
+        "error: unrecognized arguments: --fromat timm; did you mean --format? (--help lists the options)"
+
+
+def test_words_after_a_bare_double_dash_get_no_suggestion(capsys):
+    """After `--` every word is a positional value: --overwite there is no misspelt option."""
+    p = parser()
+    p.add_argument("rest", nargs="*")
+    assert refusal(p, ["--checkpoint", "x", "--format", "tim", "--", "--overwite"], capsys) == \
+        "error: argument --format: invalid choice: 'tim' (choose from 'timm', 'transformers') (--help lists the " \
+        "options)"

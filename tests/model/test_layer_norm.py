@@ -111,6 +111,16 @@ def test_inside_norms_as_on_cuda_the_cpu_takes_nn_layer_norms_own_kernel():
     assert any(e.name == "aten::_to_copy" for e in prof.events())
 
 
+
+def test_a_block_of_norms_as_on_cuda_that_raises_restores_the_fp32_path():
+    """A census step that fails inside the block must not leave every later CPU run on the 16-bit path."""
+    from model.layer_norm import norms_as_on_cuda
+
+    with pytest.raises(RuntimeError, match="a step failed"), norms_as_on_cuda():
+        assert not LayerNorm.cpu_in_fp32
+        raise RuntimeError("a step failed")
+    assert LayerNorm.cpu_in_fp32
+
 def test_off_the_cpu_a_16_bit_input_takes_nn_layer_norms_own_op():
     """A device other than the CPU (the meta device standing in for CUDA) runs aten's layer norm on
     the bf16 input itself: no cast in, no cast out."""

@@ -207,3 +207,20 @@ def test_a_default_output_of_another_step_is_replaced_only_with_overwrite(fp32_r
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
     assert export_main([*argv, "--overwrite"]) == weights
     assert json.loads((run / default).read_text())["step"] == 2
+
+
+def test_an_empty_transformers_folder_is_no_earlier_export_and_is_written_into_without_overwrite(tmp_path):
+    """An empty transformers_<tag>/ (made by hand, or by mkdir -p) holds nobody's result: the export
+    goes ahead unasked, while the same folder holding files of no recorded step is refused."""
+    from train.config.errors import ConfigError
+    from train.export import check_same_step
+
+    tag = tmp_path / "checkpoints" / "step00000010"
+    tag.mkdir(parents=True)
+    (tag / "complete.json").write_text(json.dumps({"step": 10}))
+    out = tmp_path / "transformers_step00000010"
+    out.mkdir()
+    check_same_step(out, tag, folder=True)
+    (out / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="an export of no recorded step"):
+        check_same_step(out, tag, folder=True)

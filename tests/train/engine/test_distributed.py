@@ -58,6 +58,16 @@ def test_a_local_rank_past_the_visible_gpus_is_refused_in_one_line(monkeypatch):
     assert "at most 2 ranks per node" in message
 
 
+
+def test_a_local_rank_equal_to_the_visible_gpu_count_is_refused(monkeypatch):
+    """Ordinals run 0..n-1: with 4 GPUs visible, LOCAL_RANK 4 is a fifth rank on the node, no cuda:4."""
+    from train.config.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(ConfigError, match="LOCAL_RANK 4 has no GPU of its own"):
+        distributed.cuda_device_index(4)
+
 def test_init_puts_a_rank_bound_to_one_gpu_on_cuda_0(monkeypatch):
     """srun with --gpus-per-task / --gpu-bind: rank 5 of 8 sees one GPU; it used to ask for cuda:5."""
     for key, value in {"RANK": "5", "LOCAL_RANK": "5", "WORLD_SIZE": "8", "CUDA_VISIBLE_DEVICES": "5"}.items():

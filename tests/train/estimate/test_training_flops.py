@@ -65,6 +65,9 @@ def test_a_frozen_encoder_counts_its_forward_once_and_keeps_no_activations():
     assert prof.train_flops == pytest.approx(prof.frozen_flops + 3 * head)
     one_block = max(4 * c.batch * c.tokens * (8 * c.dim + 2 * c.hidden) for c in prof.blocks)  # fp32, no T x T kept
     assert prof.activation_bytes(4) == pytest.approx(one_block + 4 * prof.other_values)
+    # what trains outside the blocks and keeps values for backward: the head's logits alone (the
+    # BatchNorm before it has no weights; the patch embedding runs without autograd)
+    assert prof.other_values == MICRO * cfg.linprobe.num_classes
 
 
 @pytest.mark.parametrize("method", ["mae", "mlomae", "energy"])
@@ -87,3 +90,17 @@ def test_mlomaes_hook_is_averaged_over_its_period():
     every_other = parse_args(["--ds_config", str(CPU_DS), *PRESETS["mlomae"], "--mlomae.level1_steps", "2"])
     assert optimizer_step_flops(every_other, MICRO, 1)["after_step"] == pytest.approx(
         optimizer_step_flops(every_step, MICRO, 1)["after_step"] / 2, rel=0.05)
+
+
+@pytest.mark.parametrize("method", ["mae", "energy"])
+def test_an_optimizer_steps_training_flops_grow_with_its_micro_batches(method):
+    """Four accumulated micro-batches are four micro-batches' forward and backward: the modelled
+    count (MAE) four times one micro-batch's, the counted one (energy) the counted step of four."""
+    cfg = debug_cfg(method)
+    _, prof = profile_config(cfg, resolve(cfg, 1)[0], MICRO, fused_kernels=True)
+    if OBJECTIVES[cfg.objective][1].counted_flops:
+        one = optimizer_step_flops(cfg, MICRO, 1)
+        expected = 4 * (one["forward"] + one["backward"]) + one["after_step"]  # the hook runs once per step
+        assert training_flops(cfg, prof, MICRO, 4) == pytest.approx(expected)
+    else:
+        assert training_flops(cfg, prof, MICRO, 4) == pytest.approx(4 * prof.train_flops)

@@ -4,7 +4,8 @@ treated as the malformed files they are."""
 import json
 import logging
 
-from train.run.folder import Reporter, foreign_config, metric_rows, never_trained, other_run
+from train.run.folder import (Reporter, check_run_folder, foreign_config, metric_rows, never_trained, other_run,
+                              set_aside_unsaved_attempt)
 
 DEEP_LINE = "[" * 100_000 + "]" * 100_000
 
@@ -143,3 +144,40 @@ def test_an_evaluation_line_shows_counts_as_integers(tmp_path, capsys):
     said = capsys.readouterr()
     assert ("step 4: eval_top1 75.00, eval_top5 100.00, eval_samples 10000, eval_listed 10000, "
             "eval_skipped_undecodable_image 2") in said.out + said.err
+
+
+def test_a_start_that_died_before_logging_keeps_the_earlier_attempts_records(tmp_path):
+    """The second start died before its first logged step: the folder holds its config.json and the
+    first attempt's records in earlier_attempts/1/, no metrics.jsonl and no checkpoint. The next
+    start's folder check must not clear the folder as a never-trained one: the kept records survive."""
+    config = {"seed": 0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    kept = tmp_path / "earlier_attempts" / "1"
+    kept.mkdir(parents=True)
+    (kept / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.3}) + "\n")
+    assert not never_trained(tmp_path, [])
+    check_run_folder(tmp_path, config, None, overwrite=False)
+    assert _logged_steps(kept / "metrics.jsonl") == [1]
+
+
+def test_a_metrics_file_holding_only_a_line_cut_short_is_set_aside_at_a_start_from_0(tmp_path):
+    """An attempt killed while writing its first line left half a record and its TensorBoard events:
+    no whole step logged, yet the events are an attempt's records, kept aside rather than mixed
+    with the new run's."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.3')
+    (tmp_path / "tb").mkdir()
+    (tmp_path / "tb" / "events.out").write_text("x")
+    Reporter(tmp_path, start_step=0, stop_step=10, tensorboard=False, progress=False).close()
+    kept = tmp_path / "earlier_attempts" / "1"
+    assert (kept / "tb" / "events.out").read_text() == "x" and not (tmp_path / "tb").exists()
+    assert (kept / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.3'
+
+
+def test_an_attempt_is_kept_after_the_highest_numbered_one_when_earlier_ones_were_deleted(tmp_path):
+    """earlier_attempts/1 was deleted by hand and 2 kept: the next attempt goes to 3, next to 2,
+    not into a number already taken."""
+    (tmp_path / "earlier_attempts" / "2").mkdir(parents=True)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.3}) + "\n")
+    kept = set_aside_unsaved_attempt(tmp_path, [{"step": 1}])
+    assert kept == tmp_path / "earlier_attempts" / "3"
+    assert _logged_steps(kept / "metrics.jsonl") == [1]
