@@ -112,11 +112,8 @@ def writer_classes(shard: Path | PipeShard, label: LabelKey) -> WriterClasses | 
     if match is None or label != LabelKey():
         return None
     path = shard.parent / f"{match[1]}.json"
-    try:
-        index = json.loads(path.read_text()) if is_regular(path) else None
-    except (OSError, ValueError, RecursionError):
-        return None
-    if not isinstance(index, dict) or OWN_KEYS & set(index):
+    index = index_at(path)
+    if index is None or OWN_KEYS & set(index):
         return None
     classes, entries = index.get("classes"), index.get("shards")
     if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes) or not isinstance(entries, list):
@@ -125,12 +122,16 @@ def writer_classes(shard: Path | PipeShard, label: LabelKey) -> WriterClasses | 
     return WriterClasses(path, tuple(classes)) if listed else None
 
 
-def is_regular(path: Path) -> bool:
-    """A regular file (a FIFO is never opened)."""
+def index_at(path: Path) -> dict | None:
+    """The JSON object in the regular file `path`, or None (no such file, not a regular one: a FIFO is
+    never opened, unreadable, not JSON, nested too deep, not an object)."""
     try:
-        return stat.S_ISREG(path.stat().st_mode)
-    except OSError:
-        return False
+        if not stat.S_ISREG(path.stat().st_mode):
+            return None
+        index = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return index if isinstance(index, dict) else None
 
 
 def check_writer_classes(scans: list[ShardScan], class_names: list[str], classes_file: str) -> None:
@@ -376,13 +377,8 @@ def check_out(out: Path, shards: list[Path | PipeShard], classes: Path | None, o
 def is_our_index(path: Path) -> bool:
     """Whether `path` is a regular file holding an index this indexer wrote (its own keys, which
     data/write_shards.py's indexes lack)."""
-    try:
-        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO is never opened
-            return False
-        index = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deep
-        return False
-    return isinstance(index, dict) and OWN_KEYS <= set(index)
+    index = index_at(path)
+    return index is not None and OWN_KEYS <= set(index)
 
 
 def summary(index: dict, out: Path) -> str:

@@ -56,6 +56,7 @@ from train.weights.export import (  # noqa: F401  (also what scripts import from
     export_checkpoint,
     export_transformers,
     find_checkpoint,
+    in_run_folder,
     load_timm_encoder,
     pretrained_state,
     timm_loading,
@@ -69,12 +70,6 @@ def default_output(checkpoint: str, tag_dir: Path, transformers: bool) -> Path:
     checkpoint never replaces the run's final encoder."""
     tag = f"_{tag_dir.name}" if Path(checkpoint).resolve() == tag_dir.resolve() else ""
     return tag_dir.parent.parent / (f"transformers{tag}" if transformers else f"encoder{tag}.safetensors")
-
-
-def in_run_folder(tag_dir: Path) -> bool:
-    """The tag is one of a run folder's (<run>/checkpoints/<tag> beside the run's config.json), whose
-    default export names are the run's own (check_outputs judges it the same way)."""
-    return tag_dir.parent.name == "checkpoints" and (tag_dir.parent.parent / "config.json").is_file()
 
 
 MAX_DESCRIPTION_BYTES = 1 << 20  # an export's encoder.json / README.md is a few KiB: a larger file is not one

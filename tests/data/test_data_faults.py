@@ -1,8 +1,8 @@
 """Faults in training shards: bad samples skipped and counted by kind, odd image modes converted,
-the corrupt-fraction limit, empty or unsafe shard indexes (data/faults.py, data/shards.py, data/shard_index.py)."""
+empty or unsafe shard indexes (data/faults.py, data/shards.py, data/shard_index.py); the
+corrupt-fraction limit that ends a run: test_corrupt_fraction.py."""
 import io
 import json
-import re
 import subprocess
 import sys
 import warnings
@@ -16,7 +16,7 @@ from PIL import Image
 from wds_shards import write_tar as write_members
 
 from data.device_decode import DeviceDecoder, EncodedCropTransform
-from data.faults import ERROR_KINDS, BadSampleBudget, CorruptDataError, SampleError, ShardIndexError, Tally
+from data.faults import ERROR_KINDS, CorruptDataError, SampleError, ShardIndexError
 from data.loader import ShardLoader
 from data.shard_index import PipeShard, ShardSet
 from data.shards import ShardStream, open_sample, raw_samples
@@ -297,100 +297,6 @@ def test_verify_never_reads_a_member_claiming_gigabytes_either(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "2 ['oversized_member']", proc.stdout
 
-def test_budget_rule():
-    budget = BadSampleBudget(0.25, min_total=4, reader="rank 0 worker 0")
-    budget.seen("a.tar")
-    budget.skip("a.tar", "undecodable_image")  # 1 of 1, but fewer than min_total examined
-    for _ in range(3):
-        budget.seen("b.tar")  # 1 of 4 = 0.25: not above the limit
-    with pytest.raises(CorruptDataError, match=r"a\.tar: 1 of 1 samples skipped \(undecodable_image 1\)"):
-        budget.lose("c.tar", 1)  # 2 of 5
-    never = BadSampleBudget(1.0, min_total=1, reader="r")
-    never.lose("c.tar", 10)
-    never.seen("c.tar")
-    never.skip("c.tar", "empty_image")  # everything bad: 1.0 never gives up
-
-
-def test_a_reader_of_exactly_min_total_samples_gives_up_at_its_last():
-    # a reader whose whole stream is min_total samples, all bad: the rule applies from min_total on,
-    # else such a reader would never give up
-    budget = BadSampleBudget(0.1, min_total=10, reader="rank 0")
-    for _ in range(9):
-        budget.seen("s.tar")
-        budget.skip("s.tar", "undecodable_image")
-    assert (budget.total, budget.bad) == (9, 9)
-    with pytest.raises(CorruptDataError):
-        budget.seen("s.tar")
-        budget.skip("s.tar", "undecodable_image")
-
-
-def test_merged_tallies_count_past_the_examples_kept():
-    shard = Tally()
-    for i in range(25):
-        shard.add(f"f{i}", "bad")
-    total = Tally()
-    total.merge(Tally())
-    total.merge(shard)
-    assert total.count == 25 and total.examples == [f"f{i}: bad" for i in range(Tally.MAX_EXAMPLES)]
-
-
-@pytest.fixture
-def one_bad_shard(tmp_path, request) -> tuple[Path, str]:
-    """4 shards of 4 samples; one of them garbage images or a garbage file."""
-    shards = image_shards(tmp_path, 3, 4)
-    if request.param == "images":
-        write_tar(tmp_path / "bad.tar", [(f"b{k}", {"jpg": b"\xff\xd8garbage", "cls": b"0"}) for k in range(4)])
-    else:
-        (tmp_path / "bad.tar").write_bytes(b"this is not a tar file" * 100)
-    return write_index(tmp_path, {**shards, "bad.tar": 4}), str(tmp_path / "bad.tar")
-
-
-@pytest.mark.parametrize("one_bad_shard", ["images", "tar"], indirect=True)
-@pytest.mark.parametrize("workers", [0, 1])
-def test_a_corrupt_shard_ends_training_and_is_named(one_bad_shard, workers):
-    index, bad = one_bad_shard
-    loader = ShardLoader(ShardSet.from_index(index), 8, batch_size=2, seed=0, rank=0, world=1, num_workers=workers,
-                         shuffle_buffer=3, max_bad_fraction=0.1)
-    with pytest.raises(CorruptDataError, match=re.escape(bad)) as e:  # in the main process, with its message
-        for _ in range(20):
-            next(loader)
-    assert "data.max_bad_fraction" in str(e.value) and "rewrite" in str(e.value)
-
-
-@pytest.mark.parametrize("one_bad_shard", ["images", "tar"], indirect=True)
-def test_a_workers_corrupt_data_error_reaches_the_training_process_without_its_traceback(one_bad_shard):
-    index, bad = one_bad_shard
-    loader = ShardLoader(ShardSet.from_index(index), 8, batch_size=2, seed=0, rank=0, world=1, num_workers=1,
-                         shuffle_buffer=3, max_bad_fraction=0.1)
-    with pytest.raises(CorruptDataError) as e:
-        for _ in range(20):
-            next(loader)
-    message = str(e.value)
-    assert message.startswith("data reader rank 0 worker 0: ") and "Traceback" not in message, message
-    assert bad in message and f"python -m data.verify {index}" in message
-
-
-@pytest.mark.parametrize("one_bad_shard", ["tar"], indirect=True)
-def test_the_process_exits_with_an_error_instead_of_waiting_for_its_workers(one_bad_shard):
-    # Workers ignore SIGTERM (preemption is the training process's to handle), which used to make
-    # a process that ended with a live loader wait for them forever.
-    code = ("import sys; from data.loader import ShardLoader; from data.shards import ShardSet\n"
-            "loader = ShardLoader(ShardSet.from_index(sys.argv[1]), 8, 2, 0, 0, 1, 2, 3, max_bad_fraction=0.1)\n"
-            "for _ in range(20): next(loader)\n")
-    proc = subprocess.run([sys.executable, "-c", code, str(one_bad_shard[0])], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 1 and "CorruptDataError" in proc.stderr and one_bad_shard[1] in proc.stderr
-
-
-@pytest.mark.parametrize("one_bad_shard", ["images"], indirect=True)
-def test_a_corrupt_fraction_of_1_never_ends_it(one_bad_shard):
-    loader = ShardLoader(ShardSet.from_index(one_bad_shard[0]), 8, batch_size=2, seed=0, rank=0, world=1,
-                         num_workers=0, shuffle_buffer=3, max_bad_fraction=1.0)
-    for _ in range(20):  # 40 samples: more than 3 epochs of 12
-        next(loader)
-    assert loader.counters()["data_skipped_undecodable_image"] >= 12
-
-
 def test_shards_that_deliver_nothing_stop_the_stream_instead_of_waiting(tmp_path):
     (tmp_path / "bad.tar").write_bytes(b"not a tar" * 100)
     stream = ShardStream(ShardSet.from_index(write_index(tmp_path, {"bad.tar": 4})), PretrainTransform(8), 0, 0, 1, 1,
@@ -485,21 +391,3 @@ def test_a_jpeg_libjpeg_turbo_refuses_is_decoded_by_pil_or_counted_never_a_trace
     batch = next(loader)
     assert sorted(batch["label"].tolist()) == [0, 1, 2] and batch["image"].shape == (3, 3, 16, 16)
     assert loader.counters()["data_skipped_undecodable_image"] == 1
-
-
-def test_halting_on_decompression_bombs_names_the_pixel_limit(rgb_shards):
-    """Images over data.max_image_pixels are often valid large photos: the reader's and the loader's
-    give-up messages name the option that keeps them, besides rewriting the shards."""
-    budget = BadSampleBudget(0.1, min_total=1, reader="rank 0 worker 0")
-    with pytest.raises(CorruptDataError, match=r"decompression_bomb samples are images over data.max_image_pixels"
-                                               r".*--data.max_image_pixels N") as e:
-        budget.seen("a.tar")
-        budget.skip("a.tar", "decompression_bomb")
-    assert "Fix or rewrite these shards" in str(e.value)
-    loader = ShardLoader(ShardSet.from_index(rgb_shards), 8, batch_size=1, seed=0, rank=0, world=1, num_workers=0,
-                         shuffle_buffer=1, max_bad_fraction=0.1)
-    with pytest.raises(CorruptDataError, match=r"by kind: decompression_bomb 2\).*--data.max_image_pixels N"):
-        loader.check_unusable({"data_skipped_decompression_bomb": 2, "data_skipped_undecodable_image": 0})
-    with pytest.raises(CorruptDataError) as e:  # other kinds: no word of the pixel limit
-        loader.check_unusable({"data_skipped_decompression_bomb": 0, "data_skipped_undecodable_image": 2})
-    assert "max_image_pixels" not in str(e.value)

@@ -23,9 +23,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from model.objectives import OBJECTIVES, build_objective
 from train.config.options import PretrainConfig, encoder_img_size, section
 from train.config.plan import build_encoder
-from model.objectives import OBJECTIVES, build_objective
 from train.estimate.costs import Profile, example_batch
 
 PHASES = ("forward", "backward", "after_step")

@@ -208,6 +208,12 @@ def find_checkpoint(path: str, option: str) -> Path:
     return tag
 
 
+def in_run_folder(tag_dir: Path) -> bool:
+    """The tag is one of a run folder's (<run>/checkpoints/<tag> beside the run's config.json), whose
+    default export names are the run's own."""
+    return tag_dir.parent.name == "checkpoints" and (tag_dir.parent.parent / "config.json").is_file()
+
+
 def check_outputs(out: Path, default: Path, tag_dir: Path, overwrite: bool, folder: bool) -> None:
     """Before the checkpoint is read: the export's files (`out`, and for timm its .json beside it)
     can be written, are not inside the checkpoint, and replace no existing file unless --overwrite.
@@ -227,8 +233,7 @@ def check_outputs(out: Path, default: Path, tag_dir: Path, overwrite: bool, fold
         if problem := unwritable_file(out):
             raise ConfigError(f"--out {out} {problem}")
         outputs = [out, out.with_suffix(".json")]
-    in_run_folder = tag_dir.parent.name == "checkpoints" and (tag_dir.parent.parent / "config.json").is_file()
-    owned = in_run_folder and out.resolve() == default.resolve()
+    owned = in_run_folder(tag_dir) and out.resolve() == default.resolve()
     for path in outputs:
         check_output(path, [tag_dir], overwrite or owned, "--out" if path == out else "the description beside --out")
         if folder and tag_dir.resolve().is_relative_to(path.resolve()):
